@@ -1,0 +1,30 @@
+# Two entry points: `make demo` (a real 2-slot training with its time-cost report) and `make test`.
+# Both create .venv on first use and install dtrain with our pinned versions (constraints.txt).
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+SLOTS ?= 2
+
+.PHONY: demo test lint venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip -c constraints.txt
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/dtrain run examples/digits/experiment.yaml --slots $(SLOTS)
+
+test: $(STAMP)
+	$(BIN)/python -m ruff check src tests bench examples
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/python -m ruff check src tests bench examples
+
+clean:
+	rm -rf $(VENV) runs build src/*.egg-info

@@ -1,0 +1,116 @@
+"""``dtrain`` command line. Bad input: one line on stderr, exit code 2, no traceback (``--debug`` shows it)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import NoReturn
+
+from dtrain.errors import UserError
+
+PROG = "dtrain"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, exit 2, as for every other bad input
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description="Synchronous data-parallel PyTorch training on N slots.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and the agent's own logs")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    run = sub.add_parser("run", help="train an experiment config on N slots")
+    run.add_argument("config", type=Path, help="experiment YAML")
+    run.add_argument("--slots", type=_positive_int, help="override resources.slots_per_trial")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config key, e.g. --set hyperparameters.lr=0.1 (repeatable)")
+    run.add_argument("--run-dir", type=Path, help="run directory (default runs/<name>-<timestamp>)")
+    run.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
+    run.add_argument("--quiet", action="store_true", help="no progress bar or per-report lines")
+
+    launch = sub.add_parser("launch", help="run your own training script on N slots (like torchrun)")
+    launch.add_argument("--slots", type=_positive_int, required=True)
+    launch.add_argument("--max-restarts", type=int, default=0)
+    launch.add_argument("script", help="Python script that calls dtrain.init()")
+    launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except UserError as exc:
+        if args.debug:
+            raise
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "run":
+        return cmd_run(args)
+    if args.command == "launch":
+        return cmd_launch(args)
+    raise AssertionError(args.command)  # argparse only lets known commands through
+
+
+# ------------------------------------------------------------------------------------------------- run
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from dtrain import runs  # keeps `dtrain --help` fast: torch is imported only when needed
+
+    overrides = list(args.overrides)
+    if args.slots is not None:
+        overrides.append(f"resources.slots_per_trial={args.slots}")
+    plan = runs.prepare(args.config, overrides, run_dir=args.run_dir, resume=args.resume)
+    print(f"{PROG}: run directory {plan.run_dir}", flush=True)
+    start = time.perf_counter()
+    failure = runs.execute(plan, quiet=args.quiet, debug=args.debug)
+    if failure is not None:
+        if failure.user_error:
+            raise UserError(failure.message)
+        print(f"{PROG}: error: worker rank {failure.rank} failed: {failure.message}", file=sys.stderr)
+        print(f"{PROG}: full log: {plan.run_dir / 'logs' / f'rank{failure.rank}.log'}; "
+              f"resume with: dtrain run {args.config} --resume {plan.run_dir}", file=sys.stderr)
+        return 1
+    runs.print_summary(plan.run_dir, time.perf_counter() - start)
+    return 0
+
+
+def cmd_launch(args: argparse.Namespace) -> int:
+    from dtrain.launch import LaunchOptions, launch
+
+    script = Path(args.script)
+    if not script.is_file():
+        raise UserError(f"script {str(script)!r} does not exist; pass the path of a Python training script")
+    if args.max_restarts < 0:
+        raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    failure = launch([str(script), *args.args],
+                     LaunchOptions(slots=args.slots, max_restarts=args.max_restarts, debug=args.debug))
+    if failure is not None:
+        print(f"{PROG}: error: worker rank {failure.rank} failed: {failure.message}", file=sys.stderr)
+        return failure.exit_code if failure.user_error else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Typed experiment config: the single source of truth for a run.
+
+The YAML vocabulary follows Determined's experiment config. Everything below is validated once, in the
+launcher, before any worker starts; workers re-read the resolved ``config.yaml`` from the run directory.
+``global_batch_size`` lives in ``hyperparameters``, as in Determined.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dtrain.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class Length(_Strict):
+    """A training length or period: exactly one of ``batches`` or ``epochs``."""
+
+    batches: int | None = Field(default=None, ge=1)
+    epochs: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Length:
+        if (self.batches is None) == (self.epochs is None):
+            raise ValueError("give exactly one of 'batches' or 'epochs', e.g. {batches: 100}")
+        return self
+
+    def to_batches(self, batches_per_epoch: int) -> int:
+        """Length in global batches, given how many global batches one epoch holds."""
+        return self.batches if self.batches is not None else self.epochs * batches_per_epoch  # type: ignore[operator]
+
+
+class Resources(_Strict):
+    slots_per_trial: int = Field(default=1, ge=1)
+    # Collective timeout: torch's default is 30 minutes, far too long to notice a stuck peer.
+    collective_timeout_seconds: float = Field(default=300.0, gt=0)
+
+
+class CheckpointStorage(_Strict):
+    # Relative paths are resolved against the run directory.
+    path: str = "checkpoints"
+    save_trial_latest: int = Field(default=2, ge=1)
+
+
+class Optimizations(_Strict):
+    """Determined's ``optimizations`` section, with its defaults."""
+
+    aggregation_frequency: int = Field(default=1, ge=1)
+    average_aggregated_gradients: bool = True
+    average_training_metrics: bool = True
+    gradient_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    tensor_fusion_threshold: float = Field(default=64.0, ge=0)
+    auto_tune_tensor_fusion: bool = False
+
+    @model_validator(mode="after")
+    def _only_implemented(self) -> Optimizations:
+        defaults = Optimizations.model_construct()
+        pending = [
+            name
+            for name in ("aggregation_frequency", "average_aggregated_gradients", "gradient_compression",
+                         "tensor_fusion_threshold", "auto_tune_tensor_fusion")
+            if getattr(self, name) != getattr(defaults, name)
+        ]
+        if pending:
+            raise ValueError(
+                f"{pending[0]} = {getattr(self, pending[0])!r} is not supported yet in this "
+                f"release; remove it (default {getattr(defaults, pending[0])!r})"
+            )
+        return self
+
+
+class ExperimentConfig(_Strict):
+    """A whole experiment. Field names and meanings follow Determined where it has one."""
+
+    name: str = "experiment"
+    entrypoint: str
+    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+    resources: Resources = Field(default_factory=Resources)
+    max_length: Length
+    min_validation_period: Length | None = None
+    min_checkpoint_period: Length | None = None
+    # How often (in batches) training metrics are reduced and reported.
+    scheduling_unit: int = Field(default=100, ge=1)
+    checkpoint_storage: CheckpointStorage = Field(default_factory=CheckpointStorage)
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    max_restarts: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0)
+    optimizations: Optimizations = Field(default_factory=Optimizations)
+    # Folder the entrypoint module is imported from; set from the config file's location.
+    code_dir: str = "."
+
+    @model_validator(mode="after")
+    def _check(self) -> ExperimentConfig:
+        if ":" not in self.entrypoint or not all(self.entrypoint.split(":", 1)):
+            raise ValueError(f"expected 'module:TrialClass', e.g. 'model_def:DigitsTrial', got {self.entrypoint!r}")
+        gbs = self.hyperparameters.get("global_batch_size")
+        if gbs is None:
+            raise ValueError("hyperparameters.global_batch_size is required (an integer >= 1)")
+        if isinstance(gbs, bool) or not isinstance(gbs, int) or gbs < 1:
+            raise ValueError(f"hyperparameters.global_batch_size must be an integer >= 1, got {gbs!r}")
+        return self
+
+    @property
+    def global_batch_size(self) -> int:
+        return int(self.hyperparameters["global_batch_size"])
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Read, override and validate an experiment config; raise :class:`ConfigError` with one clear line."""
+    path = Path(path)
+    raw = _read_yaml(path)
+    for item in overrides or []:
+        apply_override(raw, item)
+    raw.setdefault("code_dir", str(path.resolve().parent))
+    return config_from_dict(raw, source=str(path))
+
+
+def config_from_dict(raw: dict[str, Any], source: str = "config") -> ExperimentConfig:
+    """Validate a plain mapping (as read from YAML) into an :class:`ExperimentConfig`."""
+    _reject_unknown_keys(raw, ExperimentConfig, prefix="", source=source)
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, source)) from None
+
+
+def dump_config(config: ExperimentConfig, path: Path) -> None:
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False))
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist; pass the path of an experiment YAML file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: malformed YAML{where}: {problem}; fix the syntax") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config {str(path)!r}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: expected a mapping of config keys at the top level, got {type(data).__name__}; "
+            "start the file with keys such as 'entrypoint:'"
+        )
+    return data
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Apply one ``--set a.b=value`` override; the value is parsed as YAML (so ``4`` is an int)."""
+    key, sep, text = item.partition("=")
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"--set expects KEY=VALUE with a dotted key, e.g. resources.slots_per_trial=2; got {item!r}")
+    try:
+        value = yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {item!r}: {part!r} is a {type(child).__name__}, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _reject_unknown_keys(data: Any, model: type[BaseModel], prefix: str, source: str) -> None:
+    """Unknown keys are errors with a did-you-mean (pydantic alone gives no suggestion)."""
+    if not isinstance(data, dict):
+        return
+    fields = model.model_fields
+    for key, value in data.items():
+        path = f"{prefix}{key}"
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            hint = f"did you mean '{prefix}{close[0]}'?" if close else f"valid keys here: {', '.join(fields)}"
+            raise ConfigError(f"{source}: unknown key '{path}'; {hint}")
+        sub = _submodel(fields[key].annotation)
+        if sub is not None:
+            _reject_unknown_keys(value, sub, prefix=f"{path}.", source=source)
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    candidates = getattr(annotation, "__args__", None) or (annotation,)
+    for candidate in candidates:
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
+
+
+def _describe(exc: ValidationError, source: str) -> str:
+    """One line: the full field path, the value received, what was expected."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        return f"{source}: required key '{loc}' is missing; add it to the config"
+    expected = msg.removeprefix("Input should be ")
+    if expected.startswith(("greater", "less")):
+        expected = f"a value {expected}"
+    received = err.get("input")
+    if isinstance(received, dict) or err["type"].startswith("value_error"):
+        return f"{source}: {loc + ': ' if loc else ''}{msg}"
+    return (f"{source}: {loc}: got {received!r} ({type(received).__name__}); expected {expected}"
+            f"; fix it in the config or with --set {loc}=...")

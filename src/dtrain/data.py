@@ -1,0 +1,129 @@
+"""Sharding data across slots: batch split, samplers and loaders.
+
+Training uses torch's DistributedSampler: with the same seed and epoch every rank draws the same
+permutation and takes every N-th index, so the union of the N per-slot batches at step i is exactly the
+global batch a single slot would see at step i. That is what makes 1 x B and N x B/N give equal weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from dtrain.errors import DataError
+
+log = logging.getLogger(__name__)
+
+
+def per_slot_batch_size(global_batch_size: int, slots: int) -> int:
+    """global // slots; the remainder is dropped with a warning; fewer records than slots is an error."""
+    if global_batch_size < slots:
+        raise DataError(
+            f"global_batch_size {global_batch_size} is smaller than slots_per_trial {slots}: every slot needs "
+            f"at least one record; raise hyperparameters.global_batch_size to >= {slots} or use fewer slots"
+        )
+    per_slot = global_batch_size // slots
+    if global_batch_size % slots:
+        log.warning(
+            "global_batch_size %d is not divisible by %d slots: each slot gets %d records, so the effective "
+            "global batch is %d (%d dropped per step); use a multiple of %d to avoid this",
+            global_batch_size, slots, per_slot, per_slot * slots, global_batch_size % slots, slots,
+        )
+    return per_slot
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """DistributedSampler that can start mid-epoch.
+
+    Exact resume needs "the same permutation, minus the batches already trained". torch's sampler has no
+    such offset (torchdata's StatefulDataLoader does, but is an extra dependency for one integer).
+    """
+
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+        self.start_index = 0
+
+    def set_start(self, epoch: int, samples_to_skip: int) -> None:
+        self.set_epoch(epoch)
+        self.start_index = samples_to_skip
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        return iter(indices[self.start_index :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start_index
+
+
+class ShardSampler(Sampler[int]):
+    """Every record exactly once across ranks, in order, shards possibly uneven.
+
+    DistributedSampler pads the last shard with repeated records, which would count them twice in
+    validation metrics.
+    """
+
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int) -> None:
+        self.indices = list(range(rank, len(dataset), num_replicas))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+def _check_size(dataset: Any, what: str, minimum: int, hint: str) -> int:
+    try:
+        size = len(dataset)
+    except TypeError:
+        raise DataError(f"the {what} data must be a map-style Dataset with __len__, got {type(dataset).__name__}")
+    if size < minimum:
+        raise DataError(f"the {what} data has {size} records, fewer than {minimum}: {hint}")
+    return size
+
+
+def train_loader(
+    dataset: Dataset, per_slot: int, rank: int, world_size: int, seed: int, num_workers: int = 0
+) -> tuple[DataLoader, ResumableDistributedSampler]:
+    """Shuffled, sharded, full batches only (a short last batch would break 1-vs-N equivalence)."""
+    global_batch = per_slot * world_size
+    _check_size(dataset, "training", global_batch,
+                f"one global batch needs {global_batch}; lower hyperparameters.global_batch_size")
+    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)  # type: ignore[arg-type]
+    loader = DataLoader(dataset, batch_size=per_slot, sampler=sampler, drop_last=True, num_workers=num_workers)
+    return loader, sampler
+
+
+def eval_loader(dataset: Dataset, per_slot: int, rank: int, world_size: int, num_workers: int = 0) -> DataLoader:
+    _check_size(dataset, "validation", world_size, f"every one of the {world_size} slots needs at least one")
+    sampler = ShardSampler(dataset, num_replicas=world_size, rank=rank)  # type: ignore[arg-type]
+    return DataLoader(dataset, batch_size=per_slot, sampler=sampler, num_workers=num_workers)
+
+
+def batches_per_epoch(dataset: Sized, global_batch: int) -> int:
+    return len(dataset) // global_batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """Number of records in a batch (first tensor's leading dimension)."""
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0])
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_size_of(batch[0])
+    if isinstance(batch, dict) and batch:
+        return batch_size_of(next(iter(batch.values())))
+    raise DataError(f"cannot tell the batch size of a {type(batch).__name__}; return tensors, tuples or dicts")
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch

@@ -1,0 +1,39 @@
+"""``ddp``: PyTorch DistributedDataParallel, bucketed all-reduce overlapped with backward."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from dtrain.sync.base import SyncStrategy
+
+
+class DDPStrategy(SyncStrategy):
+    name = "ddp"
+
+    def __init__(self, device, bucket_cap_mb: float) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(device)
+        # optimizations.tensor_fusion_threshold is DDP's bucket size: gradients are fused into buckets of
+        # this many MB and each bucket is all-reduced as one message while backward continues.
+        self.bucket_cap_mb = bucket_cap_mb
+
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        # DDP broadcasts rank 0's parameters and buffers at construction, so replicas start identical
+        # even if a trial forgot to seed its initialisation.
+        return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, DistributedDataParallel) else model
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        if isinstance(model, DistributedDataParallel):
+            with model.no_sync():
+                yield
+        else:
+            yield

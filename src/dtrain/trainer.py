@@ -1,0 +1,191 @@
+"""The step loop: what a run does, in order, on every slot."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from dtrain import data
+from dtrain.config import ExperimentConfig
+from dtrain.context import TrialContext
+from dtrain.metrics import MeanAccumulator, MetricsWriter, truncate_metrics
+from dtrain.progress import ProgressReporter
+from dtrain.trial import PyTorchTrial, load_trial_class
+
+log = logging.getLogger(__name__)
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def run_trial(config: ExperimentConfig, run_dir: Path, resume_from: Path | None, quiet: bool) -> dict[str, Any]:
+    """Build the trial on this slot, restore if asked, train to ``max_length``; returns the summary."""
+    seed_everything(config.seed)  # identical initial weights on every slot (and DDP broadcasts rank 0's)
+    context = TrialContext(config)
+    try:
+        trial = load_trial_class(config.entrypoint, config.code_dir)(context)
+        # Stochastic layers (dropout) must differ between slots, as they would between samples of one batch.
+        seed_everything(config.seed + 7919 * context.rank)
+        trainer = Trainer(context, trial, config, run_dir, quiet)
+        if resume_from is not None:
+            trainer.restore(resume_from)
+        return trainer.fit()
+    finally:
+        context.close()
+
+
+class Trainer:
+    def __init__(self, context: TrialContext, trial: PyTorchTrial, config: ExperimentConfig, run_dir: Path,
+                 quiet: bool) -> None:
+        self.ctx, self.trial, self.config, self.run_dir = context, trial, config, run_dir
+        self.per_slot = context.get_per_slot_batch_size()
+        self.global_batch = context.get_global_batch_size()
+        train_set = trial.build_training_data()
+        self.loader, self.sampler = data.train_loader(train_set, self.per_slot, context.rank, context.world_size,
+                                                      config.seed)
+        val_set = trial.build_validation_data()
+        self.val_loader = (data.eval_loader(val_set, self.per_slot, context.rank, context.world_size)
+                           if val_set is not None else None)
+        self.batches_per_epoch = data.batches_per_epoch(train_set, self.global_batch)
+        self.total_batches = config.max_length.to_batches(self.batches_per_epoch)
+        self.val_every = self._period(config.min_validation_period)
+        self.ckpt_every = self._period(config.min_checkpoint_period)
+        self.ckpt_root = run_dir / config.checkpoint_storage.path
+        self.batches = 0
+        self.train_metrics = MeanAccumulator()
+        self.last_validation: dict[str, float] = {}
+        self.validation_seconds = self.checkpoint_seconds = 0.0
+        self._iterator: Any = None
+        self.writer = MetricsWriter(run_dir) if context.is_chief else None
+        self.progress = ProgressReporter(self.total_batches, 0, context.is_chief, quiet)
+
+    def _period(self, length: Any) -> int | None:
+        return length.to_batches(self.batches_per_epoch) if length is not None else None
+
+    # ---------------------------------------------------------------------------------------- loop
+    def fit(self) -> dict[str, Any]:
+        start = time.perf_counter()
+        last_val = last_ckpt = -1
+        while self.batches < self.total_batches:
+            self._train_step()
+            if self.batches % self.config.scheduling_unit == 0 or self.batches == self.total_batches:
+                self._report_training()
+            if self.val_every and self.batches % self.val_every == 0:
+                self._validate()
+                last_val = self.batches
+            if self.ckpt_every and self.batches % self.ckpt_every == 0:
+                self._checkpoint()
+                last_ckpt = self.batches
+        if self.val_loader is not None and last_val != self.batches:
+            self._validate()
+        if last_ckpt != self.batches:
+            self._checkpoint()  # a final checkpoint is always written
+        return self._finish(time.perf_counter() - start)
+
+    def _train_step(self) -> None:
+        epoch, position = divmod(self.batches, self.batches_per_epoch)
+        if position == 0 or self._iterator is None:
+            # Same seeded permutation on every slot; on resume, skip what was already trained.
+            self.sampler.set_start(epoch, position * self.per_slot)
+            self._iterator = iter(self.loader)
+        timer = self.ctx.timer
+        timer.start_step()
+        batch = self.ctx.to_device(next(self._iterator))
+        timer.lap("data")
+        metrics = self.trial.train_batch(batch, epoch, self.batches)
+        timer.end_step()
+        self.train_metrics.add(metrics)
+        self.batches += 1
+        self.progress.advance(self.batches)
+
+    def _report_training(self) -> None:
+        if self.config.optimizations.average_training_metrics:
+            means = self.train_metrics.global_means()  # collective: every slot contributes
+        elif self.ctx.is_chief:
+            means = self.train_metrics.local_means()  # chief's own, no communication
+        else:
+            means = {}
+        self.train_metrics.reset()
+        if self.writer is not None:
+            speed = self.samples_per_second()
+            epoch = (self.batches - 1) // self.batches_per_epoch
+            self.writer.write("training", self.batches, epoch, means, samples_per_second=speed)
+            self.progress.report("training", self.batches, epoch, means, speed)
+
+    def _validate(self) -> None:
+        if self.val_loader is None:
+            return
+        start = time.perf_counter()
+        for model in self.ctx.models:
+            model.eval()
+        acc = MeanAccumulator()
+        with torch.no_grad():
+            for i, batch in enumerate(self.val_loader):
+                metrics = self.trial.evaluate_batch(self.ctx.to_device(batch), i)
+                acc.add(metrics, weight=data.batch_size_of(batch))  # exact: sums over records, not mean of means
+        for model in self.ctx.models:
+            model.train()
+        self.last_validation = acc.global_means()
+        self.validation_seconds += time.perf_counter() - start
+        if self.writer is not None:
+            epoch = (self.batches - 1) // self.batches_per_epoch
+            self.writer.write("validation", self.batches, epoch, self.last_validation)
+            self.progress.report("validation", self.batches, epoch, self.last_validation, None)
+
+    # --------------------------------------------------------------------------------- checkpoints
+    def _checkpoint(self) -> None:
+        start = time.perf_counter()
+        self.ctx.save_checkpoint(
+            self.ckpt_root, self.batches, extra={"batches": self.batches},
+            keep_last=self.config.checkpoint_storage.save_trial_latest,
+            rank_extra={"train_metrics": self.train_metrics.state_dict()},
+        )
+        self.checkpoint_seconds += time.perf_counter() - start
+
+    def restore(self, path: Path) -> None:
+        loaded = self.ctx.restore(path)
+        self.batches = int(loaded.trainer_state["extra"]["batches"])
+        if loaded.rank_state is not None and loaded.metadata.get("world_size") == self.ctx.world_size:
+            self.train_metrics.load_state_dict(loaded.rank_state["extra"]["train_metrics"])
+        if self.writer is not None:
+            truncate_metrics(self.writer.path, self.batches)
+        self.progress.advance(self.batches)
+        if self.ctx.is_chief:
+            log.info("resumed from %s at batch %d", loaded.path, self.batches)
+
+    # -------------------------------------------------------------------------------------- summary
+    def samples_per_second(self) -> float:
+        seconds = self.ctx.timer.step_seconds
+        return self.ctx.timer.steps * self.global_batch / seconds if seconds else 0.0
+
+    def _finish(self, wall_seconds: float) -> dict[str, Any]:
+        self.progress.close()
+        summary = {
+            "batches": self.batches,
+            "epochs": self.batches / self.batches_per_epoch,
+            "slots": self.ctx.world_size,
+            "global_batch_size": self.global_batch,
+            "per_slot_batch_size": self.per_slot,
+            "samples_per_second": self.samples_per_second(),
+            "steps_timed": self.ctx.timer.steps,
+            "train_seconds": self.ctx.timer.step_seconds,
+            "validation_seconds": self.validation_seconds,
+            "checkpoint_seconds": self.checkpoint_seconds,
+            "wall_seconds": wall_seconds,
+            "step_breakdown_seconds": self.ctx.timer.per_step(),
+            "validation": self.last_validation,
+        }
+        if self.writer is not None:
+            self.writer.close()
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary

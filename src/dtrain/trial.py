@@ -1,0 +1,65 @@
+"""The Trial API, in the spirit of Determined's PyTorchTrial."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from abc import ABC, abstractmethod
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from dtrain.context import TrialContext
+from dtrain.errors import ConfigError
+
+
+class PyTorchTrial(ABC):
+    """Subclass this, name it in ``entrypoint``, and dtrain runs it on N slots.
+
+    Build models and optimizers in ``__init__`` through ``context.wrap_model`` / ``wrap_optimizer``;
+    return Datasets (dtrain shards and batches them with the per-slot batch size); in ``train_batch`` call
+    ``context.backward(loss)`` and ``context.step_optimizer(opt)`` and return metrics.
+    """
+
+    def __init__(self, context: TrialContext) -> None:
+        self.context = context
+
+    @abstractmethod
+    def build_training_data(self) -> Dataset:
+        """The training records. Batches reach ``train_batch`` already on the slot's device."""
+
+    def build_validation_data(self) -> Dataset | None:
+        """The validation records, or None for no validation."""
+        return None
+
+    @abstractmethod
+    def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
+        """One training step on this slot's share of the global batch; returns scalar metrics."""
+
+    def evaluate_batch(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        """Metrics for one validation batch, as means over its records (dtrain weights them exactly)."""
+        raise NotImplementedError("override evaluate_batch to validate")
+
+
+def load_trial_class(entrypoint: str, code_dir: str) -> type[PyTorchTrial]:
+    """Import ``module:Class`` from ``code_dir`` and check that it is a PyTorchTrial."""
+    module_name, _, class_name = entrypoint.partition(":")
+    if code_dir not in sys.path:
+        sys.path.insert(0, code_dir)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"entrypoint {entrypoint!r}: cannot import module {exc.name!r} from {code_dir}; "
+                          "check the module name and that the file sits beside the config") from None
+    except Exception as exc:  # the user's module raised while importing
+        raise ConfigError(f"entrypoint {entrypoint!r}: importing {module_name!r} failed with "
+                          f"{type(exc).__name__}: {exc}") from None
+    cls = getattr(module, class_name, None)
+    if cls is None:
+        names = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, PyTorchTrial)
+                 and v is not PyTorchTrial]
+        raise ConfigError(f"entrypoint {entrypoint!r}: module {module_name!r} has no {class_name!r}"
+                          f"{'; Trials there: ' + ', '.join(names) if names else ''}")
+    if not (isinstance(cls, type) and issubclass(cls, PyTorchTrial)):
+        raise ConfigError(f"entrypoint {entrypoint!r}: {class_name} is not a subclass of dtrain.PyTorchTrial")
+    return cls

@@ -1,0 +1,76 @@
+"""What each slot runs: ``python -m dtrain.worker --run-dir DIR``, started by torch's elastic agent."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from dtrain import checkpoint
+from dtrain.config import load_config
+from dtrain.dist import DistEnv, read_env
+from dtrain.errors import UserError
+from dtrain.trainer import run_trial
+
+log = logging.getLogger("dtrain")
+USER_ERROR_FILE = "user_error.rank{rank}.json"
+
+
+def setup_logging(run_dir: Path, env: DistEnv, quiet: bool) -> None:
+    """Every rank logs to ``logs/rank<r>.log``; the chief also to the console (warnings only if quiet)."""
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    fmt = logging.Formatter(f"%(asctime)s [rank {env.rank}] %(levelname)s %(name)s: %(message)s")
+    file_handler = logging.FileHandler(logs / f"rank{env.rank}.log")
+    file_handler.setFormatter(fmt)
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter(f"[rank {env.rank}] %(levelname)s: %(message)s"))
+    console.setLevel(logging.INFO if env.is_chief and not quiet else logging.WARNING)
+    if not env.is_chief:
+        console.setLevel(logging.ERROR)  # the launcher reports a failing rank's root cause itself
+    root = logging.getLogger()
+    root.handlers[:] = [file_handler, console]
+    root.setLevel(logging.INFO)
+
+
+def resume_point(run_dir: Path, ckpt_path: str, resume_from: Path | None, env: DistEnv) -> Path | None:
+    """After an elastic restart, continue from this run's newest checkpoint; else from ``--resume-from``."""
+    if env.restart_count > 0:
+        own = checkpoint.latest(run_dir / ckpt_path)
+        if own is not None:
+            log.warning("restart %d: resuming from %s", env.restart_count, own)
+            return own
+    return resume_from
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dtrain.worker")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--resume-from", type=Path)
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    env = read_env()
+    setup_logging(args.run_dir, env, args.quiet)
+    try:
+        config = load_config(args.run_dir / "config.yaml")
+        resume = resume_point(args.run_dir, config.checkpoint_storage.path, args.resume_from, env)
+        run_trial(config, args.run_dir, resume, args.quiet)
+    except UserError as exc:
+        # Bad input found inside a worker (e.g. the trial's data): hand the one-line message to the launcher,
+        # which prints it and exits 2, instead of a traceback per rank.
+        log.error("%s", exc)
+        path = args.run_dir / "logs" / USER_ERROR_FILE.format(rank=env.rank)
+        path.write_text(json.dumps({"message": str(exc), "exit_code": exc.exit_code}))
+        sys.exit(exc.exit_code)
+    except Exception:
+        log.exception("worker failed")
+        raise
+
+
+if __name__ == "__main__":
+    main()
