@@ -46,10 +46,15 @@ class ResumableDistributedSampler(DistributedSampler):
     def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int) -> None:
         super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
         self.start_index = 0
+        # The DataLoader draws its workers' base seed from a generator each time an iterator is made. With
+        # the default (global) RNG, making an iterator mid-epoch on resume would shift every later random
+        # draw (dropout...). A private generator, reseeded per epoch, keeps the global stream untouched.
+        self.loader_generator = torch.Generator().manual_seed(seed)
 
     def set_start(self, epoch: int, samples_to_skip: int) -> None:
         self.set_epoch(epoch)
         self.start_index = samples_to_skip
+        self.loader_generator.manual_seed(self.seed + 1_000_003 * (epoch + 1))
 
     def __iter__(self) -> Iterator[int]:
         indices = list(super().__iter__())
@@ -94,14 +99,17 @@ def train_loader(
     _check_size(dataset, "training", global_batch,
                 f"one global batch needs {global_batch}; lower hyperparameters.global_batch_size")
     sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)  # type: ignore[arg-type]
-    loader = DataLoader(dataset, batch_size=per_slot, sampler=sampler, drop_last=True, num_workers=num_workers)
+    loader = DataLoader(dataset, batch_size=per_slot, sampler=sampler, drop_last=True, num_workers=num_workers,
+                        generator=sampler.loader_generator)
     return loader, sampler
 
 
 def eval_loader(dataset: Dataset, per_slot: int, rank: int, world_size: int, num_workers: int = 0) -> DataLoader:
     _check_size(dataset, "validation", world_size, f"every one of the {world_size} slots needs at least one")
     sampler = ShardSampler(dataset, num_replicas=world_size, rank=rank)  # type: ignore[arg-type]
-    return DataLoader(dataset, batch_size=per_slot, sampler=sampler, num_workers=num_workers)
+    # Own generator: validation must not consume the training RNG stream (see ResumableDistributedSampler).
+    return DataLoader(dataset, batch_size=per_slot, sampler=sampler, num_workers=num_workers,
+                      generator=torch.Generator().manual_seed(rank))
 
 
 def batches_per_epoch(dataset: Sized, global_batch: int) -> int:

@@ -18,15 +18,16 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from dtrain.worker import USER_ERROR_FILE
+from dtrain.worker import ERROR_FILE
 
 
 @dataclass(frozen=True)
 class LaunchOptions:
     slots: int
     max_restarts: int = 0
-    # Where the agent writes non-chief ranks' stdout/stderr; None leaves every rank on the console.
-    log_dir: Path | None = None
+    # A dtrain run directory: non-chief ranks' output goes to logs/agent/ there, and each rank's error
+    # report to logs/. None (``dtrain launch``) leaves every rank on the console.
+    run_dir: Path | None = None
     debug: bool = False
 
 
@@ -58,11 +59,12 @@ def launch(command: list[str], options: LaunchOptions) -> Failure | None:
     _quiet_agent(options.debug)
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(options.slots)))
     logs_specs = DefaultLogsSpecs()
-    if options.log_dir is not None:
-        options.log_dir.mkdir(parents=True, exist_ok=True)
+    if options.run_dir is not None:
+        log_dir = options.run_dir / "logs" / "agent"
+        log_dir.mkdir(parents=True, exist_ok=True)
         # Rank 0 keeps the terminal (for its progress bar); the others write to files.
         logs_specs = DefaultLogsSpecs(
-            log_dir=str(options.log_dir), redirects={r: Std.ALL for r in range(1, options.slots)}
+            log_dir=str(log_dir), redirects={r: Std.ALL for r in range(1, options.slots)}
         )
     config = LaunchConfig(
         min_nodes=1,
@@ -78,40 +80,51 @@ def launch(command: list[str], options: LaunchOptions) -> Failure | None:
     try:
         elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as exc:
-        return _root_cause(exc, options.log_dir.parent if options.log_dir is not None else None)
+        return _root_cause(exc, options.run_dir)
     return None
 
 
+# Errors a rank gets because *another* rank died: never the root cause when a better candidate exists.
+_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
+              "connectFullMesh")
+_AGENT_KILL = {-15, 143}  # SIGTERM: the agent stopping the survivors
+
+
 def _root_cause(exc: ChildFailedError, run_dir: Path | None) -> Failure:
+    """The failure to show: bad input first, then the earliest genuine error, then a rank that died
+    without a word (killed, os._exit), and only then the peers' "connection closed" echoes."""
+    reports = _error_reports(run_dir)
+    user = [r for r in reports if r["user_error"]]
+    if user:
+        return _from_report(min(user, key=lambda r: r["time"]))
+    primary = [r for r in reports if not any(p in r["message"] for p in _SECONDARY)]
+    if primary:
+        return _from_report(min(primary, key=lambda r: r["time"]))
+    reported = {r["rank"] for r in reports}
+    for rank, failure in sorted(exc.failures.items()):
+        if rank not in reported and failure.exitcode not in _AGENT_KILL:
+            how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
+                   else f"exited with code {failure.exitcode} without raising an exception")
+            return Failure(rank, 1, how, user_error=False)
+    if reports:
+        return _from_report(min(reports, key=lambda r: r["time"]))
     rank, failure = exc.get_first_failure()
-    if run_dir is not None:
-        user = _user_error(run_dir)
-        if user is not None:
-            return user
-    message = failure.message if isinstance(failure.message, str) else json.dumps(failure.message)
-    if not message or message == "<N/A>":
-        message = f"exited with code {failure.exitcode}"
-    callstack = ""
-    if isinstance(failure.error_file_data, dict):
-        info = failure.error_file_data.get("message", {})
-        callstack = info.get("extraInfo", {}).get("py_callstack", "") if isinstance(info, dict) else ""
-    where = _last_frame(callstack)
-    return Failure(rank, failure.exitcode or 1, message + (f" ({where})" if where else ""), user_error=False)
+    return Failure(rank, 1, f"exited with code {failure.exitcode}", user_error=False)
 
 
-def _user_error(run_dir: Path) -> Failure | None:
-    logs = run_dir / "logs"
-    found = sorted(logs.glob(USER_ERROR_FILE.format(rank="*")))
-    if not found:
-        return None
-    data = json.loads(found[0].read_text())
-    rank = int(found[0].name.split("rank")[1].split(".")[0])
-    for path in found:  # every rank usually hits the same bad input; one line is enough
-        path.unlink()
-    return Failure(rank, int(data.get("exit_code", 2)), data["message"], user_error=True)
+def _error_reports(run_dir: Path | None) -> list[dict]:
+    if run_dir is None:
+        return []
+    reports = []
+    for path in (run_dir / "logs").glob(ERROR_FILE.format(rank="*")):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except ValueError:
+            continue
+        path.unlink()  # consumed: a later attempt or resume starts clean
+    return reports
 
 
-def _last_frame(callstack: str) -> str:
-    """'File "x.py", line 12, in f' of the innermost frame of a traceback."""
-    frames = [ln.strip() for ln in callstack.splitlines() if ln.strip().startswith('File "')]
-    return frames[-1].replace('"', "") if frames else ""
+def _from_report(report: dict) -> Failure:
+    message = report["message"] + (f" (at {report['where']})" if report.get("where") else "")
+    return Failure(int(report["rank"]), int(report["exit_code"]), message, user_error=bool(report["user_error"]))

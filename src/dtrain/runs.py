@@ -98,7 +98,7 @@ def execute(plan: RunPlan, quiet: bool, debug: bool) -> Failure | None:
     if quiet:
         command.append("--quiet")
     options = LaunchOptions(slots=plan.config.resources.slots_per_trial, max_restarts=plan.config.max_restarts,
-                            log_dir=plan.run_dir / "logs" / "agent", debug=debug)
+                            run_dir=plan.run_dir, debug=debug)
     return launch(command, options)
 
 

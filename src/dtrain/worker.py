@@ -6,9 +6,9 @@ import argparse
 import json
 import logging
 import sys
+import time
+import traceback
 from pathlib import Path
-
-from torch.distributed.elastic.multiprocessing.errors import record
 
 from dtrain import checkpoint
 from dtrain.config import load_config
@@ -17,7 +17,7 @@ from dtrain.errors import UserError
 from dtrain.trainer import run_trial
 
 log = logging.getLogger("dtrain")
-USER_ERROR_FILE = "user_error.rank{rank}.json"
+ERROR_FILE = "error.rank{rank}.json"
 
 
 def setup_logging(run_dir: Path, env: DistEnv, quiet: bool) -> None:
@@ -47,7 +47,19 @@ def resume_point(run_dir: Path, ckpt_path: str, resume_from: Path | None, env: D
     return resume_from
 
 
-@record
+def _report_error(run_dir: Path, env: DistEnv, exc: BaseException, user_error: bool, exit_code: int) -> None:
+    """Leave this rank's failure for the launcher, which names the root cause in one line.
+
+    torch's ``@record`` keeps only a one-second timestamp, too coarse to tell the rank that failed first
+    from the peers that failed because of it; this file keeps a precise one and the innermost frame.
+    """
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames and not user_error else ""
+    record = {"rank": env.rank, "message": str(exc) if user_error else f"{type(exc).__name__}: {exc}",
+              "where": where, "time": time.time(), "user_error": user_error, "exit_code": exit_code}
+    (run_dir / "logs" / ERROR_FILE.format(rank=env.rank)).write_text(json.dumps(record))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dtrain.worker")
     parser.add_argument("--run-dir", type=Path, required=True)
@@ -61,15 +73,16 @@ def main(argv: list[str] | None = None) -> None:
         resume = resume_point(args.run_dir, config.checkpoint_storage.path, args.resume_from, env)
         run_trial(config, args.run_dir, resume, args.quiet)
     except UserError as exc:
-        # Bad input found inside a worker (e.g. the trial's data): hand the one-line message to the launcher,
-        # which prints it and exits 2, instead of a traceback per rank.
+        # Bad input found inside a worker (e.g. the trial's data): one line from the launcher, exit 2.
         log.error("%s", exc)
-        path = args.run_dir / "logs" / USER_ERROR_FILE.format(rank=env.rank)
-        path.write_text(json.dumps({"message": str(exc), "exit_code": exc.exit_code}))
+        _report_error(args.run_dir, env, exc, user_error=True, exit_code=exc.exit_code)
         sys.exit(exc.exit_code)
-    except Exception:
+    except Exception as exc:
+        # The full traceback goes to this rank's log file only; the console gets the launcher's summary.
+        logging.getLogger().handlers[-1].setLevel(logging.CRITICAL)
         log.exception("worker failed")
-        raise
+        _report_error(args.run_dir, env, exc, user_error=False, exit_code=1)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

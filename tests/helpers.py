@@ -1,0 +1,131 @@
+"""Shared test helpers: multi-process ranks with a hard deadline, and the dtrain CLI with one too.
+
+A hang must fail fast: every helper kills all the processes it started when one fails or time is up.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+TRIALS = Path(__file__).resolve().parent / "trials"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        queue.put((rank, "ok", fn(rank, world, *args)))
+    except BaseException:
+        queue.put((rank, "error", traceback.format_exc()))
+        sys.exit(1)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout: float = 60.0, args: tuple = ()) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return each rank's result.
+
+    Fails (and kills every rank) as soon as one rank raises or dies, or when ``timeout`` passes; the
+    failing rank's traceback is re-raised in the test.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, queue, args), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"ranks did not finish within {timeout}s (got results from {sorted(results)})")
+            try:
+                rank, status, value = queue.get(timeout=0.2)
+            except Exception:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not results or len(results) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world_size)]
+
+
+@dataclass
+class CliResult:
+    code: int
+    stdout: str
+    stderr: str
+
+
+def dtrain_cli(*args: str, timeout: float = 120.0, cwd: Path | None = None) -> CliResult:
+    """Run ``dtrain ARGS`` in its own process group; on timeout kill the group (launcher and workers)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", *args], cwd=cwd or ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"dtrain {' '.join(args)} did not finish in {timeout}s\n{out}\n{err}") from None
+    return CliResult(proc.returncode, out, err)
+
+
+def tiny_config(tmp: Path, **overrides: Any) -> Path:
+    """Write an experiment config for tests/trials/tiny.py into ``tmp``; nested keys with dotted names."""
+    cfg: dict[str, Any] = {
+        "name": "tiny",
+        "entrypoint": "tiny:TinyTrial",
+        "hyperparameters": {"global_batch_size": 16, "train_size": 256, "val_size": 61},
+        "resources": {"slots_per_trial": 2, "collective_timeout_seconds": 30},
+        "max_length": {"batches": 24},
+        "scheduling_unit": 8,
+        "seed": 3,
+    }
+    for key, value in overrides.items():
+        node = cfg
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+        node[parts[-1]] = value
+    (tmp / "tiny.py").write_text((TRIALS / "tiny.py").read_text())
+    path = tmp / "experiment.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(textwrap.dedent(text))
+    return path

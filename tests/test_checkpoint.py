@@ -1,0 +1,119 @@
+"""Checkpoints: resume equals an uninterrupted run, bit for bit; damaged checkpoints are refused."""
+
+import json
+import time
+
+import torch
+from helpers import dtrain_cli, tiny_config
+
+COMMON = {"hyperparameters.dropout": 0.1, "max_length": {"batches": 24},
+          "min_checkpoint_period": {"batches": 10}, "min_validation_period": {"batches": 12}}
+
+
+def _weights(run_dir, batches=None):
+    name = str(batches) if batches else (run_dir / "checkpoints" / "latest").read_text().strip()
+    return torch.load(run_dir / "checkpoints" / name / "model.pt", weights_only=True)
+
+
+def _metrics(run_dir):
+    """Every report's numbers (timings like samples/s naturally differ between runs)."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["kind"], r["batches"], r["epoch"], r["metrics"]) for r in records]
+
+
+def _assert_bit_identical(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _uninterrupted(tmp_path):
+    cfg = tiny_config(tmp_path, **COMMON)
+    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "straight"), "--quiet")
+    assert result.code == 0, result.stderr
+    return tmp_path / "straight"
+
+
+def test_crash_then_resume_is_bit_identical(tmp_path):
+    straight = _uninterrupted(tmp_path)
+    crashed = tmp_path / "crashed"
+    cfg = tiny_config(tmp_path, **COMMON, **{"hyperparameters.crash_at_batch": 13})
+    start = time.monotonic()
+    result = dtrain_cli("run", str(cfg), "--run-dir", str(crashed), "--quiet")
+    assert result.code == 1
+    assert "worker rank 1 failed: RuntimeError: planted failure at batch 13" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - start < 60
+    assert (crashed / "checkpoints" / "latest").read_text().strip() == "10"
+
+    resumed = dtrain_cli("run", str(cfg), "--resume", str(crashed), "--quiet",
+                         "--set", "hyperparameters.crash_at_batch=null")
+    assert resumed.code == 0, resumed.stderr
+    _assert_bit_identical(_weights(straight), _weights(crashed))
+    # Metrics after the resume point match too (the unreported sums were checkpointed).
+    assert _metrics(crashed) == _metrics(straight)
+    assert list(crashed.glob("config.before-resume-*.yaml"))
+
+
+def test_elastic_restart_resumes_from_latest_checkpoint(tmp_path):
+    straight = _uninterrupted(tmp_path)
+    marker = tmp_path / "crashed-once"
+    cfg = tiny_config(tmp_path, **COMMON, max_restarts=1,
+                      **{"hyperparameters.crash_at_batch": 15, "hyperparameters.crash_once_marker": str(marker)})
+    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "elastic"), "--quiet")
+    assert result.code == 0, result.stderr
+    assert marker.exists()  # it did crash, and the agent restarted it
+    _assert_bit_identical(_weights(straight), _weights(tmp_path / "elastic"))
+
+
+def test_dead_worker_fails_the_job_promptly(tmp_path):
+    cfg = tiny_config(tmp_path, **{"hyperparameters.die_at_batch": 5})
+    start = time.monotonic()
+    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "dead"), "--quiet", timeout=90)
+    assert result.code == 1
+    assert "worker rank 1 failed" in result.stderr and "17" in result.stderr
+    assert time.monotonic() - start < 45
+
+
+def _checkpointed_run(tmp_path):
+    cfg = tiny_config(tmp_path, **{"max_length": {"batches": 8}})
+    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet", "--slots", "1")
+    assert result.code == 0, result.stderr
+    return cfg, tmp_path / "r", tmp_path / "r" / "checkpoints" / "8"
+
+
+def test_tampered_and_truncated_checkpoints_are_refused(tmp_path):
+    cfg, run_dir, ckpt = _checkpointed_run(tmp_path)
+    model = ckpt / "model.pt"
+    original = model.read_bytes()
+    model.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
+    result = dtrain_cli("run", str(cfg), "--resume", str(run_dir))
+    assert result.code == 2
+    assert "does not match its recorded sha256" in result.stderr and "Traceback" not in result.stderr
+    model.write_bytes(original[: len(original) // 2])
+    result = dtrain_cli("run", str(cfg), "--resume", str(run_dir))
+    assert result.code == 2 and "truncated or tampered" in result.stderr
+    assert model.read_bytes() == original[: len(original) // 2]  # nothing on disk was touched
+    (ckpt / "metadata.json").write_text("{")
+    result = dtrain_cli("run", str(cfg), "--resume", str(run_dir))
+    assert result.code == 2 and "no readable metadata.json" in result.stderr
+
+
+def test_checkpoint_contents(tmp_path):
+    _, run_dir, ckpt = _checkpointed_run(tmp_path)
+    assert {p.name for p in ckpt.iterdir()} == {"model.pt", "optimizer.pt", "trainer_state.pt", "rank0.pt",
+                                                "metadata.json"}
+    weights = torch.load(ckpt / "model.pt", weights_only=True)
+    assert set(weights) == {"0.weight", "0.bias", "3.weight", "3.bias"}  # the unwrapped model, no "module."
+    meta = json.loads((ckpt / "metadata.json").read_text())
+    assert meta["batches"] == 8 and meta["world_size"] == 1
+    assert not list(run_dir.joinpath("checkpoints").glob(".tmp-*"))
+
+
+def test_resume_without_checkpoint(tmp_path):
+    cfg = tiny_config(tmp_path)
+    (tmp_path / "empty").mkdir()
+    result = dtrain_cli("run", str(cfg), "--resume", str(tmp_path / "empty"))
+    assert result.code == 2 and "no checkpoint found" in result.stderr
+    result = dtrain_cli("run", str(cfg), "--resume", str(tmp_path / "missing"))
+    assert result.code == 2 and "no such run directory" in result.stderr

@@ -1,0 +1,45 @@
+import torch
+from torch.utils.data import TensorDataset
+
+from dtrain.data import ResumableDistributedSampler, ShardSampler, batches_per_epoch, train_loader
+
+
+def _global_batches(n_records: int, world: int, per_slot: int, epoch: int = 0) -> list[list[int]]:
+    """Indices of each global batch as the union of the per-rank batches at the same step."""
+    data = TensorDataset(torch.arange(n_records))
+    per_rank = []
+    for rank in range(world):
+        loader, sampler = train_loader(data, per_slot, rank, world, seed=5)
+        sampler.set_start(epoch, 0)
+        per_rank.append([b[0].tolist() for b in loader])
+    steps = {len(b) for b in per_rank}
+    assert len(steps) == 1
+    return [sorted(sum((per_rank[r][i] for r in range(world)), [])) for i in range(steps.pop())]
+
+
+def test_n_slots_see_the_same_global_batches_as_one():
+    one = _global_batches(203, 1, 24)
+    for world in (2, 3, 4):
+        assert _global_batches(203, world, 24 // world) == one
+    assert len(one) == batches_per_epoch(range(203), 24) == 203 // 24
+
+
+def test_epochs_reshuffle_identically_across_world_sizes():
+    assert _global_batches(100, 2, 5, epoch=3) == _global_batches(100, 1, 10, epoch=3)
+    assert _global_batches(100, 1, 10, epoch=3) != _global_batches(100, 1, 10, epoch=0)
+
+
+def test_resume_skips_exactly_the_trained_samples():
+    data = range(101)
+    full = ResumableDistributedSampler(data, num_replicas=2, rank=1, seed=0)
+    full.set_start(2, 0)
+    resumed = ResumableDistributedSampler(data, num_replicas=2, rank=1, seed=0)
+    resumed.set_start(2, 12)
+    assert list(resumed) == list(full)[12:]
+    assert len(resumed) == len(full) - 12
+
+
+def test_shard_sampler_covers_every_record_once():
+    data = range(61)
+    shards = [list(ShardSampler(data, 4, r)) for r in range(4)]
+    assert sorted(sum(shards, [])) == list(range(61))

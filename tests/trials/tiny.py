@@ -1,0 +1,69 @@
+"""A tiny trial for tests: an MLP regression on synthetic data, with knobs to plant failures."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+import dtrain
+
+
+def synthetic(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    w = torch.randn(8, 1, generator=g)
+    y = x @ w + 0.1 * torch.randn(n, 1, generator=g)
+    return TensorDataset(x, y)
+
+
+class TinyTrial(dtrain.PyTorchTrial):
+    def __init__(self, context: dtrain.TrialContext) -> None:
+        super().__init__(context)
+        hp = context.get_hparams()
+        self.model = context.wrap_model(nn.Sequential(
+            nn.Linear(8, 16), nn.Tanh(), nn.Dropout(hp.get("dropout", 0.0)), nn.Linear(16, 1)))
+        self.optimizer = context.wrap_optimizer(
+            torch.optim.SGD(self.model.parameters(), lr=hp.get("lr", 0.05), momentum=0.9))
+        self.hp = hp
+
+    def build_training_data(self) -> TensorDataset:
+        return synthetic(self.hp.get("train_size", 256), seed=1)
+
+    def build_validation_data(self) -> TensorDataset | None:
+        size = self.hp.get("val_size", 61)
+        return synthetic(size, seed=2) if size else None
+
+    def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
+        self._maybe_fail(batch_idx)
+        x, y = batch
+        loss = nn.functional.mse_loss(self.model(x), y)
+        self.context.backward(loss)
+        self.context.step_optimizer(self.optimizer)
+        return {"loss": loss}
+
+    def evaluate_batch(self, batch: Any, batch_idx: int) -> dict[str, Any]:
+        x, y = batch
+        return {"mse": nn.functional.mse_loss(self.model(x), y)}
+
+    def _maybe_fail(self, batch_idx: int) -> None:
+        hp, rank = self.hp, self.context.rank
+        if hp.get("crash_at_batch") == batch_idx and hp.get("crash_rank", 1) == rank:
+            marker = hp.get("crash_once_marker")
+            if marker is None or not Path(marker).exists():
+                if marker is not None:
+                    Path(marker).write_text("crashed")
+                raise RuntimeError(f"planted failure at batch {batch_idx}")
+        if hp.get("die_at_batch") == batch_idx and hp.get("crash_rank", 1) == rank:
+            os._exit(17)
+        if hp.get("sleep_rank") == rank:
+            time.sleep(hp.get("sleep_seconds", 0.0))
+
+
+class NotATrial:
+    pass
