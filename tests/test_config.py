@@ -19,7 +19,8 @@ def test_valid_config_and_defaults(tmp_path):
 
 @pytest.mark.parametrize(("key", "value", "expected"), [
     ("resourcs", {}, "unknown key 'resourcs'; did you mean 'resources'?"),
-    ("resources.slots_per_trail", 2, "unknown key 'resources.slots_per_trail'; did you mean 'resources.slots_per_trial'?"),
+    ("resources.slots_per_trail", 2,
+     "unknown key 'resources.slots_per_trail'; did you mean 'resources.slots_per_trial'?"),
     ("optimizations.agregation_frequency", 2, "did you mean 'optimizations.aggregation_frequency'?"),
 ])
 def test_unknown_keys_suggest(tmp_path, key, value, expected):

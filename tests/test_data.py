@@ -14,7 +14,7 @@ def _global_batches(n_records: int, world: int, per_slot: int, epoch: int = 0) -
         per_rank.append([b[0].tolist() for b in loader])
     steps = {len(b) for b in per_rank}
     assert len(steps) == 1
-    return [sorted(sum((per_rank[r][i] for r in range(world)), [])) for i in range(steps.pop())]
+    return [sorted(idx for r in range(world) for idx in per_rank[r][i]) for i in range(steps.pop())]
 
 
 def test_n_slots_see_the_same_global_batches_as_one():
@@ -42,4 +42,4 @@ def test_resume_skips_exactly_the_trained_samples():
 def test_shard_sampler_covers_every_record_once():
     data = range(61)
     shards = [list(ShardSampler(data, 4, r)) for r in range(4)]
-    assert sorted(sum(shards, [])) == list(range(61))
+    assert sorted(i for shard in shards for i in shard) == list(range(61))

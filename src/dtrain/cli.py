@@ -15,7 +15,7 @@ PROG = "dtrain"
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, exit 2, as for every other bad input
-        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+        self.exit(2, f"{PROG}: error: {message}; see '{self.prog} --help'\n")
 
 
 def build_parser() -> argparse.ArgumentParser:

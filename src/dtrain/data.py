@@ -85,7 +85,9 @@ def _check_size(dataset: Any, what: str, minimum: int, hint: str) -> int:
     try:
         size = len(dataset)
     except TypeError:
-        raise DataError(f"the {what} data must be a map-style Dataset with __len__, got {type(dataset).__name__}")
+        raise DataError(
+            f"the {what} data must be a map-style Dataset with __len__, got {type(dataset).__name__}"
+        ) from None
     if size < minimum:
         raise DataError(f"the {what} data has {size} records, fewer than {minimum}: {hint}")
     return size

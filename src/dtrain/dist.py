@@ -58,7 +58,9 @@ def read_env(environ: dict[str, str] | None = None) -> DistEnv:
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true",
         )
     except ValueError as exc:
-        raise UserError(f"malformed launcher environment (RANK/WORLD_SIZE/...): {exc}; launch with dtrain or torchrun")
+        raise UserError(
+            f"malformed launcher environment (RANK/WORLD_SIZE/...): {exc}; launch with dtrain or torchrun"
+        ) from None
 
 
 def resolve_backend(requested: str) -> str:

@@ -27,7 +27,9 @@ class ProgressReporter:
         if self._bar is not None:
             self._bar.update(self._task, completed=batches)
 
-    def report(self, kind: str, batches: int, epoch: int, metrics: Mapping[str, float], samples_per_s: float | None) -> None:
+    def report(
+        self, kind: str, batches: int, epoch: int, metrics: Mapping[str, float], samples_per_s: float | None
+    ) -> None:
         if not self.enabled:
             return
         shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items())

@@ -47,6 +47,13 @@ def resume_point(run_dir: Path, ckpt_path: str, resume_from: Path | None, env: D
     return resume_from
 
 
+def _log_to_file_only() -> None:
+    """A failing rank's details go to its log file; the console gets the launcher's one-line summary."""
+    for handler in logging.getLogger().handlers:
+        if not isinstance(handler, logging.FileHandler):
+            handler.setLevel(logging.CRITICAL)
+
+
 def _report_error(run_dir: Path, env: DistEnv, exc: BaseException, user_error: bool, exit_code: int) -> None:
     """Leave this rank's failure for the launcher, which names the root cause in one line.
 
@@ -74,12 +81,12 @@ def main(argv: list[str] | None = None) -> None:
         run_trial(config, args.run_dir, resume, args.quiet)
     except UserError as exc:
         # Bad input found inside a worker (e.g. the trial's data): one line from the launcher, exit 2.
+        _log_to_file_only()
         log.error("%s", exc)
         _report_error(args.run_dir, env, exc, user_error=True, exit_code=exc.exit_code)
         sys.exit(exc.exit_code)
     except Exception as exc:
-        # The full traceback goes to this rank's log file only; the console gets the launcher's summary.
-        logging.getLogger().handlers[-1].setLevel(logging.CRITICAL)
+        _log_to_file_only()
         log.exception("worker failed")
         _report_error(args.run_dir, env, exc, user_error=False, exit_code=1)
         sys.exit(1)
