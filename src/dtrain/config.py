@@ -40,6 +40,10 @@ class Length(_Strict):
 
 class Resources(_Strict):
     slots_per_trial: int = Field(default=1, ge=1)
+    # Multi-machine runs: the interface Gloo/NCCL use (None = auto-detect one common to all nodes), and
+    # how long to wait for every node to join before failing with the names of the missing ones.
+    network_interface: str | None = None
+    join_timeout_seconds: float = Field(default=300.0, gt=0)
     # Collective timeout: torch's default is 30 minutes, far too long to notice a stuck peer.
     collective_timeout_seconds: float = Field(default=300.0, gt=0)
 
