@@ -32,15 +32,16 @@ class DistributedContext:
     """Rank, device, model/optimizer wrapping, sharded loaders, metric reduction, checkpoints."""
 
     def __init__(self, backend: str = "auto", timeout_seconds: float = 300.0, seed: int = 0,
-                 config: ExperimentConfig | None = None) -> None:
+                 config: ExperimentConfig | None = None, profile: bool = True, warmup_steps: int = 3) -> None:
         self.env = ddist.read_env()
         self.backend = ddist.resolve_backend(backend)
         self.device = ddist.device_for(self.backend, self.env)
         self.num_threads = ddist.limit_cpu_threads(self.env)
         ddist.init_process_group(self.env, self.backend, timeout_seconds)
         self.seed = seed
-        self.strategy: SyncStrategy = build_strategy(config, self.device)
-        self.timer = StepTimer(self.device)
+        self.timer = StepTimer(self.device, enabled=profile, warmup_steps=warmup_steps)
+        self.strategy: SyncStrategy = build_strategy(config, self.device,
+                                                     self.timer.recorder if profile else None)
         self.models: list[nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_schedulers: list[Any] = []
@@ -124,7 +125,7 @@ class DistributedContext:
     # -------------------------------------------------------------------------------------- stepping
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``; DDP averages gradients across slots while it runs."""
-        with self.timer.phase("backward", before="forward"):
+        with self.timer.backward():
             loss.backward(**kwargs)
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None = None) -> None:
@@ -215,7 +216,8 @@ class TrialContext(DistributedContext):
 
     def __init__(self, config: ExperimentConfig) -> None:
         super().__init__(backend=config.backend, timeout_seconds=config.resources.collective_timeout_seconds,
-                         seed=config.seed, config=config)
+                         seed=config.seed, config=config, profile=config.profiling.enabled,
+                         warmup_steps=config.profiling.warmup_steps)
         self.config = config
         self.per_slot_batch_size = data.per_slot_batch_size(config.global_batch_size, self.world_size)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +118,16 @@ def init_process_group(env: DistEnv, backend: str, timeout_seconds: float) -> No
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def all_hostnames() -> list[str]:
+    """Every rank's host name, in rank order (to name the machine of a straggler)."""
+    name = socket.gethostname()
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [name]
+    names: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(names, name)
+    return names
 
 
 def barrier() -> None:

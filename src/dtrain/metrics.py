@@ -88,6 +88,11 @@ class MetricsWriter:
         for name, value in metrics.items():
             self._tb.add_scalar(f"{kind}/{name}", value, global_step=batches)
 
+    def scalars(self, prefix: str, values: Mapping[str, float], batches: int) -> None:
+        """TensorBoard only (e.g. the step-time breakdown)."""
+        for name, value in values.items():
+            self._tb.add_scalar(f"{prefix}/{name}", value, global_step=batches)
+
     def close(self) -> None:
         self._file.close()
         self._tb.close()

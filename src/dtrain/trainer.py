@@ -16,6 +16,8 @@ from dtrain import data
 from dtrain.config import ExperimentConfig
 from dtrain.context import TrialContext
 from dtrain.metrics import MeanAccumulator, MetricsWriter, truncate_metrics
+from dtrain.dist import all_hostnames
+from dtrain.profiler import build_profile, gather_rank_stats, latency_probe
 from dtrain.progress import ProgressReporter
 from dtrain.trial import PyTorchTrial, load_trial_class
 
@@ -50,12 +52,14 @@ class Trainer:
         self.ctx, self.trial, self.config, self.run_dir = context, trial, config, run_dir
         self.per_slot = context.get_per_slot_batch_size()
         self.global_batch = context.get_global_batch_size()
+        workers = config.data_loader.num_workers
         train_set = trial.build_training_data()
         self.loader, self.sampler = data.train_loader(train_set, self.per_slot, context.rank, context.world_size,
-                                                      config.seed)
+                                                      config.seed, workers)
         val_set = trial.build_validation_data()
-        self.val_loader = (data.eval_loader(val_set, self.per_slot, context.rank, context.world_size)
+        self.val_loader = (data.eval_loader(val_set, self.per_slot, context.rank, context.world_size, workers)
                            if val_set is not None else None)
+        self.synthetic_batch: Any = None
         self.batches_per_epoch = data.batches_per_epoch(train_set, self.global_batch)
         self.total_batches = config.max_length.to_batches(self.batches_per_epoch)
         self.val_every = self._period(config.min_validation_period)
@@ -100,13 +104,20 @@ class Trainer:
             self._iterator = iter(self.loader)
         timer = self.ctx.timer
         timer.start_step()
-        batch = self.ctx.to_device(next(self._iterator))
+        batch = self._next_batch()
         timer.lap("data")
         metrics = self.trial.train_batch(batch, epoch, self.batches)
         timer.end_step()
         self.train_metrics.add(metrics)
         self.batches += 1
         self.progress.advance(self.batches)
+
+    def _next_batch(self) -> Any:
+        if not self.config.data_loader.synthetic:
+            return self.ctx.to_device(next(self._iterator))
+        if self.synthetic_batch is None:  # one real batch, same shapes and dtypes, kept on the device
+            self.synthetic_batch = self.ctx.to_device(next(self._iterator))
+        return self.synthetic_batch
 
     def _report_training(self) -> None:
         if self.config.optimizations.average_training_metrics:
@@ -120,6 +131,8 @@ class Trainer:
             speed = self.samples_per_second()
             epoch = (self.batches - 1) // self.batches_per_epoch
             self.writer.write("training", self.batches, epoch, means, samples_per_second=speed)
+            self.writer.scalars("time_ms", {k: 1000 * v for k, v in self.ctx.timer.take_window().items()},
+                                self.batches)
             self.progress.report("training", self.batches, epoch, means, speed)
 
     def _validate(self) -> None:
@@ -170,22 +183,40 @@ class Trainer:
 
     def _finish(self, wall_seconds: float) -> dict[str, Any]:
         self.progress.close()
-        summary = {
-            "batches": self.batches,
-            "epochs": self.batches / self.batches_per_epoch,
+        timer = self.ctx.timer
+        per_rank = gather_rank_stats(timer)  # collectives: every rank takes part
+        latency = latency_probe()
+        hosts = all_hostnames()
+        steady = timer.profiled_steps * self.global_batch / timer.profiled_seconds if timer.profiled_seconds else 0.0
+        run = {
             "slots": self.ctx.world_size,
+            "backend": self.ctx.backend,
+            "device": self.ctx.device.type,
+            "threads_per_slot": self.ctx.num_threads,
             "global_batch_size": self.global_batch,
             "per_slot_batch_size": self.per_slot,
-            "samples_per_second": self.samples_per_second(),
-            "steps_timed": self.ctx.timer.steps,
-            "train_seconds": self.ctx.timer.step_seconds,
+            "parameters": sum(p.numel() for m in self.ctx.models for p in m.parameters()),
+            "synthetic_data": self.config.data_loader.synthetic,
+            "data_loader_workers": self.config.data_loader.num_workers,
+            "aggregation_frequency": self.config.optimizations.aggregation_frequency,
+            "tensor_fusion_threshold_mb": self.config.optimizations.tensor_fusion_threshold,
+            "profiling": timer.enabled,
+            "steps": timer.steps,
+            "profiled_steps": timer.profiled_steps,
+            "samples_per_second": steady if timer.enabled else self.samples_per_second(),
+            "samples_per_second_all_steps": self.samples_per_second(),
+            "train_seconds": timer.step_seconds,
             "validation_seconds": self.validation_seconds,
             "checkpoint_seconds": self.checkpoint_seconds,
             "wall_seconds": wall_seconds,
-            "step_breakdown_seconds": self.ctx.timer.per_step(),
-            "validation": self.last_validation,
         }
+        profile = build_profile(per_rank, hosts, run, latency)
+        summary = {**run, "batches": self.batches, "epochs": self.batches / self.batches_per_epoch,
+                   "step_breakdown_seconds": per_rank[0] if timer.enabled else {},
+                   "validation": self.last_validation}
         if self.writer is not None:
             self.writer.close()
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            if timer.enabled:
+                (self.run_dir / "profile.json").write_text(json.dumps(profile, indent=2))
         return summary

@@ -5,27 +5,37 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from dtrain.profiler import CommRecorder, TimedHookState, timed_comm_hook
 from dtrain.sync.base import SyncStrategy
 
 
 class DDPStrategy(SyncStrategy):
     name = "ddp"
 
-    def __init__(self, device, bucket_cap_mb: float) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, device: torch.device, bucket_cap_mb: float, recorder: CommRecorder | None = None) -> None:
         super().__init__(device)
         # optimizations.tensor_fusion_threshold is DDP's bucket size: gradients are fused into buckets of
         # this many MB and each bucket is all-reduced as one message while backward continues.
         self.bucket_cap_mb = bucket_cap_mb
+        self.recorder = recorder
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers at construction, so replicas start identical
         # even if a trial forgot to seed its initialisation.
-        return DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb)
+        ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb)
+        if self.recorder is not None:
+            # torch's allreduce_hook is DDP's default behaviour written as a hook; wrapping it lets the
+            # profiler see each bucket's launch and completion.
+            ddp.register_comm_hook(TimedHookState(default_hooks.allreduce_hook, None, self.recorder),
+                                   timed_comm_hook)
+        return ddp
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,212 @@
+"""The doctor: turns a run's measured step profile into ranked factors and concrete config changes.
+
+Model. A synchronous step on every rank is its data wait + its compute + its exposed communication, and
+all ranks finish a step together. From ``profile.json`` the step is split into parts that add up to it:
+
+* ``data_loading``   mean data wait
+* ``compute``        forward + backward compute of the fastest rank (the work every slot must do)
+* ``batch_size``     per-step fixed costs (optimizer step, bookkeeping) of the fastest rank: they do
+                     not grow with the batch, so a bigger batch amortizes them
+* ``communication``  exposed all-reduce time of the slowest rank (it waits least for peers), the part
+                     that moves bytes (bandwidth-bound)
+* ``sync_frequency`` the same exposed time's per-message part (buckets x measured one-float latency):
+                     a cost paid per synchronization, which only syncing less often removes
+* ``straggler``      the remainder: time ranks spend waiting for the slowest rank
+
+Each factor's action is predicted from the same numbers (e.g. aggregation_frequency k divides the
+communication and waiting by k). Predictions assume the other parts stay as measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from dtrain.errors import UserError
+
+FACTORS = ("communication", "data_loading", "compute", "straggler", "batch_size", "sync_frequency")
+AGGREGATION_TO_TRY = 4
+
+
+def load_profile(run_dir: Path) -> dict[str, Any]:
+    """Read ``RUN_DIR/profile.json``; bad input is a one-line UserError."""
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a directory; pass a run directory made by 'dtrain run'")
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"{run_dir} is not a dtrain run (no config.yaml); pass a run directory made by 'dtrain run'")
+    path = run_dir / "profile.json"
+    if not path.is_file():
+        raise UserError(f"{run_dir} has no profile.json yet: the run has not finished (or ran with "
+                        "profiling.enabled: false); wait for it to end or re-run with profiling on")
+    try:
+        profile = json.loads(path.read_text())
+        _check(profile)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path} is empty or corrupt ({exc}); re-run the experiment to write a new one") from None
+    return profile
+
+
+def _check(profile: dict[str, Any]) -> None:
+    if not isinstance(profile, dict) or profile.get("schema_version") != 1:
+        raise ValueError("unknown schema_version")
+    for rank in profile["per_rank"]:
+        for phase in profile["phases"]:
+            if not math.isfinite(float(rank["seconds_per_step"][phase])):
+                raise ValueError(f"non-finite {phase}")
+    if not profile["per_rank"] or float(profile["seconds_per_step"]["step"]["mean"]) <= 0:
+        raise ValueError("no profiled steps")
+
+
+def _speedup(step: float, new_step: float, samples_factor: float = 1.0) -> float:
+    return samples_factor * step / new_step if new_step > 0 else float("inf")
+
+
+def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
+    """Ranked factors, recommendations and a verdict (the ``--json`` document)."""
+    ranks = [r["seconds_per_step"] for r in profile["per_rank"]]
+    slots = int(profile["slots"])
+    step = sum(r["step"] for r in ranks) / len(ranks)
+    data = sum(r["data"] for r in ranks) / len(ranks)
+    work = [r["data"] + r["forward"] + r["backward"] + r["optimizer"] + r["other"] for r in ranks]
+    slowest = max(range(len(ranks)), key=lambda i: work[i])
+    fastest = min(range(len(ranks)), key=lambda i: work[i])
+    compute = ranks[fastest]["forward"] + ranks[fastest]["backward"]
+    fixed = ranks[fastest]["optimizer"] + ranks[fastest]["other"]
+    comm = profile["comm"]
+    exposed = ranks[slowest]["comm_exposed"]
+    busy = float(comm["busy_seconds_per_step"])
+    per_message = min(1.0, comm["buckets_per_step"] * comm["latency_seconds"] / busy) if busy > 0 else 0.0
+    sync_part, bandwidth_part = exposed * per_message, exposed * (1 - per_message)
+    straggler = max(0.0, step - data - compute - fixed - exposed)
+    seconds = {"communication": bandwidth_part, "data_loading": data, "compute": compute, "straggler": straggler,
+               "batch_size": fixed, "sync_frequency": sync_part}
+
+    gbs = int(profile["global_batch_size"])
+    k = AGGREGATION_TO_TRY
+    waiting = exposed + straggler
+    factors = {
+        "communication": _factor(
+            "optimizations.gradient_compression", "fp16",
+            f"exposed all-reduce moves {_mb(comm['bytes_per_step'])} per step at {_mb(comm['algbw_bytes_per_second'])}/s; "
+            "fp16 compression halves the bytes",
+            _speedup(step, step - bandwidth_part / 2),
+            alternative=("optimizations.aggregation_frequency", k, _speedup(step, step - waiting * (1 - 1 / k)))),
+        "sync_frequency": _factor(
+            "optimizations.aggregation_frequency", k,
+            f"{comm['buckets_per_step']:.0f} all-reduce(s) per step at {1e3 * comm['latency_seconds']:.2f} ms "
+            f"latency each; exchanging gradients every {k} batches pays that once per {k} batches "
+            f"(effective batch {k * gbs})",
+            _speedup(step, step - waiting * (1 - 1 / k))),
+        "data_loading": _factor(
+            "data_loader.num_workers", max(2, 2 * int(profile.get("data_loader_workers", 0))),
+            "slots wait for their next batch; background loader workers overlap loading with the step "
+            "(dtrain bench --synthetic shows the ceiling)",
+            _speedup(step, step - data)),
+        "straggler": _factor(
+            "resources.slots_per_trial", max(1, slots - 1),
+            f"rank {slowest} ({_host(profile, slowest)}) needs {1e3 * work[slowest]:.2f} ms of work per step vs "
+            f"{1e3 * work[fastest]:.2f} ms on rank {fastest}; the others wait for it: find what slows that "
+            "rank (shared cores, a slower device, uneven data), or leave it out",
+            _speedup(step, step - straggler)),
+        "batch_size": _factor(
+            "hyperparameters.global_batch_size", 2 * gbs,
+            "optimizer step and bookkeeping cost the same whatever the batch; a bigger batch spreads them "
+            "(and communication) over more samples; scale the learning rate with it",
+            _speedup(step, step + data + compute + straggler * 0, samples_factor=2.0)),
+        "compute": _factor(
+            None, None,
+            "forward and backward compute: the useful work. A step dominated by it scales well; a faster "
+            "device or more slots are what make it faster", None),
+    }
+    ranked = sorted(FACTORS, key=lambda f: seconds[f], reverse=True)
+    table = [{"factor": f, "share": seconds[f] / step, "seconds_per_step": seconds[f], **factors[f]} for f in ranked]
+    recommendations = sorted(
+        ({"factor": f["factor"], "key": f["key"], "value": f["value"], "predicted_speedup": f["predicted_speedup"],
+          "action": f"{f['key']}: {f['value']}"} for f in table
+         if f["key"] is not None and f["predicted_speedup"] and f["predicted_speedup"] > 1.02 and f["share"] >= 0.05),
+        key=lambda r: r["predicted_speedup"], reverse=True)
+    scaling = _scaling(slots, step, data, ranks, fixed)
+    if scaling["slower_than_one_slot"]:
+        recommendations.insert(0, {"factor": "scaling", "key": "resources.slots_per_trial", "value": 1,
+                                   "predicted_speedup": scaling["estimated_one_slot_speedup"],
+                                   "action": "resources.slots_per_trial: 1"})
+    top = ranked[0]
+    return {
+        "slots": slots,
+        "samples_per_second": profile["samples_per_second"],
+        "step_seconds": step,
+        "top_factor": top,
+        "verdict": _verdict(top, table[0], scaling, slots, profile),
+        "factors": table,
+        "recommendations": recommendations,
+        "scaling": scaling,
+    }
+
+
+def _factor(key: str | None, value: Any, why: str, speedup: float | None,
+            alternative: tuple[str, Any, float] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"key": key, "value": value, "why": why, "predicted_speedup": speedup}
+    if alternative is not None:
+        out["alternative"] = {"key": alternative[0], "value": alternative[1], "predicted_speedup": alternative[2]}
+    return out
+
+
+def _scaling(slots: int, step: float, data: float, ranks: list[dict[str, float]], fixed: float) -> dict[str, Any]:
+    """Estimate one slot doing the whole global batch: N x the per-sample work, no communication.
+
+    Conservative on CPU: one slot could use every core, which this estimate does not credit.
+    """
+    if slots == 1:
+        return {"estimated_one_slot_speedup": 1.0, "slower_than_one_slot": False, "estimated_scaling_efficiency": 1.0}
+    per_slot_work = min(r["data"] + r["forward"] + r["backward"] for r in ranks)
+    one_slot_step = slots * per_slot_work + fixed
+    speedup = one_slot_step / step  # N slots' samples/s over one slot's
+    return {"estimated_one_slot_speedup": 1 / speedup if speedup > 0 else float("inf"),
+            "estimated_speedup_vs_one_slot": speedup,
+            "estimated_scaling_efficiency": speedup / slots,
+            "slower_than_one_slot": speedup < 1.0}
+
+
+def _verdict(top: str, row: dict[str, Any], scaling: dict[str, Any], slots: int, profile: dict[str, Any]) -> str:
+    share = f"{100 * row['share']:.0f}%"
+    lead = f"{top.replace('_', ' ')} is the top factor ({share} of the step)"
+    if row["key"] is not None:
+        lead += f": try {row['key']}: {row['value']}, predicted about {row['predicted_speedup']:.1f}x samples/s"
+    if scaling["slower_than_one_slot"]:
+        cores = profile.get("threads_per_slot", 1) * slots
+        lead = (f"{slots} slots are SLOWER than 1 would be here (estimated {scaling['estimated_speedup_vs_one_slot']:.2f}x "
+                f"of one slot): communication and {cores} shared CPU cores cost more than they buy; use "
+                f"resources.slots_per_trial: 1 or make each step bigger. Then: " + lead)
+    return lead
+
+
+def _mb(value: float) -> str:
+    return f"{value / 1e6:.2f} MB"
+
+
+def _host(profile: dict[str, Any], rank: int) -> str:
+    return profile["per_rank"][rank].get("host") or "?"
+
+
+def render(diagnosis: dict[str, Any]) -> str:
+    """The doctor's table as text (rich), for the terminal and the end-of-run summary."""
+    from io import StringIO
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"dtrain doctor: {diagnosis['slots']} slot(s), "
+                        f"{diagnosis['samples_per_second']:,.0f} samples/s, step {1e3 * diagnosis['step_seconds']:.2f} ms")
+    for col in ("factor", "share", "ms/step", "try", "predicted"):
+        table.add_column(col, justify="right" if col in ("share", "ms/step", "predicted") else "left")
+    for f in diagnosis["factors"]:
+        action = f"{f['key']}: {f['value']}" if f["key"] else "-"
+        predicted = f"{f['predicted_speedup']:.2f}x" if f["predicted_speedup"] else "-"
+        table.add_row(f["factor"], f"{100 * f['share']:.0f}%", f"{1e3 * f['seconds_per_step']:.2f}", action, predicted)
+    buffer = StringIO()
+    console = Console(file=buffer, width=120, force_terminal=False)
+    console.print(table)
+    console.print(f"verdict: {diagnosis['verdict']}")
+    return buffer.getvalue()
