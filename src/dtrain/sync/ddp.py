@@ -6,11 +6,11 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
-from dtrain.profiler import CommRecorder, TimedHookState, timed_comm_hook
+from dtrain.profiler import CommRecorder, timed_allreduce_hook
 from dtrain.sync.base import SyncStrategy
 
 
@@ -26,15 +26,17 @@ class DDPStrategy(SyncStrategy):
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            # One slot: nothing to synchronize. Plain training is the honest baseline that N slots are
+            # compared with (DDP would still copy every gradient through a one-process all-reduce).
+            return model
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers at construction, so replicas start identical
         # even if a trial forgot to seed its initialisation.
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb)
         if self.recorder is not None:
-            # torch's allreduce_hook is DDP's default behaviour written as a hook; wrapping it lets the
-            # profiler see each bucket's launch and completion.
-            ddp.register_comm_hook(TimedHookState(default_hooks.allreduce_hook, None, self.recorder),
-                                   timed_comm_hook)
+            # DDP's default all-reduce, as a hook that lets the profiler see each bucket start and finish.
+            ddp.register_comm_hook(self.recorder, timed_allreduce_hook)
         return ddp
 
     def unwrap(self, model: nn.Module) -> nn.Module:

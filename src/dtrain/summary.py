@@ -1,0 +1,72 @@
+"""What the launcher prints when a run ends: throughput, the time-cost table and the doctor's verdict."""
+
+from __future__ import annotations
+
+import json
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from dtrain.doctor import diagnose
+
+
+def time_cost_table(profile: dict[str, Any]) -> str:
+    """Per-phase ms per step (min / mean / max across ranks) and share of the step, plus communication."""
+    spread = profile["seconds_per_step"]
+    step = spread["step"]["mean"]
+    table = Table(title=f"time cost per step ({profile['slots']} slot(s), {profile['profiled_steps']} steps profiled)")
+    for col in ("phase", "min ms", "mean ms", "max ms", "share"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for phase in (*profile["phases"], "step"):
+        s = spread[phase]
+        share = f"{100 * s['mean'] / step:.0f}%" if step else "-"
+        table.add_row(phase, f"{1e3 * s['min']:.3f}", f"{1e3 * s['mean']:.3f}", f"{1e3 * s['max']:.3f}", share)
+    comm = profile["comm"]
+    buffer = StringIO()
+    console = Console(file=buffer, width=120, force_terminal=False)
+    console.print(table)
+    if profile["slots"] > 1:
+        console.print(
+            f"communication: {comm['bytes_per_step'] / 1e6:.3f} MB all-reduced per step in "
+            f"{comm['buckets_per_step']:.0f} bucket(s), busy {1e3 * comm['busy_seconds_per_step']:.3f} ms "
+            f"(exposed {1e3 * comm['exposed_seconds_per_step']:.3f} ms), "
+            f"{comm['algbw_bytes_per_second'] / 1e9:.3f} GB/s algbw, {comm['busbw_bytes_per_second'] / 1e9:.3f} GB/s busbw, "
+            f"latency {1e3 * comm['latency_seconds']:.3f} ms")
+    return buffer.getvalue()
+
+
+def short_verdict(profile: dict[str, Any], limit: int = 3) -> str:
+    diagnosis = diagnose(profile)
+    lines = [f"doctor: {diagnosis['verdict']}"]
+    for rec in diagnosis["recommendations"][:limit]:
+        lines.append(f"  try {rec['action']:<48} predicted {rec['predicted_speedup']:.2f}x samples/s ({rec['factor']})")
+    return "\n".join(lines)
+
+
+def print_run_summary(run_dir: Path, seconds: float) -> None:
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return
+    s = json.loads(path.read_text())
+    val = "  ".join(f"{k} {v:.4f}" for k, v in s.get("validation", {}).items())
+    print(f"dtrain: done in {seconds:.1f}s: {s['batches']} batches on {s['slots']} slot(s), "
+          f"{s['samples_per_second']:,.0f} samples/s" + (f"; validation: {val}" if val else ""))
+    profile_path = run_dir / "profile.json"
+    if profile_path.exists():
+        profile = json.loads(profile_path.read_text())
+        print(time_cost_table(profile), end="")
+        print(short_verdict(profile))
+    report = _write_report(run_dir)
+    if report is not None:
+        print(f"dtrain: report {report}  (details: dtrain doctor {run_dir})")
+
+
+def _write_report(run_dir: Path) -> Path | None:
+    try:
+        from dtrain.report import write_report
+    except ImportError:  # pragma: no cover - report module is optional at this point
+        return None
+    return write_report(run_dir)

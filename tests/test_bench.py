@@ -1,0 +1,27 @@
+"""`dtrain bench --synthetic` on 1 and 2 slots: its table, JSON and scaling PNG."""
+
+import json
+
+import matplotlib.image
+from helpers import dtrain_cli, tiny_config
+
+
+def test_bench_synthetic_one_and_two_slots(tmp_path):
+    cfg = tiny_config(tmp_path)
+    out = tmp_path / "bench"
+    result = dtrain_cli("bench", str(cfg), "--slots", "1,2", "--synthetic", "--steps", "12", "--out", str(out),
+                        timeout=240)
+    assert result.code == 0, result.stderr
+    data = json.loads((out / "bench.json").read_text())
+    labels = {(c["slots"], c["scaling"], c["synthetic"]) for c in data["cases"]}
+    assert labels == {(1, "strong", False), (1, "strong", True), (2, "strong", False), (2, "strong", True),
+                      (2, "weak", False), (2, "weak", True)}
+    rows = {r["slots"]: r for r in data["rows"]}
+    assert rows[1]["speedup"] == 1.0 and rows[1]["strong_efficiency"] == 1.0
+    assert rows[2]["speedup"] > 0 and rows[2]["weak_efficiency"] > 0
+    assert rows[2]["data_loading_gap"] is not None
+    weak = next(c for c in data["cases"] if c["scaling"] == "weak")
+    assert weak["global_batch_size"] == 2 * 16
+    image = matplotlib.image.imread(out / "scaling.png")
+    assert image.shape[0] > 100 and image.shape[1] > 100
+    assert "speed-up" in result.stdout and "weak eff." in result.stdout
