@@ -32,6 +32,18 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     run.add_argument("--quiet", action="store_true", help="no progress bar or per-report lines")
 
+    bench = sub.add_parser("bench", help="measure scaling: the same trial at several slot counts")
+    bench.add_argument("config", type=Path, help="experiment YAML")
+    bench.add_argument("--slots", default="1,2", help="comma-separated slot counts (default 1,2)")
+    bench.add_argument("--synthetic", action="store_true", help="also run with synthetic data (isolates I/O)")
+    bench.add_argument("--steps", type=_positive_int, default=100, help="training steps per case")
+    bench.add_argument("--out", type=Path, help="output folder (default runs/bench-<name>-<timestamp>)")
+    bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    doctor = sub.add_parser("doctor", help="explain a run's time cost and what to change")
+    doctor.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+
     launch = sub.add_parser("launch", help="run your own training script on N slots (like torchrun)")
     launch.add_argument("--slots", type=_positive_int, required=True)
     launch.add_argument("--max-restarts", type=int, default=0)
@@ -69,6 +81,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cmd_run(args)
     if args.command == "launch":
         return cmd_launch(args)
+    if args.command == "doctor":
+        return cmd_doctor(args)
+    if args.command == "bench":
+        from dtrain.bench import bench, parse_slots
+
+        bench(args.config, parse_slots(args.slots), args.synthetic, args.steps, args.out, args.overrides, args.debug)
+        return 0
     raise AssertionError(args.command)  # argparse only lets known commands through
 
 
@@ -92,7 +111,25 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"{PROG}: full log: {plan.run_dir / 'logs' / f'rank{failure.rank}.log'}; "
               f"resume with: dtrain run {args.config} --resume {plan.run_dir}", file=sys.stderr)
         return 1
-    runs.print_summary(plan.run_dir, time.perf_counter() - start)
+    from dtrain.summary import print_run_summary
+
+    print_run_summary(plan.run_dir, time.perf_counter() - start)
+    return 0
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    import json
+
+    from dtrain.doctor import diagnose, load_profile, render
+    from dtrain.summary import time_cost_table
+
+    profile = load_profile(args.run_dir)
+    diagnosis = diagnose(profile)
+    if args.json:
+        print(json.dumps(diagnosis, indent=2))
+    else:
+        print(time_cost_table(profile), end="")
+        print(render(diagnosis), end="")
     return 0
 
 
