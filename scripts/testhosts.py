@@ -33,9 +33,11 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 PREFIX = "dtrain-th-"  # every namespace this script creates starts with it (cleanup relies on it)
 DEFAULT_SUBNET = "10.213.0.0/24"
+NETNS_ETC = Path("/etc/netns")  # per-namespace /etc overrides used by `ip netns exec`
 
 
 def unavailable_reason() -> str | None:
@@ -105,6 +107,15 @@ class TestHosts:
         self.destroy()
 
     def create(self) -> None:
+        # `ip netns exec` bind-mounts /etc/netns/<ns>/hosts over /etc/hosts: every host can then name the
+        # others (h0, h1, ...) and reverse lookups of test addresses answer at once instead of asking a
+        # DNS server that is unreachable from inside the namespace.
+        # (torch's store serves IPv6 sockets: peers show up as IPv4-mapped addresses, listed too.)
+        hosts_file = "127.0.0.1 localhost\n" + "".join(f"{h.address} {self.hostname(i)}\n::ffff:{h.address} "
+                                                       f"{self.hostname(i)}\n" for i, h in enumerate(self.hosts))
+        for ns in [h.netns for h in self.hosts] + [self.switch]:
+            (NETNS_ETC / ns).mkdir(parents=True, exist_ok=True)
+            (NETNS_ETC / ns / "hosts").write_text(hosts_file)
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
@@ -139,6 +150,11 @@ class TestHosts:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+
+    def hostname(self, i: int) -> str:
+        """The name host ``i`` has inside the namespaces (from their /etc/hosts)."""
+        return f"h{i}"
 
     # -------------------------------------------------------------------------------------- running
     def argv(self, i: int, argv: Sequence[str]) -> list[str]:
@@ -188,6 +204,8 @@ def cleanup() -> list[str]:
                     os.kill(pid, signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
             removed.append(ns)
+    for leftover in NETNS_ETC.glob(f"{PREFIX}*") if NETNS_ETC.is_dir() else []:
+        shutil.rmtree(leftover, ignore_errors=True)
     return removed
 
 

@@ -2,28 +2,74 @@
 
 Every check that can fail on bad input happens here, before any worker starts, so a mistake costs one
 line and exit code 2 rather than N tracebacks.
+
+Three shapes of run:
+
+* one machine: the elastic agent starts ``slots_per_trial`` local workers;
+* several machines (``--nnodes``/``--node-rank``/``--master``, or a Slurm step with one task per node,
+  or a Kubeflow PyTorchJob pod): every node validates, then :func:`dtrain.launch.join` brings the nodes
+  together and the node hosting the rendezvous makes the run directory, which must be on storage all
+  nodes share; each node's agent then starts ``slots_per_trial / nodes`` workers;
+* inside a launcher that already started one process per slot (torchrun's workers, ``srun`` with one
+  task per slot): no agent; this process trains in place with the rank it was given.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
+import os
 import shutil
+import socket
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
-from dtrain import checkpoint, data
+from dtrain import checkpoint, data, netif
 from dtrain.config import ExperimentConfig, dump_config, load_config
-from dtrain.dist import resolve_backend
+from dtrain.dist import ClusterEnv, read_cluster_env, read_env, resolve_backend
 from dtrain.errors import CheckpointError, UserError
-from dtrain.launch import Failure, LaunchOptions, launch
+from dtrain.launch import (
+    Failure,
+    JoinError,
+    LaunchOptions,
+    NodeLaunch,
+    Rendezvous,
+    join,
+    launch,
+    parse_endpoint,
+    parse_nnodes,
+)
 from dtrain.trial import load_trial_class
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeArgs:
+    """Multi-machine options of ``dtrain run`` (None where not given)."""
+
+    nnodes: str | None = None
+    node_rank: int | None = None
+    master: str | None = None
+    rdzv_backend: str | None = None
+    rdzv_id: str | None = None
+
+    @classmethod
+    def from_args(cls, args: Any) -> NodeArgs:
+        return cls(*(getattr(args, name, None) for name in ("nnodes", "node_rank", "master", "rdzv_backend",
+                                                             "rdzv_id")))
+
+    @property
+    def given(self) -> bool:
+        return any(v is not None for v in (self.nnodes, self.node_rank, self.master, self.rdzv_backend, self.rdzv_id))
 
 
 @dataclass(frozen=True)
@@ -31,22 +77,241 @@ class RunPlan:
     config: ExperimentConfig
     run_dir: Path
     resume_from: Path | None
+    # Several machines: how this node's agent joins the others.
+    nodes: NodeLaunch | None = None
+    # Inside torchrun/srun workers: train in this very process (no agent).
+    in_place: bool = False
+    # Whether this process reports for the whole run (prints the run directory and summary).
+    chief: bool = True
+    keepalive: Any = field(default=None, compare=False, repr=False)
 
 
-def prepare(config_path: Path, overrides: list[str], run_dir: Path | None, resume: Path | None) -> RunPlan:
-    """Validate the config and inputs, create the run directory and write the resolved config."""
+def prepare(config_path: Path, overrides: list[str], run_dir: Path | None, resume: Path | None,
+            nodes: NodeArgs | None = None) -> RunPlan:
+    """Validate the config and inputs, create the run directory and write the resolved config.
+
+    With several nodes this also meets the other nodes (see :func:`dtrain.launch.join`).
+    """
     logging.basicConfig(level=logging.WARNING, format="dtrain: warning: %(message)s")
+    nodes = nodes or NodeArgs()
+    cluster = read_cluster_env()
+    if cluster is not None and cluster.role == "worker":
+        if nodes.given:
+            raise UserError(f"this process is already one of the workers {cluster.source} started, so "
+                            "--nnodes/--node-rank/--master/--rdzv-* do not apply; drop them, or run dtrain outside "
+                            f"{cluster.source} (it starts its own workers)")
+        return _prepare_in_place(config_path, overrides, run_dir, resume, cluster)
+    rdzv_args = _rendezvous_args(nodes, cluster)
     config = load_config(config_path, overrides)
     load_trial_class(config.entrypoint, config.code_dir)
     slots = config.resources.slots_per_trial
+    if rdzv_args is not None:
+        rdzv = _rendezvous(rdzv_args, config, cluster)
+        if rdzv is not None:
+            return _prepare_nodes(config, rdzv, run_dir, resume, cluster)
     data.per_slot_batch_size(config.global_batch_size, slots)
     _check_backend(config.backend, slots)
     resume_from = _resume_checkpoint(resume, config) if resume is not None else None
     if run_dir is None:
-        run_dir = resume if resume is not None else Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = _default_run_dir(config, resume)
     _prepare_run_dir(run_dir, continuing=resume is not None and run_dir.resolve() == resume.resolve())
     _write_config(config, run_dir)
     return RunPlan(config, run_dir, resume_from)
+
+
+def _default_run_dir(config: ExperimentConfig, resume: Path | None) -> Path:
+    return resume if resume is not None else Path("runs") / f"{config.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+# ------------------------------------------------------------------------------------ several nodes
+
+
+def _rendezvous_args(nodes: NodeArgs, cluster: ClusterEnv | None) -> NodeArgs | None:
+    """The command line's multi-node options, else those of a Slurm/PyTorchJob node environment."""
+    if nodes.given:
+        return nodes
+    if cluster is not None and cluster.role == "node":
+        return NodeArgs(nnodes=cluster.nnodes, node_rank=cluster.node_rank, master=cluster.endpoint,
+                        rdzv_backend=cluster.rdzv_backend, rdzv_id=cluster.rdzv_id)
+    return None
+
+
+def _rendezvous(args: NodeArgs, config: ExperimentConfig, cluster: ClusterEnv | None) -> Rendezvous | None:
+    """Validate the multi-node options; None when they amount to a single node."""
+    source = "command line" if cluster is None or cluster.role != "node" else cluster.source
+    backend = args.rdzv_backend or "static"
+    if backend not in ("static", "c10d"):
+        raise UserError(f"--rdzv-backend {backend!r}: expected 'static' (node ranks given) or 'c10d' (elastic)")
+    low, high = parse_nnodes(args.nnodes or "1")
+    if backend == "static" and low != high:
+        raise UserError(f"--nnodes {args.nnodes}: an elastic range needs --rdzv-backend c10d; with static "
+                        "rendezvous give a fixed node count")
+    if high == 1 and backend == "static":
+        if args.node_rank not in (None, 0):
+            raise UserError(f"--node-rank {args.node_rank} is out of range for --nnodes 1 (valid: 0)")
+        return None
+    if args.master is None:
+        raise UserError(f"--nnodes {args.nnodes} needs --master HOST:PORT, the address of the node hosting the "
+                        "rendezvous (node 0), the same on every node")
+    host, port = parse_endpoint(args.master)
+    node_rank = args.node_rank
+    if backend == "static":
+        if node_rank is None:
+            raise UserError(f"--nnodes {high} with static rendezvous needs --node-rank (0 to {high - 1}) on every "
+                            "node, or use --rdzv-backend c10d to have ranks assigned")
+        if not 0 <= node_rank < high:
+            raise UserError(f"--node-rank {node_rank} is out of range for --nnodes {high}: valid node ranks are 0 "
+                            f"to {high - 1}")
+    else:
+        node_rank = None
+    slots = config.resources.slots_per_trial
+    if slots % high:
+        raise UserError(f"resources.slots_per_trial {slots} does not divide across {high} nodes (--nnodes "
+                        f"{args.nnodes}): every node runs the same number of slots; use a multiple of {high} "
+                        f"(e.g. --slots {high * max(1, slots // high)}) or a node count that divides {slots}")
+    if cluster is not None and cluster.role == "node" and cluster.nproc_per_node not in (None, slots // high):
+        raise UserError(f"{cluster.source} gives {cluster.nproc_per_node} process(es) per node but "
+                        f"resources.slots_per_trial {slots} over {high} nodes means {slots // high}; make them agree")
+    rdzv_id = args.rdzv_id or f"dtrain-{config.name}"
+    return Rendezvous(backend, host, port, low, high, node_rank, rdzv_id, config.resources.join_timeout_seconds,
+                      source)
+
+
+def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | None, resume: Path | None,
+                   cluster: ClusterEnv | None) -> RunPlan:
+    slots = config.resources.slots_per_trial
+    per_node = slots // rdzv.max_nodes
+    data.per_slot_batch_size(config.global_batch_size, slots)
+    _check_backend(config.backend, per_node)
+    resume_from = _resume_checkpoint(resume, config) if resume is not None else None
+    shared = config.model_dump(mode="json")
+    shared.pop("code_dir", None)  # where the code sits may differ between machines
+    created: list[Path] = []
+
+    def host_prepare() -> dict:
+        target = run_dir if run_dir is not None else _default_run_dir(config, resume)
+        fresh = not (target / "config.yaml").exists()
+        _prepare_run_dir(target, continuing=resume is not None and target.resolve() == resume.resolve())
+        if fresh:
+            created.append(target)
+        _write_config(config, target)
+        token = uuid.uuid4().hex
+        (target / f".join-{token}").write_text("written by the node hosting the rendezvous\n")
+        return {"run_dir": str(target.resolve()), "token": token,
+                "resume_from": str(resume_from.resolve()) if resume_from else None}
+
+    def node_check(plan: dict) -> None:
+        target = Path(plan["run_dir"])
+        if run_dir is not None and run_dir.resolve() != target:
+            raise UserError(f"this node got --run-dir {run_dir} but the node hosting the rendezvous uses {target}; "
+                            "pass the same --run-dir (on shared storage) to every node, or none")
+        if not (target / f".join-{plan['token']}").exists():
+            raise UserError(f"run directory {target}, made by the node hosting the rendezvous, is not visible on "
+                            f"this host: multi-machine runs need the run directory on storage every node mounts; "
+                            "pass --run-dir on a shared filesystem")
+
+    def host_abort() -> None:
+        for path in created:  # made moments ago for this job, nothing trained: leave no trace
+            shutil.rmtree(path, ignore_errors=True)
+
+    nodes, plan = join(rdzv, shared, per_node, config.resources.network_interface, host_prepare, node_check,
+                       host_abort)
+    target = Path(plan["run_dir"])
+    if nodes.is_host:
+        (target / f".join-{plan['token']}").unlink(missing_ok=True)
+    resume_point = Path(plan["resume_from"]) if plan.get("resume_from") else None
+    return RunPlan(config, target, resume_point, nodes=nodes, chief=nodes.is_host)
+
+
+# ------------------------------------------------------------------------ inside torchrun or srun
+
+
+def _prepare_in_place(config_path: Path, overrides: list[str], run_dir: Path | None, resume: Path | None,
+                      cluster: ClusterEnv) -> RunPlan:
+    """This process is one of the workers another launcher started: take its rank and world as given.
+
+    The first worker makes the run directory and tells the others through the launcher's TCPStore
+    (torchrun's agent store, or one it serves itself under ``srun``); after an elastic restart it
+    reuses the first attempt's directory, so training resumes from its latest checkpoint.
+    """
+    env = read_env()
+    config = load_config(config_path, overrides)
+    if config.resources.slots_per_trial != env.world_size:
+        if env.is_chief:
+            log.warning("%s started %d workers: resources.slots_per_trial %d is replaced by %d", cluster.source,
+                        env.world_size, config.resources.slots_per_trial, env.world_size)
+        config = load_config(config_path, [*overrides, f"resources.slots_per_trial={env.world_size}"])
+    load_trial_class(config.entrypoint, config.code_dir)
+    data.per_slot_batch_size(config.global_batch_size, env.world_size)
+    _check_backend(config.backend, env.local_world_size)
+    resume_from = _resume_checkpoint(resume, config) if resume is not None else None
+    _set_interface_in_place(config, env.master_addr)
+    store = _setup_store(env, config.resources.join_timeout_seconds, cluster)
+    key = f"dtrain-setup/plan/{env.restart_count}"
+    if env.is_chief:
+        first = None
+        if env.restart_count > 0 and store.check(["dtrain-setup/plan/0"]):
+            first = json.loads(store.get("dtrain-setup/plan/0"))
+        if first is not None:  # an elastic restart: same run directory, resumed by the worker
+            target = Path(first["run_dir"])
+            plan = {**first, "resume_from": None}
+        else:
+            target = run_dir if run_dir is not None else _default_run_dir(config, resume)
+            _prepare_run_dir(target, continuing=resume is not None and target.resolve() == resume.resolve())
+            _write_config(config, target)
+            plan = {"run_dir": str(target.resolve()), "resume_from": str(resume_from) if resume_from else None}
+        store.set(key, json.dumps(plan))
+    else:
+        deadline = time.monotonic() + config.resources.join_timeout_seconds
+        plan = None
+        while plan is None and time.monotonic() < deadline:
+            plan = json.loads(store.get(key)) if store.check([key]) else None
+            time.sleep(0.05 if plan is None else 0)
+        if plan is None:
+            raise JoinError(f"rank {env.rank}: the first worker never announced the run directory within "
+                            f"{config.resources.join_timeout_seconds:g}s (resources.join_timeout_seconds)")
+        target = Path(plan["run_dir"])
+        if not (target / "config.yaml").exists():
+            raise UserError(f"rank {env.rank}: run directory {target}, made by rank 0, is not visible on this host; "
+                            "multi-machine runs need the run directory on storage every node mounts (--run-dir)")
+    resume_point = Path(plan["resume_from"]) if plan.get("resume_from") else None
+    return RunPlan(config, target, resume_point, in_place=True, chief=env.is_chief, keepalive=store)
+
+
+def _set_interface_in_place(config: ExperimentConfig, master_addr: str) -> None:
+    """Forced interface, else the one routing to the master (the launcher already placed the ranks)."""
+    forced = netif.override(config.resources.network_interface)
+    if forced is not None:
+        name = netif.check_override(forced[0], forced[1], socket.gethostname()).name
+    else:
+        master_ip = netif.resolve_ipv4(master_addr)
+        found = None if ipaddress.ip_address(master_ip).is_loopback else netif.route_interface(master_ip)
+        if found is None:
+            return  # loopback (one machine) or no route known: Gloo's own default
+        name = found
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    os.environ["NCCL_SOCKET_IFNAME"] = name
+
+
+def _setup_store(env: Any, timeout_seconds: float, cluster: ClusterEnv) -> Any:
+    import torch.distributed as tdist
+
+    timeout = timedelta(seconds=timeout_seconds)
+    serve = env.is_chief and not env.agent_store
+    if not serve:
+        master_ip = netif.resolve_ipv4(env.master_addr)
+        source = netif.route_source(master_ip)
+        problem = netif.wait_listening(os.environ.get("GLOO_SOCKET_IFNAME", ""), source, master_ip,
+                                       env.master_port, time.monotonic() + timeout_seconds)
+        if problem is not None:
+            raise JoinError(f"rank {env.rank}: cannot reach {cluster.source}'s master {env.master_addr}:"
+                            f"{env.master_port}: {problem}")
+    try:
+        return tdist.TCPStore(env.master_addr, env.master_port, None, serve, timeout, wait_for_workers=False,
+                              multi_tenant=serve)
+    except (RuntimeError, OSError) as exc:
+        raise JoinError(f"rank {env.rank}: cannot use the store at {env.master_addr}:{env.master_port}: "
+                        f"{str(exc).splitlines()[0]}") from None
 
 
 def _check_backend(requested: str, slots: int) -> None:
@@ -92,14 +357,38 @@ def _write_config(config: ExperimentConfig, run_dir: Path) -> None:
 
 
 def execute(plan: RunPlan, quiet: bool, debug: bool) -> Failure | None:
-    command = ["-u", "-m", "dtrain.worker", "--run-dir", str(plan.run_dir)]
+    args = ["--run-dir", str(plan.run_dir)]
     if plan.resume_from is not None:
-        command += ["--resume-from", str(plan.resume_from)]
+        args += ["--resume-from", str(plan.resume_from)]
     if quiet:
-        command.append("--quiet")
-    options = LaunchOptions(slots=plan.config.resources.slots_per_trial, max_restarts=plan.config.max_restarts,
-                            run_dir=plan.run_dir, debug=debug)
-    return launch(command, options)
+        args.append("--quiet")
+    if plan.in_place:
+        return _train_in_place(args, plan)
+    slots = plan.config.resources.slots_per_trial
+    if plan.nodes is not None:
+        slots //= plan.nodes.max_nodes
+    options = LaunchOptions(slots=slots, max_restarts=plan.config.max_restarts, run_dir=plan.run_dir, debug=debug,
+                            nodes=plan.nodes)
+    return launch(["-u", "-m", "dtrain.worker", *args], options)
+
+
+def _train_in_place(args: list[str], plan: RunPlan) -> Failure | None:
+    """Run the worker's main in this process; its failure comes back as this rank's one-line report."""
+    from dtrain import worker
+    from dtrain.launch import _error_reports, _from_report
+
+    rank = read_env().rank
+    try:
+        worker.main(args)
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            return None
+        mine = [r for r in _error_reports(plan.run_dir, own_ranks={rank}) if r.get("rank") == rank]
+        if mine:
+            return _from_report(mine[0])
+        return Failure(rank, int(exc.code) if isinstance(exc.code, int) else 1, f"exited with {exc.code}",
+                       user_error=False)
+    return None
 
 
 def print_summary(run_dir: Path, seconds: float) -> None:
