@@ -31,6 +31,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", type=Path, help="run directory (default runs/<name>-<timestamp>)")
     run.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     run.add_argument("--quiet", action="store_true", help="no progress bar or per-report lines")
+    nodes = run.add_argument_group("several machines (run the same command on every node)")
+    nodes.add_argument("--nnodes", metavar="N|MIN:MAX", help="number of nodes; slots_per_trial is split across them "
+                       "(MIN:MAX: elastic, with --rdzv-backend c10d)")
+    nodes.add_argument("--node-rank", type=int, metavar="R", help="this node's rank, 0 to N-1 (static rendezvous)")
+    nodes.add_argument("--master", metavar="HOST:PORT", help="rendezvous address, hosted by node 0 (static) or the "
+                       "node owning HOST (c10d)")
+    nodes.add_argument("--rdzv-backend", choices=["static", "c10d"], help="static (default): node ranks given; "
+                       "c10d: ranks assigned, nodes may join elastically")
+    nodes.add_argument("--rdzv-id", metavar="ID", help="c10d job id, the same on every node (default dtrain-<name>)")
 
     bench = sub.add_parser("bench", help="measure scaling: the same trial at several slot counts")
     bench.add_argument("config", type=Path, help="experiment YAML")
@@ -100,8 +109,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.slots is not None:
         overrides.append(f"resources.slots_per_trial={args.slots}")
-    plan = runs.prepare(args.config, overrides, run_dir=args.run_dir, resume=args.resume)
-    print(f"{PROG}: run directory {plan.run_dir}", flush=True)
+    plan = runs.prepare(args.config, overrides, run_dir=args.run_dir, resume=args.resume,
+                        nodes=runs.NodeArgs.from_args(args))
+    if plan.chief:
+        print(f"{PROG}: run directory {plan.run_dir}", flush=True)
     start = time.perf_counter()
     failure = runs.execute(plan, quiet=args.quiet, debug=args.debug)
     if failure is not None:
@@ -113,7 +124,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1
     from dtrain.summary import print_run_summary
 
-    print_run_summary(plan.run_dir, time.perf_counter() - start)
+    if plan.chief:  # one report per job, not one per node or worker
+        print_run_summary(plan.run_dir, time.perf_counter() - start)
     return 0
 
 
