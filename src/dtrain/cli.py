@@ -53,6 +53,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
 
+    from dtrain import cluster  # light: no torch
+
+    cluster.add_parsers(sub, _positive_int)  # dtrain k8s / dtrain slurm
+
     launch = sub.add_parser("launch", help="run your own training script on N slots (like torchrun)")
     launch.add_argument("--slots", type=_positive_int, required=True)
     launch.add_argument("--max-restarts", type=int, default=0)
@@ -90,6 +94,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cmd_run(args)
     if args.command == "launch":
         return cmd_launch(args)
+    if args.command in ("k8s", "slurm"):
+        from dtrain import cluster
+
+        return cluster.cmd_k8s(args) if args.command == "k8s" else cluster.cmd_slurm(args)
     if args.command == "doctor":
         return cmd_doctor(args)
     if args.command == "bench":

@@ -205,6 +205,7 @@ class NodeLaunch:
     local_addr: str
     log_name: str
     ifname: str
+    interface_reason: str
     is_host: bool
     label: str
     # The pre-rendezvous TCPStore: held until the agent is done, because torch's rendezvous reuses its
@@ -297,6 +298,16 @@ def join(rdzv: Rendezvous, config_dict: Mapping[str, Any], slots_per_node: int, 
         src_name, src_ip = "lo", "127.0.0.1"
     elif forced_iface is not None:
         src_name, src_ip = forced_iface.name, forced_iface.ips[0]
+        # A device-bound socket makes the kernel try any address as if on that link, so a wrong
+        # interface would only show as a timeout: reject the plain mismatch at once.
+        route = netif.route_interface(master_ip)
+        if route != forced_iface.name and not any(ipaddress.ip_address(master_ip) in n for n in forced_iface.networks):
+            name, addresses = forced_iface.name, ", ".join(forced_iface.addresses)
+            raise JoinError(f"{me} on host {hostname}: interface {name} ({addresses}; set by {forced[1]}) does not "
+                            f"reach the master {rdzv.endpoint} ({master_ip}): tried the route lookup to {master_ip}: "
+                            f"it leaves through {route or 'no interface (no route)'}, and {master_ip} is not on "
+                            f"{name}'s network; set {netif.ENV_OVERRIDE} to {route or 'an interface that reaches it'}, "
+                            "or remove the setting to auto-detect")
     else:
         try:
             src_ip = netif.route_source(master_ip)
@@ -408,7 +419,8 @@ def join(rdzv: Rendezvous, config_dict: Mapping[str, Any], slots_per_node: int, 
     launch_info = NodeLaunch(
         min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, rdzv_backend=rdzv.backend,
         rdzv_endpoint=f"{master_ip}:{rdzv.port}", rdzv_configs=configs, run_id=decision["run_id"],
-        local_addr=local_ip, log_name=log_name, ifname=ifname, is_host=is_host, label=label, store=server)
+        local_addr=local_ip, log_name=log_name, ifname=ifname, is_host=is_host, label=label, store=server,
+        interface_reason=decision["reason"] if str(key) in decision["names"] else "joined late: the job's network")
     return launch_info, decision["plan"]
 
 

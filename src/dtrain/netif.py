@@ -317,14 +317,18 @@ def wait_listening(ifname: str, source_ip: str, target_ip: str, port: int, deadl
     Refused or unanswered connections are retried (the master may start later than this node); a
     missing route is reported at once, since waiting cannot fix it.
     """
+    start = time.monotonic()
     while True:
         remaining = deadline - time.monotonic()
         timeout = max(0.2, min(5.0, remaining))
         exc = _try_connect(ifname, source_ip, target_ip, port, timeout)
         if exc is None:
             return None
-        if not isinstance(exc, (ConnectionRefusedError, TimeoutError)) or remaining <= 0:
+        retry = isinstance(exc, (ConnectionRefusedError, TimeoutError)) or exc.errno == errno.EHOSTUNREACH
+        if not retry:
             return _describe(exc, timeout)
+        if remaining <= 0:
+            return f"{_describe(exc, timeout)}, retried for {time.monotonic() - start:.0f}s"
         time.sleep(0.2)
 
 

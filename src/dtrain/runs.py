@@ -24,7 +24,7 @@ import shutil
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -127,13 +127,14 @@ def _default_run_dir(config: ExperimentConfig, resume: Path | None) -> Path:
 
 
 def _rendezvous_args(nodes: NodeArgs, cluster: ClusterEnv | None) -> NodeArgs | None:
-    """The command line's multi-node options, else those of a Slurm/PyTorchJob node environment."""
-    if nodes.given:
-        return nodes
+    """The command line's multi-node options, completed by a Slurm/PyTorchJob node environment (the
+    command line wins where both say something)."""
     if cluster is not None and cluster.role == "node":
-        return NodeArgs(nnodes=cluster.nnodes, node_rank=cluster.node_rank, master=cluster.endpoint,
-                        rdzv_backend=cluster.rdzv_backend, rdzv_id=cluster.rdzv_id)
-    return None
+        env = NodeArgs(nnodes=cluster.nnodes, node_rank=cluster.node_rank, master=cluster.endpoint,
+                       rdzv_backend=cluster.rdzv_backend, rdzv_id=cluster.rdzv_id)
+        nodes = NodeArgs(*(mine if mine is not None else theirs for mine, theirs in zip(
+            astuple(nodes), astuple(env), strict=True)))
+    return nodes if nodes.given else None
 
 
 def _rendezvous(args: NodeArgs, config: ExperimentConfig, cluster: ClusterEnv | None) -> Rendezvous | None:
@@ -219,6 +220,7 @@ def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | N
     target = Path(plan["run_dir"])
     if nodes.is_host:
         (target / f".join-{plan['token']}").unlink(missing_ok=True)
+    print(f"dtrain: {nodes.label}: network interface {nodes.ifname} ({nodes.interface_reason})", flush=True)
     resume_point = Path(plan["resume_from"]) if plan.get("resume_from") else None
     return RunPlan(config, target, resume_point, nodes=nodes, chief=nodes.is_host)
 
