@@ -1,0 +1,233 @@
+"""Clusters: the PyTorchJob manifest, the sbatch script (run for real with stand-in srun/scontrol on
+test hosts), and reading the ranks and addresses torchrun, Slurm and a PyTorchJob give."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+from helpers import ROOT, dtrain_cli, tiny_config
+
+from dtrain import runs
+from dtrain.config import load_config
+from dtrain.dist import expand_hostlist, expand_tasks_per_node, read_cluster_env, read_env
+from dtrain.errors import UserError
+
+sys.path.insert(0, str(ROOT / "scripts"))
+import testhosts
+
+# The parts of the PyTorchJob CRD's openAPIV3Schema (kubeflow/training-operator,
+# manifests/base/crds/kubeflow.org_pytorchjobs.yaml, plus what the API server requires of every object)
+# that a manifest must satisfy: required fields, types, enums.
+_CONTAINER = {"type": "object", "required": ["name"], "properties": {
+    "name": {"type": "string"}, "image": {"type": "string"}, "command": {"type": "array", "items": {"type": "string"}},
+    "workingDir": {"type": "string"},
+    "ports": {"type": "array", "items": {"type": "object", "required": ["containerPort"], "properties": {
+        "name": {"type": "string"}, "containerPort": {"type": "integer"}, "protocol": {"type": "string"}}}},
+    "env": {"type": "array", "items": {"type": "object", "required": ["name"],
+                                       "properties": {"name": {"type": "string"}, "value": {"type": "string"}}}},
+    "resources": {"type": "object", "properties": {"limits": {"type": "object"}, "requests": {"type": "object"}}},
+    "volumeMounts": {"type": "array", "items": {"type": "object", "required": ["mountPath", "name"]}},
+}}
+_REPLICA = {"type": "object", "properties": {
+    "replicas": {"type": "integer"},
+    "restartPolicy": {"type": "string", "enum": ["Always", "OnFailure", "Never", "ExitCode"]},
+    "template": {"type": "object", "properties": {"spec": {"type": "object", "required": ["containers"], "properties": {
+        "containers": {"type": "array", "items": _CONTAINER},
+        "volumes": {"type": "array", "items": {"type": "object", "required": ["name"]}}}}}},
+}}
+PYTORCHJOB_SCHEMA = {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "properties": {
+    "apiVersion": {"type": "string", "enum": ["kubeflow.org/v1"]},
+    "kind": {"type": "string", "enum": ["PyTorchJob"]},
+    "metadata": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
+    "spec": {"type": "object", "required": ["pytorchReplicaSpecs"], "properties": {
+        "nprocPerNode": {"type": "string"},
+        "elasticPolicy": {"type": "object", "properties": {
+            "rdzvBackend": {"type": "string", "enum": ["c10d", "etcd", "etcd-v2"]}, "rdzvPort": {"type": "integer"},
+            "minReplicas": {"type": "integer"}, "maxReplicas": {"type": "integer"},
+            "maxRestarts": {"type": "integer"}, "nProcPerNode": {"type": "integer"}}},
+        "pytorchReplicaSpecs": {"type": "object", "additionalProperties": _REPLICA},
+        "runPolicy": {"type": "object", "properties": {"cleanPodPolicy": {"type": "string",
+                                                                          "enum": ["All", "Running", "None"]}}},
+    }},
+}}
+_TYPES = {"object": dict, "array": list, "string": str, "integer": int}
+
+
+def _validate(value, schema, path="$"):
+    """A small JSON-schema subset: type, required, properties, additionalProperties, items, enum."""
+    expected = _TYPES[schema["type"]]
+    assert isinstance(value, expected) and not (expected is int and isinstance(value, bool)), \
+        f"{path}: expected {schema['type']}, got {value!r}"
+    if "enum" in schema:
+        assert value in schema["enum"], f"{path}: {value!r} not in {schema['enum']}"
+    for key in schema.get("required", []):
+        assert key in value, f"{path}: required field {key!r} is missing"
+    for key, sub in schema.get("properties", {}).items():
+        if isinstance(value, dict) and key in value:
+            _validate(value[key], sub, f"{path}.{key}")
+    if "additionalProperties" in schema:
+        for key, item in value.items():
+            _validate(item, schema["additionalProperties"], f"{path}.{key}")
+    if "items" in schema:
+        for i, item in enumerate(value):
+            _validate(item, schema["items"], f"{path}[{i}]")
+
+
+def _manifest(tmp_path, *args, **overrides):
+    cfg = tiny_config(tmp_path, **overrides)
+    result = dtrain_cli("k8s", str(cfg.relative_to(tmp_path)), *args, cwd=tmp_path, timeout=60)
+    assert result.code == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+def test_k8s_manifest_master_and_workers(tmp_path):
+    job = _manifest(tmp_path, "--image", "registry.example/dtrain:1", "--nnodes", "2", "--pvc", "runs-rwx",
+                    "--set", "hyperparameters.lr=0.1", **{"resources.slots_per_trial": 4})
+    _validate(job, PYTORCHJOB_SCHEMA)
+    replicas = job["spec"]["pytorchReplicaSpecs"]
+    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 1
+    assert job["spec"]["nprocPerNode"] == "2"  # 4 slots over 2 nodes
+    for spec in replicas.values():
+        [container] = spec["template"]["spec"]["containers"]
+        # The operator finds the master's port by these names and sets MASTER_ADDR/PORT, PET_NODE_RANK.
+        assert container["name"] == "pytorch" and container["image"] == "registry.example/dtrain:1"
+        assert {"name": "pytorchjob-port", "containerPort": 29500, "protocol": "TCP"} in container["ports"]
+        assert container["command"] == ["dtrain", "run", "experiment.yaml", "--nnodes", "2",
+                                        "--set", "hyperparameters.lr=0.1"]
+        assert container["resources"] == {"requests": {"cpu": "2"}}  # CPU slots: no GPUs asked for
+        assert {"name": "runs", "mountPath": "/workspace/runs"} in container["volumeMounts"]
+    assert "elasticPolicy" not in job["spec"]
+
+
+def test_k8s_manifest_elastic_with_gpus(tmp_path):
+    job = _manifest(tmp_path, "--image", "img", "--nnodes", "1:3", **{"resources.slots_per_trial": 6,
+                                                                       "backend": "nccl"})
+    _validate(job, PYTORCHJOB_SCHEMA)
+    assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "rdzvPort": 29500, "minReplicas": 1,
+                                            "maxReplicas": 3, "maxRestarts": 0, "nProcPerNode": 2}
+    assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Worker"]
+    [container] = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": 2}}
+    assert container["command"][3:] == ["--nnodes", "1:3", "--rdzv-backend", "c10d", "--rdzv-id", "tiny"]
+
+
+def test_k8s_and_slurm_refuse_slots_that_do_not_divide(tmp_path):
+    cfg = str(tiny_config(tmp_path, **{"resources.slots_per_trial": 3}))
+    for args in (["k8s", cfg, "--image", "i", "--nnodes", "2"], ["slurm", cfg, "--nodes", "2"]):
+        result = dtrain_cli(*args, timeout=60)
+        assert result.code == 2 and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.startswith("dtrain: error: resources.slots_per_trial 3 does not divide across 2 nodes")
+
+
+def test_slurm_script_is_valid_bash(tmp_path):
+    cfg = tiny_config(tmp_path)
+    result = dtrain_cli("slurm", str(cfg), "--nodes", "2", "--time", "00:10:00", "--gpus", timeout=60)
+    assert result.code == 0, result.stderr
+    script = result.stdout
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=1",
+                 "#SBATCH --time=00:10:00", 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1',
+                 "srun --nodes=2 --ntasks-per-node=1"):
+        assert line in script, line
+    assert "--nnodes 2 --rdzv-backend c10d" in script and '--master "$MASTER_ADDR:$MASTER_PORT"' in script
+
+
+@pytest.mark.skipif(testhosts.unavailable_reason() is not None, reason=f"test hosts: {testhosts.unavailable_reason()}")
+def test_slurm_script_runs_on_two_hosts(tmp_path):
+    """The generated script, run as sbatch would, with stand-ins for scontrol and srun that start one
+    task per test host with Slurm's variables: the master comes from the allocation's node list."""
+    cfg = tiny_config(tmp_path, **{"resources.join_timeout_seconds": 30})
+    script = dtrain_cli("slurm", str(cfg), "--nodes", "2", "--dtrain", f"{sys.executable} -m dtrain.cli",
+                        timeout=60).stdout
+    (tmp_path / "job.sh").write_text(script)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    with testhosts.TestHosts(2) as hosts:
+        (bin_dir / "scontrol").write_text("#!/bin/sh\n# scontrol show hostnames LIST\n"
+                                          f"{sys.executable} -c 'import sys; from dtrain.dist import expand_hostlist; "
+                                          "print(*expand_hostlist(sys.argv[1]), sep=chr(10))' \"$3\"\n")
+        tasks = "\n".join(
+            f"SLURM_NODEID={i} SLURM_PROCID={i} SLURM_LOCALID=0 SLURM_STEP_NUM_TASKS=2 SLURM_STEP_NUM_NODES=2 "
+            f"SLURM_STEP_NODELIST='h[0-1]' {' '.join(h.exec_prefix())} \"$@\" > {tmp_path}/task{i}.log 2>&1 &"
+            for i, h in enumerate(hosts.hosts))
+        (bin_dir / "srun").write_text("#!/bin/bash\n# srun OPTIONS... COMMAND: one task per test host\n"
+                                      "while [[ $1 == --* ]]; do shift; done\n"
+                                      f"{tasks}\nrc=0; for p in $(jobs -p); do wait $p || rc=$?; done; exit $rc\n")
+        for tool in ("scontrol", "srun"):
+            (bin_dir / tool).chmod(0o755)
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242",
+               "SLURM_JOB_NODELIST": "h[0-1]", "SLURM_NNODES": "2"}
+        proc = subprocess.Popen(["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env=env, start_new_session=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        hosts._procs.append(proc)  # killed by the teardown if anything below fails
+        start = time.monotonic()
+        try:
+            out, _ = proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            hosts.destroy()
+            raise AssertionError("the sbatch script did not finish in 90s") from None
+        logs = [(tmp_path / f"task{i}.log").read_text() for i in range(2)]
+        assert proc.returncode == 0, (out, logs)
+    run_dir = tmp_path / "runs" / "tiny-4242"
+    assert "dtrain: done" in "".join(logs), logs
+    assert (run_dir / "summary.json").exists() and (run_dir / "logs" / "rank1.log").exists()
+    assert time.monotonic() - start < 90
+
+
+# ---------------------------------------------------------------------------------- launcher environments
+
+
+def test_hostlists():
+    assert expand_hostlist("gpu[01-03,07],login1") == ["gpu01", "gpu02", "gpu03", "gpu07", "login1"]
+    assert expand_hostlist("a[1-2]b[3-4]") == ["a1b3", "a1b4", "a2b3", "a2b4"]
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+
+
+def test_torchrun_slurm_and_pytorchjob_environments():
+    assert read_cluster_env({}) is None
+    tr = read_cluster_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "TORCHELASTIC_RUN_ID": "x"})
+    assert (tr.source, tr.role) == ("torchrun", "worker")
+    # srun with one task per slot: each task is a worker with Slurm's ranks.
+    slurm = {"SLURM_PROCID": "3", "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "2", "SLURM_LOCALID": "1",
+             "SLURM_NODEID": "1", "SLURM_STEP_NODELIST": "n[7-8]", "SLURM_JOB_ID": "123",
+             "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+    env = read_env(slurm)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
+    assert (env.master_addr, env.master_port) == ("n7", 20123)
+    # srun with one task per node: each task is a node's agent.
+    node = read_cluster_env({**slurm, "SLURM_STEP_NUM_TASKS": "2", "MASTER_PORT": "29999"})
+    assert (node.role, node.nnodes, node.node_rank, node.endpoint) == ("node", "2", 1, "n7:29999")
+    # A PyTorchJob pod (static): the training operator's variables.
+    pod = read_cluster_env({"PET_NNODES": "3", "PET_NODE_RANK": "2", "PET_NPROC_PER_NODE": "4", "RANK": "2",
+                            "WORLD_SIZE": "12", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"})
+    assert (pod.source, pod.role, pod.nnodes, pod.node_rank, pod.endpoint, pod.nproc_per_node) == (
+        "PyTorchJob", "node", "3", 2, "job-master-0:23456", 4)
+    elastic = read_cluster_env({"PET_NNODES": "1:4", "PET_RDZV_ENDPOINT": "job-worker-0:29500",
+                                "PET_RDZV_BACKEND": "c10d", "PET_NPROC_PER_NODE": "1"})
+    assert (elastic.rdzv_backend, elastic.endpoint, elastic.node_rank) == ("c10d", "job-worker-0:29500", None)
+
+
+def test_pytorchjob_pod_fills_in_what_the_command_line_leaves_out(tmp_path, monkeypatch):
+    config = load_config(tiny_config(tmp_path, **{"resources.slots_per_trial": 4}))
+    pod = read_cluster_env({"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "2",
+                            "MASTER_ADDR": "job-master-0", "MASTER_PORT": "29500"})
+    args = runs._rendezvous_args(runs.NodeArgs(nnodes="2"), pod)  # the manifest's command: --nnodes 2
+    rdzv = runs._rendezvous(args, config, pod)
+    assert (rdzv.backend, rdzv.node_rank, rdzv.host, rdzv.port, rdzv.max_nodes, rdzv.source) == (
+        "static", 1, "job-master-0", 29500, 2, "PyTorchJob")
+    wrong = read_cluster_env({"PET_NNODES": "2", "PET_NODE_RANK": "0", "PET_NPROC_PER_NODE": "3",
+                              "MASTER_ADDR": "m", "MASTER_PORT": "1"})
+    with pytest.raises(UserError, match="PyTorchJob gives 3 process"):
+        runs._rendezvous(runs._rendezvous_args(runs.NodeArgs(), wrong), config, wrong)
+
+
+def test_worker_flags_inside_torchrun_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    with pytest.raises(UserError, match="already one of the workers torchrun started"):
+        runs.prepare(tiny_config(tmp_path), [], None, None, runs.NodeArgs(nnodes="2"))
+
