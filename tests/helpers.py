@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import socket
 import subprocess
@@ -38,7 +39,9 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: 
 
     torch.set_num_threads(1)
     try:
-        queue.put((rank, "ok", fn(rank, world, *args)))
+        # Plain pickle: torch's multiprocessing reductions would pass tensors as shared-memory handles that
+        # die with this process.
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
     except BaseException:
         queue.put((rank, "error", traceback.format_exc()))
         sys.exit(1)
@@ -72,7 +75,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout: float = 60.0
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            results[rank] = value
+            results[rank] = pickle.loads(value)
     finally:
         for p in procs:
             p.join(timeout=5 if not results or len(results) == world_size else 0.1)

@@ -72,30 +72,39 @@ class Profiling(_Strict):
     warmup_steps: int = Field(default=3, ge=0)
 
 
+class PowerSGDOptions(_Strict):
+    """Options of ``gradient_compression: powersgd``."""
+
+    # Rank of the low-rank approximation of each gradient matrix: bytes sent ~ rank x (rows + columns).
+    rank: int = Field(default=2, ge=1)
+    # Steps of exact all-reduce before compressing (early gradients change fast and compress badly).
+    start_iteration: int = Field(default=10, ge=0)
+    error_feedback: bool = True
+    warm_start: bool = True
+
+
 class Optimizations(_Strict):
     """Determined's ``optimizations`` section, with its defaults."""
 
+    # k batches per optimizer update; gradients are exchanged once per k batches.
     aggregation_frequency: int = Field(default=1, ge=1)
     average_aggregated_gradients: bool = True
     average_training_metrics: bool = True
     gradient_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
+    powersgd: PowerSGDOptions = Field(default_factory=PowerSGDOptions)
+    # MB per gradient all-reduce message (DDP bucket size).
     tensor_fusion_threshold: float = Field(default=64.0, ge=0)
     auto_tune_tensor_fusion: bool = False
+    # Candidates the auto-tuner measures (MB), and how: warm-up steps then measured steps, each.
+    auto_tune_candidates_mb: list[float] = Field(default_factory=lambda: [1.0, 4.0, 16.0, 64.0])
+    auto_tune_warmup_steps: int = Field(default=2, ge=0)
+    auto_tune_steps_per_candidate: int = Field(default=5, ge=1)
 
     @model_validator(mode="after")
-    def _only_implemented(self) -> Optimizations:
-        defaults = Optimizations.model_construct()
-        pending = [
-            name
-            for name in ("aggregation_frequency", "average_aggregated_gradients", "gradient_compression",
-                         "tensor_fusion_threshold", "auto_tune_tensor_fusion")
-            if getattr(self, name) != getattr(defaults, name)
-        ]
-        if pending:
-            raise ValueError(
-                f"{pending[0]} = {getattr(self, pending[0])!r} is not supported yet in this "
-                f"release; remove it (default {getattr(defaults, pending[0])!r})"
-            )
+    def _check_candidates(self) -> Optimizations:
+        if not self.auto_tune_candidates_mb or any(c < 0 for c in self.auto_tune_candidates_mb):
+            raise ValueError(f"auto_tune_candidates_mb must be a non-empty list of sizes >= 0 (MB), "
+                             f"got {self.auto_tune_candidates_mb}")
         return self
 
 

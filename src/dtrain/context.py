@@ -7,8 +7,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -42,6 +43,12 @@ class DistributedContext:
         self.timer = StepTimer(self.device, enabled=profile, warmup_steps=warmup_steps)
         self.strategy: SyncStrategy = build_strategy(config, self.device,
                                                      self.timer.recorder if profile else None)
+        opts = config.optimizations if config is not None else None
+        self.aggregation_frequency = opts.aggregation_frequency if opts is not None else 1
+        self.average_aggregated_gradients = opts.average_aggregated_gradients if opts is not None else True
+        # False while accumulating gradients of a batch that is not the last of its aggregation group: the
+        # trainer sets it before each batch.
+        self.sync_gradients = True
         self.models: list[nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_schedulers: list[Any] = []
@@ -124,12 +131,33 @@ class DistributedContext:
 
     # -------------------------------------------------------------------------------------- stepping
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``; DDP averages gradients across slots while it runs."""
+        """``loss.backward()``; DDP averages gradients across slots while it runs.
+
+        With ``aggregation_frequency`` k, gradients of k batches are summed locally (no communication on the
+        first k-1) and exchanged once; the loss is divided by k when ``average_aggregated_gradients``, so
+        the update equals one step on a k times bigger batch.
+        """
+        if self.aggregation_frequency > 1 and self.average_aggregated_gradients:
+            loss = loss / self.aggregation_frequency
         with self.timer.backward():
             loss.backward(**kwargs)
 
+    @contextlib.contextmanager
+    def gradient_sync(self, sync: bool) -> Iterator[None]:
+        """Run one batch (forward *and* backward: DDP decides in forward whether backward communicates)
+        either exchanging gradients or only accumulating them locally."""
+        self.sync_gradients = sync
+        with contextlib.ExitStack() as stack:
+            if not sync:
+                for model in self.models:
+                    stack.enter_context(self.strategy.no_sync(model))
+            yield
+
     def step_optimizer(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None = None) -> None:
-        """Optional gradient clipping, ``optimizer.step()`` and ``zero_grad``."""
+        """Optional gradient clipping, ``optimizer.step()`` and ``zero_grad``: only on the last batch of an
+        aggregation group (every batch when ``aggregation_frequency`` is 1)."""
+        if not self.sync_gradients:
+            return
         with self.timer.phase("optimizer", before="other"):
             if clip_grad_norm is not None:
                 params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -158,10 +186,12 @@ class DistributedContext:
                 batches=batches,
                 models=[self.unwrap(m).state_dict() for m in self.models],
                 optimizers=self._optimizer_states(),
-                trainer_state={"extra": dict(extra or {}), "strategy": self.strategy.state_dict()},
+                trainer_state={"extra": dict(extra or {})},
                 metadata={"world_size": self.world_size},
             )
-        rank_state = {"batches": batches, "rng": checkpoint.rng_state(), "extra": dict(rank_extra or {})}
+        # Strategy state (e.g. PowerSGD error feedback) differs between ranks: it is saved per rank.
+        rank_state = {"batches": batches, "rng": checkpoint.rng_state(), "extra": dict(rank_extra or {}),
+                      "strategy": self.strategy.state_dict()}
         return checkpoint.save(Path(directory), payload, rank_state, self.rank, keep_last)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
@@ -187,9 +217,9 @@ class DistributedContext:
             opt.load_state_dict(state)
         for sched, state in zip(self.lr_schedulers, loaded.optimizers[n_opt:], strict=False):
             sched.load_state_dict(state)
-        self.strategy.load_state_dict(loaded.trainer_state.get("strategy", {}))
         if loaded.rank_state is not None and loaded.metadata.get("world_size") == self.world_size:
             checkpoint.set_rng_state(loaded.rank_state["rng"])
+            self.strategy.load_state_dict(loaded.rank_state.get("strategy", {}))
         elif self.is_chief:
             log.warning("checkpoint was written by %s slots, this job has %d: RNG streams are reseeded, so the "
                         "result will not be bit-identical to an uninterrupted run",

@@ -89,8 +89,8 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
     factors = {
         "communication": _factor(
             "optimizations.gradient_compression", "fp16",
-            f"exposed all-reduce moves {_mb(comm['bytes_per_step'])} per step at {_mb(comm['algbw_bytes_per_second'])}/s; "
-            "fp16 compression halves the bytes",
+            f"exposed all-reduce moves {_mb(comm['bytes_per_step'])} per step at "
+            f"{_mb(comm['algbw_bytes_per_second'])}/s; fp16 compression halves the bytes",
             _speedup(step, step - bandwidth_part / 2),
             alternative=("optimizations.aggregation_frequency", k, _speedup(step, step - waiting * (1 - 1 / k)))),
         "sync_frequency": _factor(
@@ -176,9 +176,9 @@ def _verdict(top: str, row: dict[str, Any], scaling: dict[str, Any], slots: int,
         lead += f": try {row['key']}: {row['value']}, predicted about {row['predicted_speedup']:.1f}x samples/s"
     if scaling["slower_than_one_slot"]:
         cores = profile.get("threads_per_slot", 1) * slots
-        lead = (f"{slots} slots are SLOWER than 1 would be here (estimated {scaling['estimated_speedup_vs_one_slot']:.2f}x "
-                f"of one slot): communication and {cores} shared CPU cores cost more than they buy; use "
-                f"resources.slots_per_trial: 1 or make each step bigger. Then: " + lead)
+        lead = (f"{slots} slots are SLOWER than 1 would be here (estimated "
+                f"{scaling['estimated_speedup_vs_one_slot']:.2f}x of one slot): communication and {cores} shared "
+                f"CPU cores cost more than they buy; use resources.slots_per_trial: 1 or make each step bigger. Then: " + lead)
     return lead
 
 
@@ -197,8 +197,8 @@ def render(diagnosis: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"dtrain doctor: {diagnosis['slots']} slot(s), "
-                        f"{diagnosis['samples_per_second']:,.0f} samples/s, step {1e3 * diagnosis['step_seconds']:.2f} ms")
+    table = Table(title=f"dtrain doctor: {diagnosis['slots']} slot(s), {diagnosis['samples_per_second']:,.0f} "
+                        f"samples/s, step {1e3 * diagnosis['step_seconds']:.2f} ms")
     for col in ("factor", "share", "ms/step", "try", "predicted"):
         table.add_column(col, justify="right" if col in ("share", "ms/step", "predicted") else "left")
     for f in diagnosis["factors"]:

@@ -127,6 +127,7 @@ class StepTimer:
         self.steps = 0  # every step, warm-up included
         self.profiled_steps = 0
         self.step_seconds = 0.0  # every step, warm-up included
+        self.last_step_seconds = 0.0
         self.profiled_seconds = 0.0
         self._current: dict[str, float] = {}
         self._in_step = False
@@ -184,7 +185,8 @@ class StepTimer:
         end = self._now()
         self._in_step = False
         self.steps += 1
-        self.step_seconds += end - self._step_start
+        self.last_step_seconds = end - self._step_start
+        self.step_seconds += self.last_step_seconds
         if not self.enabled:
             return
         self._current["other"] += end - self._mark

@@ -15,10 +15,12 @@ import torch
 from dtrain import data
 from dtrain.config import ExperimentConfig
 from dtrain.context import TrialContext
-from dtrain.metrics import MeanAccumulator, MetricsWriter, truncate_metrics
 from dtrain.dist import all_hostnames
+from dtrain.metrics import MeanAccumulator, MetricsWriter, truncate_metrics
 from dtrain.profiler import build_profile, gather_rank_stats, latency_probe
 from dtrain.progress import ProgressReporter
+from dtrain.sync.base import Rebucketable
+from dtrain.sync.fusion import FusionTuner, candidate_plan, saved_choice
 from dtrain.trial import PyTorchTrial, load_trial_class
 
 log = logging.getLogger(__name__)
@@ -70,8 +72,29 @@ class Trainer:
         self.last_validation: dict[str, float] = {}
         self.validation_seconds = self.checkpoint_seconds = 0.0
         self._iterator: Any = None
+        self.tuner = self._fusion_tuner()
+        self._group_seconds = self._group_start = 0.0
         self.writer = MetricsWriter(run_dir) if context.is_chief else None
         self.progress = ProgressReporter(self.total_batches, 0, context.is_chief, quiet)
+
+    def _fusion_tuner(self) -> FusionTuner | None:
+        o = self.config.optimizations
+        if not (o.auto_tune_tensor_fusion and self.ctx.world_size > 1 and isinstance(self.ctx.strategy, Rebucketable)):
+            return None
+        chosen = saved_choice(self.run_dir)
+        if chosen is not None:  # tuned before this restart or resume: reuse it
+            for model in self.ctx.models:
+                self.ctx.strategy.rebuild(model, chosen)
+            log.info("fusion auto-tune: reusing %.1f MB from %s", chosen, self.run_dir / "fusion_tuning.json")
+            return None
+        grad_bytes = sum(p.numel() * p.element_size() for m in self.ctx.models for p in m.parameters()
+                         if p.requires_grad)
+        plan = candidate_plan(o.auto_tune_candidates_mb, grad_bytes, o.tensor_fusion_threshold)
+        tuner = FusionTuner(plan, o.auto_tune_warmup_steps, o.auto_tune_steps_per_candidate, self.run_dir,
+                            self.ctx.is_chief)
+        for model in self.ctx.models:
+            self.ctx.strategy.rebuild(model, tuner.current)
+        return tuner
 
     def _period(self, length: Any) -> int | None:
         return length.to_batches(self.batches_per_epoch) if length is not None else None
@@ -80,21 +103,45 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         start = time.perf_counter()
         last_val = last_ckpt = -1
+        previous_sync = self.batches
+        k = self.ctx.aggregation_frequency
         while self.batches < self.total_batches:
-            self._train_step()
+            # Gradients are exchanged on the last batch of each group of k (and on the very last batch).
+            with self.ctx.gradient_sync((self.batches + 1) % k == 0 or self.batches + 1 == self.total_batches):
+                self._train_step()
             if self.batches % self.config.scheduling_unit == 0 or self.batches == self.total_batches:
                 self._report_training()
-            if self.val_every and self.batches % self.val_every == 0:
+            if not self.ctx.sync_gradients:
+                continue  # mid-group: weights have not changed yet, and accumulated gradients are not saved
+            self._tune_fusion()
+            if self._crossed(self.val_every, previous_sync):
                 self._validate()
                 last_val = self.batches
-            if self.ckpt_every and self.batches % self.ckpt_every == 0:
+            if self._crossed(self.ckpt_every, previous_sync):
                 self._checkpoint()
                 last_ckpt = self.batches
+            previous_sync = self.batches
         if self.val_loader is not None and last_val != self.batches:
             self._validate()
         if last_ckpt != self.batches:
             self._checkpoint()  # a final checkpoint is always written
         return self._finish(time.perf_counter() - start)
+
+    def _crossed(self, period: int | None, previous_sync: int) -> bool:
+        """A multiple of ``period`` lies in (previous_sync, batches]: with aggregation, a period boundary
+        that falls mid-group is honoured at the group's end."""
+        return bool(period) and self.batches // period > previous_sync // period  # type: ignore[operator]
+
+    def _tune_fusion(self) -> None:
+        if self.tuner is None:
+            return
+        self._group_seconds += self.ctx.timer.step_seconds - self._group_start
+        self._group_start = self.ctx.timer.step_seconds
+        switch_to = self.tuner.after_step(self._group_seconds)
+        self._group_seconds = 0.0
+        if switch_to is not None:
+            for model in self.ctx.models:
+                self.ctx.strategy.rebuild(model, switch_to)
 
     def _train_step(self) -> None:
         epoch, position = divmod(self.batches, self.batches_per_epoch)
@@ -199,7 +246,9 @@ class Trainer:
             "synthetic_data": self.config.data_loader.synthetic,
             "data_loader_workers": self.config.data_loader.num_workers,
             "aggregation_frequency": self.config.optimizations.aggregation_frequency,
-            "tensor_fusion_threshold_mb": self.config.optimizations.tensor_fusion_threshold,
+            "effective_batch_size": self.global_batch * self.config.optimizations.aggregation_frequency,
+            "gradient_compression": self.config.optimizations.gradient_compression,
+            "tensor_fusion_threshold_mb": getattr(self.ctx.strategy, "bucket_cap_mb", None),
             "profiling": timer.enabled,
             "steps": timer.steps,
             "profiled_steps": timer.profiled_steps,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -46,3 +46,10 @@ class SyncStrategy(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         del state
+
+
+@runtime_checkable
+class Rebucketable(Protocol):
+    """Optional capability: change the gradient bucket size mid-run (for fusion auto-tuning)."""
+
+    def rebuild(self, model: nn.Module, bucket_cap_mb: float) -> None: ...

@@ -1,28 +1,73 @@
-"""``ddp``: PyTorch DistributedDataParallel, bucketed all-reduce overlapped with backward."""
+"""``ddp``: PyTorch DistributedDataParallel, bucketed all-reduce overlapped with backward.
+
+Gradient compression and the profiler's timing are DDP comm hooks; the bucket size is
+``optimizations.tensor_fusion_threshold`` (Horovod's "tensor fusion"), optionally auto-tuned, which needs
+rebuilding DDP with another bucket size: :class:`RebuildableDDP` makes that possible without the trial
+noticing (it keeps its reference to the wrapped model).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dtrain.config import PowerSGDOptions
 from dtrain.profiler import CommRecorder, timed_allreduce_hook
 from dtrain.sync.base import SyncStrategy
+from dtrain.sync.compression import COMPRESSORS, CompressionHookState, compressed_allreduce_hook
+from dtrain.sync.powersgd import PowerSGDState, powersgd_hook
+
+
+class RebuildableDDP(nn.Module):
+    """A DDP whose bucket size can change mid-run: forwards to a DDP it can rebuild.
+
+    The DDP is kept out of the module tree (in a list) so that ``state_dict`` and ``parameters`` are
+    those of the user's module, exactly once.
+    """
+
+    def __init__(self, module: nn.Module, build: Any, bucket_cap_mb: float) -> None:
+        super().__init__()
+        self.module = module
+        self._build = build
+        self._ddp: list[DistributedDataParallel] = [build(module, bucket_cap_mb)]
+
+    @property
+    def ddp(self) -> DistributedDataParallel:
+        return self._ddp[0]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.ddp(*args, **kwargs)
+
+    def rebuild(self, bucket_cap_mb: float) -> None:
+        # The old DDP's reducer must be gone (its autograd hooks removed) before the new one hooks the same
+        # parameters, or gradients would be all-reduced twice.
+        self._ddp.clear()
+        gc.collect()
+        self._ddp.append(self._build(self.module, bucket_cap_mb))
 
 
 class DDPStrategy(SyncStrategy):
     name = "ddp"
 
-    def __init__(self, device: torch.device, bucket_cap_mb: float, recorder: CommRecorder | None = None) -> None:
+    def __init__(self, device: torch.device, bucket_cap_mb: float, compression: str = "none",
+                 powersgd: PowerSGDOptions | None = None, recorder: CommRecorder | None = None,
+                 rebuildable: bool = False, seed: int = 0) -> None:
         super().__init__(device)
-        # optimizations.tensor_fusion_threshold is DDP's bucket size: gradients are fused into buckets of
-        # this many MB and each bucket is all-reduced as one message while backward continues.
         self.bucket_cap_mb = bucket_cap_mb
+        self.compression = compression
+        self.powersgd_options = powersgd or PowerSGDOptions()
         self.recorder = recorder
+        self.rebuildable = rebuildable
+        self.seed = seed
+        self.powersgd_states: list[PowerSGDState] = []
+        self._pending_state: list[dict[str, Any]] = []
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
@@ -30,22 +75,65 @@ class DDPStrategy(SyncStrategy):
             # One slot: nothing to synchronize. Plain training is the honest baseline that N slots are
             # compared with (DDP would still copy every gradient through a one-process all-reduce).
             return model
+        if self.rebuildable:
+            return RebuildableDDP(model, self._build_ddp, self.bucket_cap_mb)
+        return self._build_ddp(model, self.bucket_cap_mb)
+
+    def _build_ddp(self, model: nn.Module, bucket_cap_mb: float) -> DistributedDataParallel:
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         # DDP broadcasts rank 0's parameters and buffers at construction, so replicas start identical
         # even if a trial forgot to seed its initialisation.
-        ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=self.bucket_cap_mb)
-        if self.recorder is not None:
-            # DDP's default all-reduce, as a hook that lets the profiler see each bucket start and finish.
-            ddp.register_comm_hook(self.recorder, timed_allreduce_hook)
+        ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
+        self._register_hook(ddp, model)
         return ddp
 
+    def _register_hook(self, ddp: DistributedDataParallel, model: nn.Module) -> None:
+        if self.compression == "powersgd":
+            state = self._powersgd_state(model)
+            ddp.register_comm_hook(state, powersgd_hook)
+        elif self.compression != "none":
+            ddp.register_comm_hook(CompressionHookState(COMPRESSORS[self.compression], self.recorder),
+                                   compressed_allreduce_hook)
+        elif self.recorder is not None:
+            # DDP's default all-reduce, as a hook that lets the profiler see each bucket start and finish.
+            ddp.register_comm_hook(self.recorder, timed_allreduce_hook)
+
+    def _powersgd_state(self, model: nn.Module) -> PowerSGDState:
+        for state in self.powersgd_states:  # a rebuilt DDP keeps its model's compression memory
+            if state.param_index == {id(p): i for i, p in enumerate(model.parameters())}:
+                return state
+        o = self.powersgd_options
+        state = PowerSGDState(model, o.rank, o.start_iteration, o.error_feedback, o.warm_start, self.seed,
+                              self.recorder)
+        if self._pending_state:
+            state.load_state_dict(self._pending_state.pop(0), self.device)
+        self.powersgd_states.append(state)
+        return state
+
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module if isinstance(model, DistributedDataParallel) else model
+        return model.module if isinstance(model, (DistributedDataParallel, RebuildableDDP)) else model
+
+    def rebuild(self, model: nn.Module, bucket_cap_mb: float) -> None:
+        """Re-bucket a model made by :meth:`setup_model` with ``rebuildable=True``."""
+        if isinstance(model, RebuildableDDP):
+            model.rebuild(bucket_cap_mb)
+        self.bucket_cap_mb = bucket_cap_mb
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        if isinstance(model, DistributedDataParallel):
-            with model.no_sync():
+        inner = model.ddp if isinstance(model, RebuildableDDP) else model
+        if isinstance(inner, DistributedDataParallel):
+            with inner.no_sync():
                 yield
         else:
             yield
+
+    def state_dict(self) -> dict[str, Any]:
+        """Per-rank: PowerSGD's Q matrices and error-feedback buffers (they differ between ranks)."""
+        return {"powersgd": [s.state_dict() for s in self.powersgd_states]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        saved = list(state.get("powersgd", []))
+        for live, data in zip(self.powersgd_states, saved, strict=False):
+            live.load_state_dict(data, self.device)
+        self._pending_state = saved[len(self.powersgd_states):]

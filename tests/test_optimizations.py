@@ -1,0 +1,145 @@
+"""Determined's optimizations: aggregation, compression, tensor fusion and its auto-tuning."""
+
+import json
+
+import pytest
+import torch
+from helpers import ROOT, dtrain_cli, run_ranks, tiny_config
+from torch import nn
+
+from dtrain.config import config_from_dict
+from dtrain.errors import ConfigError
+
+DIGITS = ROOT / "examples" / "digits" / "experiment.yaml"
+
+
+def _weights(run_dir):
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return torch.load(run_dir / "checkpoints" / latest / "model.pt", weights_only=True)
+
+
+def _run(tmp_path, name, config, *args):
+    result = dtrain_cli("run", str(config), "--run-dir", str(tmp_path / name), "--quiet", *args)
+    assert result.code == 0, result.stderr
+    return tmp_path / name
+
+
+def test_aggregation_equals_a_bigger_batch_and_syncs_once_per_k(tmp_path):
+    cfg = tiny_config(tmp_path)
+    aggregated = _run(tmp_path, "k4", cfg, "--set", "optimizations.aggregation_frequency=4",
+                      "--set", "hyperparameters.global_batch_size=8", "--set", "max_length={batches: 24}")
+    big = _run(tmp_path, "big", cfg, "--set", "hyperparameters.global_batch_size=32",
+               "--set", "max_length={batches: 6}")
+    a, b = _weights(aggregated), _weights(big)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
+    pa = json.loads((aggregated / "profile.json").read_text())
+    pb = json.loads((big / "profile.json").read_text())
+    assert pa["effective_batch_size"] == 32 and pa["aggregation_frequency"] == 4
+    # Per batch, one all-reduce per 4 batches (warm-up steps 3 of 24 shift it by at most one group).
+    per_batch = pa["comm"]["buckets_per_step"] / pb["comm"]["buckets_per_step"]
+    assert 0.2 <= per_batch <= 0.3, per_batch
+
+
+def _grads_with(compression):
+    def body(rank, world):
+        import dtrain
+        from dtrain.sync.ddp import DDPStrategy
+
+        ctx = dtrain.init(seed=0)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 8))
+        ddp = DDPStrategy(ctx.device, bucket_cap_mb=25, compression=compression).setup_model(model)
+        torch.manual_seed(rank + 1)
+        ddp(torch.randn(16, 32)).pow(2).mean().backward()
+        grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        ctx.close()
+        return grads
+    return body
+
+
+def _grads_none(rank, world):
+    return _grads_with("none")(rank, world)
+
+
+def _grads_fp16(rank, world):
+    return _grads_with("fp16")(rank, world)
+
+
+def _grads_bf16(rank, world):
+    return _grads_with("bf16")(rank, world)
+
+
+@pytest.mark.parametrize(("body", "tolerance"), [(_grads_fp16, 2e-3), (_grads_bf16, 1.5e-2)])
+def test_fp16_and_bf16_gradients_close_to_uncompressed(body, tolerance):
+    exact = run_ranks(_grads_none, world_size=2, timeout=60)[0]
+    compressed = run_ranks(body, world_size=2, timeout=60)
+    assert torch.equal(compressed[0], compressed[1])  # replicas still agree exactly
+    relative = (compressed[0] - exact).norm() / exact.norm()
+    assert 0 < relative < tolerance, relative
+
+
+def test_powersgd_converges_like_uncompressed_with_many_buckets(tmp_path):
+    plain = _run(tmp_path, "plain", DIGITS, "--set", "max_length={epochs: 20}")
+    # 0.01 MB buckets: several buckets per step, the layout that deadlocks torch's own powerSGD_hook on Gloo.
+    compressed = _run(tmp_path, "psgd", DIGITS, "--set", "max_length={epochs: 20}",
+                      "--set", "optimizations.gradient_compression=powersgd",
+                      "--set", "optimizations.tensor_fusion_threshold=0.01")
+    acc = {name: json.loads((d / "summary.json").read_text())["validation"]["accuracy"]
+           for name, d in (("plain", plain), ("psgd", compressed))}
+    assert acc["psgd"] >= 0.95 and abs(acc["psgd"] - acc["plain"]) <= 0.01, acc
+    profile = json.loads((compressed / "profile.json").read_text())
+    assert profile["comm"]["buckets_per_step"] > 1
+    dense = json.loads((plain / "profile.json").read_text())["comm"]["bytes_per_step"]
+    assert profile["comm"]["bytes_per_step"] < dense / 4  # rank-2 factors instead of whole matrices
+
+
+def test_resume_with_powersgd_is_bit_identical(tmp_path):
+    common = {"hyperparameters.dropout": 0.1, "max_length": {"batches": 24}, "min_checkpoint_period": {"batches": 10},
+              "optimizations.gradient_compression": "powersgd", "optimizations.powersgd": {"start_iteration": 3}}
+    straight = _run(tmp_path, "straight", tiny_config(tmp_path, **common))
+    cfg = tiny_config(tmp_path, **common, **{"hyperparameters.crash_at_batch": 15})
+    crashed = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "crashed"), "--quiet")
+    assert crashed.code == 1
+    resumed = dtrain_cli("run", str(cfg), "--resume", str(tmp_path / "crashed"), "--quiet",
+                         "--set", "hyperparameters.crash_at_batch=null")
+    assert resumed.code == 0, resumed.stderr
+    a, b = _weights(straight), _weights(tmp_path / "crashed")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_fusion_auto_tune_measures_keeps_equivalence_and_is_reused(tmp_path):
+    tuned_cfg = {"max_length": {"batches": 30}, "optimizations.auto_tune_tensor_fusion": True,
+                 "optimizations.auto_tune_candidates_mb": [0.0001, 0.0003, 1.0],
+                 "optimizations.auto_tune_warmup_steps": 1, "optimizations.auto_tune_steps_per_candidate": 3,
+                 "min_checkpoint_period": {"batches": 15}}
+    tuned = _run(tmp_path, "tuned", tiny_config(tmp_path, **tuned_cfg))
+    result = json.loads((tuned / "fusion_tuning.json").read_text())
+    assert [t["bucket_mb"] for t in result["trials"]] == [0.0001, 0.0003, 1.0]
+    assert result["chosen_mb"] in (0.0001, 0.0003, 1.0) and result["tuning_steps"] == 12
+    one = _run(tmp_path, "one", tiny_config(tmp_path, **{"max_length": {"batches": 30}}), "--slots", "1")
+    for name, value in _weights(one).items():  # re-bucketing never all-reduces a gradient twice
+        torch.testing.assert_close(_weights(tuned)[name], value, rtol=1e-5, atol=1e-6)
+    resumed = dtrain_cli("run", str(tiny_config(tmp_path, **tuned_cfg)), "--resume", str(tuned),
+                         "--set", "max_length={batches: 40}")
+    assert resumed.code == 0, resumed.stderr
+    assert "reusing" in (tuned / "logs" / "rank0.log").read_text()
+
+
+@pytest.mark.parametrize(("key", "value", "fragment"), [
+    ("aggregation_frequency", 0, "optimizations.aggregation_frequency"),
+    ("gradient_compression", "zip", "optimizations.gradient_compression"),
+    ("powersgd", {"rank": 0}, "optimizations.powersgd.rank"),
+    ("tensor_fusion_threshold", -1, "optimizations.tensor_fusion_threshold"),
+])
+def test_bad_optimization_values(key, value, fragment):
+    raw = {"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8}, "max_length": {"batches": 1},
+           "optimizations": {key: value}}
+    with pytest.raises(ConfigError, match=fragment.replace(".", r"\.")):
+        config_from_dict(raw)
+
+
+def test_bad_optimization_value_via_cli(tmp_path):
+    result = dtrain_cli("run", str(tiny_config(tmp_path)), "--set", "optimizations.powersgd.rank=0")
+    assert result.code == 2 and "optimizations.powersgd.rank: got 0" in result.stderr
