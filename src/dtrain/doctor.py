@@ -178,7 +178,8 @@ def _verdict(top: str, row: dict[str, Any], scaling: dict[str, Any], slots: int,
         cores = profile.get("threads_per_slot", 1) * slots
         lead = (f"{slots} slots are SLOWER than 1 would be here (estimated "
                 f"{scaling['estimated_speedup_vs_one_slot']:.2f}x of one slot): communication and {cores} shared "
-                f"CPU cores cost more than they buy; use resources.slots_per_trial: 1 or make each step bigger. Then: " + lead)
+                "CPU cores cost more than they buy; use resources.slots_per_trial: 1 or make each step bigger. "
+                "Then: " + lead)
     return lead
 
 
