@@ -76,7 +76,8 @@ class TestHosts:
     __test__ = False  # not a pytest class
 
     def __init__(self, n: int = 2, subnet: str = DEFAULT_SUBNET, ifnames: Sequence[str] | None = None,
-                 rate: str | None = None, extra_veth: dict[int, tuple[str, str]] | None = None) -> None:
+                 rate: str | None = None, extra_veth: dict[int, tuple[str, str]] | None = None,
+                 pin_cpus: bool = False) -> None:
         if not 2 <= n <= 3:
             raise ValueError(f"2 or 3 hosts, got {n}")
         net = ipaddress.ip_network(subnet)
@@ -93,6 +94,10 @@ class TestHosts:
         # Per host: a second interface (name, cidr) on a dangling veth: reaches nothing (for tests).
         self.extra_veth = extra_veth or {}
         self._procs: list[subprocess.Popen] = []
+        # Pinning host i to CPU i (round robin) gives each host cores of its own, as separate machines
+        # have; unpinned, every host sizes its thread pools for the whole machine and they fight.
+        cpus = sorted(os.sched_getaffinity(0))
+        self.cpus = [cpus[i % len(cpus)] for i in range(n)] if pin_cpus else None
 
     # ----------------------------------------------------------------------------------- lifecycle
     def __enter__(self) -> TestHosts:
@@ -158,7 +163,8 @@ class TestHosts:
 
     # -------------------------------------------------------------------------------------- running
     def argv(self, i: int, argv: Sequence[str]) -> list[str]:
-        return [*self.hosts[i].exec_prefix(), *argv]
+        pin = ["taskset", "-c", str(self.cpus[i])] if self.cpus is not None else []
+        return [*self.hosts[i].exec_prefix(), *pin, *argv]
 
     def popen(self, i: int, argv: Sequence[str], **kwargs: object) -> subprocess.Popen:
         """Start ``argv`` on host ``i`` in its own process group (killed by :meth:`destroy`)."""
@@ -215,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subnet", default=DEFAULT_SUBNET)
     parser.add_argument("--rate", help="tbf rate on every host link, e.g. 200mbit")
     parser.add_argument("--ifnames", help="comma-separated interface name per host (default eth0 everywhere)")
+    parser.add_argument("--pin-cpus", action="store_true", help="DTRAIN_TESTHOSTS_EXEC_<i> pins host i to CPU i")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND ARGS, or 'cleanup'")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -231,10 +238,10 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     ifnames = args.ifnames.split(",") if args.ifnames else None
-    with TestHosts(args.hosts, args.subnet, ifnames, args.rate) as hosts:
+    with TestHosts(args.hosts, args.subnet, ifnames, args.rate, pin_cpus=args.pin_cpus) as hosts:
         env = {**os.environ, "DTRAIN_TESTHOSTS": hosts.env_description()}
-        for i, h in enumerate(hosts.hosts):
-            env[f"DTRAIN_TESTHOSTS_EXEC_{i}"] = " ".join(h.exec_prefix())
+        for i in range(len(hosts.hosts)):
+            env[f"DTRAIN_TESTHOSTS_EXEC_{i}"] = " ".join(hosts.argv(i, []))
         start = time.monotonic()
         try:
             proc = subprocess.Popen(command, env=env, start_new_session=True)

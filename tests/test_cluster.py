@@ -147,13 +147,13 @@ def test_slurm_script_runs_on_two_hosts(tmp_path):
     (tmp_path / "job.sh").write_text(script)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    with testhosts.TestHosts(2) as hosts:
+    with testhosts.TestHosts(2, pin_cpus=True) as hosts:
         (bin_dir / "scontrol").write_text("#!/bin/sh\n# scontrol show hostnames LIST\n"
                                           f"{sys.executable} -c 'import sys; from dtrain.dist import expand_hostlist; "
                                           "print(*expand_hostlist(sys.argv[1]), sep=chr(10))' \"$3\"\n")
         tasks = "\n".join(
             f"SLURM_NODEID={i} SLURM_PROCID={i} SLURM_LOCALID=0 SLURM_STEP_NUM_TASKS=2 SLURM_STEP_NUM_NODES=2 "
-            f"SLURM_STEP_NODELIST='h[0-1]' {' '.join(h.exec_prefix())} \"$@\" > {tmp_path}/task{i}.log 2>&1 &"
+            f"SLURM_STEP_NODELIST='h[0-1]' {' '.join(hosts.argv(i, []))} \"$@\" > {tmp_path}/task{i}.log 2>&1 &"
             for i, h in enumerate(hosts.hosts))
         (bin_dir / "srun").write_text("#!/bin/bash\n# srun OPTIONS... COMMAND: one task per test host\n"
                                       "while [[ $1 == --* ]]; do shift; done\n"

@@ -127,7 +127,8 @@ def _run_on_hosts(hosts: testhosts.TestHosts, jobs: list[tuple[int, list[str], d
 def two_hosts():
     # Different interface names on the two hosts: only the subnet says they are the same network. Host 1
     # also has a second interface, x0, on a network that reaches nothing.
-    with testhosts.TestHosts(2, ifnames=["eth0", "ens5"], extra_veth={1: ("x0", "10.213.1.2/24")}) as hosts:
+    with testhosts.TestHosts(2, ifnames=["eth0", "ens5"], extra_veth={1: ("x0", "10.213.1.2/24")},
+                             pin_cpus=True) as hosts:
         yield hosts
 
 
