@@ -108,6 +108,29 @@ class Optimizations(_Strict):
         return self
 
 
+class LocalSGDOptions(_Strict):
+    # Average weights every `period` optimizer steps, after `warmup_steps` fully synchronous steps.
+    period: int = Field(default=4, ge=1)
+    warmup_steps: int = Field(default=10, ge=0)
+
+
+class ParameterServerOptions(_Strict):
+    # Dedicated server ranks (the last ones); parameters are sharded across them.
+    servers: int = Field(default=1, ge=1)
+    # sync: every update averages all workers' gradients (equivalent to all-reduce SGD);
+    # async: each worker's gradient is applied on arrival, no worker more than `staleness` updates behind.
+    mode: Literal["sync", "async"] = "sync"
+    staleness: int = Field(default=1, ge=0)
+
+
+class SyncOptions(_Strict):
+    """How replicas are kept in sync: one strategy per module of ``dtrain.sync``."""
+
+    strategy: Literal["ddp", "allreduce", "parameter_server", "local_sgd", "fsdp"] = "ddp"
+    local_sgd: LocalSGDOptions = Field(default_factory=LocalSGDOptions)
+    parameter_server: ParameterServerOptions = Field(default_factory=ParameterServerOptions)
+
+
 class ExperimentConfig(_Strict):
     """A whole experiment. Field names and meanings follow Determined where it has one."""
 
@@ -127,6 +150,7 @@ class ExperimentConfig(_Strict):
     optimizations: Optimizations = Field(default_factory=Optimizations)
     data_loader: DataLoaderOptions = Field(default_factory=DataLoaderOptions)
     profiling: Profiling = Field(default_factory=Profiling)
+    sync: SyncOptions = Field(default_factory=SyncOptions)
     # Folder the entrypoint module is imported from; set from the config file's location.
     code_dir: str = "."
 
@@ -139,7 +163,27 @@ class ExperimentConfig(_Strict):
             raise ValueError("hyperparameters.global_batch_size is required (an integer >= 1)")
         if isinstance(gbs, bool) or not isinstance(gbs, int) or gbs < 1:
             raise ValueError(f"hyperparameters.global_batch_size must be an integer >= 1, got {gbs!r}")
+        self._check_strategy_options()
         return self
+
+    def _check_strategy_options(self) -> None:
+        strategy, o = self.sync.strategy, self.optimizations
+        if o.gradient_compression == "powersgd" and strategy != "ddp":
+            raise ValueError(f"gradient_compression: powersgd is a DDP comm hook; sync.strategy {strategy!r} "
+                             "cannot honour it: use sync.strategy: ddp, or fp16/bf16 compression")
+        if o.gradient_compression != "none" and strategy in ("fsdp", "parameter_server"):
+            raise ValueError(f"sync.strategy {strategy!r} cannot honour gradient_compression "
+                             f"{o.gradient_compression!r}; set optimizations.gradient_compression: none")
+        if o.auto_tune_tensor_fusion and strategy != "ddp":
+            raise ValueError(f"auto_tune_tensor_fusion tunes DDP's buckets; sync.strategy {strategy!r} cannot "
+                             "honour it: set optimizations.auto_tune_tensor_fusion: false")
+        if strategy == "parameter_server":
+            servers = self.sync.parameter_server.servers
+            if servers >= self.resources.slots_per_trial:
+                raise ValueError(
+                    f"sync.parameter_server.servers is {servers} with resources.slots_per_trial "
+                    f"{self.resources.slots_per_trial}: no worker left; use at least {servers + 1} slots "
+                    "(servers + workers) or fewer servers")
 
     @property
     def global_batch_size(self) -> int:

@@ -158,11 +158,16 @@ class DistributedContext:
         aggregation group (every batch when ``aggregation_frequency`` is 1)."""
         if not self.sync_gradients:
             return
+        with self.timer.phase("comm_exposed", before="other"):
+            self.strategy.exchange_gradients(optimizer)
         with self.timer.phase("optimizer", before="other"):
             if clip_grad_norm is not None:
                 params = [p for g in optimizer.param_groups for p in g["params"]]
                 torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-            optimizer.step()
+            self.strategy.step(optimizer)
+        with self.timer.phase("comm_exposed", before="other"):
+            self.strategy.after_step(optimizer)  # before zero_grad: torch's averager skips grad-less params
+        with self.timer.phase("optimizer", before="other"):
             optimizer.zero_grad(set_to_none=True)
 
     # --------------------------------------------------------------------------------------- metrics
@@ -170,7 +175,7 @@ class DistributedContext:
         """Weighted mean of each metric across slots (collective: every rank calls it with the same keys)."""
         acc = MeanAccumulator()
         acc.add(metrics, weight)
-        return acc.global_means()
+        return acc.global_means(self.strategy.dp_group)
 
     def barrier(self) -> None:
         ddist.barrier()
@@ -180,18 +185,24 @@ class DistributedContext:
                         keep_last: int = 2, rank_extra: Mapping[str, Any] | None = None) -> Path:
         """Collective: save wrapped models, optimizers, schedulers and ``extra`` (chief's) under
         ``directory/<batches>``; ``rank_extra`` is kept per rank, beside that rank's RNG state."""
+        models = [self.strategy.model_state_dict(m) for m in self.models]  # may be collective (FSDP)
         payload = None
         if self.is_chief:
             payload = checkpoint.CheckpointPayload(
                 batches=batches,
-                models=[self.unwrap(m).state_dict() for m in self.models],
+                models=models,
                 optimizers=self._optimizer_states(),
                 trainer_state={"extra": dict(extra or {})},
-                metadata={"world_size": self.world_size},
+                metadata={"world_size": self.world_size, "strategy": self.strategy.name},
             )
-        # Strategy state (e.g. PowerSGD error feedback) differs between ranks: it is saved per rank.
-        rank_state = {"batches": batches, "rng": checkpoint.rng_state(), "extra": dict(rank_extra or {}),
-                      "strategy": self.strategy.state_dict()}
+        # Strategy state (e.g. PowerSGD error feedback) differs between ranks: it is saved per rank, and so
+        # are weights and optimizer state when the strategy lets them differ (local SGD, FSDP shards).
+        rank_state: dict[str, Any] = {"batches": batches, "rng": checkpoint.rng_state(),
+                                      "extra": dict(rank_extra or {}), "strategy": self.strategy.state_dict()}
+        if self.strategy.replicas_may_differ:
+            rank_state["models"] = [self.unwrap(m).state_dict() for m in self.models]
+        if self.strategy.per_rank_optimizer_state:
+            rank_state["optimizers"] = self._optimizer_states()
         return checkpoint.save(Path(directory), payload, rank_state, self.rank, keep_last)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
@@ -210,16 +221,24 @@ class DistributedContext:
             raise UserError(f"{path} is not a dtrain checkpoint (no metadata.json); pass a checkpoint folder")
         loaded = checkpoint.load(path, self.rank)
         self._check_counts(loaded, path)
-        for model, state in zip(self.models, loaded.models, strict=True):
-            self.unwrap(model).load_state_dict(state)
+        same_layout = (loaded.rank_state is not None and loaded.metadata.get("world_size") == self.world_size
+                       and loaded.metadata.get("strategy", self.strategy.name) == self.strategy.name)
+        rank_state = loaded.rank_state if same_layout and loaded.rank_state is not None else {}
+        for model, state in zip(self.models, rank_state.get("models", loaded.models), strict=True):
+            self.strategy.load_model_state_dict(model, state)
+        optimizer_states = rank_state.get("optimizers", loaded.optimizers)
+        if self.strategy.per_rank_optimizer_state and "optimizers" not in rank_state:
+            raise UserError(f"checkpoint {path} has no optimizer state for rank {self.rank} of "
+                            f"{self.world_size} ({self.strategy.name} keeps it per rank); resume with "
+                            f"{loaded.metadata.get('world_size')} slots and the same sync.strategy")
         n_opt = len(self.optimizers)
-        for opt, state in zip(self.optimizers, loaded.optimizers[:n_opt], strict=True):
+        for opt, state in zip(self.optimizers, optimizer_states[:n_opt], strict=True):
             opt.load_state_dict(state)
-        for sched, state in zip(self.lr_schedulers, loaded.optimizers[n_opt:], strict=False):
+        for sched, state in zip(self.lr_schedulers, optimizer_states[n_opt:], strict=False):
             sched.load_state_dict(state)
-        if loaded.rank_state is not None and loaded.metadata.get("world_size") == self.world_size:
-            checkpoint.set_rng_state(loaded.rank_state["rng"])
-            self.strategy.load_state_dict(loaded.rank_state.get("strategy", {}))
+        if same_layout:
+            checkpoint.set_rng_state(rank_state["rng"])
+            self.strategy.load_state_dict(rank_state.get("strategy", {}))
         elif self.is_chief:
             log.warning("checkpoint was written by %s slots, this job has %d: RNG streams are reseeded, so the "
                         "result will not be bit-identical to an uninterrupted run",
@@ -249,7 +268,8 @@ class TrialContext(DistributedContext):
                          seed=config.seed, config=config, profile=config.profiling.enabled,
                          warmup_steps=config.profiling.warmup_steps)
         self.config = config
-        self.per_slot_batch_size = data.per_slot_batch_size(config.global_batch_size, self.world_size)
+        # Slots that train: all of them, except a parameter server's server ranks.
+        self.per_slot_batch_size = data.per_slot_batch_size(config.global_batch_size, self.strategy.dp_world)
 
     def get_hparams(self) -> dict[str, Any]:
         return dict(self.config.hyperparameters)
@@ -265,8 +285,8 @@ class TrialContext(DistributedContext):
         return self.per_slot_batch_size
 
     def get_global_batch_size(self) -> int:
-        """The effective global batch: per-slot batch x slots (a remainder is dropped)."""
-        return self.per_slot_batch_size * self.world_size
+        """The effective global batch: per-slot batch x training slots (a remainder is dropped)."""
+        return self.per_slot_batch_size * self.strategy.dp_world
 
     def get_experiment_config(self) -> ExperimentConfig:
         return self.config

@@ -54,18 +54,21 @@ class MeanAccumulator:
     def local_means(self) -> dict[str, float]:
         return {k: v / self.weight for k, v in sorted(self.sums.items())} if self.weight else {}
 
-    def global_means(self) -> dict[str, float]:
+    def global_means(self, group: Any = None) -> dict[str, float]:
         """Exact means over every slot's records: sums and weights are added, then divided once.
 
         This is a collective: every rank must call it. A key count travels with the sums so that ranks
         reporting different metric names fail loudly instead of mixing numbers up.
         """
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if not (dist.is_initialized() and dist.get_world_size(group) > 1):
             return self.local_means()
         names = sorted(self.sums)
         packed = torch.tensor([float(len(names)), self.weight, *(self.sums[n] for n in names)], dtype=torch.float64)
-        dist.all_reduce(packed)
-        world = dist.get_world_size()
+        if dist.get_backend(group) == "nccl":
+            packed = packed.cuda()
+        dist.all_reduce(packed, group=group)
+        packed = packed.cpu()
+        world = dist.get_world_size(group)
         if packed[0].item() != len(names) * world:
             raise RuntimeError(f"ranks reported different metric names (this rank: {names}); report the same keys")
         total_weight = packed[1].item()

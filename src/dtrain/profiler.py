@@ -224,33 +224,33 @@ class StepTimer:
 RANK_FIELDS = (*PHASES, "step", *COMM_FIELDS)
 
 
-def latency_probe(repeats: int = 10) -> float:
+def latency_probe(repeats: int = 10, group: Any = None) -> float:
     """Median time of an all-reduce of one float: the per-message cost, independent of bandwidth."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return 0.0
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     one = torch.zeros(1, device=device)
-    dist.all_reduce(one)  # warm-up
+    dist.all_reduce(one, group=group)  # warm-up
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        dist.all_reduce(one)
+        dist.all_reduce(one, group=group)
         if device is not None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
 
 
-def gather_rank_stats(timer: StepTimer) -> list[dict[str, float]]:
-    """Every rank's per-step means, gathered on all ranks (one small all_gather)."""
+def gather_rank_stats(timer: StepTimer, group: Any = None) -> list[dict[str, float]]:
+    """Every rank's per-step means, gathered on all ranks of ``group`` (one small all_gather)."""
     mine = timer.per_step()
     values = torch.tensor([mine[f] for f in RANK_FIELDS], dtype=torch.float64)
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return [dict(zip(RANK_FIELDS, values.tolist(), strict=True))]
-    if dist.get_backend() == "nccl":
+    if dist.get_backend(group) == "nccl":
         values = values.cuda()
-    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, values)
+    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, values, group=group)
     return [dict(zip(RANK_FIELDS, g.cpu().tolist(), strict=True)) for g in gathered]
 
 

@@ -6,6 +6,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,11 @@ def run_trial(config: ExperimentConfig, run_dir: Path, resume_from: Path | None,
         context.close()
 
 
+def _crossed(period: int | None, previous: int, now: int) -> bool:
+    """A multiple of ``period`` lies in (previous, now]."""
+    return bool(period) and now // period > previous // period  # type: ignore[operator]
+
+
 class Trainer:
     def __init__(self, context: TrialContext, trial: PyTorchTrial, config: ExperimentConfig, run_dir: Path,
                  quiet: bool) -> None:
@@ -56,10 +62,11 @@ class Trainer:
         self.global_batch = context.get_global_batch_size()
         workers = config.data_loader.num_workers
         train_set = trial.build_training_data()
-        self.loader, self.sampler = data.train_loader(train_set, self.per_slot, context.rank, context.world_size,
-                                                      config.seed, workers)
+        dp_rank, dp_world = context.strategy.dp_rank, context.strategy.dp_world
+        self.loader, self.sampler = data.train_loader(train_set, self.per_slot, dp_rank, dp_world, config.seed,
+                                                      workers)
         val_set = trial.build_validation_data()
-        self.val_loader = (data.eval_loader(val_set, self.per_slot, context.rank, context.world_size, workers)
+        self.val_loader = (data.eval_loader(val_set, self.per_slot, dp_rank, dp_world, workers)
                            if val_set is not None else None)
         self.synthetic_batch: Any = None
         self.batches_per_epoch = data.batches_per_epoch(train_set, self.global_batch)
@@ -100,37 +107,69 @@ class Trainer:
         return length.to_batches(self.batches_per_epoch) if length is not None else None
 
     # ---------------------------------------------------------------------------------------- loop
+    def schedule(self) -> Iterator[tuple[int, bool, bool, bool]]:
+        """(batches after this step, exchange gradients?, validate?, checkpoint?) for every remaining batch.
+
+        Gradients are exchanged on the last batch of each aggregation group and on the very last batch;
+        validation and checkpoints only happen there (mid-group, weights have not changed and accumulated
+        gradients are not saved), when a period boundary was crossed since the previous exchange.
+        Every rank derives the same schedule, so a parameter server's servers keep step with the workers.
+        """
+        k = self.ctx.aggregation_frequency
+        previous = self.batches
+        for b in range(self.batches + 1, self.total_batches + 1):
+            sync = b % k == 0 or b == self.total_batches
+            validate = sync and _crossed(self.val_every, previous, b)
+            ckpt = sync and _crossed(self.ckpt_every, previous, b)
+            previous = b if sync else previous
+            yield b, sync, validate, ckpt
+
     def fit(self) -> dict[str, Any]:
         start = time.perf_counter()
+        if self.ctx.strategy.is_server:
+            return self._serve(start)
         last_val = last_ckpt = -1
-        previous_sync = self.batches
-        k = self.ctx.aggregation_frequency
-        while self.batches < self.total_batches:
-            # Gradients are exchanged on the last batch of each group of k (and on the very last batch).
-            with self.ctx.gradient_sync((self.batches + 1) % k == 0 or self.batches + 1 == self.total_batches):
+        for b, sync, validate, ckpt in self.schedule():
+            with self.ctx.gradient_sync(sync):
                 self._train_step()
-            if self.batches % self.config.scheduling_unit == 0 or self.batches == self.total_batches:
+            if b % self.config.scheduling_unit == 0 or b == self.total_batches:
                 self._report_training()
-            if not self.ctx.sync_gradients:
-                continue  # mid-group: weights have not changed yet, and accumulated gradients are not saved
-            self._tune_fusion()
-            if self._crossed(self.val_every, previous_sync):
+            if sync:
+                self._tune_fusion()
+            if validate or ckpt:
+                self.ctx.strategy.refresh()
+            if validate:
                 self._validate()
-                last_val = self.batches
-            if self._crossed(self.ckpt_every, previous_sync):
+                last_val = b
+            if ckpt:
                 self._checkpoint()
-                last_ckpt = self.batches
-            previous_sync = self.batches
+                last_ckpt = b
+        self.ctx.strategy.refresh()
         if self.val_loader is not None and last_val != self.batches:
             self._validate()
         if last_ckpt != self.batches:
             self._checkpoint()  # a final checkpoint is always written
         return self._finish(time.perf_counter() - start)
 
-    def _crossed(self, period: int | None, previous_sync: int) -> bool:
-        """A multiple of ``period`` lies in (previous_sync, batches]: with aggregation, a period boundary
-        that falls mid-group is honoured at the group's end."""
-        return bool(period) and self.batches // period > previous_sync // period  # type: ignore[operator]
+    def _serve(self, start: float) -> dict[str, Any]:
+        """A parameter server's server rank: apply the workers' gradients, join their checkpoints."""
+        strategy, optimizer = self.ctx.strategy, self.ctx.optimizers[0]
+        updates = strategy.stats.updates  # type: ignore[attr-defined]
+        last_ckpt = -1
+        for b, sync, validate, ckpt in self.schedule():
+            updates += sync
+            if validate or ckpt:
+                strategy.serve(optimizer, updates, workers_pull=True)  # type: ignore[attr-defined]
+            self.batches = b
+            if ckpt:
+                self._checkpoint()
+                last_ckpt = b
+        strategy.serve(optimizer, updates, workers_pull=True)  # type: ignore[attr-defined]
+        if last_ckpt != self.batches:
+            self._checkpoint()
+        strategy.write_stats(self.run_dir)  # type: ignore[attr-defined]
+        all_hostnames()  # the workers' end-of-run collective over every rank
+        return {"role": "server", "wall_seconds": time.perf_counter() - start}
 
     def _tune_fusion(self) -> None:
         if self.tuner is None:
@@ -168,7 +207,7 @@ class Trainer:
 
     def _report_training(self) -> None:
         if self.config.optimizations.average_training_metrics:
-            means = self.train_metrics.global_means()  # collective: every slot contributes
+            means = self.train_metrics.global_means(self.ctx.strategy.dp_group)  # collective over training slots
         elif self.ctx.is_chief:
             means = self.train_metrics.local_means()  # chief's own, no communication
         else:
@@ -195,7 +234,7 @@ class Trainer:
                 acc.add(metrics, weight=data.batch_size_of(batch))  # exact: sums over records, not mean of means
         for model in self.ctx.models:
             model.train()
-        self.last_validation = acc.global_means()
+        self.last_validation = acc.global_means(self.ctx.strategy.dp_group)
         self.validation_seconds += time.perf_counter() - start
         if self.writer is not None:
             epoch = (self.batches - 1) // self.batches_per_epoch
@@ -231,12 +270,14 @@ class Trainer:
     def _finish(self, wall_seconds: float) -> dict[str, Any]:
         self.progress.close()
         timer = self.ctx.timer
-        per_rank = gather_rank_stats(timer)  # collectives: every rank takes part
-        latency = latency_probe()
+        group = self.ctx.strategy.dp_group
+        per_rank = gather_rank_stats(timer, group)  # collectives: every training slot takes part
+        latency = latency_probe(group=group)
         hosts = all_hostnames()
         steady = timer.profiled_steps * self.global_batch / timer.profiled_seconds if timer.profiled_seconds else 0.0
         run = {
-            "slots": self.ctx.world_size,
+            "slots": self.ctx.strategy.dp_world,
+            "strategy": self.ctx.strategy.name,
             "backend": self.ctx.backend,
             "device": self.ctx.device.type,
             "threads_per_slot": self.ctx.num_threads,

@@ -59,11 +59,10 @@ class DDPStrategy(SyncStrategy):
     def __init__(self, device: torch.device, bucket_cap_mb: float, compression: str = "none",
                  powersgd: PowerSGDOptions | None = None, recorder: CommRecorder | None = None,
                  rebuildable: bool = False, seed: int = 0) -> None:
-        super().__init__(device)
+        super().__init__(device, recorder)
         self.bucket_cap_mb = bucket_cap_mb
         self.compression = compression
         self.powersgd_options = powersgd or PowerSGDOptions()
-        self.recorder = recorder
         self.rebuildable = rebuildable
         self.seed = seed
         self.powersgd_states: list[PowerSGDState] = []

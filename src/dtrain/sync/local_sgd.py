@@ -1,0 +1,64 @@
+"""``local_sgd``: each slot steps on its own gradients; weights are averaged every ``period`` steps, after
+``warmup_steps`` fully synchronous steps (gradients averaged as in ``allreduce``).
+
+Averaging uses torch's ``PeriodicModelAverager`` (the reference for post-local SGD). Between averagings
+the replicas differ, and so do the optimizers' states (momentum): checkpoints keep each rank's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+from dtrain.profiler import CommRecorder
+from dtrain.sync.allreduce import average_gradients, optimizer_params
+from dtrain.sync.base import SyncStrategy, broadcast_from_chief
+from dtrain.sync.compression import COMPRESSORS
+
+
+class LocalSGDStrategy(SyncStrategy):
+    name = "local_sgd"
+    replicas_may_differ = True
+    per_rank_optimizer_state = True
+
+    def __init__(self, device: torch.device, period: int, warmup_steps: int, bucket_cap_mb: float,
+                 compression: str = "none", recorder: CommRecorder | None = None) -> None:
+        super().__init__(device, recorder)
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.warmup_steps = warmup_steps
+        self.bucket_cap_mb = bucket_cap_mb
+        self.compressor = COMPRESSORS[compression]
+        self.averager = PeriodicModelAverager(period=period, warmup_steps=warmup_steps) if self.world > 1 else None
+        self.steps = 0
+        self.averaged_last_step = False
+
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.device)
+        if self.world > 1:
+            broadcast_from_chief(model)
+        return model
+
+    def exchange_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.world > 1 and self.steps < self.warmup_steps:
+            average_gradients(optimizer_params(optimizer), self.bucket_cap_mb, self.compressor, self.recorder)
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.steps += 1
+        if self.averager is None:
+            return
+        before = self.averager.step
+        period, warmup = self.averager.period, self.averager.warmup_steps
+        self.averaged_last_step = before >= warmup and (before - warmup) % period == 0
+        self.averager.average_parameters(optimizer.param_groups)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "averager_step": self.averager.step if self.averager else 0}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state.get("steps", 0))
+        if self.averager is not None:
+            self.averager.step = int(state.get("averager_step", 0))

@@ -1,0 +1,239 @@
+"""``parameter_server``: server ranks hold the master weights and the optimizer; workers push gradients
+and pull fresh weights.
+
+Roles: the last ``servers`` ranks are servers, the others workers (the only ranks that train: data is
+split among them). Parameters are assigned whole to servers, balancing element counts; each server steps
+the trial's own optimizer over the parameters it owns (torch optimizers skip parameters whose gradient
+is None). Everything travels as tensors over torch.distributed: no pickled objects, no sockets of ours.
+
+* ``sync``: per update, each server's gradients are summed with ``reduce`` onto the server over a group of
+  {workers, that server}, averaged and applied, and the new weights sent back with ``broadcast``. The
+  result equals all-reduce SGD on the same global batch.
+* ``async``: workers push (``send``) whenever they finish a step and the server applies each gradient on
+  arrival. Staleness is bounded as in stale synchronous parallel (SSP): a worker's clock is the number of
+  gradients it has pushed, and the server only answers a worker (which then computes its next gradient)
+  when its clock is at most ``staleness`` ahead of the slowest worker's. So the weights a worker computes
+  iteration c on contain every worker's gradients of iterations before c - staleness. The server asserts
+  this bound on every reply and writes its statistics to ``ps_stats.json``.
+
+Limitation: an LR scheduler stepped inside ``train_batch`` runs on the workers, not on the servers' optimizer.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dtrain.config import ParameterServerOptions
+from dtrain.profiler import CommRecorder
+from dtrain.sync.base import SyncStrategy, broadcast_from_chief
+
+PUSH, PULL = 1, 2
+
+
+def assign_to_servers(params: list[nn.Parameter], servers: int) -> list[int]:
+    """Server index of each parameter: whole parameters, greedily balancing element counts."""
+    load = [0] * servers
+    owner = []
+    for p in params:
+        j = min(range(servers), key=lambda s: load[s])
+        owner.append(j)
+        load[j] += p.numel()
+    return owner
+
+
+def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+@dataclass
+class ServerStats:
+    updates: int = 0
+    max_clock_spread: int = 0
+    pushes: dict[int, int] = field(default_factory=dict)
+
+
+class ParameterServerStrategy(SyncStrategy):
+    name = "parameter_server"
+    per_rank_optimizer_state = True  # the servers' optimizer shards live in their own rank files
+
+    def __init__(self, device: torch.device, options: ParameterServerOptions,
+                 recorder: CommRecorder | None = None) -> None:
+        super().__init__(device, recorder)
+        self.options = options
+        self.rank = dist.get_rank()
+        world = dist.get_world_size()
+        self.server_ranks = list(range(world - options.servers, world))
+        self.worker_ranks = list(range(world - options.servers))
+        self.is_server = self.rank in self.server_ranks
+        # Every rank must create every group, in the same order.
+        self.dp_group = dist.new_group(self.worker_ranks)
+        self.server_groups = [dist.new_group([*self.worker_ranks, s]) for s in self.server_ranks]
+        self.params: list[nn.Parameter] = []
+        self.owner: list[int] = []
+        self.clock = 0  # async: gradients this worker has pushed
+        self.stats = ServerStats()
+        self._server_clocks = dict.fromkeys(self.worker_ranks, 0)
+        self._deferred: list[int] = []
+        self._pulls = 0
+
+    # ------------------------------------------------------------------------------------ roles
+    @property
+    def dp_rank(self) -> int:
+        return self.worker_ranks.index(self.rank) if not self.is_server else 0
+
+    @property
+    def dp_world(self) -> int:
+        return len(self.worker_ranks)
+
+    def setup_model(self, model: nn.Module) -> nn.Module:
+        if self.params:
+            raise ValueError("parameter_server supports one wrapped model per trial")
+        model = model.to(self.device)
+        broadcast_from_chief(model)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.owner = assign_to_servers(self.params, len(self.server_ranks))
+        return model
+
+    def _owned(self, server_index: int) -> list[nn.Parameter]:
+        return [p for p, j in zip(self.params, self.owner, strict=True) if j == server_index]
+
+    # ---------------------------------------------------------------------------- worker side
+    def exchange_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        start = time.perf_counter()
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.options.mode == "sync":
+            self._sync_round_worker()
+        else:
+            self._async_push()
+        if self.recorder is not None:
+            self.recorder.launches.append(start)
+            self.recorder.completions.append(time.perf_counter())
+            self.recorder.bytes += 2 * sum(p.numel() * p.element_size() for p in self.params)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Workers do not update: the servers did, and the new weights are already in place."""
+
+    def _sync_round_worker(self) -> None:
+        for j, server in enumerate(self.server_ranks):
+            owned = self._owned(j)
+            grads = _flat([p.grad for p in owned])
+            dist.reduce(grads, dst=server, group=self.server_groups[j])
+            weights = _flat([p.data for p in owned])
+            dist.broadcast(weights, src=server, group=self.server_groups[j])
+            _unflatten_into(weights, [p.data for p in owned])
+
+    def _async_push(self) -> None:
+        self.clock += 1
+        header = torch.tensor([PUSH, self.clock], dtype=torch.int64)
+        for j, server in enumerate(self.server_ranks):
+            dist.send(header, dst=server)
+            dist.send(_flat([p.grad for p in self._owned(j)]), dst=server)
+        self._receive_weights()
+
+    def refresh(self) -> None:
+        """Async: fetch the newest weights before validating or checkpointing (sync: already fresh)."""
+        if self.options.mode == "async" and not self.is_server:
+            header = torch.tensor([PULL, self.clock], dtype=torch.int64)
+            for server in self.server_ranks:
+                dist.send(header, dst=server)
+            self._receive_weights()
+
+    def _receive_weights(self) -> None:
+        for j, server in enumerate(self.server_ranks):
+            owned = self._owned(j)
+            weights = _flat([p.data for p in owned])
+            dist.recv(weights, src=server)
+            _unflatten_into(weights, [p.data for p in owned])
+
+    # ---------------------------------------------------------------------------- server side
+    def serve(self, optimizer: torch.optim.Optimizer, updates: int, workers_pull: bool) -> None:
+        """Serve until every worker has made ``updates`` pushes (and, async, pulled once if asked)."""
+        j = self.server_ranks.index(self.rank)
+        owned = self._owned(j)
+        if self.options.mode == "sync":
+            while self.stats.updates < updates:
+                self._sync_round_server(optimizer, j, owned)
+            return
+        self._pulls = 0
+        while (min(self._server_clocks.values()) < updates or self._deferred
+               or (workers_pull and self._pulls < len(self.worker_ranks))):
+            self._async_serve_one(optimizer, owned)
+
+    def _sync_round_server(self, optimizer: torch.optim.Optimizer, j: int, owned: list[nn.Parameter]) -> None:
+        grads = _flat([torch.zeros_like(p) for p in owned])
+        dist.reduce(grads, dst=self.rank, group=self.server_groups[j])
+        grads.div_(len(self.worker_ranks))
+        self._apply(optimizer, owned, grads)
+        weights = _flat([p.data for p in owned])
+        dist.broadcast(weights, src=self.rank, group=self.server_groups[j])
+
+    def _apply(self, optimizer: torch.optim.Optimizer, owned: list[nn.Parameter], grads: torch.Tensor) -> None:
+        for p in self.params:
+            p.grad = None  # parameters of other servers: skipped by the optimizer
+        for p in owned:
+            p.grad = torch.empty_like(p)
+        _unflatten_into(grads, [p.grad for p in owned])
+        optimizer.step()
+        self.stats.updates += 1
+
+    def _async_serve_one(self, optimizer: torch.optim.Optimizer, owned: list[nn.Parameter]) -> None:
+        header = torch.zeros(2, dtype=torch.int64)
+        worker = dist.recv(header)  # from any worker
+        kind, clock = int(header[0]), int(header[1])
+        if kind == PULL:
+            self._pulls += 1
+            self._send_weights(worker, owned)
+            return
+        grads = _flat([torch.zeros_like(p) for p in owned])
+        dist.recv(grads, src=worker)
+        self._apply(optimizer, owned, grads)
+        self._server_clocks[worker] = clock
+        self.stats.pushes[worker] = self.stats.pushes.get(worker, 0) + 1
+        self._deferred.append(worker)
+        self._answer_deferred(owned)
+
+    def _answer_deferred(self, owned: list[nn.Parameter]) -> None:
+        slowest = min(self._server_clocks.values())
+        for worker in list(self._deferred):
+            spread = self._server_clocks[worker] - slowest
+            if spread <= self.options.staleness:  # else the worker waits for the slowest to catch up
+                self.stats.max_clock_spread = max(self.stats.max_clock_spread, spread)
+                self._deferred.remove(worker)
+                self._send_weights(worker, owned)
+
+    def _send_weights(self, worker: int, owned: list[nn.Parameter]) -> None:
+        dist.send(_flat([p.data for p in owned]), dst=worker)
+
+    def write_stats(self, run_dir: Path) -> None:
+        if not self.is_server:
+            return
+        data = {"rank": self.rank, "mode": self.options.mode, "staleness_bound": self.options.staleness,
+                "updates": self.stats.updates, "max_clock_spread": self.stats.max_clock_spread,
+                "pushes_per_worker": {str(k): v for k, v in self.stats.pushes.items()}}
+        (run_dir / f"ps_stats.rank{self.rank}.json").write_text(json.dumps(data, indent=2))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"clock": self.clock, "updates": self.stats.updates,
+                "server_clocks": {str(k): v for k, v in self._server_clocks.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.clock = int(state.get("clock", 0))
+        self.stats.updates = int(state.get("updates", 0))
+        self._server_clocks.update({int(k): int(v) for k, v in state.get("server_clocks", {}).items()})

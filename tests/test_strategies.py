@@ -1,0 +1,145 @@
+"""Weight-synchronization strategies: equivalence, convergence, replicas, memory, exact resume, failures."""
+
+import json
+import time
+
+import pytest
+import torch
+from helpers import ROOT, dtrain_cli, run_ranks, tiny_config
+from torch import nn
+
+DIGITS = ROOT / "examples" / "digits" / "experiment.yaml"
+SLOTS = {"ddp": 2, "allreduce": 2, "local_sgd": 2, "fsdp": 2, "parameter_server": 3}  # PS: 2 workers + 1 server
+
+
+def _weights(run_dir):
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return torch.load(run_dir / "checkpoints" / latest / "model.pt", weights_only=True)
+
+
+def _run(tmp_path, name, cfg, *args, ok=True):
+    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / name), "--quiet", *args)
+    if ok:
+        assert result.code == 0, result.stderr
+    return result
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "parameter_server", "fsdp"])
+def test_same_weights_as_one_slot(tmp_path, strategy):
+    cfg = tiny_config(tmp_path, **{"sync.strategy": strategy})
+    _run(tmp_path, "one", cfg, "--slots", "1", "--set", "sync.strategy=ddp")
+    _run(tmp_path, "many", cfg, "--slots", str(SLOTS[strategy]))
+    one, many = _weights(tmp_path / "one"), _weights(tmp_path / "many")
+    assert one.keys() == many.keys()
+    for name in one:
+        torch.testing.assert_close(many[name], one[name], rtol=1e-5, atol=1e-6)
+    assert json.loads((tmp_path / "many" / "summary.json").read_text())["strategy"] == strategy
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "local_sgd", "fsdp", "parameter_server"])
+def test_crash_fails_fast_and_resume_is_exact(tmp_path, strategy):
+    common = {"sync.strategy": strategy, "max_length": {"batches": 20}, "min_checkpoint_period": {"batches": 8},
+              "sync.local_sgd": {"period": 3, "warmup_steps": 2}}
+    _run(tmp_path, "straight", tiny_config(tmp_path, **common), "--slots", str(SLOTS[strategy]))
+    cfg = tiny_config(tmp_path, **common, **{"hyperparameters.die_at_batch": 11})
+    start = time.monotonic()
+    crashed = _run(tmp_path, "crashed", cfg, "--slots", str(SLOTS[strategy]), ok=False)
+    assert crashed.code == 1 and "worker rank 1 failed" in crashed.stderr, crashed.stderr
+    assert time.monotonic() - start < 60  # a dead rank stops the job, no hang
+    resumed = dtrain_cli("run", str(cfg), "--resume", str(tmp_path / "crashed"), "--quiet", "--slots",
+                         str(SLOTS[strategy]), "--set", "hyperparameters.die_at_batch=null")
+    assert resumed.code == 0, resumed.stderr
+    a, b = _weights(tmp_path / "straight"), _weights(tmp_path / "crashed")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _accuracy(run_dir):
+    return json.loads((run_dir / "summary.json").read_text())["validation"]["accuracy"]
+
+
+def test_async_parameter_server_converges_within_its_staleness_bound(tmp_path):
+    # Asynchrony acts like extra momentum (Mitliagkas et al., 2016): plain SGD here, as advised for async.
+    _run(tmp_path, "async", DIGITS, "--slots", "3", "--set", "sync.strategy=parameter_server",
+         "--set", "sync.parameter_server.mode=async", "--set", "sync.parameter_server.staleness=1",
+         "--set", "hyperparameters.momentum=0.0")
+    assert _accuracy(tmp_path / "async") >= 0.95
+    stats = json.loads((tmp_path / "async" / "ps_stats.rank2.json").read_text())
+    assert stats["mode"] == "async" and stats["staleness_bound"] == 1
+    assert stats["max_clock_spread"] <= 1
+    assert sum(stats["pushes_per_worker"].values()) == stats["updates"] == 2 * 660
+
+
+def test_local_sgd_converges(tmp_path):
+    _run(tmp_path, "local", DIGITS, "--set", "sync.strategy=local_sgd")
+    assert _accuracy(tmp_path / "local") >= 0.95
+
+
+def _local_sgd_replicas(rank, world):
+    from dtrain.config import config_from_dict
+    from dtrain.context import TrialContext
+
+    cfg = config_from_dict({"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
+                            "max_length": {"batches": 1}, "sync": {"strategy": "local_sgd",
+                                                                   "local_sgd": {"period": 3, "warmup_steps": 2}}})
+    ctx = TrialContext(cfg)
+    model = ctx.wrap_model(nn.Linear(4, 2))
+    opt = ctx.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    checked, differed = 0, 0
+    for step in range(10):
+        torch.manual_seed(100 * rank + step)  # different data on each rank
+        ctx.backward(model(torch.randn(4, 4)).pow(2).mean())
+        ctx.step_optimizer(opt)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        gathered = [torch.empty_like(flat) for _ in range(world)]
+        torch.distributed.all_gather(gathered, flat)
+        same = torch.equal(gathered[0], gathered[1])
+        if step < 2 or ctx.strategy.averaged_last_step:
+            assert same, f"replicas differ right after step {step}, a synchronous or averaging step"
+            checked += 1
+        differed += not same
+    ctx.close()
+    return checked, differed
+
+
+def test_local_sgd_replicas_identical_right_after_averaging():
+    (checked, differed), _ = run_ranks(_local_sgd_replicas, world_size=2, timeout=60)
+    assert checked == 2 + 3 and differed > 0  # warm-up steps 0,1; averaging at 2,5,8; local steps in between
+
+
+def _fsdp_memory(rank, world):
+    from dtrain.sync.fsdp import FSDPStrategy, local_optimizer_numel
+
+    import dtrain
+
+    ctx = dtrain.init()
+    strategy = FSDPStrategy(ctx.device)
+    model = strategy.setup_model(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(8, 64)).sum().backward()
+    opt.step()
+    local = FSDPStrategy.local_numel(model) + local_optimizer_numel(opt)
+    ctx.close()
+    return local
+
+
+def test_fsdp_keeps_about_one_nth_of_the_state_per_rank():
+    full_params = 64 * 256 + 256 + 256 * 64 + 64
+    ddp_state = full_params * 3  # parameters + Adam's two moments, whole on every DDP rank
+    local = run_ranks(_fsdp_memory, world_size=2, timeout=60)
+    for value in local:
+        assert 0.45 <= value / ddp_state <= 0.55, value / ddp_state
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    ({"sync.strategy": "gossip"}, "sync.strategy: got 'gossip'"),
+    ({"sync.strategy": "parameter_server", "sync.parameter_server": {"servers": 2}}, "no worker left"),
+    ({"sync.parameter_server": {"staleness": -1}}, "sync.parameter_server.staleness"),
+    ({"sync.local_sgd": {"period": 0}}, "sync.local_sgd.period"),
+    ({"sync.strategy": "fsdp", "optimizations.gradient_compression": "fp16"}, "cannot honour"),
+    ({"sync.strategy": "allreduce", "optimizations.gradient_compression": "powersgd"}, "cannot honour"),
+])
+def test_bad_strategy_options(tmp_path, overrides, fragment):
+    result = dtrain_cli("run", str(tiny_config(tmp_path, **overrides)), "--run-dir", str(tmp_path / "r"))
+    assert result.code == 2 and fragment in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
