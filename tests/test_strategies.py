@@ -143,3 +143,21 @@ def test_bad_strategy_options(tmp_path, overrides, fragment):
     result = dtrain_cli("run", str(tiny_config(tmp_path, **overrides)), "--run-dir", str(tmp_path / "r"))
     assert result.code == 2 and fragment in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_compare_table_and_plot(tmp_path):
+    import matplotlib.image
+
+    cfg = tiny_config(tmp_path)
+    out = tmp_path / "cmp"
+    result = dtrain_cli("compare", str(cfg), "--strategies", "ddp,local_sgd,fsdp", "--steps", "10",
+                        "--out", str(out), timeout=180)
+    assert result.code == 0, result.stderr
+    rows = json.loads((out / "compare.json").read_text())
+    assert [r["strategy"] for r in rows] == ["ddp", "local_sgd", "fsdp"]
+    for r in rows:
+        assert r["samples_per_second"] > 0 and r["final_loss"] is not None and "mse" in r["validation"]
+    assert rows[2]["state_bytes_per_rank"] < rows[0]["state_bytes_per_rank"]  # FSDP shards
+    assert matplotlib.image.imread(out / "compare.png").shape[1] > 400
+    bad = dtrain_cli("compare", str(cfg), "--strategies", "ddp,gossip")
+    assert bad.code == 2 and "'gossip' is not a strategy" in bad.stderr

@@ -31,15 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--run-dir", type=Path, help="run directory (default runs/<name>-<timestamp>)")
     run.add_argument("--resume", type=Path, metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     run.add_argument("--quiet", action="store_true", help="no progress bar or per-report lines")
-    nodes = run.add_argument_group("several machines (run the same command on every node)")
-    nodes.add_argument("--nnodes", metavar="N|MIN:MAX", help="number of nodes; slots_per_trial is split across them "
-                       "(MIN:MAX: elastic, with --rdzv-backend c10d)")
-    nodes.add_argument("--node-rank", type=int, metavar="R", help="this node's rank, 0 to N-1 (static rendezvous)")
-    nodes.add_argument("--master", metavar="HOST:PORT", help="rendezvous address, hosted by node 0 (static) or the "
-                       "node owning HOST (c10d)")
-    nodes.add_argument("--rdzv-backend", choices=["static", "c10d"], help="static (default): node ranks given; "
-                       "c10d: ranks assigned, nodes may join elastically")
-    nodes.add_argument("--rdzv-id", metavar="ID", help="c10d job id, the same on every node (default dtrain-<name>)")
+    _add_node_args(run)
 
     bench = sub.add_parser("bench", help="measure scaling: the same trial at several slot counts")
     bench.add_argument("config", type=Path, help="experiment YAML")
@@ -48,6 +40,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--steps", type=_positive_int, default=100, help="training steps per case")
     bench.add_argument("--out", type=Path, help="output folder (default runs/bench-<name>-<timestamp>)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    compare = sub.add_parser("compare", help="the same trial under several sync strategies, side by side")
+    compare.add_argument("config", type=Path, help="experiment YAML")
+    compare.add_argument("--strategies", default="ddp,allreduce,parameter_server,local_sgd,fsdp",
+                         help="comma-separated sync strategies (default: all five)")
+    compare.add_argument("--steps", type=_positive_int, default=100, help="training steps per strategy")
+    compare.add_argument("--slots", type=_positive_int, help="override resources.slots_per_trial")
+    compare.add_argument("--out", type=Path, help="output folder (default runs/compare-<name>-<timestamp>)")
+    compare.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_node_args(compare)
 
     doctor = sub.add_parser("doctor", help="explain a run's time cost and what to change")
     doctor.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
@@ -63,6 +65,18 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("script", help="Python script that calls dtrain.init()")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
+
+
+def _add_node_args(parser: argparse.ArgumentParser) -> None:
+    nodes = parser.add_argument_group("several machines (run the same command on every node)")
+    nodes.add_argument("--nnodes", metavar="N|MIN:MAX", help="number of nodes; slots_per_trial is split across them "
+                       "(MIN:MAX: elastic, with --rdzv-backend c10d)")
+    nodes.add_argument("--node-rank", type=int, metavar="R", help="this node's rank, 0 to N-1 (static rendezvous)")
+    nodes.add_argument("--master", metavar="HOST:PORT", help="rendezvous address, hosted by node 0 (static) or the "
+                       "node owning HOST (c10d)")
+    nodes.add_argument("--rdzv-backend", choices=["static", "c10d"], help="static (default): node ranks given; "
+                       "c10d: ranks assigned, nodes may join elastically")
+    nodes.add_argument("--rdzv-id", metavar="ID", help="c10d job id, the same on every node (default dtrain-<name>)")
 
 
 def _positive_int(text: str) -> int:
@@ -100,6 +114,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cluster.cmd_k8s(args) if args.command == "k8s" else cluster.cmd_slurm(args)
     if args.command == "doctor":
         return cmd_doctor(args)
+    if args.command == "compare":
+        from dtrain.compare import compare, parse_strategies
+        from dtrain.runs import NodeArgs
+
+        overrides = [*args.overrides, *([f"resources.slots_per_trial={args.slots}"] if args.slots else [])]
+        compare(args.config, parse_strategies(args.strategies), args.steps, args.out, overrides,
+                NodeArgs.from_args(args), args.debug)
+        return 0
     if args.command == "bench":
         from dtrain.bench import bench, parse_slots
 

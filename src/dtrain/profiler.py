@@ -221,7 +221,30 @@ class StepTimer:
 
 # ------------------------------------------------------------------------------------- across ranks
 
-RANK_FIELDS = (*PHASES, "step", *COMM_FIELDS)
+RANK_FIELDS = (*PHASES, "step", *COMM_FIELDS, "peak_memory_bytes", "state_bytes")
+
+
+def peak_memory_bytes(device: torch.device) -> float:
+    """Peak memory of this rank: the CUDA allocator's peak on GPU, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def _local_numel_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP's DTensor shards
+    return local.numel() * local.element_size()
+
+
+def state_bytes(models: list[Any], optimizers: list[Any]) -> float:
+    """Bytes of parameters and optimizer state this rank holds (1/N of DDP's under FSDP)."""
+    total = sum(_local_numel_bytes(p) for m in models for p in m.parameters())
+    for opt in optimizers:
+        for state in opt.state.values():
+            total += sum(_local_numel_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim())
+    return float(total)
 
 
 def latency_probe(repeats: int = 10, group: Any = None) -> float:
@@ -241,9 +264,10 @@ def latency_probe(repeats: int = 10, group: Any = None) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def gather_rank_stats(timer: StepTimer, group: Any = None) -> list[dict[str, float]]:
-    """Every rank's per-step means, gathered on all ranks of ``group`` (one small all_gather)."""
-    mine = timer.per_step()
+def gather_rank_stats(timer: StepTimer, memory: dict[str, float], group: Any = None) -> list[dict[str, float]]:
+    """Every rank's per-step means and ``memory`` figures, gathered on all ranks of ``group`` (one small
+    all_gather)."""
+    mine = {**timer.per_step(), **memory}
     values = torch.tensor([mine[f] for f in RANK_FIELDS], dtype=torch.float64)
     if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return [dict(zip(RANK_FIELDS, values.tolist(), strict=True))]
@@ -275,7 +299,8 @@ def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[
             {"rank": i, "host": hosts[i] if i < len(hosts) else "",
              "seconds_per_step": {f: r[f] for f in (*PHASES, "step")},
              "comm_busy_seconds_per_step": r["comm_busy"], "comm_bytes_per_step": r["comm_bytes"],
-             "comm_buckets_per_step": r["comm_buckets"]}
+             "comm_buckets_per_step": r["comm_buckets"], "peak_memory_bytes": r["peak_memory_bytes"],
+             "state_bytes": r["state_bytes"]}
             for i, r in enumerate(per_rank)
         ],
         "comm": {

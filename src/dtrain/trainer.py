@@ -18,7 +18,7 @@ from dtrain.config import ExperimentConfig
 from dtrain.context import TrialContext
 from dtrain.dist import all_hostnames
 from dtrain.metrics import MeanAccumulator, MetricsWriter, truncate_metrics
-from dtrain.profiler import build_profile, gather_rank_stats, latency_probe
+from dtrain.profiler import build_profile, gather_rank_stats, latency_probe, peak_memory_bytes, state_bytes
 from dtrain.progress import ProgressReporter
 from dtrain.sync.base import Rebucketable
 from dtrain.sync.fusion import FusionTuner, candidate_plan, saved_choice
@@ -271,7 +271,9 @@ class Trainer:
         self.progress.close()
         timer = self.ctx.timer
         group = self.ctx.strategy.dp_group
-        per_rank = gather_rank_stats(timer, group)  # collectives: every training slot takes part
+        memory = {"peak_memory_bytes": peak_memory_bytes(self.ctx.device),
+                  "state_bytes": state_bytes(self.ctx.models, self.ctx.optimizers)}
+        per_rank = gather_rank_stats(timer, memory, group)  # collectives: every training slot takes part
         latency = latency_probe(group=group)
         hosts = all_hostnames()
         steady = timer.profiled_steps * self.global_batch / timer.profiled_seconds if timer.profiled_seconds else 0.0
