@@ -314,3 +314,16 @@ def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[
             "latency_seconds": latency_seconds,
         },
     }
+
+
+def collect_rank_figures(ctx: Any) -> tuple[list[dict[str, float]], float, list[str]]:
+    """End of a run, on every rank of a DistributedContext: per-rank step figures and memory (training
+    slots), the all-reduce latency probe, and every rank's host name. Collectives: all ranks call it."""
+    group = ctx.strategy.dp_group
+    memory = {"peak_memory_bytes": peak_memory_bytes(ctx.device),
+              "state_bytes": state_bytes(ctx.models, ctx.optimizers)}
+    per_rank = gather_rank_stats(ctx.timer, memory, group)
+    latency = latency_probe(group=group)
+    from dtrain.dist import all_hostnames
+
+    return per_rank, latency, all_hostnames()

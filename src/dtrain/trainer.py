@@ -18,10 +18,9 @@ from dtrain.config import ExperimentConfig
 from dtrain.context import TrialContext
 from dtrain.dist import all_hostnames
 from dtrain.metrics import MeanAccumulator, MetricsWriter, truncate_metrics
-from dtrain.profiler import build_profile, gather_rank_stats, latency_probe, peak_memory_bytes, state_bytes
+from dtrain.profiler import build_profile, collect_rank_figures
 from dtrain.progress import ProgressReporter
-from dtrain.sync.base import Rebucketable
-from dtrain.sync.fusion import FusionTuner, candidate_plan, saved_choice
+from dtrain.sync.fusion import tuner_for_run
 from dtrain.trial import PyTorchTrial, load_trial_class
 
 log = logging.getLogger(__name__)
@@ -79,29 +78,10 @@ class Trainer:
         self.last_validation: dict[str, float] = {}
         self.validation_seconds = self.checkpoint_seconds = 0.0
         self._iterator: Any = None
-        self.tuner = self._fusion_tuner()
+        self.tuner = tuner_for_run(context, config.optimizations, run_dir)
         self._group_seconds = self._group_start = 0.0
         self.writer = MetricsWriter(run_dir) if context.is_chief else None
         self.progress = ProgressReporter(self.total_batches, 0, context.is_chief, quiet)
-
-    def _fusion_tuner(self) -> FusionTuner | None:
-        o = self.config.optimizations
-        if not (o.auto_tune_tensor_fusion and self.ctx.world_size > 1 and isinstance(self.ctx.strategy, Rebucketable)):
-            return None
-        chosen = saved_choice(self.run_dir)
-        if chosen is not None:  # tuned before this restart or resume: reuse it
-            for model in self.ctx.models:
-                self.ctx.strategy.rebuild(model, chosen)
-            log.info("fusion auto-tune: reusing %.1f MB from %s", chosen, self.run_dir / "fusion_tuning.json")
-            return None
-        grad_bytes = sum(p.numel() * p.element_size() for m in self.ctx.models for p in m.parameters()
-                         if p.requires_grad)
-        plan = candidate_plan(o.auto_tune_candidates_mb, grad_bytes, o.tensor_fusion_threshold)
-        tuner = FusionTuner(plan, o.auto_tune_warmup_steps, o.auto_tune_steps_per_candidate, self.run_dir,
-                            self.ctx.is_chief)
-        for model in self.ctx.models:
-            self.ctx.strategy.rebuild(model, tuner.current)
-        return tuner
 
     def _period(self, length: Any) -> int | None:
         return length.to_batches(self.batches_per_epoch) if length is not None else None
@@ -270,12 +250,7 @@ class Trainer:
     def _finish(self, wall_seconds: float) -> dict[str, Any]:
         self.progress.close()
         timer = self.ctx.timer
-        group = self.ctx.strategy.dp_group
-        memory = {"peak_memory_bytes": peak_memory_bytes(self.ctx.device),
-                  "state_bytes": state_bytes(self.ctx.models, self.ctx.optimizers)}
-        per_rank = gather_rank_stats(timer, memory, group)  # collectives: every training slot takes part
-        latency = latency_probe(group=group)
-        hosts = all_hostnames()
+        per_rank, latency, hosts = collect_rank_figures(self.ctx)  # collectives
         steady = timer.profiled_steps * self.global_batch / timer.profiled_seconds if timer.profiled_seconds else 0.0
         run = {
             "slots": self.ctx.strategy.dp_world,

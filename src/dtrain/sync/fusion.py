@@ -116,3 +116,26 @@ def saved_choice(run_dir: Path) -> float | None:
         return float(data["chosen_mb"])
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def tuner_for_run(ctx: Any, options: Any, run_dir: Path) -> FusionTuner | None:
+    """The tuner for this run (None when not auto-tuning, or when an earlier attempt already chose: then
+    the models are re-bucketed to that choice here)."""
+    from dtrain.sync.base import Rebucketable
+
+    strategy = ctx.strategy
+    if not (options.auto_tune_tensor_fusion and ctx.world_size > 1 and isinstance(strategy, Rebucketable)):
+        return None
+    chosen = saved_choice(run_dir)
+    if chosen is not None:
+        for model in ctx.models:
+            strategy.rebuild(model, chosen)
+        log.info("fusion auto-tune: reusing %.1f MB from %s", chosen, run_dir / RESULT_FILE)
+        return None
+    grad_bytes = sum(p.numel() * p.element_size() for m in ctx.models for p in m.parameters() if p.requires_grad)
+    plan = candidate_plan(options.auto_tune_candidates_mb, grad_bytes, options.tensor_fusion_threshold)
+    tuner = FusionTuner(plan, options.auto_tune_warmup_steps, options.auto_tune_steps_per_candidate, run_dir,
+                        ctx.is_chief)
+    for model in ctx.models:
+        strategy.rebuild(model, tuner.current)
+    return tuner
