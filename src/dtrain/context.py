@@ -158,14 +158,15 @@ class DistributedContext:
         aggregation group (every batch when ``aggregation_frequency`` is 1)."""
         if not self.sync_gradients:
             return
-        with self.timer.phase("comm_exposed", before="other"):
+        communicates = self.strategy.exchanges_in_step
+        with self.timer.phase("comm_exposed" if communicates else "optimizer", before="other"):
             self.strategy.exchange_gradients(optimizer)
         with self.timer.phase("optimizer", before="other"):
             if clip_grad_norm is not None:
                 params = [p for g in optimizer.param_groups for p in g["params"]]
                 torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
             self.strategy.step(optimizer)
-        with self.timer.phase("comm_exposed", before="other"):
+        with self.timer.phase("comm_exposed" if communicates else "optimizer", before="other"):
             self.strategy.after_step(optimizer)  # before zero_grad: torch's averager skips grad-less params
         with self.timer.phase("optimizer", before="other"):
             optimizer.zero_grad(set_to_none=True)

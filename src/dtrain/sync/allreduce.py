@@ -72,6 +72,7 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
 
 class AllReduceStrategy(SyncStrategy):
     name = "allreduce"
+    exchanges_in_step = True
 
     def __init__(self, device: torch.device, bucket_cap_mb: float, compression: str = "none",
                  recorder: CommRecorder | None = None) -> None:

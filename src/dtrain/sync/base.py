@@ -31,6 +31,9 @@ class SyncStrategy(ABC):
     # Optimizer state is not the same on every rank (sharded, or local): it is checkpointed per rank.
     per_rank_optimizer_state: bool = False
 
+    # Whether exchange_gradients/after_step communicate (timed as exposed communication) or do nothing
+    # (DDP and FSDP communicate inside backward).
+    exchanges_in_step: bool = False
     # Ranks that train (the data-parallel group); a parameter server also has ranks that only serve.
     is_server: bool = False
     dp_group: Any = None  # None: every rank

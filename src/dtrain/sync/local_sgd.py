@@ -22,6 +22,7 @@ from dtrain.sync.compression import COMPRESSORS
 
 class LocalSGDStrategy(SyncStrategy):
     name = "local_sgd"
+    exchanges_in_step = True
     replicas_may_differ = True
     per_rank_optimizer_state = True
 

@@ -69,6 +69,7 @@ class ServerStats:
 
 class ParameterServerStrategy(SyncStrategy):
     name = "parameter_server"
+    exchanges_in_step = True
     per_rank_optimizer_state = True  # the servers' optimizer shards live in their own rank files
 
     def __init__(self, device: torch.device, options: ParameterServerOptions,
