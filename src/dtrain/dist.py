@@ -11,6 +11,7 @@ import datetime
 import os
 import re
 import socket
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -128,6 +129,12 @@ def init_process_group(env: DistEnv, backend: str, timeout_seconds: float) -> No
 
 def destroy_process_group() -> None:
     if dist.is_initialized():
+        # Gloo's worker threads destroy finished collectives themselves, and a collective on tensors made
+        # in Python (all_gather_object, ...) needs the GIL for that. If the group's last reference then
+        # goes away while this thread holds the GIL (a DDP Reducer freed after this call), the group's
+        # destructor joins those threads and both wait forever; seen at the end of runs across machines.
+        # Releasing the GIL briefly lets pending destructors finish first.
+        time.sleep(0.05)
         dist.destroy_process_group()
 
 
