@@ -8,7 +8,7 @@
    throttled and not, beside the same job on 2 slots of one host. Each test host is pinned to a CPU
    of its own (taskset), as separate machines would have.
 
-    sudo .venv/bin/python bench/link.py [--rate 200mbit] [--reps 3] [--json out.json]
+    sudo .venv/bin/python bench/link.py [--rate 200mbit] [--reps 1:20,16:5,64:3] [--json out.json]
 
 Prints a Markdown table per part. Takes about two minutes on a 2-core machine.
 """
@@ -28,8 +28,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-SIZES_MIB = (1, 16, 64)
+# Timed repetitions per size (median reported): small all-reduces are short and noisier, so more.
+DEFAULT_REPS = "1:20,16:5,64:3"
 PORT = 29510
+
+
+def _parse_reps(text: str) -> dict[int, int]:
+    """``1:20,16:5,64:3`` -> {1: 20, 16: 5, 64: 3} (MiB: repetitions)."""
+    return {int(k): int(v) for k, v in (item.split(":") for item in text.split(","))}
 
 
 def _rate_bytes_per_second(rate: str) -> float:
@@ -49,7 +55,7 @@ def ring_bound_seconds(nbytes: int, nodes: int, bytes_per_second: float) -> floa
 # ----------------------------------------------------------------------------------------- worker side
 
 
-def worker(rank: int, master: str, sizes: list[int], reps: int) -> None:
+def worker(rank: int, master: str, reps: dict[int, int]) -> None:
     """One host's half of the all-reduce timing: prints a JSON line of seconds per size (rank 0)."""
     import torch
     import torch.distributed as dist
@@ -57,11 +63,11 @@ def worker(rank: int, master: str, sizes: list[int], reps: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=2)
     results = {}
-    for mib in sizes:
+    for mib, count in reps.items():
         tensor = torch.ones(mib * 2**20 // 4)
         dist.all_reduce(tensor)  # warm-up: connections, buffers
         times = []
-        for _ in range(reps):
+        for _ in range(count):
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(tensor)
@@ -90,17 +96,15 @@ def _run_pair(hosts, argv_for, env: dict, timeout: float) -> list[subprocess.Com
     return done
 
 
-def allreduce(rate: str | None, reps: int) -> dict:
+def allreduce(rate: str | None, reps: str) -> dict:
     from testhosts import TestHosts
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0"}
     with TestHosts(2, rate=rate, pin_cpus=True) as hosts:
         master = f"{hosts.hosts[0].address}:{PORT}"
-        sizes = ",".join(map(str, SIZES_MIB))
-
         def argv(i: int) -> list[str]:
             return [sys.executable, str(Path(__file__).resolve()), "worker", "--rank", str(i), "--master", master,
-                    "--sizes", sizes, "--reps", str(reps)]
+                    "--reps", reps]
 
         out = _run_pair(hosts, argv, env, timeout=600)[0].stdout
     return {int(k): v for k, v in json.loads(out.strip().splitlines()[-1]).items()}
@@ -135,15 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("worker")
     w.add_argument("--rank", type=int, required=True)
     w.add_argument("--master", required=True)
-    w.add_argument("--sizes", required=True)
-    w.add_argument("--reps", type=int, required=True)
+    w.add_argument("--reps", required=True)
     parser.add_argument("--rate", default="200mbit", help="tbf rate of each host's link (default 200mbit)")
-    parser.add_argument("--reps", type=int, default=3, help="timed all-reduces per size (median reported)")
+    parser.add_argument("--reps", default=DEFAULT_REPS, help=f"MiB:timed all-reduces per size, median reported "
+                        f"(default {DEFAULT_REPS})")
     parser.add_argument("--skip-training", action="store_true", help="only the all-reduce part")
     parser.add_argument("--json", type=Path, help="also write the raw results here")
     args = parser.parse_args(argv)
     if args.mode == "worker":
-        worker(args.rank, args.master, [int(s) for s in args.sizes.split(",")], args.reps)
+        worker(args.rank, args.master, _parse_reps(args.reps))
         return 0
 
     from testhosts import unavailable_reason
@@ -157,16 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     throttled = allreduce(args.rate, args.reps)
     free = allreduce(None, args.reps)
     raw["allreduce"] = {"throttled": throttled, "unthrottled": free}
-    print(f"## All-reduce, 2 hosts, Gloo, link {args.rate} (tbf) = {bandwidth / 1e6:.0f} MB/s; median of {args.reps}")
-    print("| size | ring bound | measured (throttled) | ratio to bound | unthrottled |")
-    print("|---|---|---|---|---|")
-    for mib in SIZES_MIB:
+    print(f"## All-reduce, 2 hosts, Gloo, link {args.rate} (tbf) = {bandwidth / 1e6:.0f} MB/s")
+    print("| size | ring bound | measured (throttled), median | ratio to bound | unthrottled, median | reps |")
+    print("|---|---|---|---|---|---|")
+    for mib in _parse_reps(args.reps):
         nbytes = mib * 2**20
         bound = ring_bound_seconds(nbytes, 2, bandwidth)
         t = statistics.median(throttled[mib])
         u = statistics.median(free[mib])
         print(f"| {mib} MiB | {1e3 * bound:.1f} ms | {1e3 * t:.1f} ms ({nbytes / t / 1e6:.1f} MB/s) | "
-              f"{t / bound:.3f}x | {1e3 * u:.1f} ms |")
+              f"{t / bound:.3f}x | {1e3 * u:.1f} ms | {len(throttled[mib])} |")
     if not args.skip_training:
         with tempfile.TemporaryDirectory(prefix="dtrain-link-") as tmp:
             speeds = {f"2 hosts x 1 slot (1 core each), link {args.rate}": digits(args.rate, Path(tmp), "throttled"),
