@@ -85,14 +85,21 @@ def worker(rank: int, master: str, reps: dict[int, int]) -> None:
 def _run_pair(hosts, argv_for, env: dict, timeout: float) -> list[subprocess.CompletedProcess]:
     procs = [hosts.popen(i, argv_for(i), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          text=True) for i in range(2)]
-    done = []
+    # Output is small (summaries, one JSON line), so waiting on exit codes before reading pipes is safe.
     deadline = time.monotonic() + timeout
-    for p in procs:
-        out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    failed_at = None
+    while any(p.poll() is None for p in procs):
+        now = time.monotonic()
+        if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
+            failed_at = now  # one host failed: give the other a moment to report, then stop it
+        if now > deadline or (failed_at is not None and now - failed_at > 30):
+            hosts.destroy()
+            break
+        time.sleep(0.2)
+    done = [subprocess.CompletedProcess(p.args, p.returncode, *p.communicate()) for p in procs]
     for r in done:
         if r.returncode != 0:
-            raise SystemExit(f"benchmark process failed:\n{r.stderr}")
+            raise SystemExit(f"benchmark process failed ({r.returncode}):\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
     return done
 
 
