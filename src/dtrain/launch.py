@@ -328,9 +328,13 @@ def join(rdzv: Rendezvous, config_dict: Mapping[str, Any], slots_per_node: int, 
             server = tdist.TCPStore(master_ip, rdzv.port, None, True, timeout, wait_for_workers=False,
                                     multi_tenant=True)
         except (RuntimeError, OSError) as exc:
-            raise JoinError(f"{me} cannot serve the rendezvous on port {rdzv.port} of host {hostname}: "
-                            f"{str(exc).splitlines()[0]}; choose a free port in --master HOST:PORT") from None
-    else:
+            if rdzv.backend == "static":
+                raise JoinError(f"{me} cannot serve the rendezvous on port {rdzv.port} of host {hostname}: "
+                                f"{str(exc).splitlines()[0]}; choose a free port in --master HOST:PORT") from None
+            # c10d with several nodes on the master's machine: another one serves already (torch's
+            # c10d backend does the same fallback).
+            is_host = False
+    if not is_host:
         problem = netif.wait_listening(src_name, src_ip, master_ip, rdzv.port, deadline)
         if problem is not None:
             source = f" (from {forced[1]})" if forced else ""
@@ -375,7 +379,7 @@ def join(rdzv: Rendezvous, config_dict: Mapping[str, Any], slots_per_node: int, 
         try:
             node_check(decision["plan"])
         except UserError as exc:
-            problem = str(exc)
+            problem = f"{label}: {exc}"
         if problem is None and not loopback:
             probe = netif.probe(ifname, local_ip, decision["target_ip"], rdzv.port, timeout=min(5.0, rdzv.join_timeout))
             if probe is not None:
