@@ -87,12 +87,12 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
     k = AGGREGATION_TO_TRY
     waiting = exposed + straggler
     factors = {
-        "communication": _factor(
-            "optimizations.gradient_compression", "fp16",
+        "communication": _best_of(
+            ("optimizations.gradient_compression", "fp16", _speedup(step, step - bandwidth_part / 2)),
+            ("optimizations.aggregation_frequency", k, _speedup(step, step - waiting * (1 - 1 / k))),
             f"exposed all-reduce moves {_mb(comm['bytes_per_step'])} per step at "
-            f"{_mb(comm['algbw_bytes_per_second'])}/s; fp16 compression halves the bytes",
-            _speedup(step, step - bandwidth_part / 2),
-            alternative=("optimizations.aggregation_frequency", k, _speedup(step, step - waiting * (1 - 1 / k)))),
+            f"{_mb(comm['algbw_bytes_per_second'])}/s; fp16 compression halves the bytes, aggregating "
+            f"{k} batches per exchange sends them a {k}th as often (effective batch {k * gbs})"),
         "sync_frequency": _factor(
             "optimizations.aggregation_frequency", k,
             f"{comm['buckets_per_step']:.0f} all-reduce(s) per step at {1e3 * comm['latency_seconds']:.2f} ms "
@@ -114,7 +114,8 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
             "hyperparameters.global_batch_size", 2 * gbs,
             "optimizer step and bookkeeping cost the same whatever the batch; a bigger batch spreads them "
             "(and communication) over more samples; scale the learning rate with it",
-            _speedup(step, step + data + compute + straggler * 0, samples_factor=2.0)),
+            # Twice the samples per step: data and compute double, fixed costs and communication do not.
+            _speedup(step, step + data + compute, samples_factor=2.0)),
         "compute": _factor(
             None, None,
             "forward and backward compute: the useful work. A step dominated by it scales well; a faster "
@@ -129,9 +130,10 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
         key=lambda r: r["predicted_speedup"], reverse=True)
     scaling = _scaling(slots, step, data, ranks, fixed)
     if scaling["slower_than_one_slot"]:
-        recommendations.insert(0, {"factor": "scaling", "key": "resources.slots_per_trial", "value": 1,
-                                   "predicted_speedup": scaling["estimated_one_slot_speedup"],
-                                   "action": "resources.slots_per_trial: 1"})
+        recommendations.append({"factor": "scaling", "key": "resources.slots_per_trial", "value": 1,
+                                "predicted_speedup": scaling["estimated_one_slot_speedup"],
+                                "action": "resources.slots_per_trial: 1"})
+        recommendations.sort(key=lambda r: r["predicted_speedup"], reverse=True)
     top = ranked[0]
     return {
         "slots": slots,
@@ -151,6 +153,12 @@ def _factor(key: str | None, value: Any, why: str, speedup: float | None,
     if alternative is not None:
         out["alternative"] = {"key": alternative[0], "value": alternative[1], "predicted_speedup": alternative[2]}
     return out
+
+
+def _best_of(first: tuple[str, Any, float], second: tuple[str, Any, float], why: str) -> dict[str, Any]:
+    """A factor with two candidate actions: the one predicted faster leads, the other is the alternative."""
+    lead, other = sorted((first, second), key=lambda a: a[2], reverse=True)
+    return _factor(lead[0], lead[1], why, lead[2], alternative=other)
 
 
 def _scaling(slots: int, step: float, data: float, ranks: list[dict[str, float]], fixed: float) -> dict[str, Any]:
