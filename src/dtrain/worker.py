@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 import traceback
@@ -92,5 +93,19 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
+def _exit_without_teardown() -> None:
+    """Leave once everything is written, skipping the interpreter's teardown.
+
+    Seen here under heavy load: a worker that had finished and written its summary was killed by SIGABRT
+    while the interpreter tore down (native communication threads racing the exit). Nothing is left to
+    do at that point, so flush what Python buffers and exit directly.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 if __name__ == "__main__":
     main()
+    _exit_without_teardown()
