@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -72,7 +73,15 @@ def _one_line_error(capsys, argv, fragment, code=2):
     (["--nnodes", "2", "--node-rank", "0", "--master", "127.0.0.1:1", "--slots", "3"],
      "resources.slots_per_trial 3 does not divide across 2 nodes"),
 ])
-def test_bad_multinode_input(tmp_path, capsys, extra, fragment):
+def test_bad_multinode_input(tmp_path, capsys, monkeypatch, extra, fragment):
+    real = socket.getaddrinfo
+
+    def no_dns(host, *args, **kwargs):  # an unknown name fails here instead of asking a DNS server
+        if host == "no-such-host.invalid":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
     cfg = tiny_config(tmp_path, **{"resources.join_timeout_seconds": 2})
     _one_line_error(capsys, ["run", str(cfg), "--run-dir", str(tmp_path / "r"), *extra], fragment)
     assert not (tmp_path / "r").exists()  # no run directory, no workers: nothing started
