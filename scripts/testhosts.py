@@ -116,6 +116,7 @@ class TestHosts:
         # others (h0, h1, ...) and reverse lookups of test addresses answer at once instead of asking a
         # DNS server that is unreachable from inside the namespace.
         # (torch's store serves IPv6 sockets: peers show up as IPv4-mapped addresses, listed too.)
+        self._made_etc = not NETNS_ETC.exists()  # remove it again on teardown if it was ours
         hosts_file = "127.0.0.1 localhost\n" + "".join(f"{h.address} {self.hostname(i)}\n::ffff:{h.address} "
                                                        f"{self.hostname(i)}\n" for i, h in enumerate(self.hosts))
         for ns in [h.netns for h in self.hosts] + [self.switch]:
@@ -156,6 +157,9 @@ class TestHosts:
                     os.kill(pid, signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
             shutil.rmtree(NETNS_ETC / ns, ignore_errors=True)
+        if getattr(self, "_made_etc", False):
+            with contextlib.suppress(OSError):  # not empty: another run still uses it
+                NETNS_ETC.rmdir()
 
     def hostname(self, i: int) -> str:
         """The name host ``i`` has inside the namespaces (from their /etc/hosts)."""
