@@ -41,10 +41,8 @@ def test_wrong_type_names_path_value_and_expectation(tmp_path):
     ("hyperparameters.global_batch_size", 0, "global_batch_size must be an integer >= 1"),
     ("entrypoint", "no_colon", "module:TrialClass"),
     ("backend", "mpi", "'auto', 'gloo' or 'nccl'"),
-    ("optimizations.aggregation_frequency", 4, "not supported yet"),
-    ("optimizations.gradient_compression", "fp16", "not supported yet"),
-    ("optimizations.auto_tune_tensor_fusion", True, "not supported yet"),
     ("optimizations.gradient_compression", "zip", "'none', 'fp16', 'bf16' or 'powersgd'"),
+    ("optimizations.auto_tune_candidates_mb", [], "auto_tune_candidates_mb must be a non-empty list"),
 ])
 def test_invalid_values(tmp_path, key, value, fragment):
     with pytest.raises(ConfigError) as info:

@@ -108,9 +108,8 @@ def test_local_sgd_replicas_identical_right_after_averaging():
 
 
 def _fsdp_memory(rank, world):
-    from dtrain.sync.fsdp import FSDPStrategy, local_optimizer_numel
-
     import dtrain
+    from dtrain.sync.fsdp import FSDPStrategy, local_optimizer_numel
 
     ctx = dtrain.init()
     strategy = FSDPStrategy(ctx.device)

@@ -258,6 +258,16 @@ class DistributedContext:
                             f"wrapped {len(self.optimizers)}; resume with the same trial code")
 
     def close(self) -> None:
+        """Leave the job. The wrapped models go first: a DDP (and its reducer) outliving the process group
+        can deadlock Gloo's teardown, which joins threads that need the Python lock."""
+        self.models.clear()
+        self.optimizers.clear()
+        self.lr_schedulers.clear()
+        self._samplers.clear()
+        self.strategy = None  # type: ignore[assignment]
+        import gc
+
+        gc.collect()
         ddist.destroy_process_group()
 
 

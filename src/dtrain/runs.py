@@ -391,18 +391,3 @@ def _train_in_place(args: list[str], plan: RunPlan) -> Failure | None:
         return Failure(rank, int(exc.code) if isinstance(exc.code, int) else 1, f"exited with {exc.code}",
                        user_error=False)
     return None
-
-
-def print_summary(run_dir: Path, seconds: float) -> None:
-    path = run_dir / "summary.json"
-    if not path.exists():
-        return
-    s = json.loads(path.read_text())
-    val = "  ".join(f"{k} {v:.4f}" for k, v in s.get("validation", {}).items())
-    print(f"dtrain: done in {seconds:.1f}s: {s['batches']} batches on {s['slots']} slot(s), "
-          f"{s['samples_per_second']:,.0f} samples/s" + (f"; validation: {val}" if val else ""))
-    breakdown = s.get("step_breakdown_seconds", {})
-    if breakdown.get("step"):
-        parts = "  ".join(f"{k} {1000 * v:.2f}ms ({100 * v / breakdown['step']:.0f}%)"
-                          for k, v in breakdown.items() if k != "step")
-        print(f"dtrain: step {1000 * breakdown['step']:.2f}ms (rank 0): {parts}")

@@ -58,8 +58,12 @@ def print_run_summary(run_dir: Path, seconds: float) -> None:
     profile_path = run_dir / "profile.json"
     if profile_path.exists():
         profile = json.loads(profile_path.read_text())
-        print(time_cost_table(profile), end="")
-        print(short_verdict(profile))
+        if profile.get("profiled_steps", 0) > 0:
+            print(time_cost_table(profile), end="")
+            print(short_verdict(profile))
+        else:
+            print(f"dtrain: no step profiled ({profile.get('steps', 0)} steps, all within profiling.warmup_steps): "
+                  "train longer for a time-cost breakdown")
     report = _write_report(run_dir)
     if report is not None:
         print(f"dtrain: report {report}  (details: dtrain doctor {run_dir})")

@@ -37,15 +37,20 @@ def run_trial(config: ExperimentConfig, run_dir: Path, resume_from: Path | None,
     seed_everything(config.seed)  # identical initial weights on every slot (and DDP broadcasts rank 0's)
     context = TrialContext(config)
     try:
-        trial = load_trial_class(config.entrypoint, config.code_dir)(context)
-        # Stochastic layers (dropout) must differ between slots, as they would between samples of one batch.
-        seed_everything(config.seed + 7919 * context.rank)
-        trainer = Trainer(context, trial, config, run_dir, quiet)
-        if resume_from is not None:
-            trainer.restore(resume_from)
-        return trainer.fit()
+        return _train(context, config, run_dir, resume_from, quiet)
     finally:
-        context.close()
+        context.close()  # after _train returned: the trial and its wrapped models are gone by then
+
+
+def _train(context: TrialContext, config: ExperimentConfig, run_dir: Path, resume_from: Path | None,
+           quiet: bool) -> dict[str, Any]:
+    trial = load_trial_class(config.entrypoint, config.code_dir)(context)
+    # Stochastic layers (dropout) must differ between slots, as they would between samples of one batch.
+    seed_everything(config.seed + 7919 * context.rank)
+    trainer = Trainer(context, trial, config, run_dir, quiet)
+    if resume_from is not None:
+        trainer.restore(resume_from)
+    return trainer.fit()
 
 
 def _crossed(period: int | None, previous: int, now: int) -> bool:
