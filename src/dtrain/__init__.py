@@ -6,8 +6,19 @@ Two user APIs, one engine:
 * ``ctx = dtrain.init()`` inside your own loop, run by ``dtrain launch --slots N script.py`` or ``torchrun``.
 """
 
-from dtrain.context import DistributedContext, TrialContext, init
-from dtrain.trial import PyTorchTrial
+from typing import Any
 
 __all__ = ["DistributedContext", "PyTorchTrial", "TrialContext", "init"]
 __version__ = "0.1.0"
+
+_LAZY = {"DistributedContext": "dtrain.context", "TrialContext": "dtrain.context", "init": "dtrain.context",
+         "PyTorchTrial": "dtrain.trial"}
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy: `dtrain --help`, `dtrain doctor` and config errors need not pay torch's import time.
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'dtrain' has no attribute {name!r}")

@@ -9,11 +9,9 @@ from dtrain.profiler import CommRecorder
 from dtrain.sync.allreduce import AllReduceStrategy
 from dtrain.sync.base import SyncStrategy
 from dtrain.sync.ddp import DDPStrategy
-from dtrain.sync.fsdp import FSDPStrategy
 from dtrain.sync.local_sgd import LocalSGDStrategy
 
-__all__ = ["AllReduceStrategy", "DDPStrategy", "FSDPStrategy", "LocalSGDStrategy", "SyncStrategy",
-           "build_strategy"]
+__all__ = ["AllReduceStrategy", "DDPStrategy", "LocalSGDStrategy", "SyncStrategy", "build_strategy"]
 
 
 def build_strategy(config: ExperimentConfig | None, device: torch.device,
@@ -29,6 +27,8 @@ def build_strategy(config: ExperimentConfig | None, device: torch.device,
         return LocalSGDStrategy(device, opts.period, opts.warmup_steps, o.tensor_fusion_threshold,
                                 o.gradient_compression, recorder)
     if name == "fsdp":
+        from dtrain.sync.fsdp import FSDPStrategy  # imports torch.distributed.checkpoint: 0.4 s, only if used
+
         return FSDPStrategy(device, recorder)
     if name == "parameter_server":
         from dtrain.sync.parameter_server import ParameterServerStrategy
