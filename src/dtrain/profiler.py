@@ -33,14 +33,19 @@ COMM_FIELDS = ("comm_busy", "comm_bytes", "comm_buckets")
 
 
 class CommRecorder:
-    """What the gradient all-reduces of the current step did: launch/completion times and bytes."""
+    """What the gradient all-reduces of the current step did: launch/completion times and bytes.
 
-    __slots__ = ("bytes", "completions", "launches")
+    ``native``, when set, is a source of communication averages measured by the framework itself (DDP's
+    reducer timers), used instead of per-step stamps: see :meth:`StepTimer.per_step`.
+    """
+
+    __slots__ = ("bytes", "completions", "launches", "native")
 
     def __init__(self) -> None:
         self.launches: list[float] = []
         self.completions: list[float] = []
         self.bytes = 0
+        self.native: Callable[[], dict[str, float] | None] | None = None
 
     def reset(self) -> None:
         self.launches = []
@@ -208,6 +213,14 @@ class StepTimer:
         n = max(1, self.profiled_steps)
         out = {key: value / n for key, value in self.totals.items()}
         out["step"] = self.profiled_seconds / n
+        native = self.recorder.native() if self.recorder.native is not None else None
+        if native is not None:
+            # DDP's own timers: all-reduce busy time and its overlap with backward compute. The exposed part
+            # is the busy time that did not overlap, taken out of the measured backward() time.
+            whole_backward = out["backward"] + out["comm_exposed"]
+            exposed = min(whole_backward, max(0.0, native["busy"] - native["overlap"]))
+            out.update(backward=whole_backward - exposed, comm_exposed=exposed, comm_busy=native["busy"],
+                       comm_bytes=native["bytes"], comm_buckets=native["buckets"])
         return out
 
     def take_window(self) -> dict[str, float]:

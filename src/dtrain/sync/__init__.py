@@ -36,4 +36,4 @@ def build_strategy(config: ExperimentConfig | None, device: torch.device,
         return ParameterServerStrategy(device, config.sync.parameter_server, recorder)
     return DDPStrategy(device, bucket_cap_mb=o.tensor_fusion_threshold, compression=o.gradient_compression,
                        powersgd=o.powersgd, recorder=recorder, rebuildable=o.auto_tune_tensor_fusion,
-                       seed=config.seed)
+                       seed=config.seed, native_timing=o.aggregation_frequency == 1)
