@@ -134,6 +134,7 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
                                 "predicted_speedup": scaling["estimated_one_slot_speedup"],
                                 "action": "resources.slots_per_trial: 1"})
         recommendations.sort(key=lambda r: r["predicted_speedup"], reverse=True)
+    recommendations = _unique(recommendations)
     top = ranked[0]
     return {
         "slots": slots,
@@ -152,6 +153,17 @@ def _factor(key: str | None, value: Any, why: str, speedup: float | None,
     out: dict[str, Any] = {"key": key, "value": value, "why": why, "predicted_speedup": speedup}
     if alternative is not None:
         out["alternative"] = {"key": alternative[0], "value": alternative[1], "predicted_speedup": alternative[2]}
+    return out
+
+
+def _unique(recommendations: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per config change (two factors can point at the same one): the best-ranked is kept."""
+    seen: set[str] = set()
+    out = []
+    for rec in recommendations:
+        if rec["action"] not in seen:
+            seen.add(rec["action"])
+            out.append(rec)
     return out
 
 
