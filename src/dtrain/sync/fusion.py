@@ -96,6 +96,7 @@ class FusionTuner:
             "trials": [{"bucket_mb": mb, "median_step_seconds": float(medians[i]),
                         "steps": self.warmup_steps + self.measured_steps} for i, mb in enumerate(self.plan)],
             "tuning_steps": self.all_steps,
+            "tuning_seconds": self.all_seconds,
             "tuning_cost_seconds": cost,
             "cost_vs_1000_steps": cost / (1000 * best_seconds) if best_seconds > 0 else 0.0,
         }
