@@ -27,6 +27,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 CONFIG = ROOT / "examples" / "digits" / "experiment.yaml"
 WIDE = ["hyperparameters.hidden=3072", "hyperparameters.lr=0.02", "min_validation_period=null",
         "min_checkpoint_period=null"]
+# Profile whole aggregation groups of 4: steps 5..20 hold exactly 4 exchanges in 16 steps.
+LINK = ["profiling.warmup_steps=4"]
 CASES = {
     "none": [],
     "fp16": ["optimizations.gradient_compression=fp16"],
@@ -43,7 +45,7 @@ def two_hosts(rate: str, tmp: Path, tag: str, steps: int, overrides: list[str]) 
     from testhosts import TestHosts
 
     run_dir = tmp / tag.replace(" ", "-")
-    sets = [*WIDE, f"max_length={{batches: {steps}}}", *overrides]
+    sets = [*WIDE, *LINK, f"max_length={{batches: {steps}}}", *overrides]
     with TestHosts(2, rate=rate, pin_cpus=True) as hosts:
         def argv(i: int) -> list[str]:
             cmd = [sys.executable, "-m", "dtrain.cli", "run", str(CONFIG), "--slots", "2", "--nnodes", "2",
@@ -68,7 +70,7 @@ def one_host_accuracy(tmp: Path, tag: str, overrides: list[str]) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rate", default="200mbit")
-    parser.add_argument("--steps", type=int, default=16, help="steps per case on the link (3 are warm-up)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per case on the link (4 are warm-up)")
     parser.add_argument("--skip-accuracy", action="store_true")
     args = parser.parse_args()
     from testhosts import unavailable_reason
@@ -86,7 +88,7 @@ def main() -> int:
             if name == "none":
                 doctor = subprocess.run([sys.executable, "-m", "dtrain.cli", "doctor", str(run_dir)],
                                         capture_output=True, text=True, cwd=ROOT)
-                verdict = [ln for ln in doctor.stdout.splitlines() if ln.startswith("verdict")]
+                verdict = [doctor.stdout[doctor.stdout.index("verdict"):].replace("\n", " ")]
         base = profiles["none"]
         print(f"## 2 hosts x 1 slot, link {args.rate}, {base['parameters'] / 1e6:.1f}M parameters, "
               f"{args.steps} steps per case")
