@@ -21,6 +21,7 @@ from typing import Any
 
 from dtrain import runs
 from dtrain.errors import UserError
+from dtrain.render import as_text, pyplot
 
 
 @dataclass(frozen=True)
@@ -100,9 +101,6 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
-    from io import StringIO
-
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title="dtrain bench (strong: same global batch; weak: global batch x slots)")
@@ -121,17 +119,11 @@ def render_table(rows: list[dict[str, Any]]) -> str:
                       fmt(r["strong_efficiency"], "pct"), fmt(r["weak_samples_per_second"], "sps"),
                       fmt(r["weak_efficiency"], "pct"), fmt(r["synthetic_samples_per_second"], "sps"),
                       fmt(r["data_loading_gap"], "pct"))
-    buffer = StringIO()
-    Console(file=buffer, width=140, force_terminal=False).print(table)
-    return buffer.getvalue()
+    return as_text(table, width=140)
 
 
 def plot_scaling(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     slots = [r["slots"] for r in rows]
     base = rows[0]["samples_per_second"] if rows and rows[0]["slots"] == 1 else None
     fig, ax = plt.subplots(figsize=(6, 4))

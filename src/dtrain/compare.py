@@ -15,6 +15,7 @@ from typing import Any, get_args
 from dtrain import runs
 from dtrain.config import SyncOptions, load_config
 from dtrain.errors import UserError
+from dtrain.render import as_text, pyplot
 
 STRATEGIES: tuple[str, ...] = get_args(SyncOptions.model_fields["strategy"].annotation)
 
@@ -68,9 +69,6 @@ def summarize_run(run_dir: Path, strategy: str) -> dict[str, Any]:
 
 
 def render_table(rows: list[dict[str, Any]]) -> str:
-    from io import StringIO
-
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title="dtrain compare: same trial, same steps, same slots")
@@ -86,17 +84,11 @@ def render_table(rows: list[dict[str, Any]]) -> str:
                       f"{1e3 * exposed:.2f}" if exposed is not None else "not measured",
                       f"{r['peak_memory_bytes_per_rank'] / 2**20:.0f}", f"{r['state_bytes_per_rank'] / 2**20:.3f}",
                       loss, val or "-")
-    buffer = StringIO()
-    Console(file=buffer, width=160, force_terminal=False).print(table)
-    return buffer.getvalue()
+    return as_text(table, width=160)
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = [r["strategy"] for r in rows]
     panels = [("samples/s", [r["samples_per_second"] for r in rows]),
               ("exposed comm (ms/step)", [1e3 * (r["exposed_comm_seconds_per_step"] or 0) for r in rows]),

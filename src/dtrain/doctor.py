@@ -213,10 +213,9 @@ def _host(profile: dict[str, Any], rank: int) -> str:
 
 def render(diagnosis: dict[str, Any]) -> str:
     """The doctor's table as text (rich), for the terminal and the end-of-run summary."""
-    from io import StringIO
-
-    from rich.console import Console
     from rich.table import Table
+
+    from dtrain.render import as_text
 
     table = Table(title=f"dtrain doctor: {diagnosis['slots']} slot(s), {diagnosis['samples_per_second']:,.0f} "
                         f"samples/s, step {1e3 * diagnosis['step_seconds']:.2f} ms")
@@ -226,8 +225,4 @@ def render(diagnosis: dict[str, Any]) -> str:
         action = f"{f['key']}: {f['value']}" if f["key"] else "-"
         predicted = f"{f['predicted_speedup']:.2f}x" if f["predicted_speedup"] else "-"
         table.add_row(f["factor"], f"{100 * f['share']:.0f}%", f"{1e3 * f['seconds_per_step']:.2f}", action, predicted)
-    buffer = StringIO()
-    console = Console(file=buffer, width=120, force_terminal=False)
-    console.print(table)
-    console.print(f"verdict: {diagnosis['verdict']}")
-    return buffer.getvalue()
+    return as_text(table) + f"verdict: {diagnosis['verdict']}\n"

@@ -215,10 +215,11 @@ class StepTimer:
         out["step"] = self.profiled_seconds / n
         native = self.recorder.native() if self.recorder.native is not None else None
         if native is not None:
-            # DDP's own timers: all-reduce busy time and its overlap with backward compute. The exposed part
-            # is the busy time that did not overlap, taken out of the measured backward() time.
+            # DDP's own timers: backward compute and all-reduce busy time. What backward() took beyond its
+            # compute was spent waiting for the all-reduce (bounded by the all-reduce's busy time).
             whole_backward = out["backward"] + out["comm_exposed"]
-            exposed = min(whole_backward, max(0.0, native["busy"] - native["overlap"]))
+            compute = min(whole_backward, native["compute"])
+            exposed = min(whole_backward - compute, native["busy"])
             out.update(backward=whole_backward - exposed, comm_exposed=exposed, comm_busy=native["busy"],
                        comm_bytes=native["bytes"], comm_buckets=native["buckets"])
         return out

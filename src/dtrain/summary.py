@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-from io import StringIO
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 
 from dtrain.doctor import diagnose
+from dtrain.render import as_text
 
 
 def time_cost_table(profile: dict[str, Any]) -> str:
@@ -25,18 +24,16 @@ def time_cost_table(profile: dict[str, Any]) -> str:
         share = f"{100 * s['mean'] / step:.0f}%" if step else "-"
         table.add_row(phase, f"{1e3 * s['min']:.3f}", f"{1e3 * s['mean']:.3f}", f"{1e3 * s['max']:.3f}", share)
     comm = profile["comm"]
-    buffer = StringIO()
-    console = Console(file=buffer, width=120, force_terminal=False)
-    console.print(table)
+    text = as_text(table)
     if profile["slots"] > 1:
-        console.print(
+        text += (
             f"communication: {comm['bytes_per_step'] / 1e6:.3f} MB all-reduced per step in "
             f"{comm['buckets_per_step']:.0f} bucket(s), busy {1e3 * comm['busy_seconds_per_step']:.3f} ms "
             f"(exposed {1e3 * comm['exposed_seconds_per_step']:.3f} ms), "
             f"{comm['algbw_bytes_per_second'] / 1e9:.3f} GB/s algbw, "
             f"{comm['busbw_bytes_per_second'] / 1e9:.3f} GB/s busbw, "
-            f"latency {1e3 * comm['latency_seconds']:.3f} ms")
-    return buffer.getvalue()
+            f"latency {1e3 * comm['latency_seconds']:.3f} ms\n")
+    return text
 
 
 def short_verdict(profile: dict[str, Any], limit: int = 3) -> str:

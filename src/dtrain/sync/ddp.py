@@ -126,13 +126,13 @@ class DDPStrategy(SyncStrategy):
         live = [d for d in self._timed_ddps if d in self._current_ddps()]
         if not live:
             return None
-        stats = {"busy": 0.0, "overlap": 0.0, "bytes": 0.0, "buckets": 0.0}
+        stats = {"busy": 0.0, "compute": 0.0, "bytes": 0.0, "buckets": 0.0}
         for ddp in live:
             data = ddp._get_ddp_logging_data()
             if not data.get("avg_backward_comm_time"):
                 return None  # no sampled iteration yet
             stats["busy"] += data["avg_backward_comm_time"] / 1e9
-            stats["overlap"] += data.get("avg_backward_compute_comm_overlap_time", 0) / 1e9
+            stats["compute"] += data.get("avg_backward_compute_time", 0) / 1e9
             sizes = [int(x) for x in str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", "")).split(",")
                      if x.strip()]
             stats["bytes"] += float(sum(sizes))

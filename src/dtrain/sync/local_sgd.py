@@ -10,17 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from dtrain.profiler import CommRecorder
-from dtrain.sync.allreduce import average_gradients, optimizer_params
-from dtrain.sync.base import SyncStrategy, broadcast_from_chief
-from dtrain.sync.compression import COMPRESSORS
+from dtrain.sync.allreduce import AllReduceStrategy
 
 
-class LocalSGDStrategy(SyncStrategy):
+class LocalSGDStrategy(AllReduceStrategy):
     name = "local_sgd"
     exchanges_in_step = True
     replicas_may_differ = True
@@ -28,24 +24,15 @@ class LocalSGDStrategy(SyncStrategy):
 
     def __init__(self, device: torch.device, period: int, warmup_steps: int, bucket_cap_mb: float,
                  compression: str = "none", recorder: CommRecorder | None = None) -> None:
-        super().__init__(device, recorder)
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        super().__init__(device, bucket_cap_mb, compression, recorder)
         self.warmup_steps = warmup_steps
-        self.bucket_cap_mb = bucket_cap_mb
-        self.compressor = COMPRESSORS[compression]
         self.averager = PeriodicModelAverager(period=period, warmup_steps=warmup_steps) if self.world > 1 else None
         self.steps = 0
         self.averaged_last_step = False
 
-    def setup_model(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.device)
-        if self.world > 1:
-            broadcast_from_chief(model)
-        return model
-
     def exchange_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.world > 1 and self.steps < self.warmup_steps:
-            average_gradients(optimizer_params(optimizer), self.bucket_cap_mb, self.compressor, self.recorder)
+        if self.steps < self.warmup_steps:  # synchronous warm-up: gradients averaged as in allreduce
+            super().exchange_gradients(optimizer)
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.steps += 1
