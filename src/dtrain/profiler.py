@@ -39,18 +39,25 @@ class CommRecorder:
     reducer timers), used instead of per-step stamps: see :meth:`StepTimer.per_step`.
     """
 
-    __slots__ = ("bytes", "completions", "launches", "native")
+    __slots__ = ("bytes", "completions", "grad_ready", "launches", "native")
 
     def __init__(self) -> None:
         self.launches: list[float] = []
         self.completions: list[float] = []
         self.bytes = 0
+        # With native timing: when the last gradient of this step was computed (an autograd hook on the
+        # main thread, no Python on the communication thread).
+        self.grad_ready = 0.0
         self.native: Callable[[], dict[str, float] | None] | None = None
+
+    def mark_grad_ready(self, *_: Any) -> None:
+        self.grad_ready = max(self.grad_ready, time.perf_counter())
 
     def reset(self) -> None:
         self.launches = []
         self.completions = []
         self.bytes = 0
+        self.grad_ready = 0.0
 
     def busy_seconds(self, lo: float = float("-inf"), hi: float = float("inf")) -> float:
         """Length of the union of [launch, completion] intervals (buckets can be in flight together),
@@ -181,7 +188,12 @@ class StepTimer:
             if self.enabled and self._in_step:
                 end = self._now()
                 launches = self.recorder.launches
-                exposed = self.recorder.busy_seconds(lo=max(start, launches[-1]), hi=end) if launches else 0.0
+                if launches:
+                    exposed = self.recorder.busy_seconds(lo=max(start, launches[-1]), hi=end)
+                elif self.recorder.native is not None and self.recorder.grad_ready > start:
+                    exposed = end - min(end, self.recorder.grad_ready)  # after the last gradient: waiting
+                else:
+                    exposed = 0.0
                 self._current["backward"] += end - start - exposed
                 self._current["comm_exposed"] += exposed
                 self._mark = end
@@ -215,13 +227,11 @@ class StepTimer:
         out["step"] = self.profiled_seconds / n
         native = self.recorder.native() if self.recorder.native is not None else None
         if native is not None:
-            # DDP's own timers: backward compute and all-reduce busy time. What backward() took beyond its
-            # compute was spent waiting for the all-reduce (bounded by the all-reduce's busy time).
-            whole_backward = out["backward"] + out["comm_exposed"]
-            compute = min(whole_backward, native["compute"])
-            exposed = min(whole_backward - compute, native["busy"])
-            out.update(backward=whole_backward - exposed, comm_exposed=exposed, comm_busy=native["busy"],
-                       comm_bytes=native["bytes"], comm_buckets=native["buckets"])
+            # Busy time, bytes and buckets from DDP's own timers; exposed time (after the last gradient) from
+            # this step's stamps, bounded by the busy time (the rest is DDP's bookkeeping: backward).
+            exposed = min(out["comm_exposed"], native["busy"])
+            out.update(backward=out["backward"] + out["comm_exposed"] - exposed, comm_exposed=exposed,
+                       comm_busy=native["busy"], comm_bytes=native["bytes"], comm_buckets=native["buckets"])
         return out
 
     def take_window(self) -> dict[str, float]:

@@ -72,6 +72,7 @@ class DDPStrategy(SyncStrategy):
         # Aggregation needs per-step stamps (DDP's timers only see synchronizing iterations).
         self.native_timing = native_timing
         self._timed_ddps: list[DistributedDataParallel] = []
+        self._stamped: set[int] = set()
         self._models: list[nn.Module] = []
         self._pending_state: list[dict[str, Any]] = []
 
@@ -112,27 +113,38 @@ class DDPStrategy(SyncStrategy):
 
         A Python hook must complete a Python future on Gloo's thread for every bucket: on a 2 ms step that
         costs several percent of throughput (bench/profiler_overhead.py). DDP's C++ reducer already times
-        backward compute, communication and their overlap on sampled iterations; reading its averages
-        costs nothing per step. Private torch API (stable since 1.9): on failure, fall back to the hook.
+        all-reduce busy time on sampled iterations; reading its averages costs nothing per step. Exposed
+        time is measured per step from the last gradient's autograd hook (main thread) instead. Private
+        torch API (stable since 1.9): on failure, fall back to the hook.
         """
         try:
             ddp._set_ddp_runtime_logging_sample_rate(NATIVE_SAMPLE_RATE)
-            self._timed_ddps = [*[d for d in self._timed_ddps if d is not ddp][-8:], ddp]
-            self.recorder.native = self._native_stats  # type: ignore[union-attr]
         except (AttributeError, RuntimeError):
             ddp.register_comm_hook(self.recorder, timed_allreduce_hook)
+            return
+        self._timed_ddps = [*[d for d in self._timed_ddps if d is not ddp][-8:], ddp]
+        self.recorder.native = self._native_stats  # type: ignore[union-attr]
+        self._stamp_last_gradient(ddp.module)
+
+    def _stamp_last_gradient(self, model: nn.Module) -> None:
+        """Stamp when backward computes its last gradient: autograd runs in reverse, so the model's first
+        parameters are normally last. A hook on the first few (main thread, ~1 us each) is enough."""
+        if id(model) in self._stamped:
+            return  # a rebuilt DDP around the same module: hooks are already there
+        self._stamped.add(id(model))
+        for param in [p for p in model.parameters() if p.requires_grad][:4]:
+            param.register_post_accumulate_grad_hook(self.recorder.mark_grad_ready)  # type: ignore[union-attr]
 
     def _native_stats(self) -> dict[str, float] | None:
         live = [d for d in self._timed_ddps if d in self._current_ddps()]
         if not live:
             return None
-        stats = {"busy": 0.0, "compute": 0.0, "bytes": 0.0, "buckets": 0.0}
+        stats = {"busy": 0.0, "bytes": 0.0, "buckets": 0.0}
         for ddp in live:
             data = ddp._get_ddp_logging_data()
             if not data.get("avg_backward_comm_time"):
                 return None  # no sampled iteration yet
             stats["busy"] += data["avg_backward_comm_time"] / 1e9
-            stats["compute"] += data.get("avg_backward_compute_time", 0) / 1e9
             sizes = [int(x) for x in str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", "")).split(",")
                      if x.strip()]
             stats["bytes"] += float(sum(sizes))
