@@ -176,17 +176,10 @@ class ClusterEnv:
     nproc_per_node: int | None = None
     job_id: str | None = None
     # worker role (Slurm): the slot's place in the job
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-    local_world_size: int = 1
-    master_addr: str = "127.0.0.1"
-    master_port: int = 0
+    worker: DistEnv | None = None
 
     def worker_env(self) -> DistEnv:
-        return DistEnv(rank=self.rank, world_size=self.world_size, local_rank=self.local_rank,
-                       local_world_size=self.local_world_size, master_addr=self.master_addr,
-                       master_port=self.master_port)
+        return self.worker if self.worker is not None else DistEnv()
 
 
 def read_cluster_env(environ: Mapping[str, str] | None = None) -> ClusterEnv | None:
@@ -242,9 +235,9 @@ def _slurm_env(env: Mapping[str, str]) -> ClusterEnv:
                           job_id=env.get("SLURM_JOB_ID"))
     per_node = expand_tasks_per_node(env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "")
     local_world = per_node[node_id] if node_id < len(per_node) else max(1, ntasks // max(1, nnodes))
-    return ClusterEnv("Slurm", "worker", job_id=env.get("SLURM_JOB_ID"), rank=int(env["SLURM_PROCID"]),
-                      world_size=ntasks, local_rank=int(env.get("SLURM_LOCALID", "0")), local_world_size=local_world,
-                      master_addr=master, master_port=port)
+    slot = DistEnv(rank=int(env["SLURM_PROCID"]), world_size=ntasks, local_rank=int(env.get("SLURM_LOCALID", "0")),
+                   local_world_size=local_world, master_addr=master, master_port=port)
+    return ClusterEnv("Slurm", "worker", job_id=env.get("SLURM_JOB_ID"), worker=slot)
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
