@@ -4,7 +4,7 @@ import json
 
 from helpers import dtrain_cli, tiny_config
 
-from dtrain.profiler import PHASES, CommRecorder
+from dtrain.profiling import PHASES, CommRecorder
 
 
 def test_busy_time_is_the_union_of_intervals():

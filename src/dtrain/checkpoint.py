@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -32,6 +33,7 @@ import torch
 from dtrain.dist import barrier
 from dtrain.errors import CheckpointError
 
+log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 LATEST = "latest"
 
@@ -203,3 +205,115 @@ def load(path: Path, rank: int) -> LoadedCheckpoint:
     rank_file = path / f"rank{rank}.pt"
     rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.is_file() else None
     return LoadedCheckpoint(path, meta, models, optimizers, trainer_state, rank_state)
+
+
+# ------------------------------------------------------------------------------ one rank's training state
+
+
+@dataclass
+class Restored:
+    """What a restore hands back to the loop: where it came from and the loop's own saved values."""
+
+    path: Path
+    extra: dict[str, Any]  # the chief's ``extra`` (the trainer's batch count, a user's epoch, ...)
+    rank_extra: dict[str, Any] | None  # this rank's ``rank_extra``; None when the job's layout changed
+    same_layout: bool
+
+
+@dataclass
+class TrainingState:
+    """Everything a rank saves and restores, and the rules for it, in one place.
+
+    The chief writes the full models (gathered from shards if need be), optimizers, schedulers, the
+    precision's loss-scaler state and ``extra``; every rank writes its RNG streams, its strategy's state
+    (e.g. PowerSGD error feedback) and ``rank_extra``, plus its own weights and optimizer state where the
+    strategy lets those differ between ranks. Resuming on another slot count restores the shared state
+    exactly; per-rank streams are then reseeded (only per-slot randomness, such as dropout, differs).
+    """
+
+    strategy: Any
+    models: list[Any]
+    optimizers: list[Any]
+    schedulers: list[Any]
+    precision: Any
+    rank: int
+    world_size: int
+
+    def _optimizer_states(self) -> list[dict[str, Any]]:
+        return [o.state_dict() for o in self.optimizers] + [s.state_dict() for s in self.schedulers]
+
+    def save(self, directory: Path, batches: int, extra: dict[str, Any] | None = None, keep_last: int = 2,
+             rank_extra: dict[str, Any] | None = None) -> Path:
+        """Collective: every rank calls it."""
+        models = [self.strategy.model_state_dict(m) for m in self.models]  # may be collective (FSDP)
+        payload = None
+        if self.rank == 0:
+            trainer_state = {"extra": dict(extra or {})}
+            if self.precision is not None and self.precision.state_dict():
+                trainer_state["precision"] = self.precision.state_dict()
+            payload = CheckpointPayload(batches=batches, models=models, optimizers=self._optimizer_states(),
+                                        trainer_state=trainer_state,
+                                        metadata={"world_size": self.world_size, "strategy": self.strategy.name})
+        rank_state: dict[str, Any] = {"batches": batches, "rng": rng_state(), "extra": dict(rank_extra or {}),
+                                      "strategy": self.strategy.state_dict()}
+        if self.strategy.replicas_may_differ:
+            rank_state["models"] = [self.strategy.unwrap(m).state_dict() for m in self.models]
+        if self.strategy.per_rank_optimizer_state:
+            rank_state["optimizers"] = self._optimizer_states()
+        return save(directory, payload, rank_state, self.rank, keep_last)
+
+    def restore(self, path: Path) -> Restored:
+        """Load the checkpoint at ``path`` (a checkpoint folder, or a folder holding ``latest``) into the
+        live objects."""
+        path = resolve(path)
+        loaded = load(path, self.rank)
+        self._check_counts(loaded, path)
+        saved_world = loaded.metadata.get("world_size")
+        same_layout = (loaded.rank_state is not None and saved_world == self.world_size
+                       and loaded.metadata.get("strategy", self.strategy.name) == self.strategy.name)
+        rank_state = loaded.rank_state if same_layout and loaded.rank_state is not None else {}
+        if self.strategy.per_rank_optimizer_state and "optimizers" not in rank_state:
+            raise CheckpointError(f"checkpoint {path} has no optimizer state for rank {self.rank} of "
+                                  f"{self.world_size} ({self.strategy.name} keeps it per rank); resume with "
+                                  f"{saved_world} slots and the same sync.strategy")
+        for model, state in zip(self.models, rank_state.get("models", loaded.models), strict=True):
+            self.strategy.load_model_state_dict(model, state)
+        optimizer_states = rank_state.get("optimizers", loaded.optimizers)
+        n_opt = len(self.optimizers)
+        for opt, state in zip(self.optimizers, optimizer_states[:n_opt], strict=True):
+            opt.load_state_dict(state)
+        for sched, state in zip(self.schedulers, optimizer_states[n_opt:], strict=False):
+            sched.load_state_dict(state)
+        if self.precision is not None:
+            self.precision.load_state_dict(loaded.trainer_state.get("precision", {}))
+        if same_layout:
+            set_rng_state(rank_state["rng"])
+            self.strategy.load_state_dict(rank_state.get("strategy", {}))
+        elif self.rank == 0:
+            log.warning("checkpoint %s was written by %s slot(s), this job has %d: weights, optimizer state and "
+                        "the data position are restored exactly; only per-slot random streams (e.g. dropout) "
+                        "are reseeded, so stochastic layers draw differently than in an uninterrupted run",
+                        path, saved_world, self.world_size)
+        extra = dict(loaded.trainer_state.get("extra", {}))
+        rank_extra = dict(rank_state.get("extra", {})) if same_layout else None
+        return Restored(path, extra, rank_extra, same_layout)
+
+    def _check_counts(self, loaded: LoadedCheckpoint, path: Path) -> None:
+        if len(loaded.models) != len(self.models):
+            raise CheckpointError(f"checkpoint {path} holds {len(loaded.models)} model(s) but this code wrapped "
+                                  f"{len(self.models)}; resume with the same trial code")
+        if len(loaded.optimizers) < len(self.optimizers):
+            raise CheckpointError(f"checkpoint {path} holds {len(loaded.optimizers)} optimizer state(s) but this "
+                                  f"code wrapped {len(self.optimizers)}; resume with the same trial code")
+
+
+def resolve(path: Path) -> Path:
+    """A checkpoint folder, given it or a folder holding ``latest``; CheckpointError otherwise."""
+    if (path / LATEST).is_file():
+        found = latest(path)
+        if found is None:
+            raise CheckpointError(f"{path}/latest names a checkpoint that does not exist; point at a checkpoint folder")
+        path = found
+    if not (path / "metadata.json").exists():
+        raise CheckpointError(f"{path} is not a dtrain checkpoint (no metadata.json); pass a checkpoint folder")
+    return path

@@ -43,8 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare = sub.add_parser("compare", help="the same trial under several sync strategies, side by side")
     compare.add_argument("config", type=Path, help="experiment YAML")
-    compare.add_argument("--strategies", default="ddp,allreduce,parameter_server,local_sgd,fsdp",
-                         help="comma-separated sync strategies (default: all five)")
+    compare.add_argument("--strategies", help="comma-separated sync strategies (default: every registered one)")
     compare.add_argument("--steps", type=_positive_int, default=100, help="training steps per strategy")
     compare.add_argument("--slots", type=_positive_int, help="override resources.slots_per_trial")
     compare.add_argument("--out", type=Path, help="output folder (default runs/compare-<name>-<timestamp>)")

@@ -10,22 +10,25 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, get_args
+from typing import Any
 
 from dtrain import runs
-from dtrain.config import SyncOptions, load_config
+from dtrain.config import load_config
 from dtrain.errors import UserError
 from dtrain.render import as_text, pyplot
+from dtrain.sync import registry
 
-STRATEGIES: tuple[str, ...] = get_args(SyncOptions.model_fields["strategy"].annotation)
 
-
-def parse_strategies(text: str) -> list[str]:
+def parse_strategies(text: str | None) -> list[str]:
+    """``--strategies`` (comma-separated; None: every registered strategy)."""
+    known = registry.names()
+    if text is None:
+        return list(known)
     names = [t.strip() for t in text.split(",") if t.strip()]
-    unknown = [n for n in names if n not in STRATEGIES]
+    unknown = [n for n in names if n not in known]
     if not names or unknown:
-        raise UserError(f"--strategies expects a comma-separated list from {', '.join(STRATEGIES)}; "
-                        f"got {text!r}" + (f" ({unknown[0]!r} is not a strategy)" if unknown else ""))
+        raise UserError(f"--strategies expects a comma-separated list from {', '.join(known)}; got {text!r}"
+                        + (f" ({registry.unknown_message(unknown[0])})" if unknown else ""))
     return list(dict.fromkeys(names))
 
 
@@ -50,9 +53,8 @@ def summarize_run(run_dir: Path, strategy: str) -> dict[str, Any]:
     training = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
                 if json.loads(ln)["kind"] == "training"]
     ranks = profile["per_rank"]
-    # FSDP's all-gathers and reduce-scatters run inside its own hooks, which dtrain does not time: unknown,
-    # not zero.
-    measured = strategy != "fsdp"
+    # A strategy whose communication dtrain cannot see (FSDP's hooks) shows "not measured", not zero.
+    measured = bool(profile.get("comm_measured", True))
     return {
         "strategy": strategy,
         "workers": profile["slots"],

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from dtrain.errors import ConfigError
 
@@ -124,11 +124,23 @@ class ParameterServerOptions(_Strict):
 
 
 class SyncOptions(_Strict):
-    """How replicas are kept in sync: one strategy per module of ``dtrain.sync``."""
+    """How replicas are kept in sync: a strategy registered in :mod:`dtrain.sync.registry` (built-ins:
+    ddp, allreduce, parameter_server, local_sgd, fsdp), and the options of those that have some."""
 
-    strategy: Literal["ddp", "allreduce", "parameter_server", "local_sgd", "fsdp"] = "ddp"
+    strategy: str = "ddp"
     local_sgd: LocalSGDOptions = Field(default_factory=LocalSGDOptions)
     parameter_server: ParameterServerOptions = Field(default_factory=ParameterServerOptions)
+
+    @field_validator("strategy")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from dtrain.sync import registry  # imports torch: only when a config is validated
+
+        try:
+            registry.lookup(name)
+        except KeyError:
+            raise ValueError(f"got {name!r}; expected one of {', '.join(map(repr, registry.names()))}") from None
+        return name
 
 
 class ExperimentConfig(_Strict):
@@ -145,6 +157,9 @@ class ExperimentConfig(_Strict):
     scheduling_unit: int = Field(default=100, ge=1)
     checkpoint_storage: CheckpointStorage = Field(default_factory=CheckpointStorage)
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    # Lightning's vocabulary: 32-true, tf32 (CUDA matmuls on TF32 tensor cores), bf16-mixed, 16-mixed
+    # (autocast around the model's forward; 16-mixed adds loss scaling and needs CUDA).
+    precision: Literal["32-true", "tf32", "bf16-mixed", "16-mixed"] = "32-true"
     max_restarts: int = Field(default=0, ge=0)
     seed: int = Field(default=0, ge=0)
     optimizations: Optimizations = Field(default_factory=Optimizations)
@@ -163,27 +178,10 @@ class ExperimentConfig(_Strict):
             raise ValueError("hyperparameters.global_batch_size is required (an integer >= 1)")
         if isinstance(gbs, bool) or not isinstance(gbs, int) or gbs < 1:
             raise ValueError(f"hyperparameters.global_batch_size must be an integer >= 1, got {gbs!r}")
-        self._check_strategy_options()
-        return self
+        from dtrain.sync import registry
 
-    def _check_strategy_options(self) -> None:
-        strategy, o = self.sync.strategy, self.optimizations
-        if o.gradient_compression == "powersgd" and strategy != "ddp":
-            raise ValueError(f"gradient_compression: powersgd is a DDP comm hook; sync.strategy {strategy!r} "
-                             "cannot honour it: use sync.strategy: ddp, or fp16/bf16 compression")
-        if o.gradient_compression != "none" and strategy in ("fsdp", "parameter_server"):
-            raise ValueError(f"sync.strategy {strategy!r} cannot honour gradient_compression "
-                             f"{o.gradient_compression!r}; set optimizations.gradient_compression: none")
-        if o.auto_tune_tensor_fusion and strategy != "ddp":
-            raise ValueError(f"auto_tune_tensor_fusion tunes DDP's buckets; sync.strategy {strategy!r} cannot "
-                             "honour it: set optimizations.auto_tune_tensor_fusion: false")
-        if strategy == "parameter_server":
-            servers = self.sync.parameter_server.servers
-            if servers >= self.resources.slots_per_trial:
-                raise ValueError(
-                    f"sync.parameter_server.servers is {servers} with resources.slots_per_trial "
-                    f"{self.resources.slots_per_trial}: no worker left; use at least {servers + 1} slots "
-                    "(servers + workers) or fewer servers")
+        registry.lookup(self.sync.strategy).check_config(self)  # what the strategy cannot honour
+        return self
 
     @property
     def global_batch_size(self) -> int:

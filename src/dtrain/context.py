@@ -22,7 +22,8 @@ from dtrain import dist as ddist
 from dtrain.config import ExperimentConfig
 from dtrain.errors import UserError
 from dtrain.metrics import MeanAccumulator
-from dtrain.profiler import StepTimer
+from dtrain.precision import Precision
+from dtrain.profiling import NULL_RECORDER, DDPTiming, StepTimer
 from dtrain.sync import SyncStrategy, build_strategy
 
 log = logging.getLogger(__name__)
@@ -30,22 +31,28 @@ M = TypeVar("M", bound=nn.Module)
 
 
 class DistributedContext:
-    """Rank, device, model/optimizer wrapping, sharded loaders, metric reduction, checkpoints."""
+    """Rank, device, model/optimizer wrapping, sharded loaders, precision, metric reduction, checkpoints."""
 
     def __init__(self, backend: str = "auto", timeout_seconds: float = 300.0, seed: int = 0,
-                 config: ExperimentConfig | None = None, profile: bool = True, warmup_steps: int = 3) -> None:
+                 config: ExperimentConfig | None = None, profile: bool = True, warmup_steps: int = 3,
+                 precision: str = "32-true") -> None:
         self.env = ddist.read_env()
-        self.backend = ddist.resolve_backend(backend)
+        self.backend = ddist.resolve_backend(backend, self.env.local_world_size, warn=False)
         self.device = ddist.device_for(self.backend, self.env)
         self.num_threads = ddist.limit_cpu_threads(self.env)
         ddist.init_process_group(self.env, self.backend, timeout_seconds)
         self.seed = seed
+        self.precision = Precision(precision, self.device)
         self.timer = StepTimer(self.device, enabled=profile, warmup_steps=warmup_steps)
-        self.strategy: SyncStrategy = build_strategy(config, self.device,
-                                                     self.timer.recorder if profile else None)
         opts = config.optimizations if config is not None else None
         self.aggregation_frequency = opts.aggregation_frequency if opts is not None else 1
         self.average_aggregated_gradients = opts.average_aggregated_gradients if opts is not None else True
+        self.strategy: SyncStrategy = build_strategy(config, self.device,
+                                                     self.timer.recorder if profile else NULL_RECORDER)
+        if profile and hasattr(self.strategy, "timing"):
+            # Profiling attaches its DDP timing from this side; DDP's own timers only sample iterations that
+            # synchronize, so gradient aggregation needs per-bucket stamps instead.
+            self.strategy.timing = DDPTiming(self.timer.recorder, native=self.aggregation_frequency == 1)
         # False while accumulating gradients of a batch that is not the last of its aggregation group: the
         # trainer sets it before each batch.
         self.sync_gradients = True
@@ -85,7 +92,9 @@ class DistributedContext:
 
     # ------------------------------------------------------------------------------------- wrapping
     def wrap_model(self, model: M) -> M:
-        """Move to this slot's device and wrap for synchronous data parallelism (DDP by default)."""
+        """Move to this slot's device and wrap for synchronous data parallelism (DDP by default); with a
+        mixed ``precision``, its forward runs under autocast."""
+        self.precision.wrap_forward(model)
         wrapped = self.strategy.setup_model(model)
         self.models.append(wrapped)
         return wrapped  # type: ignore[return-value]
@@ -108,16 +117,24 @@ class DistributedContext:
     def unwrap(self, model: nn.Module) -> nn.Module:
         return self.strategy.unwrap(model)
 
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """``with ctx.autocast():`` the run's mixed precision for code outside the wrapped model."""
+        return self.precision.autocast()
+
     # ---------------------------------------------------------------------------------------- data
     def loader(self, dataset: Dataset, batch_size: int, shuffle: bool = True, num_workers: int = 0) -> DataLoader:
-        """A per-slot loader over this rank's shard. ``batch_size`` is per slot.
+        """A per-slot loader over this slot's shard. ``batch_size`` is per slot.
 
-        With ``shuffle`` (training), every rank draws the same seeded permutation and takes its share, full
+        With ``shuffle`` (training), every slot draws the same seeded permutation and takes its share, full
         batches only; call :meth:`set_epoch` each epoch. Without it (evaluation), each record is seen once.
+        Slots are the training ranks (a parameter server's servers hold no data).
         """
+        dp_rank, dp_world = self.strategy.dp_rank, self.strategy.dp_world
+        pin = self.device.type == "cuda"
         if not shuffle:
-            return data.eval_loader(dataset, batch_size, self.rank, self.world_size, num_workers)
-        loader, sampler = data.train_loader(dataset, batch_size, self.rank, self.world_size, self.seed, num_workers)
+            return data.eval_loader(dataset, batch_size, dp_rank, dp_world, num_workers, pin_memory=pin)
+        loader, sampler = data.train_loader(dataset, batch_size, dp_rank, dp_world, self.seed, num_workers,
+                                            pin_memory=pin)
         self._samplers.append(sampler)
         return loader
 
@@ -135,10 +152,11 @@ class DistributedContext:
 
         With ``aggregation_frequency`` k, gradients of k batches are summed locally (no communication on the
         first k-1) and exchanged once; the loss is divided by k when ``average_aggregated_gradients``, so
-        the update equals one step on a k times bigger batch.
+        the update equals one step on a k times bigger batch. With ``16-mixed`` the loss is scaled.
         """
         if self.aggregation_frequency > 1 and self.average_aggregated_gradients:
             loss = loss / self.aggregation_frequency
+        loss = self.precision.scale(loss)
         with self.timer.backward():
             loss.backward(**kwargs)
 
@@ -155,20 +173,31 @@ class DistributedContext:
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None = None) -> None:
         """Optional gradient clipping, ``optimizer.step()`` and ``zero_grad``: only on the last batch of an
-        aggregation group (every batch when ``aggregation_frequency`` is 1)."""
+        aggregation group (every batch when ``aggregation_frequency`` is 1). With ``16-mixed``, gradients
+        are unscaled first and a step that overflowed on any rank is skipped on every rank."""
         if not self.sync_gradients:
             return
-        communicates = self.strategy.exchanges_in_step
-        with self.timer.phase("comm_exposed" if communicates else "optimizer", before="other"):
-            self.strategy.exchange_gradients(optimizer)
-        with self.timer.phase("optimizer", before="other"):
+        timer, strategy, precision = self.timer, self.strategy, self.precision
+        comm = "comm_exposed" if strategy.exchanges_in_step else "optimizer"
+        skip = False
+        if precision.scaler is not None and strategy.exchanges_in_step:
+            # Unscale before the exchange, so that servers and averagers see true gradients.
+            with timer.phase("optimizer", before="other"):
+                skip = precision.unscale_and_check(optimizer, strategy.dp_group)
+        with timer.phase(comm, before="other"):
+            strategy.exchange_gradients(optimizer)
+        with timer.phase("optimizer", before="other"):
+            if precision.scaler is not None and not strategy.exchanges_in_step:
+                skip = precision.unscale_and_check(optimizer, strategy.dp_group)
             if clip_grad_norm is not None:
                 params = [p for g in optimizer.param_groups for p in g["params"]]
                 torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-            self.strategy.step(optimizer)
-        with self.timer.phase("comm_exposed" if communicates else "optimizer", before="other"):
-            self.strategy.after_step(optimizer)  # before zero_grad: torch's averager skips grad-less params
-        with self.timer.phase("optimizer", before="other"):
+            if not skip:
+                strategy.step(optimizer)
+            precision.update()
+        with timer.phase(comm, before="other"):
+            strategy.after_step(optimizer)  # before zero_grad: torch's averager skips grad-less params
+        with timer.phase("optimizer", before="other"):
             optimizer.zero_grad(set_to_none=True)
 
     # --------------------------------------------------------------------------------------- metrics
@@ -182,80 +211,22 @@ class DistributedContext:
         ddist.barrier()
 
     # ----------------------------------------------------------------------------------- checkpoints
+    def training_state(self) -> checkpoint.TrainingState:
+        """What a checkpoint saves and restores for this rank (see :class:`dtrain.checkpoint.TrainingState`)."""
+        return checkpoint.TrainingState(self.strategy, self.models, self.optimizers, self.lr_schedulers,
+                                        self.precision, self.rank, self.world_size)
+
     def save_checkpoint(self, directory: str | Path, batches: int, extra: Mapping[str, Any] | None = None,
                         keep_last: int = 2, rank_extra: Mapping[str, Any] | None = None) -> Path:
-        """Collective: save wrapped models, optimizers, schedulers and ``extra`` (chief's) under
-        ``directory/<batches>``; ``rank_extra`` is kept per rank, beside that rank's RNG state."""
-        models = [self.strategy.model_state_dict(m) for m in self.models]  # may be collective (FSDP)
-        payload = None
-        if self.is_chief:
-            payload = checkpoint.CheckpointPayload(
-                batches=batches,
-                models=models,
-                optimizers=self._optimizer_states(),
-                trainer_state={"extra": dict(extra or {})},
-                metadata={"world_size": self.world_size, "strategy": self.strategy.name},
-            )
-        # Strategy state (e.g. PowerSGD error feedback) differs between ranks: it is saved per rank, and so
-        # are weights and optimizer state when the strategy lets them differ (local SGD, FSDP shards).
-        rank_state: dict[str, Any] = {"batches": batches, "rng": checkpoint.rng_state(),
-                                      "extra": dict(rank_extra or {}), "strategy": self.strategy.state_dict()}
-        if self.strategy.replicas_may_differ:
-            rank_state["models"] = [self.unwrap(m).state_dict() for m in self.models]
-        if self.strategy.per_rank_optimizer_state:
-            rank_state["optimizers"] = self._optimizer_states()
-        return checkpoint.save(Path(directory), payload, rank_state, self.rank, keep_last)
+        """Collective (every rank calls it): save wrapped models, optimizers, schedulers and ``extra``
+        (chief's) under ``directory/<batches>``; ``rank_extra`` is kept per rank."""
+        return self.training_state().save(Path(directory), batches, dict(extra or {}), keep_last,
+                                          dict(rank_extra or {}))
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
         """Restore models, optimizers, schedulers and RNG from a checkpoint folder (or a folder holding
         ``latest``); returns the ``extra`` mapping that was saved with it."""
-        loaded = self.restore(Path(path))
-        return dict(loaded.trainer_state.get("extra", {}))
-
-    def restore(self, path: Path) -> checkpoint.LoadedCheckpoint:
-        if (path / checkpoint.LATEST).is_file():
-            found = checkpoint.latest(path)
-            if found is None:
-                raise UserError(f"{path}/latest names a checkpoint that does not exist; point at a checkpoint folder")
-            path = found
-        if not (path / "metadata.json").exists():
-            raise UserError(f"{path} is not a dtrain checkpoint (no metadata.json); pass a checkpoint folder")
-        loaded = checkpoint.load(path, self.rank)
-        self._check_counts(loaded, path)
-        same_layout = (loaded.rank_state is not None and loaded.metadata.get("world_size") == self.world_size
-                       and loaded.metadata.get("strategy", self.strategy.name) == self.strategy.name)
-        rank_state = loaded.rank_state if same_layout and loaded.rank_state is not None else {}
-        for model, state in zip(self.models, rank_state.get("models", loaded.models), strict=True):
-            self.strategy.load_model_state_dict(model, state)
-        optimizer_states = rank_state.get("optimizers", loaded.optimizers)
-        if self.strategy.per_rank_optimizer_state and "optimizers" not in rank_state:
-            raise UserError(f"checkpoint {path} has no optimizer state for rank {self.rank} of "
-                            f"{self.world_size} ({self.strategy.name} keeps it per rank); resume with "
-                            f"{loaded.metadata.get('world_size')} slots and the same sync.strategy")
-        n_opt = len(self.optimizers)
-        for opt, state in zip(self.optimizers, optimizer_states[:n_opt], strict=True):
-            opt.load_state_dict(state)
-        for sched, state in zip(self.lr_schedulers, optimizer_states[n_opt:], strict=False):
-            sched.load_state_dict(state)
-        if same_layout:
-            checkpoint.set_rng_state(rank_state["rng"])
-            self.strategy.load_state_dict(rank_state.get("strategy", {}))
-        elif self.is_chief:
-            log.warning("checkpoint was written by %s slots, this job has %d: RNG streams are reseeded, so the "
-                        "result will not be bit-identical to an uninterrupted run",
-                        loaded.metadata.get("world_size"), self.world_size)
-        return loaded
-
-    def _optimizer_states(self) -> list[dict[str, Any]]:
-        return [o.state_dict() for o in self.optimizers] + [s.state_dict() for s in self.lr_schedulers]
-
-    def _check_counts(self, loaded: checkpoint.LoadedCheckpoint, path: Path) -> None:
-        if len(loaded.models) != len(self.models):
-            raise UserError(f"checkpoint {path} holds {len(loaded.models)} model(s) but this code wrapped "
-                            f"{len(self.models)}; resume with the same trial code")
-        if len(loaded.optimizers) < len(self.optimizers):
-            raise UserError(f"checkpoint {path} holds {len(loaded.optimizers)} optimizer state(s) but this code "
-                            f"wrapped {len(self.optimizers)}; resume with the same trial code")
+        return self.training_state().restore(Path(path)).extra
 
     def close(self) -> None:
         """Leave the job. The wrapped models go first: a DDP (and its reducer) outliving the process group
@@ -277,7 +248,7 @@ class TrialContext(DistributedContext):
     def __init__(self, config: ExperimentConfig) -> None:
         super().__init__(backend=config.backend, timeout_seconds=config.resources.collective_timeout_seconds,
                          seed=config.seed, config=config, profile=config.profiling.enabled,
-                         warmup_steps=config.profiling.warmup_steps)
+                         warmup_steps=config.profiling.warmup_steps, precision=config.precision)
         self.config = config
         # Slots that train: all of them, except a parameter server's server ranks.
         self.per_slot_batch_size = data.per_slot_batch_size(config.global_batch_size, self.strategy.dp_world)
@@ -303,7 +274,12 @@ class TrialContext(DistributedContext):
         return self.config
 
 
-def init(backend: str = "auto", timeout_seconds: float = 300.0, seed: int = 0) -> DistributedContext:
-    """Join the job started by ``dtrain launch`` / ``torchrun`` (or a world of one) and return its context."""
+def init(backend: str = "auto", timeout_seconds: float = 300.0, seed: int = 0,
+         precision: str = "32-true") -> DistributedContext:
+    """Join the job started by ``dtrain launch`` / ``torchrun`` (or a world of one) and return its context.
+
+    ``seed`` seeds torch's global RNG identically on every rank (so weights start equal) and the loaders'
+    shuffling; ``precision`` is one of ``32-true``, ``tf32``, ``bf16-mixed``, ``16-mixed`` (CUDA).
+    """
     torch.manual_seed(seed)
-    return DistributedContext(backend=backend, timeout_seconds=timeout_seconds, seed=seed)
+    return DistributedContext(backend=backend, timeout_seconds=timeout_seconds, seed=seed, precision=precision)

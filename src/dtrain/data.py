@@ -94,24 +94,27 @@ def _check_size(dataset: Any, what: str, minimum: int, hint: str) -> int:
 
 
 def train_loader(
-    dataset: Dataset, per_slot: int, rank: int, world_size: int, seed: int, num_workers: int = 0
+    dataset: Dataset, per_slot: int, rank: int, world_size: int, seed: int, num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> tuple[DataLoader, ResumableDistributedSampler]:
-    """Shuffled, sharded, full batches only (a short last batch would break 1-vs-N equivalence)."""
+    """Shuffled, sharded, full batches only (a short last batch would break 1-vs-N equivalence).
+    ``pin_memory`` (for CUDA) lets host-to-device copies run asynchronously."""
     global_batch = per_slot * world_size
     _check_size(dataset, "training", global_batch,
                 f"one global batch needs {global_batch}; lower hyperparameters.global_batch_size")
     sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)  # type: ignore[arg-type]
     loader = DataLoader(dataset, batch_size=per_slot, sampler=sampler, drop_last=True, num_workers=num_workers,
-                        generator=sampler.loader_generator)
+                        generator=sampler.loader_generator, pin_memory=pin_memory)
     return loader, sampler
 
 
-def eval_loader(dataset: Dataset, per_slot: int, rank: int, world_size: int, num_workers: int = 0) -> DataLoader:
+def eval_loader(dataset: Dataset, per_slot: int, rank: int, world_size: int, num_workers: int = 0,
+                pin_memory: bool = False) -> DataLoader:
     _check_size(dataset, "validation", world_size, f"every one of the {world_size} slots needs at least one")
     sampler = ShardSampler(dataset, num_replicas=world_size, rank=rank)  # type: ignore[arg-type]
     # Own generator: validation must not consume the training RNG stream (see ResumableDistributedSampler).
     return DataLoader(dataset, batch_size=per_slot, sampler=sampler, num_workers=num_workers,
-                      generator=torch.Generator().manual_seed(rank))
+                      generator=torch.Generator().manual_seed(rank), pin_memory=pin_memory)
 
 
 def batches_per_epoch(dataset: Sized, global_batch: int) -> int:
@@ -137,3 +140,57 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, dict):
         return {k: to_device(v, device) for k, v in batch.items()}
     return batch
+
+
+class DeviceFeeder:
+    """Batches of an iterator, on the device. On CUDA the next batch is copied on a side stream while
+    the current one computes (pinned memory makes the copy asynchronous), so the step never waits for a
+    host-to-device copy it could have overlapped; the compute stream waits for the copy, not the host.
+    On CPU there is nothing to overlap: batches are handed over as they come.
+    """
+
+    _END = object()
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._iterator: Iterator[Any] | None = None
+        self._next: Any = self._END
+
+    def start(self, iterator: Iterator[Any]) -> None:
+        self._iterator = iterator
+        if self._stream is not None:
+            self._next = self._copy_next()
+
+    def __next__(self) -> Any:
+        if self._iterator is None:
+            raise StopIteration
+        if self._stream is None:
+            return to_device(next(self._iterator), self.device)
+        batch = self._next
+        if batch is self._END:
+            raise StopIteration
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self._stream)
+        _record_stream(batch, current)  # the copy's memory now belongs to the compute stream
+        self._next = self._copy_next()
+        return batch
+
+    def _copy_next(self) -> Any:
+        try:
+            host = next(self._iterator)  # type: ignore[arg-type]
+        except StopIteration:
+            return self._END
+        with torch.cuda.stream(self._stream):
+            return to_device(host, self.device)
+
+
+def _record_stream(batch: Any, stream: Any) -> None:
+    if isinstance(batch, torch.Tensor):
+        batch.record_stream(stream)
+    elif isinstance(batch, (list, tuple)):
+        for item in batch:
+            _record_stream(item, stream)
+    elif isinstance(batch, dict):
+        for item in batch.values():
+            _record_stream(item, stream)

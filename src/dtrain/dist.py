@@ -8,6 +8,7 @@ them is a world of one.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 import re
 import socket
@@ -19,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from dtrain.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -73,11 +76,16 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         ) from None
 
 
-def resolve_backend(requested: str) -> str:
-    """``auto`` means NCCL when CUDA is present, Gloo otherwise."""
+def resolve_backend(requested: str, local_slots: int = 1, warn: bool = True) -> str:
+    """``auto``: NCCL when this machine has a GPU for each of its ``local_slots``, else Gloo on CPU (with
+    a warning when GPUs are visible but too few, so a 2-slot run on a 1-GPU machine still runs)."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if requested == "auto":
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if requested == "nccl" and not torch.cuda.is_available():
+        if warn and gpus and local_slots > gpus:
+            log.warning("backend auto: %d slot(s) on this machine but %d GPU(s): training on CPU with Gloo; use "
+                        "--slots %d (or fewer) to train on the GPUs", local_slots, gpus, gpus)
+        return "nccl" if gpus >= local_slots and gpus else "gloo"
+    if requested == "nccl" and not gpus:
         raise UserError("backend 'nccl' needs CUDA GPUs and none is visible; use backend: gloo (or auto)")
     return requested
 

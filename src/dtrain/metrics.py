@@ -18,41 +18,60 @@ import torch.distributed as dist
 from dtrain.errors import UserError
 
 
-def _as_float(name: str, value: Any) -> float:
+def _checked(name: str, value: Any) -> torch.Tensor | float:
+    """A metric as a 0-d tensor (left on its device: no host sync) or a float; UserError otherwise."""
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
+        if value.numel() != 1:  # shape is host-side metadata: checking it does not sync
             raise UserError(f"metric {name!r} is a tensor of shape {tuple(value.shape)}; return a scalar")
-        return float(value.detach().item())
+        return value.detach().reshape(())
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
     raise UserError(f"metric {name!r} is a {type(value).__name__}; return a number or a scalar tensor")
 
 
 class MeanAccumulator:
-    """Weighted running sums of scalar metrics: ``sum(value * weight)`` and ``sum(weight)`` per key."""
+    """Weighted running sums of scalar metrics: ``sum(value * weight)`` and ``sum(weight)`` per key.
+
+    Tensor metrics are summed on their own device, in float64, in place: adding one costs no host sync
+    and, after the first step of a report window, no allocation. They become Python floats only when a
+    report reads them (:meth:`local_means`, :meth:`global_means`, :meth:`state_dict`).
+    """
 
     def __init__(self) -> None:
-        self.sums: dict[str, float] = {}
+        self.sums: dict[str, torch.Tensor | float] = {}
         self.weight = 0.0
 
     def add(self, metrics: Mapping[str, Any], weight: float = 1.0) -> None:
         for name, value in metrics.items():
-            self.sums[name] = self.sums.get(name, 0.0) + _as_float(name, value) * weight
+            value = _checked(name, value)
+            total = self.sums.get(name)
+            if isinstance(value, torch.Tensor):
+                if not isinstance(total, torch.Tensor):
+                    total = torch.full((), float(total or 0.0), dtype=torch.float64, device=value.device)
+                    self.sums[name] = total
+                total.add_(value, alpha=weight)
+            elif isinstance(total, torch.Tensor):
+                total.add_(value * weight)
+            else:
+                self.sums[name] = (total or 0.0) + value * weight
         self.weight += weight
 
+    def _floats(self) -> dict[str, float]:
+        return {k: float(v) for k, v in self.sums.items()}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"sums": dict(self.sums), "weight": self.weight}
+        return {"sums": self._floats(), "weight": self.weight}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.sums = dict(state["sums"])
+        self.sums = {k: float(v) for k, v in state["sums"].items()}
         self.weight = float(state["weight"])
 
     def reset(self) -> None:
-        self.sums.clear()
+        self.sums = {}
         self.weight = 0.0
 
     def local_means(self) -> dict[str, float]:
-        return {k: v / self.weight for k, v in sorted(self.sums.items())} if self.weight else {}
+        return {k: v / self.weight for k, v in sorted(self._floats().items())} if self.weight else {}
 
     def global_means(self, group: Any = None) -> dict[str, float]:
         """Exact means over every slot's records: sums and weights are added, then divided once.
@@ -63,16 +82,17 @@ class MeanAccumulator:
         if not (dist.is_initialized() and dist.get_world_size(group) > 1):
             return self.local_means()
         names = sorted(self.sums)
-        packed = torch.tensor([float(len(names)), self.weight, *(self.sums[n] for n in names)], dtype=torch.float64)
-        if dist.get_backend(group) == "nccl":
-            packed = packed.cuda()
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+        head = torch.tensor([float(len(names)), self.weight], dtype=torch.float64, device=device)
+        sums = [torch.as_tensor(self.sums[n], dtype=torch.float64).to(device or "cpu").reshape(1) for n in names]
+        packed = torch.cat([head, *sums])  # one all-reduce per report, whatever the number of metrics
         dist.all_reduce(packed, group=group)
-        packed = packed.cpu()
+        values = packed.cpu().tolist()
         world = dist.get_world_size(group)
-        if packed[0].item() != len(names) * world:
+        if values[0] != len(names) * world:
             raise RuntimeError(f"ranks reported different metric names (this rank: {names}); report the same keys")
-        total_weight = packed[1].item()
-        return {n: packed[2 + i].item() / total_weight for i, n in enumerate(names)} if total_weight else {}
+        total_weight = values[1]
+        return {n: values[2 + i] / total_weight for i, n in enumerate(names)} if total_weight else {}
 
 
 class MetricsWriter:

@@ -47,6 +47,7 @@ from dtrain.launch import (
     parse_endpoint,
     parse_nnodes,
 )
+from dtrain.precision import check_precision
 from dtrain.trial import load_trial_class
 
 log = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def prepare(config_path: Path, overrides: list[str], run_dir: Path | None, resum
         if rdzv is not None:
             return _prepare_nodes(config, rdzv, run_dir, resume, cluster)
     data.per_slot_batch_size(config.global_batch_size, slots)
-    _check_backend(config.backend, slots)
+    _check_backend(config, slots)
     resume_from = _resume_checkpoint(resume, config) if resume is not None else None
     if run_dir is None:
         run_dir = _default_run_dir(config, resume)
@@ -183,7 +184,7 @@ def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | N
     slots = config.resources.slots_per_trial
     per_node = slots // rdzv.max_nodes
     data.per_slot_batch_size(config.global_batch_size, slots)
-    _check_backend(config.backend, per_node)
+    _check_backend(config, per_node)
     resume_from = _resume_checkpoint(resume, config) if resume is not None else None
     shared = config.model_dump(mode="json")
     shared.pop("code_dir", None)  # where the code sits may differ between machines
@@ -245,7 +246,7 @@ def _prepare_in_place(config_path: Path, overrides: list[str], run_dir: Path | N
         config = load_config(config_path, [*overrides, f"resources.slots_per_trial={env.world_size}"])
     load_trial_class(config.entrypoint, config.code_dir)
     data.per_slot_batch_size(config.global_batch_size, env.world_size)
-    _check_backend(config.backend, env.local_world_size)
+    _check_backend(config, env.local_world_size)
     resume_from = _resume_checkpoint(resume, config) if resume is not None else None
     _set_interface_in_place(config, env.master_addr)
     store = _setup_store(env, config.resources.join_timeout_seconds, cluster)
@@ -316,11 +317,14 @@ def _setup_store(env: Any, timeout_seconds: float, cluster: ClusterEnv) -> Any:
                         f"{str(exc).splitlines()[0]}") from None
 
 
-def _check_backend(requested: str, slots: int) -> None:
-    backend = resolve_backend(requested)
+def _check_backend(config: ExperimentConfig, slots: int) -> None:
+    """The backend (and so the device) this machine gives ``slots`` local workers, and what the
+    precision needs of it."""
+    backend = resolve_backend(config.backend, slots)
     if backend == "nccl" and slots > torch.cuda.device_count():
         raise UserError(f"{slots} slots with NCCL need {slots} GPUs but {torch.cuda.device_count()} are visible; "
                         f"use --slots {torch.cuda.device_count()} or backend: gloo")
+    check_precision(config.precision, "cuda" if backend == "nccl" else "cpu")
 
 
 def _resume_checkpoint(resume: Path, config: ExperimentConfig) -> Path:

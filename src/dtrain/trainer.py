@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import random
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,10 @@ from dtrain.config import ExperimentConfig
 from dtrain.context import TrialContext
 from dtrain.dist import all_hostnames
 from dtrain.metrics import MeanAccumulator, MetricsWriter, truncate_metrics
-from dtrain.profiler import build_profile, collect_rank_figures
+from dtrain.profiling.clock import synchronized_now
+from dtrain.profiling.figures import build_profile, collect_rank_figures, run_facts
 from dtrain.progress import ProgressReporter
+from dtrain.sync import Serving
 from dtrain.sync.fusion import tuner_for_run
 from dtrain.trial import PyTorchTrial, load_trial_class
 
@@ -37,20 +38,15 @@ def run_trial(config: ExperimentConfig, run_dir: Path, resume_from: Path | None,
     seed_everything(config.seed)  # identical initial weights on every slot (and DDP broadcasts rank 0's)
     context = TrialContext(config)
     try:
-        return _train(context, config, run_dir, resume_from, quiet)
+        trial = load_trial_class(config.entrypoint, config.code_dir)(context)
+        # Stochastic layers (dropout) must differ between slots, as they would between samples of one batch.
+        seed_everything(config.seed + 7919 * context.rank)
+        trainer = Trainer(context, trial, config, run_dir, quiet)
+        if resume_from is not None:
+            trainer.restore(resume_from)
+        return trainer.fit()
     finally:
-        context.close()  # after _train returned: the trial and its wrapped models are gone by then
-
-
-def _train(context: TrialContext, config: ExperimentConfig, run_dir: Path, resume_from: Path | None,
-           quiet: bool) -> dict[str, Any]:
-    trial = load_trial_class(config.entrypoint, config.code_dir)(context)
-    # Stochastic layers (dropout) must differ between slots, as they would between samples of one batch.
-    seed_everything(config.seed + 7919 * context.rank)
-    trainer = Trainer(context, trial, config, run_dir, quiet)
-    if resume_from is not None:
-        trainer.restore(resume_from)
-    return trainer.fit()
+        context.close()  # after the trial and its wrapped models are gone
 
 
 def _crossed(period: int | None, previous: int, now: int) -> bool:
@@ -66,12 +62,12 @@ class Trainer:
         self.global_batch = context.get_global_batch_size()
         workers = config.data_loader.num_workers
         train_set = trial.build_training_data()
-        dp_rank, dp_world = context.strategy.dp_rank, context.strategy.dp_world
-        self.loader, self.sampler = data.train_loader(train_set, self.per_slot, dp_rank, dp_world, config.seed,
-                                                      workers)
+        self.loader = context.loader(train_set, self.per_slot, shuffle=True, num_workers=workers)
+        self.sampler: data.ResumableDistributedSampler = self.loader.sampler  # type: ignore[assignment]
         val_set = trial.build_validation_data()
-        self.val_loader = (data.eval_loader(val_set, self.per_slot, dp_rank, dp_world, workers)
+        self.val_loader = (context.loader(val_set, self.per_slot, shuffle=False, num_workers=workers)
                            if val_set is not None else None)
+        self.feeder = data.DeviceFeeder(context.device)
         self.synthetic_batch: Any = None
         self.batches_per_epoch = data.batches_per_epoch(train_set, self.global_batch)
         self.total_batches = config.max_length.to_batches(self.batches_per_epoch)
@@ -82,9 +78,15 @@ class Trainer:
         self.train_metrics = MeanAccumulator()
         self.last_validation: dict[str, float] = {}
         self.validation_seconds = self.checkpoint_seconds = 0.0
-        self._iterator: Any = None
+        # Training time from device-synchronized points only (run start and end, reports): true on CUDA,
+        # where host clocks around asynchronous kernels are not.
+        self.train_seconds = 0.0
+        self.steps = 0
+        self._window_start = 0.0
+        self._window_steps = 0
+        self._iterating = False
         self.tuner = tuner_for_run(context, config.optimizations, run_dir)
-        self._group_seconds = self._group_start = 0.0
+        self._group_start = 0.0
         self.writer = MetricsWriter(run_dir) if context.is_chief else None
         self.progress = ProgressReporter(self.total_batches, 0, context.is_chief, quiet)
 
@@ -110,87 +112,88 @@ class Trainer:
             yield b, sync, validate, ckpt
 
     def fit(self) -> dict[str, Any]:
-        start = time.perf_counter()
-        if self.ctx.strategy.is_server:
-            return self._serve(start)
+        start = synchronized_now(self.ctx.device)
+        strategy = self.ctx.strategy
+        if strategy.has_server_ranks and strategy.is_server and isinstance(strategy, Serving):
+            strategy.serve_run(self.ctx.optimizers[0], self.schedule(), self._checkpoint_at, self.batches)
+            strategy.write_stats(self.run_dir)
+            all_hostnames()  # the workers' end-of-run collective over every rank
+            return {"role": "server", "wall_seconds": synchronized_now(self.ctx.device) - start}
         last_val = last_ckpt = -1
+        self._open_window()
         for b, sync, validate, ckpt in self.schedule():
             with self.ctx.gradient_sync(sync):
                 self._train_step()
+            if sync and self.tuner is not None and self.tuner.active:
+                self._tune_fusion()
             if b % self.config.scheduling_unit == 0 or b == self.total_batches:
                 self._report_training()
-            if sync:
-                self._tune_fusion()
             if validate or ckpt:
-                self.ctx.strategy.refresh()
+                strategy.refresh()
             if validate:
                 self._validate()
                 last_val = b
             if ckpt:
                 self._checkpoint()
                 last_ckpt = b
-        self.ctx.strategy.refresh()
+        self._close_window()
+        strategy.refresh()
         if self.val_loader is not None and last_val != self.batches:
             self._validate()
         if last_ckpt != self.batches:
             self._checkpoint()  # a final checkpoint is always written
-        return self._finish(time.perf_counter() - start)
-
-    def _serve(self, start: float) -> dict[str, Any]:
-        """A parameter server's server rank: apply the workers' gradients, join their checkpoints."""
-        strategy, optimizer = self.ctx.strategy, self.ctx.optimizers[0]
-        updates = strategy.stats.updates  # type: ignore[attr-defined]
-        last_ckpt = -1
-        for b, sync, validate, ckpt in self.schedule():
-            updates += sync
-            if validate or ckpt:
-                strategy.serve(optimizer, updates, workers_pull=True)  # type: ignore[attr-defined]
-            self.batches = b
-            if ckpt:
-                self._checkpoint()
-                last_ckpt = b
-        strategy.serve(optimizer, updates, workers_pull=True)  # type: ignore[attr-defined]
-        if last_ckpt != self.batches:
-            self._checkpoint()
-        strategy.write_stats(self.run_dir)  # type: ignore[attr-defined]
-        all_hostnames()  # the workers' end-of-run collective over every rank
-        return {"role": "server", "wall_seconds": time.perf_counter() - start}
-
-    def _tune_fusion(self) -> None:
-        if self.tuner is None:
-            return
-        self._group_seconds += self.ctx.timer.step_seconds - self._group_start
-        self._group_start = self.ctx.timer.step_seconds
-        switch_to = self.tuner.after_step(self._group_seconds)
-        self._group_seconds = 0.0
-        if switch_to is not None:
-            for model in self.ctx.models:
-                self.ctx.strategy.rebuild(model, switch_to)
+        return self._finish(synchronized_now(self.ctx.device) - start)
 
     def _train_step(self) -> None:
         epoch, position = divmod(self.batches, self.batches_per_epoch)
-        if position == 0 or self._iterator is None:
+        if position == 0 or not self._iterating:
             # Same seeded permutation on every slot; on resume, skip what was already trained.
             self.sampler.set_start(epoch, position * self.per_slot)
-            self._iterator = iter(self.loader)
+            self.feeder.start(iter(self.loader))
+            self._iterating = True
         timer = self.ctx.timer
         timer.start_step()
         batch = self._next_batch()
         timer.lap("data")
         metrics = self.trial.train_batch(batch, epoch, self.batches)
         timer.end_step()
-        self.train_metrics.add(metrics)
+        self.train_metrics.add(metrics)  # stays on the device until the next report
         self.batches += 1
+        self._window_steps += 1
         self.progress.advance(self.batches)
 
     def _next_batch(self) -> Any:
         if not self.config.data_loader.synthetic:
-            return self.ctx.to_device(next(self._iterator))
+            return next(self.feeder)
         if self.synthetic_batch is None:  # one real batch, same shapes and dtypes, kept on the device
-            self.synthetic_batch = self.ctx.to_device(next(self._iterator))
+            self.synthetic_batch = next(self.feeder)
         return self.synthetic_batch
 
+    def _tune_fusion(self) -> None:
+        """Feed the auto-tuner each aggregation group's time (synchronized: tuning steps only)."""
+        now = synchronized_now(self.ctx.device)
+        seconds, self._group_start = now - self._group_start, now
+        switch_to = self.tuner.after_step(seconds)  # type: ignore[union-attr]
+        if switch_to is not None:
+            for model in self.ctx.models:
+                self.ctx.strategy.rebuild(model, switch_to)  # type: ignore[attr-defined]
+
+    # ---------------------------------------------------------------------------- time windows
+    def _open_window(self) -> None:
+        self._window_start = synchronized_now(self.ctx.device)
+        self._window_steps = 0
+        self._group_start = self._window_start
+
+    def _close_window(self) -> float:
+        """Add the window since :meth:`_open_window` to the training time; its samples/s."""
+        seconds = synchronized_now(self.ctx.device) - self._window_start
+        self.train_seconds += seconds
+        self.steps += self._window_steps
+        return self._window_steps * self.global_batch / seconds if seconds > 0 else 0.0
+
+    # ------------------------------------------------------------------------------ reporting
     def _report_training(self) -> None:
+        speed = self._close_window()
         if self.config.optimizations.average_training_metrics:
             means = self.train_metrics.global_means(self.ctx.strategy.dp_group)  # collective over training slots
         elif self.ctx.is_chief:
@@ -198,18 +201,18 @@ class Trainer:
         else:
             means = {}
         self.train_metrics.reset()
+        window = self.ctx.timer.take_window()  # on CUDA: the window's events are read back here
         if self.writer is not None:
-            speed = self.samples_per_second()
             epoch = (self.batches - 1) // self.batches_per_epoch
             self.writer.write("training", self.batches, epoch, means, samples_per_second=speed)
-            self.writer.scalars("time_ms", {k: 1000 * v for k, v in self.ctx.timer.take_window().items()},
-                                self.batches)
+            self.writer.scalars("time_ms", {k: 1000 * v for k, v in window.items()}, self.batches)
             self.progress.report("training", self.batches, epoch, means, speed)
+        self._open_window()
 
     def _validate(self) -> None:
         if self.val_loader is None:
             return
-        start = time.perf_counter()
+        start = synchronized_now(self.ctx.device)
         for model in self.ctx.models:
             model.eval()
         acc = MeanAccumulator()
@@ -220,69 +223,50 @@ class Trainer:
         for model in self.ctx.models:
             model.train()
         self.last_validation = acc.global_means(self.ctx.strategy.dp_group)
-        self.validation_seconds += time.perf_counter() - start
+        self._excluded(start, "validation_seconds")
         if self.writer is not None:
             epoch = (self.batches - 1) // self.batches_per_epoch
             self.writer.write("validation", self.batches, epoch, self.last_validation)
             self.progress.report("validation", self.batches, epoch, self.last_validation, None)
 
+    def _excluded(self, start: float, total: str) -> None:
+        """Charge the time since ``start`` to ``total`` and keep it out of the training window."""
+        seconds = synchronized_now(self.ctx.device) - start
+        setattr(self, total, getattr(self, total) + seconds)
+        self._window_start += seconds
+        self._group_start += seconds
+
     # --------------------------------------------------------------------------------- checkpoints
     def _checkpoint(self) -> None:
-        start = time.perf_counter()
+        start = synchronized_now(self.ctx.device)
         self.ctx.save_checkpoint(
             self.ckpt_root, self.batches, extra={"batches": self.batches},
             keep_last=self.config.checkpoint_storage.save_trial_latest,
             rank_extra={"train_metrics": self.train_metrics.state_dict()},
         )
-        self.checkpoint_seconds += time.perf_counter() - start
+        self._excluded(start, "checkpoint_seconds")
+
+    def _checkpoint_at(self, batches: int) -> None:
+        self.batches = batches
+        self._checkpoint()
 
     def restore(self, path: Path) -> None:
-        loaded = self.ctx.restore(path)
-        self.batches = int(loaded.trainer_state["extra"]["batches"])
-        if loaded.rank_state is not None and loaded.metadata.get("world_size") == self.ctx.world_size:
-            self.train_metrics.load_state_dict(loaded.rank_state["extra"]["train_metrics"])
+        restored = self.ctx.training_state().restore(path)
+        self.batches = int(restored.extra["batches"])
+        if restored.rank_extra is not None and "train_metrics" in restored.rank_extra:
+            self.train_metrics.load_state_dict(restored.rank_extra["train_metrics"])
         if self.writer is not None:
             truncate_metrics(self.writer.path, self.batches)
         self.progress.advance(self.batches)
         if self.ctx.is_chief:
-            log.info("resumed from %s at batch %d", loaded.path, self.batches)
+            log.info("resumed from %s at batch %d", restored.path, self.batches)
 
     # -------------------------------------------------------------------------------------- summary
-    def samples_per_second(self) -> float:
-        seconds = self.ctx.timer.step_seconds
-        return self.ctx.timer.steps * self.global_batch / seconds if seconds else 0.0
-
     def _finish(self, wall_seconds: float) -> dict[str, Any]:
         self.progress.close()
         timer = self.ctx.timer
         per_rank, latency, hosts = collect_rank_figures(self.ctx)  # collectives
-        steady = timer.profiled_steps * self.global_batch / timer.profiled_seconds if timer.profiled_seconds else 0.0
-        run = {
-            "slots": self.ctx.strategy.dp_world,
-            "strategy": self.ctx.strategy.name,
-            "backend": self.ctx.backend,
-            "device": self.ctx.device.type,
-            "threads_per_slot": self.ctx.num_threads,
-            "global_batch_size": self.global_batch,
-            "per_slot_batch_size": self.per_slot,
-            "parameters": sum(p.numel() for m in self.ctx.models for p in m.parameters()),
-            "synthetic_data": self.config.data_loader.synthetic,
-            "data_loader_workers": self.config.data_loader.num_workers,
-            "aggregation_frequency": self.config.optimizations.aggregation_frequency,
-            "effective_batch_size": self.global_batch * self.config.optimizations.aggregation_frequency,
-            "gradient_compression": self.config.optimizations.gradient_compression,
-            "tensor_fusion_threshold_mb": getattr(self.ctx.strategy, "bucket_cap_mb", None),
-            "profiling": timer.enabled,
-            "steps": timer.steps,
-            "profiled_steps": timer.profiled_steps,
-            "samples_per_second": steady if timer.enabled else self.samples_per_second(),
-            "samples_per_second_all_steps": self.samples_per_second(),
-            "train_seconds": timer.step_seconds,
-            "validation_seconds": self.validation_seconds,
-            "checkpoint_seconds": self.checkpoint_seconds,
-            "wall_seconds": wall_seconds,
-        }
-        profile = build_profile(per_rank, hosts, run, latency)
+        run = run_facts(self, wall_seconds)
         summary = {**run, "batches": self.batches, "epochs": self.batches / self.batches_per_epoch,
                    "step_breakdown_seconds": per_rank[0] if timer.enabled else {},
                    "validation": self.last_validation}
@@ -290,5 +274,6 @@ class Trainer:
             self.writer.close()
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             if timer.enabled:
+                profile = build_profile(per_rank, hosts, run, latency)
                 (self.run_dir / "profile.json").write_text(json.dumps(profile, indent=2))
         return summary

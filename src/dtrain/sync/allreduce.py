@@ -7,16 +7,20 @@ backward: here all communication is exposed, which the profiler shows).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.profiler import CommRecorder
+from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
 from dtrain.sync.base import SyncStrategy, broadcast_from_chief
 from dtrain.sync.compression import COMPRESSORS, Compressor
+from dtrain.sync.registry import register
+
+if TYPE_CHECKING:
+    from dtrain.config import ExperimentConfig
 
 
 def fused_buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
@@ -35,7 +39,7 @@ def fused_buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torc
 
 
 def average_gradients(params: Iterable[nn.Parameter], cap_mb: float, compressor: Compressor,
-                      recorder: CommRecorder | None) -> None:
+                      recorder: CommRecorder = NULL_RECORDER) -> None:
     """Average ``.grad`` of ``params`` across ranks: one all-reduce per fused bucket, all in flight together.
 
     A parameter with no gradient on this step gets a zero gradient, so that every rank reduces the same
@@ -51,14 +55,11 @@ def average_gradients(params: Iterable[nn.Parameter], cap_mb: float, compressor:
     for bucket in fused_buckets(grads, max(1, int(cap_mb * 2**20))):
         flat = torch.cat([g.reshape(-1) for g in bucket]).div_(world)
         wire, ctx = compressor.compress(flat)
-        if recorder is not None:
-            recorder.launches.append(time.perf_counter())
-            recorder.bytes += wire.numel() * wire.element_size()
+        recorder.launch(wire.numel() * wire.element_size())
         pending.append((bucket, dist.all_reduce(wire, async_op=True), wire, ctx))
     for bucket, work, wire, ctx in pending:
         work.wait()
-        if recorder is not None:
-            recorder.completions.append(time.perf_counter())
+        recorder.complete()
         flat = compressor.decompress(wire, ctx)
         offset = 0
         for g in bucket:
@@ -70,16 +71,30 @@ def optimizer_params(optimizer: torch.optim.Optimizer) -> list[nn.Parameter]:
     return [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
 
 
+@register
 class AllReduceStrategy(SyncStrategy):
     name = "allreduce"
+    compressions = frozenset({"none", "fp16", "bf16"})
     exchanges_in_step = True
 
     def __init__(self, device: torch.device, bucket_cap_mb: float, compression: str = "none",
-                 recorder: CommRecorder | None = None) -> None:
+                 recorder: CommRecorder = NULL_RECORDER) -> None:
         super().__init__(device, recorder)
         self.bucket_cap_mb = bucket_cap_mb
         self.compressor = COMPRESSORS[compression]
         self.world = dist.get_world_size() if dist.is_initialized() else 1
+
+    @classmethod
+    def from_config(cls, config: ExperimentConfig | None, device: torch.device,
+                    recorder: CommRecorder = NULL_RECORDER) -> AllReduceStrategy:
+        from dtrain.config import Optimizations
+
+        o = config.optimizations if config is not None else Optimizations()
+        return cls(device, o.tensor_fusion_threshold, o.gradient_compression, recorder)
+
+    @property
+    def fusion_threshold_mb(self) -> float:
+        return self.bucket_cap_mb
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)

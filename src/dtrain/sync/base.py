@@ -7,6 +7,11 @@ gradients or weights. One optimizer step is::
     exchange_gradients(opt)   # collective strategies: make gradients global (timed as communication)
     step(opt)                 # the update (timed as optimizer)
     after_step(opt)           # e.g. local SGD's periodic weight averaging (timed as communication)
+
+What a strategy can and cannot do is declared as class attributes (its *capabilities*); config
+validation, ``dtrain compare``, the trainer and the doctor read them from the registry
+(:mod:`dtrain.sync.registry`) instead of knowing strategies by name. Optional behaviour is a small
+protocol (:class:`Rebucketable`, :class:`Serving`).
 """
 
 from __future__ import annotations
@@ -14,33 +19,65 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import Any, Protocol, runtime_checkable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
-from dtrain.profiler import CommRecorder
+from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
+
+if TYPE_CHECKING:
+    from dtrain.config import ExperimentConfig
 
 
 class SyncStrategy(ABC):
     """How gradients (or weights) are exchanged between slots."""
 
-    name: str = "base"
+    name: ClassVar[str] = "base"
+    # ------------------------------------------------------------------------------ capabilities
+    # Gradient compressions this strategy can honour (optimizations.gradient_compression).
+    compressions: ClassVar[frozenset[str]] = frozenset({"none"})
+    # optimizations.tensor_fusion_threshold can be re-tuned mid-run (needs the Rebucketable protocol).
+    tunable_fusion: ClassVar[bool] = False
     # Replicas can differ between synchronizations (local SGD): each rank's own weights are checkpointed.
-    replicas_may_differ: bool = False
-    # Optimizer state is not the same on every rank (sharded, or local): it is checkpointed per rank.
-    per_rank_optimizer_state: bool = False
-
+    replicas_may_differ: ClassVar[bool] = False
+    # Optimizer state is not the same on every rank (sharded, or local): it is checkpointed per rank,
+    # so a checkpoint only resumes on the same number of slots.
+    per_rank_optimizer_state: ClassVar[bool] = False
     # Whether exchange_gradients/after_step communicate (timed as exposed communication) or do nothing
     # (DDP and FSDP communicate inside backward).
-    exchanges_in_step: bool = False
-    # Ranks that train (the data-parallel group); a parameter server also has ranks that only serve.
+    exchanges_in_step: ClassVar[bool] = False
+    # Some ranks only serve (parameter server): they do not train, and the data is split among the rest.
+    has_server_ranks: ClassVar[bool] = False
+    # dtrain's profiler sees this strategy's communication (FSDP's runs inside its own hooks: unknown).
+    comm_measured: ClassVar[bool] = True
+
     is_server: bool = False
     dp_group: Any = None  # None: every rank
 
-    def __init__(self, device: torch.device, recorder: CommRecorder | None = None) -> None:
+    def __init__(self, device: torch.device, recorder: CommRecorder = NULL_RECORDER) -> None:
         self.device = device
         self.recorder = recorder
+
+    @classmethod
+    def from_config(cls, config: ExperimentConfig | None, device: torch.device,
+                    recorder: CommRecorder = NULL_RECORDER) -> SyncStrategy:
+        """Build from the experiment config (``None``: ``dtrain.init()``'s defaults)."""
+        return cls(device, recorder)
+
+    @classmethod
+    def check_config(cls, config: ExperimentConfig) -> None:
+        """Raise ValueError (one line, naming the key and the fix) for settings this strategy cannot honour."""
+        o = config.optimizations
+        if o.gradient_compression not in cls.compressions:
+            honoured = ", ".join(sorted(cls.compressions - {"none"})) or "none"
+            raise ValueError(f"sync.strategy {cls.name!r} cannot honour gradient_compression "
+                             f"{o.gradient_compression!r} (it supports: {honoured}); change "
+                             "optimizations.gradient_compression or use sync.strategy: ddp")
+        if o.auto_tune_tensor_fusion and not cls.tunable_fusion:
+            raise ValueError(f"auto_tune_tensor_fusion tunes DDP's buckets; sync.strategy {cls.name!r} cannot "
+                             "honour it: set optimizations.auto_tune_tensor_fusion: false")
 
     @property
     def dp_rank(self) -> int:
@@ -53,6 +90,11 @@ class SyncStrategy(ABC):
         import torch.distributed as dist
 
         return dist.get_world_size() if dist.is_initialized() else 1
+
+    @property
+    def fusion_threshold_mb(self) -> float | None:
+        """The gradient message size in use (MB), where the strategy fuses gradients."""
+        return None
 
     def refresh(self) -> None:
         """Make this rank's weights current before validating or checkpointing (asynchronous strategies)."""
@@ -106,6 +148,16 @@ class Rebucketable(Protocol):
     """Optional capability: change the gradient bucket size mid-run (for fusion auto-tuning)."""
 
     def rebuild(self, model: nn.Module, bucket_cap_mb: float) -> None: ...
+
+
+@runtime_checkable
+class Serving(Protocol):
+    """Optional capability of strategies with server ranks: what a server rank runs instead of training."""
+
+    def serve_run(self, optimizer: torch.optim.Optimizer, schedule: Iterator[tuple[int, bool, bool, bool]],
+                  checkpoint: Any, batches: int) -> None: ...
+
+    def write_stats(self, run_dir: Path) -> None: ...
 
 
 def broadcast_from_chief(model: nn.Module) -> None:

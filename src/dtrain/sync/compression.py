@@ -7,13 +7,12 @@ all-reduces bf16 tensors correctly. One hook over a Compressor gives fp16 and bf
 
 # No "from __future__ import annotations": DDP checks the comm hook's annotations at runtime.
 
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from dtrain.profiler import CommRecorder
+from dtrain.profiling.comm import CommRecorder
 
 
 class Compressor:
@@ -59,7 +58,7 @@ class CompressionHookState:
 
     __slots__ = ("compressor", "recorder")
 
-    def __init__(self, compressor: Compressor, recorder: CommRecorder | None) -> None:
+    def __init__(self, compressor: Compressor, recorder: CommRecorder) -> None:
         self.compressor = compressor
         self.recorder = recorder
 
@@ -71,16 +70,13 @@ def compressed_allreduce_hook(state: CompressionHookState,
     buffer.div_(dist.get_world_size())
     wire, ctx = state.compressor.compress(buffer)
     recorder = state.recorder
-    if recorder is not None:
-        recorder.launches.append(time.perf_counter())
-        recorder.bytes += wire.numel() * wire.element_size()
+    recorder.launch(wire.numel() * wire.element_size())
 
     def decompress(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
         result = state.compressor.decompress(fut.value()[0], ctx)
         if result.data_ptr() != buffer.data_ptr():
             buffer.copy_(result)
-        if recorder is not None:
-            recorder.completions.append(time.perf_counter())
+        recorder.complete()
         return buffer
 
     return dist.all_reduce(wire, async_op=True).get_future().then(decompress)

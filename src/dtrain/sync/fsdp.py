@@ -15,17 +15,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from dtrain.sync.base import SyncStrategy
+from dtrain.sync.registry import register
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+def _fsdp() -> Any:
+    # FSDP pulls in torch.distributed.checkpoint and DTensor (~0.4 s): imported when a run uses it.
+    import torch.distributed.fsdp as fsdp
+
+    return fsdp
 
 
+def _is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, _fsdp().FSDPModule)
+
+
+@register
 class FSDPStrategy(SyncStrategy):
     name = "fsdp"
     per_rank_optimizer_state = True  # each rank holds its shard of the optimizer state
+    comm_measured = False  # all-gathers and reduce-scatters run inside FSDP's own hooks
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
@@ -33,6 +43,7 @@ class FSDPStrategy(SyncStrategy):
             return model
         # One FSDP unit per direct child that owns parameters (its all-gather overlaps the previous
         # child's compute), then the root for whatever parameters remain.
+        fully_shard = _fsdp().fully_shard
         for child in model.children():
             if any(True for _ in child.parameters()):
                 fully_shard(child)
@@ -41,24 +52,29 @@ class FSDPStrategy(SyncStrategy):
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        if isinstance(model, FSDPModule):
-            model.set_requires_gradient_sync(False)
+        if _is_sharded(model):
+            model.set_requires_gradient_sync(False)  # type: ignore[operator]
             try:
                 yield
             finally:
-                model.set_requires_gradient_sync(True)
+                model.set_requires_gradient_sync(True)  # type: ignore[operator]
         else:
             yield
 
     def model_state_dict(self, model: nn.Module) -> dict[str, Any]:
-        if not isinstance(model, FSDPModule):
+        if not _is_sharded(model):
             return model.state_dict()
-        return get_model_state_dict(model, options=FULL)  # collective: gathers the shards on rank 0
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # Collective: gathers the shards on rank 0.
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, Any]) -> None:
-        if not isinstance(model, FSDPModule):
+        if not _is_sharded(model):
             model.load_state_dict(state)
             return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
     @staticmethod

@@ -7,15 +7,20 @@ the replicas differ, and so do the optimizers' states (momentum): checkpoints ke
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
-from dtrain.profiler import CommRecorder
+from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
 from dtrain.sync.allreduce import AllReduceStrategy
+from dtrain.sync.registry import register
+
+if TYPE_CHECKING:
+    from dtrain.config import ExperimentConfig
 
 
+@register
 class LocalSGDStrategy(AllReduceStrategy):
     name = "local_sgd"
     exchanges_in_step = True
@@ -23,12 +28,22 @@ class LocalSGDStrategy(AllReduceStrategy):
     per_rank_optimizer_state = True
 
     def __init__(self, device: torch.device, period: int, warmup_steps: int, bucket_cap_mb: float,
-                 compression: str = "none", recorder: CommRecorder | None = None) -> None:
+                 compression: str = "none", recorder: CommRecorder = NULL_RECORDER) -> None:
         super().__init__(device, bucket_cap_mb, compression, recorder)
         self.warmup_steps = warmup_steps
         self.averager = PeriodicModelAverager(period=period, warmup_steps=warmup_steps) if self.world > 1 else None
         self.steps = 0
         self.averaged_last_step = False
+
+    @classmethod
+    def from_config(cls, config: ExperimentConfig | None, device: torch.device,
+                    recorder: CommRecorder = NULL_RECORDER) -> LocalSGDStrategy:
+        from dtrain.config import LocalSGDOptions, Optimizations
+
+        o = config.optimizations if config is not None else Optimizations()
+        opts = config.sync.local_sgd if config is not None else LocalSGDOptions()
+        return cls(device, opts.period, opts.warmup_steps, o.tensor_fusion_threshold, o.gradient_compression,
+                   recorder)
 
     def exchange_gradients(self, optimizer: torch.optim.Optimizer) -> None:
         if self.steps < self.warmup_steps:  # synchronous warm-up: gradients averaged as in allreduce

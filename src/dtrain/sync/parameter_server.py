@@ -22,18 +22,21 @@ Limitation: an LR scheduler stepped inside ``train_batch`` runs on the workers, 
 from __future__ import annotations
 
 import json
-import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.config import ParameterServerOptions
-from dtrain.profiler import CommRecorder
+from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
 from dtrain.sync.base import SyncStrategy, broadcast_from_chief
+from dtrain.sync.registry import register
+
+if TYPE_CHECKING:
+    from dtrain.config import ExperimentConfig, ParameterServerOptions
 
 PUSH, PULL = 1, 2
 
@@ -63,17 +66,20 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 @dataclass
 class ServerStats:
     updates: int = 0
+    skipped: int = 0
     max_clock_spread: int = 0
     pushes: dict[int, int] = field(default_factory=dict)
 
 
+@register
 class ParameterServerStrategy(SyncStrategy):
     name = "parameter_server"
     exchanges_in_step = True
+    has_server_ranks = True
     per_rank_optimizer_state = True  # the servers' optimizer shards live in their own rank files
 
     def __init__(self, device: torch.device, options: ParameterServerOptions,
-                 recorder: CommRecorder | None = None) -> None:
+                 recorder: CommRecorder = NULL_RECORDER) -> None:
         super().__init__(device, recorder)
         self.options = options
         self.rank = dist.get_rank()
@@ -91,6 +97,21 @@ class ParameterServerStrategy(SyncStrategy):
         self._server_clocks = dict.fromkeys(self.worker_ranks, 0)
         self._deferred: list[int] = []
         self._pulls = 0
+
+    @classmethod
+    def from_config(cls, config: ExperimentConfig | None, device: torch.device,
+                    recorder: CommRecorder = NULL_RECORDER) -> ParameterServerStrategy:
+        from dtrain.config import ParameterServerOptions
+
+        return cls(device, config.sync.parameter_server if config is not None else ParameterServerOptions(), recorder)
+
+    @classmethod
+    def check_config(cls, config: ExperimentConfig) -> None:
+        super().check_config(config)
+        servers, slots = config.sync.parameter_server.servers, config.resources.slots_per_trial
+        if servers >= slots:
+            raise ValueError(f"sync.parameter_server.servers is {servers} with resources.slots_per_trial {slots}: no "
+                             f"worker left; use at least {servers + 1} slots (servers + workers) or fewer servers")
 
     # ------------------------------------------------------------------------------------ roles
     @property
@@ -115,18 +136,15 @@ class ParameterServerStrategy(SyncStrategy):
 
     # ---------------------------------------------------------------------------- worker side
     def exchange_gradients(self, optimizer: torch.optim.Optimizer) -> None:
-        start = time.perf_counter()
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.options.mode == "sync":
-            self._sync_round_worker()
-        else:
-            self._async_push()
-        if self.recorder is not None:
-            self.recorder.launches.append(start)
-            self.recorder.completions.append(time.perf_counter())
-            self.recorder.bytes += 2 * sum(p.numel() * p.element_size() for p in self.params)
+        # Gradients go out, weights come back: twice the parameters' bytes.
+        with self.recorder.collective(2 * sum(p.numel() * p.element_size() for p in self.params)):
+            if self.options.mode == "sync":
+                self._sync_round_worker()
+            else:
+                self._async_push()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Workers do not update: the servers did, and the new weights are already in place."""
@@ -164,6 +182,22 @@ class ParameterServerStrategy(SyncStrategy):
             _unflatten_into(weights, [p.data for p in owned])
 
     # ---------------------------------------------------------------------------- server side
+    def serve_run(self, optimizer: torch.optim.Optimizer, schedule: Iterator[tuple[int, bool, bool, bool]],
+                  checkpoint: Callable[[int], None], batches: int) -> None:
+        """A server rank's whole run: keep step with the workers' schedule, serving their gradients, and
+        join their checkpoints (collectives) at the same batches."""
+        updates, last_ckpt = self.stats.updates, -1
+        for batches, sync, validate, ckpt in schedule:
+            updates += sync
+            if validate or ckpt:
+                self.serve(optimizer, updates, workers_pull=True)
+            if ckpt:
+                checkpoint(batches)
+                last_ckpt = batches
+        self.serve(optimizer, updates, workers_pull=True)
+        if last_ckpt != batches:
+            checkpoint(batches)
+
     def serve(self, optimizer: torch.optim.Optimizer, updates: int, workers_pull: bool) -> None:
         """Serve until every worker has made ``updates`` pushes (and, async, pulled once if asked)."""
         j = self.server_ranks.index(self.rank)
@@ -186,13 +220,18 @@ class ParameterServerStrategy(SyncStrategy):
         dist.broadcast(weights, src=self.rank, group=self.server_groups[j])
 
     def _apply(self, optimizer: torch.optim.Optimizer, owned: list[nn.Parameter], grads: torch.Tensor) -> None:
+        self.stats.updates += 1
+        if not bool(torch.isfinite(grads).all()):
+            # An overflowed (16-mixed) or diverged gradient: the workers skip this step too (they agree on
+            # it by all-reduce), so the server keeps its weights and optimizer state as they are.
+            self.stats.skipped += 1
+            return
         for p in self.params:
             p.grad = None  # parameters of other servers: skipped by the optimizer
         for p in owned:
             p.grad = torch.empty_like(p)
         _unflatten_into(grads, [p.grad for p in owned])
         optimizer.step()
-        self.stats.updates += 1
 
     def _async_serve_one(self, optimizer: torch.optim.Optimizer, owned: list[nn.Parameter]) -> None:
         header = torch.zeros(2, dtype=torch.int64)
@@ -226,7 +265,8 @@ class ParameterServerStrategy(SyncStrategy):
         if not self.is_server:
             return
         data = {"rank": self.rank, "mode": self.options.mode, "staleness_bound": self.options.staleness,
-                "updates": self.stats.updates, "max_clock_spread": self.stats.max_clock_spread,
+                "updates": self.stats.updates, "skipped_updates": self.stats.skipped,
+                "max_clock_spread": self.stats.max_clock_spread,
                 "pushes_per_worker": {str(k): v for k, v in self.stats.pushes.items()}}
         (run_dir / f"ps_stats.rank{self.rank}.json").write_text(json.dumps(data, indent=2))
 

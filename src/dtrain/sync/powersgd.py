@@ -23,14 +23,13 @@ uncompressed, in one fused all-reduce per bucket.
 
 # No "from __future__ import annotations": DDP checks the comm hook's annotations at runtime.
 
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dtrain.profiler import CommRecorder
+from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
 
 
 class PowerSGDState:
@@ -40,7 +39,7 @@ class PowerSGDState:
                  "start_iteration", "warm_start")
 
     def __init__(self, model: nn.Module, rank: int, start_iteration: int, error_feedback: bool, warm_start: bool,
-                 seed: int = 0, recorder: CommRecorder | None = None) -> None:
+                 seed: int = 0, recorder: CommRecorder = NULL_RECORDER) -> None:
         # Keyed by the parameter's position in the model: stable across DDP's bucket rebuild and across a
         # checkpoint/resume, unlike bucket indices or object ids.
         self.param_index = {id(p): i for i, p in enumerate(model.parameters())}
@@ -82,70 +81,65 @@ def _orthonormalize(p: torch.Tensor) -> torch.Tensor:
     return q.to(p.dtype)
 
 
-def _record(recorder: CommRecorder | None, start: float, tensors: list[torch.Tensor]) -> None:
-    if recorder is not None:
-        recorder.launches.append(start)
-        recorder.completions.append(time.perf_counter())
-        recorder.bytes += sum(t.numel() * t.element_size() for t in tensors)
-
-
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average a bucket's gradients with rank-``state.rank`` PowerSGD compression (see module doc)."""
     buffer = bucket.buffer()
     world = dist.get_world_size()
-    start = time.perf_counter()
     if state.iteration < state.start_iteration:
         # Warm-up with exact averaging: early gradients change fast and compress badly.
-        dist.all_reduce(buffer)
+        with state.recorder.collective(buffer.numel() * buffer.element_size()):
+            dist.all_reduce(buffer)
         buffer.div_(world)
-        _record(state.recorder, start, [buffer])
         return _done(state, bucket, buffer)
 
     grads = bucket.gradients()
     indices = [state.param_index[id(p)] for p in bucket.parameters()]
     matrices = [(i, g.view(g.shape[0], -1)) for i, g in zip(indices, grads, strict=True) if state.compressible(g)]
     plain = [g for g in grads if not state.compressible(g)]
-
-    plain_flat = torch.cat([g.reshape(-1) for g in plain]) if plain else None
-    plain_work = dist.all_reduce(plain_flat, async_op=True) if plain_flat is not None else None
-    sent = [plain_flat] if plain_flat is not None else []
-
-    if matrices:
-        ps, qs = [], []
-        for index, m in matrices:
-            if state.error_feedback:
-                error = state.error.get(index)
-                if error is not None:
-                    m.add_(error)
-                state.error[index] = m.clone()  # M before compression; M_hat is subtracted below
-            q = state.q.get(index) if state.warm_start else None
-            if q is None:
-                q = state.initial_q(index, m.shape[1], m)
-            qs.append(q)
-            ps.append(m @ q)
-        p_flat = torch.cat([p.reshape(-1) for p in ps])
-        dist.all_reduce(p_flat)
-        ps = [_orthonormalize(p) for p in _split(p_flat, [p.shape for p in ps])]
-        q_flat = torch.cat([(m.t() @ p).reshape(-1) for (_, m), p in zip(matrices, ps, strict=True)])
-        dist.all_reduce(q_flat)
-        q_flat.div_(world)
-        qs = _split(q_flat, [q.shape for q in qs])
-        for (index, m), p, q in zip(matrices, ps, qs, strict=True):
-            torch.matmul(p, q.t(), out=m)  # writes M_hat straight into the bucket
-            if state.error_feedback:
-                state.error[index].sub_(m)
-            state.q[index] = q
-        sent += [p_flat, q_flat]
-
-    if plain_work is not None:
-        plain_work.wait()
-        plain_flat.div_(world)
-        offset = 0
-        for g in plain:
-            g.copy_(plain_flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
-    _record(state.recorder, start, sent)
+    # What goes on the wire: the uncompressible tensors whole, and P (n x r) and Q (m x r) per matrix.
+    wire = (sum(g.numel() for g in plain) + sum(state.rank * sum(m.shape) for _, m in matrices)) * buffer.element_size()
+    with state.recorder.collective(wire):
+        plain_flat = torch.cat([g.reshape(-1) for g in plain]) if plain else None
+        plain_work = dist.all_reduce(plain_flat, async_op=True) if plain_flat is not None else None
+        if matrices:
+            _compress_and_average(state, matrices, world)
+        if plain_work is not None and plain_flat is not None:
+            plain_work.wait()
+            plain_flat.div_(world)
+            offset = 0
+            for g in plain:
+                g.copy_(plain_flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
     return _done(state, bucket, buffer)
+
+
+def _compress_and_average(state: PowerSGDState, matrices: list[tuple[int, torch.Tensor]], world: int) -> None:
+    """One power iteration per matrix, all matrices of the bucket fused into one P and one Q all-reduce;
+    the averaged low-rank approximation is written back into the bucket."""
+    ps, qs = [], []
+    for index, m in matrices:
+        if state.error_feedback:
+            error = state.error.get(index)
+            if error is not None:
+                m.add_(error)
+            state.error[index] = m.clone()  # M before compression; M_hat is subtracted below
+        q = state.q.get(index) if state.warm_start else None
+        if q is None:
+            q = state.initial_q(index, m.shape[1], m)
+        qs.append(q)
+        ps.append(m @ q)
+    p_flat = torch.cat([p.reshape(-1) for p in ps])
+    dist.all_reduce(p_flat)
+    ps = [_orthonormalize(p) for p in _split(p_flat, [p.shape for p in ps])]
+    q_flat = torch.cat([(m.t() @ p).reshape(-1) for (_, m), p in zip(matrices, ps, strict=True)])
+    dist.all_reduce(q_flat)
+    q_flat.div_(world)
+    qs = _split(q_flat, [q.shape for q in qs])
+    for (index, m), p, q in zip(matrices, ps, qs, strict=True):
+        torch.matmul(p, q.t(), out=m)  # writes M_hat straight into the bucket
+        if state.error_feedback:
+            state.error[index].sub_(m)
+        state.q[index] = q
 
 
 def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:

@@ -1,0 +1,195 @@
+"""What the profiler knows about communication: one recorder that every strategy reports to.
+
+Strategies never read clocks themselves. A synchronous exchange is ``with recorder.collective(nbytes):``;
+an asynchronous one (a DDP comm hook whose all-reduce completes on another thread) calls
+:meth:`CommRecorder.launch` and later :meth:`CommRecorder.complete`. With profiling off, strategies hold
+:data:`NULL_RECORDER`, whose methods do nothing, so they need no ``if profiling`` of their own.
+
+Plain DDP is timed from this side too (:class:`DDPTiming`), without a Python comm hook: see its doc.
+"""
+
+# No "from __future__ import annotations": DDP checks the comm hook's annotations at runtime.
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# DDP's reducer times one iteration in this many (plus its first ten).
+NATIVE_SAMPLE_RATE = 10
+
+
+class CommRecorder:
+    """Launch/completion times and bytes of the current step's collectives, and when the step's last
+    gradient was computed (the point after which backward only waits for communication)."""
+
+    __slots__ = ("_bytes_pending", "bytes", "clock", "completions", "grad_ready", "grad_ready_seen", "launches",
+                 "native")
+    enabled = True
+
+    def __init__(self, clock: Any = None) -> None:
+        from dtrain.profiling.clock import HostClock
+
+        self.clock = clock if clock is not None else HostClock()
+        self.launches: list[float] = []
+        self.completions: list[float] = []
+        self.bytes = 0
+        self._bytes_pending = 0
+        # A clock stamp (float on CPU, CUDA event on GPU) set by autograd hooks on the parameters that
+        # backward reaches last; ``grad_ready_seen`` tells whether it belongs to the current step.
+        self.grad_ready: Any = None
+        self.grad_ready_seen = False
+        # With DDP's own timers: a callable returning their averages (busy seconds, bytes, buckets).
+        self.native: Any = None
+
+    # ---------------------------------------------------------------------------- exchanges
+    def launch(self, nbytes: int) -> None:
+        """A collective of ``nbytes`` (as sent on the wire) starts now."""
+        self.launches.append(time.perf_counter())
+        self.bytes += nbytes
+
+    def complete(self) -> None:
+        """The oldest collective still in flight has finished."""
+        self.completions.append(time.perf_counter())
+
+    def collective(self, nbytes: int) -> "CommRecorder":
+        """``with recorder.collective(nbytes): <blocking exchange>``. Returns itself (no allocation):
+        exchanges of one rank never nest."""
+        self._bytes_pending = nbytes
+        return self
+
+    def __enter__(self) -> None:
+        self.launch(self._bytes_pending)
+
+    def __exit__(self, *exc: object) -> None:
+        self.complete()
+
+    # -------------------------------------------------------------------------- step edges
+    def mark_grad_ready(self, *_: Any) -> None:
+        """Autograd hook: a gradient of one of the last-computed parameters is ready."""
+        if self.clock.deferred:
+            # Re-recording one event per step: the latest hook wins, as autograd runs them in order.
+            if not self.grad_ready_seen:
+                self.grad_ready = self.clock.stamp()
+            else:
+                self.grad_ready.record()
+        else:
+            self.grad_ready = time.perf_counter()
+        self.grad_ready_seen = True
+
+    def reset(self) -> None:
+        self.launches.clear()
+        self.completions.clear()
+        self.bytes = 0
+        self.grad_ready_seen = False
+
+    def busy_seconds(self, lo: float = float("-inf"), hi: float = float("inf")) -> float:
+        """Length of the union of [launch, completion] intervals (buckets can be in flight together),
+        clipped to [lo, hi]. Host times: exact on CPU, launch-side on CUDA."""
+        spans = sorted(zip(self.launches, self.completions, strict=False))
+        busy, end = 0.0, lo
+        for start, stop in spans:
+            stop = min(stop, hi)
+            if stop <= end:
+                continue
+            busy += stop - max(start, end)
+            end = stop
+        return busy
+
+
+class _NullRecorder(CommRecorder):
+    """Profiling off: every report is dropped."""
+
+    __slots__ = ()
+    enabled = False
+
+    def launch(self, nbytes: int) -> None:
+        return None
+
+    def complete(self) -> None:
+        return None
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def mark_grad_ready(self, *_: Any) -> None:
+        return None
+
+
+NULL_RECORDER: CommRecorder = _NullRecorder()
+
+
+def timed_allreduce_hook(recorder: CommRecorder, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's default behaviour (average by all-reduce) with the bucket's launch and completion stamped.
+
+    Used where DDP's own timers cannot be (gradient aggregation: they only sample synchronizing steps).
+    """
+    buffer = bucket.buffer()
+    recorder.launch(buffer.numel() * buffer.element_size())
+    # Divide before summing, as torch's allreduce_hook does, so fp16 buffers cannot overflow.
+    buffer.div_(dist.get_world_size())
+
+    def stamp(fut: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+        recorder.complete()
+        return fut.value()[0]
+
+    return dist.all_reduce(buffer, async_op=True).get_future().then(stamp)
+
+
+class DDPTiming:
+    """Times plain DDP from the profiler's side; :class:`~dtrain.sync.ddp.DDPStrategy` calls
+    :meth:`attach` for each DDP it builds that has no comm hook of its own (compression hooks report to
+    the recorder themselves).
+
+    ``native``: read DDP's C++ reducer timers (busy time, bucket sizes; sampled iterations, averaged)
+    instead of a Python comm hook, which would complete a Python future on Gloo's thread for every
+    bucket: several percent of a 2 ms step (bench/profiler_overhead.py). Private torch API (stable since
+    1.9): on failure, fall back to the hook. Either way the last gradient is stamped by autograd hooks on
+    the model's first parameters (backward computes them last): the rest of ``backward()`` is waiting.
+    """
+
+    def __init__(self, recorder: CommRecorder, native: bool) -> None:
+        self.recorder = recorder
+        self.native = native
+        self._ddps: list[Any] = []
+        self._stamped: set[int] = set()
+
+    def attach(self, ddp: Any, model: nn.Module) -> None:
+        self._stamp_last_gradient(model)
+        if self.native:
+            try:
+                ddp._set_ddp_runtime_logging_sample_rate(NATIVE_SAMPLE_RATE)
+            except (AttributeError, RuntimeError):
+                self.native = False
+        if not self.native:
+            ddp.register_comm_hook(self.recorder, timed_allreduce_hook)
+            return
+        # A rebuilt DDP (fusion auto-tune) replaces the old one: only live ones are read.
+        self._ddps = [*[d for d in self._ddps if d.module is not model], ddp]
+        self.recorder.native = self.stats
+
+    def _stamp_last_gradient(self, model: nn.Module) -> None:
+        if id(model) in self._stamped:
+            return  # a rebuilt DDP around the same module: hooks are already there
+        self._stamped.add(id(model))
+        for param in [p for p in model.parameters() if p.requires_grad][:4]:
+            param.register_post_accumulate_grad_hook(self.recorder.mark_grad_ready)
+
+    def stats(self) -> dict[str, float] | None:
+        """DDP's averages over its sampled iterations, summed over the live DDPs; None before any."""
+        totals = {"busy": 0.0, "bytes": 0.0, "buckets": 0.0}
+        for ddp in self._ddps:
+            data = ddp._get_ddp_logging_data()
+            if not data.get("avg_backward_comm_time"):
+                return None  # no sampled iteration yet
+            totals["busy"] += data["avg_backward_comm_time"] / 1e9
+            sizes = [int(x) for x in str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", "")).split(",")
+                     if x.strip()]
+            totals["bytes"] += float(sum(sizes))
+            totals["buckets"] += float(len(sizes))
+        return totals if self._ddps else None

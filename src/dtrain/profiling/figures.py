@@ -1,0 +1,167 @@
+"""End-of-run figures across ranks: per-rank step means, memory, link latency, and ``profile.json``."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain.profiling.timer import COMM_FIELDS, PHASES, StepTimer
+
+RANK_FIELDS = (*PHASES, "step", *COMM_FIELDS, "peak_memory_bytes", "state_bytes")
+
+
+def peak_memory_bytes(device: torch.device) -> float:
+    """Peak memory of this rank: the CUDA allocator's peak on GPU, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def _local_numel_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # FSDP's DTensor shards
+    return local.numel() * local.element_size()
+
+
+def state_bytes(models: list[Any], optimizers: list[Any]) -> float:
+    """Bytes of parameters and optimizer state this rank holds (1/N of DDP's under FSDP)."""
+    total = sum(_local_numel_bytes(p) for m in models for p in m.parameters())
+    for opt in optimizers:
+        for state in opt.state.values():
+            total += sum(_local_numel_bytes(v) for v in state.values() if isinstance(v, torch.Tensor) and v.dim())
+    return float(total)
+
+
+def _comm_device(group: Any) -> torch.device | None:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+
+
+def latency_probe(repeats: int = 10, group: Any = None) -> float:
+    """Median time of an all-reduce of one float: the per-message cost, independent of bandwidth."""
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return 0.0
+    device = _comm_device(group)
+    one = torch.zeros(1, device=device)
+    dist.all_reduce(one, group=group)  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dist.all_reduce(one, group=group)
+        if device is not None:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def gather_rank_stats(timer: StepTimer, memory: dict[str, float], group: Any = None) -> list[dict[str, float]]:
+    """Every rank's per-step means and ``memory`` figures, gathered on all ranks of ``group`` (one small
+    all_gather)."""
+    mine = {**timer.per_step(), **memory}
+    values = torch.tensor([mine[f] for f in RANK_FIELDS], dtype=torch.float64)
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        return [dict(zip(RANK_FIELDS, values.tolist(), strict=True))]
+    device = _comm_device(group)
+    if device is not None:
+        values = values.to(device)
+    gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, values, group=group)
+    return [dict(zip(RANK_FIELDS, g.cpu().tolist(), strict=True)) for g in gathered]
+
+
+def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[str, Any],
+                  latency_seconds: float) -> dict[str, Any]:
+    """The ``profile.json`` document (schema in docs/profile.md)."""
+    slots = len(per_rank)
+    spread = {
+        field: {"min": min(r[field] for r in per_rank), "mean": sum(r[field] for r in per_rank) / slots,
+                "max": max(r[field] for r in per_rank)}
+        for field in (*PHASES, "step")
+    }
+    comm_bytes = sum(r["comm_bytes"] for r in per_rank) / slots
+    busy = sum(r["comm_busy"] for r in per_rank) / slots
+    algbw = comm_bytes / busy if busy > 0 else 0.0
+    return {
+        "schema_version": 1,
+        **run,
+        "phases": list(PHASES),
+        "seconds_per_step": spread,
+        "per_rank": [
+            {"rank": i, "host": hosts[i] if i < len(hosts) else "",
+             "seconds_per_step": {f: r[f] for f in (*PHASES, "step")},
+             "comm_busy_seconds_per_step": r["comm_busy"], "comm_bytes_per_step": r["comm_bytes"],
+             "comm_buckets_per_step": r["comm_buckets"], "peak_memory_bytes": r["peak_memory_bytes"],
+             "state_bytes": r["state_bytes"]}
+            for i, r in enumerate(per_rank)
+        ],
+        "comm": {
+            "bytes_per_step": comm_bytes,
+            "buckets_per_step": sum(r["comm_buckets"] for r in per_rank) / slots,
+            "busy_seconds_per_step": busy,
+            "exposed_seconds_per_step": spread["comm_exposed"]["mean"],
+            "algbw_bytes_per_second": algbw,
+            # A ring all-reduce moves 2(N-1)/N of the buffer through each link: the link's achieved rate.
+            "busbw_bytes_per_second": algbw * 2 * (slots - 1) / slots if slots > 1 else 0.0,
+            "latency_seconds": latency_seconds,
+        },
+    }
+
+
+def collect_rank_figures(ctx: Any) -> tuple[list[dict[str, float]], float, list[str]]:
+    """End of a run, on every rank of a DistributedContext: per-rank step figures and memory (training
+    slots), the all-reduce latency probe, and every rank's host name. Collectives: all ranks call it."""
+    from dtrain.dist import all_hostnames
+
+    group = ctx.strategy.dp_group
+    memory = {"peak_memory_bytes": peak_memory_bytes(ctx.device),
+              "state_bytes": state_bytes(ctx.models, ctx.optimizers)}
+    per_rank = gather_rank_stats(ctx.timer, memory, group)
+    latency = latency_probe(group=group)
+    return per_rank, latency, all_hostnames()
+
+
+def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
+    """What a run was and how fast it went: the head of ``summary.json`` and ``profile.json``.
+
+    ``samples_per_second`` is the steady state over profiled steps when profiling (device-timed), else
+    every step over the device-synchronized training time; both exclude validation and checkpoints.
+    """
+    ctx, config, timer = trainer.ctx, trainer.config, trainer.ctx.timer
+    gbs, o = trainer.global_batch, config.optimizations
+    all_steps = trainer.steps * gbs / trainer.train_seconds if trainer.train_seconds > 0 else 0.0
+    steady = timer.profiled_steps * gbs / timer.profiled_seconds if timer.profiled_seconds > 0 else 0.0
+    facts = {
+        "slots": ctx.strategy.dp_world,
+        "strategy": ctx.strategy.name,
+        "backend": ctx.backend,
+        "device": ctx.device.type,
+        "precision": ctx.precision.name,
+        "threads_per_slot": ctx.num_threads,
+        "global_batch_size": gbs,
+        "per_slot_batch_size": trainer.per_slot,
+        "parameters": sum(p.numel() for m in ctx.models for p in m.parameters()),
+        "synthetic_data": config.data_loader.synthetic,
+        "data_loader_workers": config.data_loader.num_workers,
+        "aggregation_frequency": o.aggregation_frequency,
+        "effective_batch_size": gbs * o.aggregation_frequency,
+        "gradient_compression": o.gradient_compression,
+        "tensor_fusion_threshold_mb": ctx.strategy.fusion_threshold_mb,
+        "comm_measured": ctx.strategy.comm_measured,
+        "profiling": timer.enabled,
+        "steps": trainer.steps,
+        "profiled_steps": timer.profiled_steps,
+        "samples_per_second": steady if timer.enabled and steady > 0 else all_steps,
+        "samples_per_second_all_steps": all_steps,
+        "train_seconds": trainer.train_seconds,
+        "validation_seconds": trainer.validation_seconds,
+        "checkpoint_seconds": trainer.checkpoint_seconds,
+        "wall_seconds": wall_seconds,
+    }
+    if timer.enabled and ctx.is_chief:
+        from dtrain.profiling.device import device_facts
+
+        facts["device_facts"] = device_facts(ctx.device)
+    return facts

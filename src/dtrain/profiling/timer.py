@@ -1,0 +1,189 @@
+"""Per-step time breakdown: where does a training step's time go?
+
+Phases of a step, on every rank:
+
+* ``data``         waiting for the next batch (loader + host-to-device copy)
+* ``forward``      from the batch to ``context.backward(loss)``
+* ``backward``     backward *compute*: until the last gradient is ready
+* ``comm_exposed`` the rest of ``backward()``: waiting for gradient all-reduces that did not overlap
+* ``optimizer``    ``context.step_optimizer``
+* ``other``        everything else in ``train_batch``
+
+A step is a sequence of edges, each saying "the time since the previous edge belongs to phase P". On
+CPU an edge is a ``perf_counter`` reading and the step is resolved when it ends. On CUDA an edge is an
+event on the stream (:mod:`dtrain.profiling.clock`): no synchronization happens inside a step, the
+window's events are resolved at once by :meth:`StepTimer.flush` (at every report, and every
+``FLUSH_EVERY`` steps at most), which is the only place the profiler waits for the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from dtrain.profiling.clock import clock_for
+from dtrain.profiling.comm import CommRecorder
+
+PHASES = ("data", "forward", "backward", "comm_exposed", "optimizer", "other")
+COMM_FIELDS = ("comm_busy", "comm_bytes", "comm_buckets")
+_INDEX = {p: i for i, p in enumerate(PHASES)}
+_BACKWARD, _EXPOSED, _OTHER = _INDEX["backward"], _INDEX["comm_exposed"], _INDEX["other"]
+# Steps whose CUDA events are kept before they are read back (one synchronization per this many steps
+# at most, when reports are rarer).
+FLUSH_EVERY = 64
+
+
+class StepTimer:
+    """Accumulates seconds per phase over the steps of a run, on one rank.
+
+    The first ``warmup_steps`` are counted but left out of the phase statistics: they include one-off
+    costs (DDP's first-iteration bucket rebuild, allocator warm-up, autotuning kernels).
+    """
+
+    def __init__(self, device: torch.device, enabled: bool = True, warmup_steps: int = 3) -> None:
+        self.enabled = enabled
+        self.warmup_steps = warmup_steps
+        self.clock = clock_for(device)
+        self.recorder = CommRecorder(self.clock)
+        self.totals: dict[str, float] = dict.fromkeys(PHASES + COMM_FIELDS, 0.0)
+        self.window: dict[str, float] = dict.fromkeys(PHASES, 0.0)
+        self.window_steps = 0
+        self.steps = 0  # every step, warm-up included
+        self.profiled_steps = 0
+        self.profiled_seconds = 0.0
+        self.last_step_seconds = 0.0
+        self._in_step = False
+        # Edges of the steps not resolved yet: phase index (-1 opens a step) and stamp, flat; per step,
+        # (first edge, edge count, profiled?, comm busy seconds, comm bytes, comm buckets).
+        self._phase: list[int] = []
+        self._stamp: list[Any] = []
+        self._steps: list[tuple[int, int, bool, float, float, float]] = []
+        self._step_first = 0
+
+    # ---------------------------------------------------------------------------------- edges
+    def _edge(self, phase: int, stamp: Any = None) -> None:
+        self._phase.append(phase)
+        self._stamp.append(self.clock.stamp() if stamp is None else stamp)
+
+    def start_step(self) -> None:
+        if not self.enabled:
+            return
+        self._in_step = True
+        self._step_first = len(self._phase)
+        self.recorder.reset()
+        self._edge(-1)
+
+    def lap(self, phase: str) -> None:
+        """Charge the time since the previous edge to ``phase``."""
+        if self._in_step:  # own loops (dtrain.init) need not mark steps: then nothing is timed
+            self._edge(_INDEX[phase])
+
+    @contextmanager
+    def phase(self, name: str, before: str = "forward") -> Iterator[None]:
+        """Time a block as ``name``; the gap since the last edge goes to ``before``."""
+        self.lap(before)
+        try:
+            yield
+        finally:
+            self.lap(name)
+
+    @contextmanager
+    def backward(self) -> Iterator[None]:
+        """Time ``loss.backward()``: after the last gradient was computed, backward only waits for
+        communication (``comm_exposed``); the rest is backward compute (with DDP's own bookkeeping)."""
+        self.lap("forward")
+        if not self._in_step:
+            yield
+            return
+        start_index = len(self._stamp) - 1
+        recorder = self.recorder
+        recorder.grad_ready_seen = False
+        try:
+            yield
+        finally:
+            end = self.clock.stamp()
+            if recorder.launches and not self.clock.deferred:
+                # Per-bucket stamps (a Python comm hook, CPU): waiting = in-flight time after the last launch.
+                start = self._stamp[start_index]
+                exposed = recorder.busy_seconds(lo=max(start, recorder.launches[-1]), hi=end)
+                self._edge(_BACKWARD, end - exposed)
+                self._edge(_EXPOSED, end)
+            elif recorder.grad_ready_seen:
+                self._edge(_BACKWARD, recorder.grad_ready)
+                self._edge(_EXPOSED, end)
+            else:
+                self._edge(_BACKWARD, end)
+
+    def end_step(self) -> None:
+        if not self._in_step:
+            if not self.enabled:
+                self.steps += 1
+            return
+        self._in_step = False
+        self._edge(_OTHER)
+        self.steps += 1
+        profiled = self.steps > self.warmup_steps
+        rec = self.recorder
+        first = self._step_first
+        self._steps.append((first, len(self._phase) - first, profiled, rec.busy_seconds(), float(rec.bytes),
+                            float(len(rec.launches))))
+        if not self.clock.deferred or len(self._steps) >= FLUSH_EVERY:
+            self.flush()
+
+    # ------------------------------------------------------------------------------ resolving
+    def flush(self) -> None:
+        """Resolve every pending step into the totals (on CUDA: one synchronization, here only)."""
+        if not self._steps:
+            return
+        clock = self.clock
+        if clock.deferred:
+            clock.synchronize()
+        seconds = clock.seconds
+        phases, stamps, window = self._phase, self._stamp, self.window
+        for first, count, profiled, busy, nbytes, buckets in self._steps:
+            step = seconds(stamps[first], stamps[first + count - 1])
+            self.last_step_seconds = step
+            if not profiled:
+                continue
+            for i in range(first + 1, first + count):
+                part = seconds(stamps[i - 1], stamps[i])
+                name = PHASES[phases[i]]
+                self.totals[name] += part
+                window[name] += part
+            self.profiled_steps += 1
+            self.profiled_seconds += step
+            self.window_steps += 1
+            self.totals["comm_busy"] += busy
+            self.totals["comm_bytes"] += nbytes
+            self.totals["comm_buckets"] += buckets
+        self._steps.clear()
+        phases.clear()
+        stamps.clear()
+        clock.recycle()
+
+    def per_step(self) -> dict[str, float]:
+        """Mean per profiled step: seconds for each phase and ``step``, bytes and buckets for comm."""
+        self.flush()
+        n = max(1, self.profiled_steps)
+        out = {key: value / n for key, value in self.totals.items()}
+        out["step"] = self.profiled_seconds / n
+        native = self.recorder.native() if self.recorder.native is not None else None
+        if native is not None:
+            # Busy time, bytes and buckets from DDP's own timers; exposed time (after the last gradient)
+            # from this run's stamps, bounded by the busy time (the rest is DDP's bookkeeping: backward).
+            exposed = min(out["comm_exposed"], native["busy"])
+            out.update(backward=out["backward"] + out["comm_exposed"] - exposed, comm_exposed=exposed,
+                       comm_busy=native["busy"], comm_bytes=native["bytes"], comm_buckets=native["buckets"])
+        return out
+
+    def take_window(self) -> dict[str, float]:
+        """Mean seconds per phase since the previous call (for periodic TensorBoard scalars)."""
+        self.flush()
+        n = self.window_steps
+        out = {p: s / n for p, s in self.window.items()} if n else {}
+        self.window = dict.fromkeys(PHASES, 0.0)
+        self.window_steps = 0
+        return out

@@ -1,0 +1,54 @@
+"""Strategy registry: ``sync.strategy`` name -> class. Each strategy module registers itself with
+:func:`register`; the built-in modules are imported on first lookup (so ``dtrain --help`` stays fast).
+Adding a strategy is one module with a registered class: nothing else names strategies.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from dtrain.sync.base import SyncStrategy
+
+S = TypeVar("S", bound="type[SyncStrategy]")
+
+BUILTIN_MODULES = ("dtrain.sync.ddp", "dtrain.sync.allreduce", "dtrain.sync.parameter_server",
+                   "dtrain.sync.local_sgd", "dtrain.sync.fsdp")
+_STRATEGIES: dict[str, type[SyncStrategy]] = {}
+_loaded = False
+
+
+def register(cls: S) -> S:
+    """Class decorator: make ``cls`` selectable as ``sync.strategy: <cls.name>``."""
+    _STRATEGIES[cls.name] = cls
+    return cls
+
+
+def _load_builtins() -> None:
+    global _loaded
+    if not _loaded:
+        _loaded = True
+        for module in BUILTIN_MODULES:
+            importlib.import_module(module)
+
+
+def names() -> tuple[str, ...]:
+    """Every registered strategy name, built-ins first in their documented order."""
+    _load_builtins()
+    return tuple(_STRATEGIES)
+
+
+def lookup(name: str) -> type[SyncStrategy]:
+    """The class registered as ``name``; KeyError with a did-you-mean otherwise."""
+    _load_builtins()
+    if name not in _STRATEGIES:
+        raise KeyError(unknown_message(name))
+    return _STRATEGIES[name]
+
+
+def unknown_message(name: str) -> str:
+    close = difflib.get_close_matches(name, list(_STRATEGIES), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"{name!r} is not a strategy; {hint}registered: {', '.join(_STRATEGIES)}"
