@@ -47,7 +47,7 @@ class Layout:
 
 def layout(config: ExperimentConfig, nnodes: str, gpus: bool | None) -> Layout:
     """Split ``resources.slots_per_trial`` over the nodes; UserError when it does not divide."""
-    from dtrain.launch import parse_nnodes
+    from dtrain.rendezvous import parse_nnodes
 
     low, high = parse_nnodes(nnodes)
     slots = config.resources.slots_per_trial

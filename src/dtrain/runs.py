@@ -7,7 +7,7 @@ Three shapes of run:
 
 * one machine: the elastic agent starts ``slots_per_trial`` local workers;
 * several machines (``--nnodes``/``--node-rank``/``--master``, or a Slurm step with one task per node,
-  or a Kubeflow PyTorchJob pod): every node validates, then :func:`dtrain.launch.join` brings the nodes
+  or a Kubeflow PyTorchJob pod): every node validates, then :func:`dtrain.join.join` brings the nodes
   together and the node hosting the rendezvous makes the run directory, which must be on storage all
   nodes share; each node's agent then starts ``slots_per_trial / nodes`` workers;
 * inside a launcher that already started one process per slot (torchrun's workers, ``srun`` with one
@@ -36,18 +36,11 @@ from dtrain import checkpoint, data, netif
 from dtrain.config import ExperimentConfig, dump_config, load_config
 from dtrain.dist import ClusterEnv, read_cluster_env, read_env, resolve_backend
 from dtrain.errors import CheckpointError, UserError
-from dtrain.launch import (
-    Failure,
-    JoinError,
-    LaunchOptions,
-    NodeLaunch,
-    Rendezvous,
-    join,
-    launch,
-    parse_endpoint,
-    parse_nnodes,
-)
+from dtrain.failures import Failure, read_reports
+from dtrain.join import join
+from dtrain.launch import LaunchOptions, launch
 from dtrain.precision import check_precision
+from dtrain.rendezvous import JoinError, NodeLaunch, Rendezvous, parse_endpoint, parse_nnodes
 from dtrain.trial import load_trial_class
 
 log = logging.getLogger(__name__)
@@ -91,7 +84,9 @@ def prepare(config_path: Path, overrides: list[str], run_dir: Path | None, resum
             nodes: NodeArgs | None = None) -> RunPlan:
     """Validate the config and inputs, create the run directory and write the resolved config.
 
-    With several nodes this also meets the other nodes (see :func:`dtrain.launch.join`).
+    One pipeline for every shape of run: read who started this process, validate (:func:`_validate`),
+    then place the run directory the way that shape needs (here, through the join of several nodes, or
+    through the store of the launcher that started this worker), each with :func:`_create_run_dir`.
     """
     logging.basicConfig(level=logging.WARNING, format="dtrain: warning: %(message)s")
     nodes = nodes or NodeArgs()
@@ -104,20 +99,31 @@ def prepare(config_path: Path, overrides: list[str], run_dir: Path | None, resum
         return _prepare_in_place(config_path, overrides, run_dir, resume, cluster)
     rdzv_args = _rendezvous_args(nodes, cluster)
     config = load_config(config_path, overrides)
+    rdzv = _rendezvous(rdzv_args, config, cluster) if rdzv_args is not None else None
+    if rdzv is not None:
+        return _prepare_nodes(config, rdzv, run_dir, resume)
+    resume_from = _validate(config, config.resources.slots_per_trial, resume)
+    target = run_dir if run_dir is not None else _default_run_dir(config, resume)
+    _create_run_dir(target, config, resume)
+    return RunPlan(config, target, resume_from)
+
+
+def _validate(config: ExperimentConfig, local_slots: int, resume: Path | None) -> Path | None:
+    """Every check that needs no other process: the trial imports, the batch splits, the backend and
+    precision suit this machine, the checkpoint to resume from is complete. Returns that checkpoint."""
     load_trial_class(config.entrypoint, config.code_dir)
-    slots = config.resources.slots_per_trial
-    if rdzv_args is not None:
-        rdzv = _rendezvous(rdzv_args, config, cluster)
-        if rdzv is not None:
-            return _prepare_nodes(config, rdzv, run_dir, resume, cluster)
-    data.per_slot_batch_size(config.global_batch_size, slots)
-    _check_backend(config, slots)
-    resume_from = _resume_checkpoint(resume, config) if resume is not None else None
-    if run_dir is None:
-        run_dir = _default_run_dir(config, resume)
-    _prepare_run_dir(run_dir, continuing=resume is not None and run_dir.resolve() == resume.resolve())
-    _write_config(config, run_dir)
-    return RunPlan(config, run_dir, resume_from)
+    data.per_slot_batch_size(config.global_batch_size, config.resources.slots_per_trial)
+    _check_backend(config, local_slots)
+    return _resume_checkpoint(resume, config) if resume is not None else None
+
+
+def _create_run_dir(target: Path, config: ExperimentConfig, resume: Path | None) -> bool:
+    """Make (or, when resuming in place, reuse) the run directory and write the resolved config there.
+    Returns whether it was new."""
+    fresh = not (target / "config.yaml").exists()
+    _prepare_run_dir(target, continuing=resume is not None and target.resolve() == resume.resolve())
+    _write_config(config, target)
+    return fresh
 
 
 def _default_run_dir(config: ExperimentConfig, resume: Path | None) -> Path:
@@ -179,24 +185,17 @@ def _rendezvous(args: NodeArgs, config: ExperimentConfig, cluster: ClusterEnv | 
                       source)
 
 
-def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | None, resume: Path | None,
-                   cluster: ClusterEnv | None) -> RunPlan:
-    slots = config.resources.slots_per_trial
-    per_node = slots // rdzv.max_nodes
-    data.per_slot_batch_size(config.global_batch_size, slots)
-    _check_backend(config, per_node)
-    resume_from = _resume_checkpoint(resume, config) if resume is not None else None
+def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | None, resume: Path | None) -> RunPlan:
+    per_node = config.resources.slots_per_trial // rdzv.max_nodes
+    resume_from = _validate(config, per_node, resume)
     shared = config.model_dump(mode="json")
     shared.pop("code_dir", None)  # where the code sits may differ between machines
     created: list[Path] = []
 
     def host_prepare() -> dict:
         target = run_dir if run_dir is not None else _default_run_dir(config, resume)
-        fresh = not (target / "config.yaml").exists()
-        _prepare_run_dir(target, continuing=resume is not None and target.resolve() == resume.resolve())
-        if fresh:
+        if _create_run_dir(target, config, resume):
             created.append(target)
-        _write_config(config, target)
         token = uuid.uuid4().hex
         (target / f".join-{token}").write_text("written by the node hosting the rendezvous\n")
         return {"run_dir": str(target.resolve()), "token": token,
@@ -244,10 +243,7 @@ def _prepare_in_place(config_path: Path, overrides: list[str], run_dir: Path | N
             log.warning("%s started %d workers: resources.slots_per_trial %d is replaced by %d", cluster.source,
                         env.world_size, config.resources.slots_per_trial, env.world_size)
         config = load_config(config_path, [*overrides, f"resources.slots_per_trial={env.world_size}"])
-    load_trial_class(config.entrypoint, config.code_dir)
-    data.per_slot_batch_size(config.global_batch_size, env.world_size)
-    _check_backend(config, env.local_world_size)
-    resume_from = _resume_checkpoint(resume, config) if resume is not None else None
+    resume_from = _validate(config, env.local_world_size, resume)
     _set_interface_in_place(config, env.master_addr)
     store = _setup_store(env, config.resources.join_timeout_seconds, cluster)
     key = f"dtrain-setup/plan/{env.restart_count}"
@@ -260,8 +256,7 @@ def _prepare_in_place(config_path: Path, overrides: list[str], run_dir: Path | N
             plan = {**first, "resume_from": None}
         else:
             target = run_dir if run_dir is not None else _default_run_dir(config, resume)
-            _prepare_run_dir(target, continuing=resume is not None and target.resolve() == resume.resolve())
-            _write_config(config, target)
+            _create_run_dir(target, config, resume)
             plan = {"run_dir": str(target.resolve()), "resume_from": str(resume_from) if resume_from else None}
         store.set(key, json.dumps(plan))
     else:
@@ -381,7 +376,6 @@ def execute(plan: RunPlan, quiet: bool, debug: bool) -> Failure | None:
 def _train_in_place(args: list[str], plan: RunPlan) -> Failure | None:
     """Run the worker's main in this process; its failure comes back as this rank's one-line report."""
     from dtrain import worker
-    from dtrain.launch import _error_reports, _from_report
 
     rank = read_env().rank
     try:
@@ -389,9 +383,9 @@ def _train_in_place(args: list[str], plan: RunPlan) -> Failure | None:
     except SystemExit as exc:
         if exc.code in (0, None):
             return None
-        mine = [r for r in _error_reports(plan.run_dir, own_ranks={rank}) if r.get("rank") == rank]
+        mine = [r for r in read_reports(plan.run_dir, own_ranks={rank}) if r.rank == rank]
         if mine:
-            return _from_report(mine[0])
+            return mine[0].failure()
         return Failure(rank, int(exc.code) if isinstance(exc.code, int) else 1, f"exited with {exc.code}",
                        user_error=False)
     return None

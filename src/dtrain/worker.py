@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
-import time
-import traceback
 from pathlib import Path
 
 from dtrain import checkpoint
 from dtrain.config import load_config
 from dtrain.dist import DistEnv, read_env
 from dtrain.errors import UserError
+from dtrain.failures import write_report
 from dtrain.trainer import run_trial
 
 log = logging.getLogger("dtrain")
-ERROR_FILE = "error.rank{rank}.json"
 
 
 def setup_logging(run_dir: Path, env: DistEnv, quiet: bool) -> None:
@@ -55,19 +52,6 @@ def _log_to_file_only() -> None:
             handler.setLevel(logging.CRITICAL)
 
 
-def _report_error(run_dir: Path, env: DistEnv, exc: BaseException, user_error: bool, exit_code: int) -> None:
-    """Leave this rank's failure for the launcher, which names the root cause in one line.
-
-    torch's ``@record`` keeps only a one-second timestamp, too coarse to tell the rank that failed first
-    from the peers that failed because of it; this file keeps a precise one and the innermost frame.
-    """
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames and not user_error else ""
-    record = {"rank": env.rank, "message": str(exc) if user_error else f"{type(exc).__name__}: {exc}",
-              "where": where, "time": time.time(), "user_error": user_error, "exit_code": exit_code}
-    (run_dir / "logs" / ERROR_FILE.format(rank=env.rank)).write_text(json.dumps(record))
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="dtrain.worker")
     parser.add_argument("--run-dir", type=Path, required=True)
@@ -84,12 +68,12 @@ def main(argv: list[str] | None = None) -> None:
         # Bad input found inside a worker (e.g. the trial's data): one line from the launcher, exit 2.
         _log_to_file_only()
         log.error("%s", exc)
-        _report_error(args.run_dir, env, exc, user_error=True, exit_code=exc.exit_code)
+        write_report(args.run_dir, env.rank, exc, user_error=True, exit_code=exc.exit_code)
         sys.exit(exc.exit_code)
     except Exception as exc:
         _log_to_file_only()
         log.exception("worker failed")
-        _report_error(args.run_dir, env, exc, user_error=False, exit_code=1)
+        write_report(args.run_dir, env.rank, exc, user_error=False, exit_code=1)
         sys.exit(1)
 
 
