@@ -1,4 +1,36 @@
+"""Run-wide fixtures: reference runs that several test modules compare with are trained once."""
+
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from helpers import dtrain_cli, final_weights, tiny_config
+
+
+class ReferenceRuns:
+    """The tiny trial with its default config, on N slots, trained on first use and kept for the run."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._dirs: dict[int, Path] = {}
+
+    def run_dir(self, slots: int) -> Path:
+        if slots not in self._dirs:
+            folder = self.root / f"slots{slots}"
+            folder.mkdir()
+            result = dtrain_cli("run", str(tiny_config(folder)), "--slots", str(slots), "--run-dir",
+                                str(folder / "r"), "--quiet", timeout=120)
+            assert result.code == 0, result.stderr
+            self._dirs[slots] = folder / "r"
+        return self._dirs[slots]
+
+    def weights(self, slots: int) -> dict:
+        return final_weights(self.run_dir(slots))
+
+
+@pytest.fixture(scope="session")
+def reference_runs(tmp_path_factory):
+    return ReferenceRuns(tmp_path_factory.mktemp("reference"))

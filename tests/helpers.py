@@ -106,6 +106,28 @@ def dtrain_cli(*args: str, timeout: float = 120.0, cwd: Path | None = None) -> C
     return CliResult(proc.returncode, out, err)
 
 
+def cli_in_process(*args: str, cwd: Path | None = None) -> CliResult:
+    """``dtrain ARGS`` in this process: for bad input and generators, which never start a worker (a
+    subprocess would pay torch's import again for a one-line answer)."""
+    import contextlib
+    import io
+
+    from dtrain import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    here = Path.cwd()
+    try:
+        os.chdir(cwd or ROOT)
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = cli.main(list(args))
+            except SystemExit as exc:  # argparse's own exits
+                code = exc.code if isinstance(exc.code, int) else 2
+    finally:
+        os.chdir(here)
+    return CliResult(code, out.getvalue(), err.getvalue())
+
+
 def tiny_config(tmp: Path, **overrides: Any) -> Path:
     """Write an experiment config for tests/trials/tiny.py into ``tmp``; nested keys with dotted names."""
     cfg: dict[str, Any] = {
@@ -113,6 +135,8 @@ def tiny_config(tmp: Path, **overrides: Any) -> Path:
         "entrypoint": "tiny:TinyTrial",
         "hyperparameters": {"global_batch_size": 16, "train_size": 256, "val_size": 61},
         "resources": {"slots_per_trial": 2, "collective_timeout_seconds": 30},
+        # Several CPU slots on one machine: explicit, so a machine with one GPU runs these tests too.
+        "backend": "gloo",
         "max_length": {"batches": 24},
         "scheduling_unit": 8,
         "seed": 3,
@@ -127,6 +151,14 @@ def tiny_config(tmp: Path, **overrides: Any) -> Path:
     path = tmp / "experiment.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
+
+
+def final_weights(run_dir: Path) -> dict:
+    """The model state of a run's newest checkpoint."""
+    import torch
+
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    return torch.load(run_dir / "checkpoints" / latest / "model.pt", weights_only=True)
 
 
 def write(path: Path, text: str) -> Path:

@@ -1,10 +1,12 @@
 """Checkpoints: resume equals an uninterrupted run, bit for bit; damaged checkpoints are refused."""
 
 import json
+import shutil
 import time
 
+import pytest
 import torch
-from helpers import dtrain_cli, tiny_config
+from helpers import cli_in_process, dtrain_cli, tiny_config
 
 COMMON = {"hyperparameters.dropout": 0.1, "max_length": {"batches": 24},
           "min_checkpoint_period": {"batches": 10}, "min_validation_period": {"batches": 12}}
@@ -27,15 +29,16 @@ def _assert_bit_identical(a, b):
         assert torch.equal(a[name], b[name]), name
 
 
-def _uninterrupted(tmp_path):
-    cfg = tiny_config(tmp_path, **COMMON)
-    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "straight"), "--quiet")
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted run every interrupted one must reproduce, bit for bit."""
+    tmp = tmp_path_factory.mktemp("straight")
+    result = dtrain_cli("run", str(tiny_config(tmp, **COMMON)), "--run-dir", str(tmp / "r"), "--quiet")
     assert result.code == 0, result.stderr
-    return tmp_path / "straight"
+    return tmp / "r"
 
 
-def test_crash_then_resume_is_bit_identical(tmp_path):
-    straight = _uninterrupted(tmp_path)
+def test_crash_then_resume_is_bit_identical(tmp_path, straight):
     crashed = tmp_path / "crashed"
     cfg = tiny_config(tmp_path, **COMMON, **{"hyperparameters.crash_at_batch": 13})
     start = time.monotonic()
@@ -55,8 +58,7 @@ def test_crash_then_resume_is_bit_identical(tmp_path):
     assert list(crashed.glob("config.before-resume-*.yaml"))
 
 
-def test_elastic_restart_resumes_from_latest_checkpoint(tmp_path):
-    straight = _uninterrupted(tmp_path)
+def test_elastic_restart_resumes_from_latest_checkpoint(tmp_path, straight):
     marker = tmp_path / "crashed-once"
     cfg = tiny_config(tmp_path, **COMMON, max_restarts=1,
                       **{"hyperparameters.crash_at_batch": 15, "hyperparameters.crash_once_marker": str(marker)})
@@ -75,32 +77,38 @@ def test_dead_worker_fails_the_job_promptly(tmp_path):
     assert time.monotonic() - start < 45
 
 
-def _checkpointed_run(tmp_path):
-    cfg = tiny_config(tmp_path, **{"max_length": {"batches": 8}})
-    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet", "--slots", "1")
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """A finished 1-slot run with one checkpoint (tests that damage it work on a copy)."""
+    tmp = tmp_path_factory.mktemp("short")
+    cfg = tiny_config(tmp, **{"max_length": {"batches": 8}})
+    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp / "r"), "--quiet", "--slots", "1")
     assert result.code == 0, result.stderr
-    return cfg, tmp_path / "r", tmp_path / "r" / "checkpoints" / "8"
+    return cfg, tmp / "r"
 
 
-def test_tampered_and_truncated_checkpoints_are_refused(tmp_path):
-    cfg, run_dir, ckpt = _checkpointed_run(tmp_path)
+def test_tampered_and_truncated_checkpoints_are_refused(tmp_path, short_run):
+    cfg, run_dir = short_run[0], tmp_path / "r"
+    shutil.copytree(short_run[1], run_dir)
+    ckpt = run_dir / "checkpoints" / "8"
     model = ckpt / "model.pt"
     original = model.read_bytes()
     model.write_bytes(original[:-1] + bytes([original[-1] ^ 1]))
-    result = dtrain_cli("run", str(cfg), "--resume", str(run_dir))
+    result = cli_in_process("run", str(cfg), "--resume", str(run_dir))
     assert result.code == 2
     assert "does not match its recorded sha256" in result.stderr and "Traceback" not in result.stderr
     model.write_bytes(original[: len(original) // 2])
-    result = dtrain_cli("run", str(cfg), "--resume", str(run_dir))
+    result = cli_in_process("run", str(cfg), "--resume", str(run_dir))
     assert result.code == 2 and "truncated or tampered" in result.stderr
     assert model.read_bytes() == original[: len(original) // 2]  # nothing on disk was touched
     (ckpt / "metadata.json").write_text("{")
-    result = dtrain_cli("run", str(cfg), "--resume", str(run_dir))
+    result = cli_in_process("run", str(cfg), "--resume", str(run_dir))
     assert result.code == 2 and "no readable metadata.json" in result.stderr
 
 
-def test_checkpoint_contents(tmp_path):
-    _, run_dir, ckpt = _checkpointed_run(tmp_path)
+def test_checkpoint_contents(short_run):
+    run_dir = short_run[1]
+    ckpt = run_dir / "checkpoints" / "8"
     assert {p.name for p in ckpt.iterdir()} == {"model.pt", "optimizer.pt", "trainer_state.pt", "rank0.pt",
                                                 "metadata.json"}
     weights = torch.load(ckpt / "model.pt", weights_only=True)
@@ -113,7 +121,7 @@ def test_checkpoint_contents(tmp_path):
 def test_resume_without_checkpoint(tmp_path):
     cfg = tiny_config(tmp_path)
     (tmp_path / "empty").mkdir()
-    result = dtrain_cli("run", str(cfg), "--resume", str(tmp_path / "empty"))
+    result = cli_in_process("run", str(cfg), "--resume", str(tmp_path / "empty"))
     assert result.code == 2 and "no checkpoint found" in result.stderr
-    result = dtrain_cli("run", str(cfg), "--resume", str(tmp_path / "missing"))
+    result = cli_in_process("run", str(cfg), "--resume", str(tmp_path / "missing"))
     assert result.code == 2 and "no such run directory" in result.stderr

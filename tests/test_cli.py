@@ -3,7 +3,7 @@
 import os
 
 import pytest
-from helpers import ROOT, dtrain_cli, tiny_config, write
+from helpers import ROOT, cli_in_process, dtrain_cli, tiny_config, write
 
 
 def _assert_one_line_error(result, fragment):
@@ -23,33 +23,33 @@ def _assert_one_line_error(result, fragment):
     ({"backend": "nccl"}, "backend 'nccl' needs CUDA GPUs"),
 ])
 def test_bad_config(tmp_path, overrides, fragment):
-    result = dtrain_cli("run", str(tiny_config(tmp_path, **overrides)), "--run-dir", str(tmp_path / "r"))
+    result = cli_in_process("run", str(tiny_config(tmp_path, **overrides)), "--run-dir", str(tmp_path / "r"))
     _assert_one_line_error(result, fragment)
     assert not (tmp_path / "r").exists()  # nothing started, nothing written
 
 
 def test_bad_cli_arguments(tmp_path):
     cfg = tiny_config(tmp_path)
-    _assert_one_line_error(dtrain_cli("run", str(cfg), "--slots", "0"), "expected a positive integer, got 0")
-    _assert_one_line_error(dtrain_cli("run", str(cfg), "--set", "oops"), "--set expects KEY=VALUE")
-    _assert_one_line_error(dtrain_cli("run", str(tmp_path / "none.yaml")), "does not exist")
-    _assert_one_line_error(dtrain_cli("frobnicate"), "invalid choice")
+    _assert_one_line_error(cli_in_process("run", str(cfg), "--slots", "0"), "expected a positive integer, got 0")
+    _assert_one_line_error(cli_in_process("run", str(cfg), "--set", "oops"), "--set expects KEY=VALUE")
+    _assert_one_line_error(cli_in_process("run", str(tmp_path / "none.yaml")), "does not exist")
+    _assert_one_line_error(cli_in_process("frobnicate"), "invalid choice")
     bad = write(tmp_path / "bad.yaml", "name: [unclosed\n")
-    _assert_one_line_error(dtrain_cli("run", str(bad)), "malformed YAML at line")
+    _assert_one_line_error(cli_in_process("run", str(bad)), "malformed YAML at line")
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
 def test_unwritable_run_dir_as_user(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
-    result = dtrain_cli("run", str(tiny_config(tmp_path)), "--run-dir", str(locked / "r"))
+    result = cli_in_process("run", str(tiny_config(tmp_path)), "--run-dir", str(locked / "r"))
     _assert_one_line_error(result, "cannot write run directory")
 
 
 def test_unwritable_run_dir(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    result = dtrain_cli("run", str(tiny_config(tmp_path)), "--run-dir", str(blocker / "r"))
+    result = cli_in_process("run", str(tiny_config(tmp_path)), "--run-dir", str(blocker / "r"))
     _assert_one_line_error(result, "cannot write run directory")
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import yaml
-from helpers import ROOT, dtrain_cli, tiny_config
+from helpers import ROOT, cli_in_process, dtrain_cli, tiny_config
 
 from dtrain import runs
 from dtrain.config import load_config
@@ -80,7 +80,7 @@ def _validate(value, schema, path="$"):
 
 def _manifest(tmp_path, *args, **overrides):
     cfg = tiny_config(tmp_path, **overrides)
-    result = dtrain_cli("k8s", str(cfg.relative_to(tmp_path)), *args, cwd=tmp_path, timeout=60)
+    result = cli_in_process("k8s", str(cfg.relative_to(tmp_path)), *args, cwd=tmp_path)
     assert result.code == 0, result.stderr
     return yaml.safe_load(result.stdout)
 
@@ -119,14 +119,14 @@ def test_k8s_manifest_elastic_with_gpus(tmp_path):
 def test_k8s_and_slurm_refuse_slots_that_do_not_divide(tmp_path):
     cfg = str(tiny_config(tmp_path, **{"resources.slots_per_trial": 3}))
     for args in (["k8s", cfg, "--image", "i", "--nnodes", "2"], ["slurm", cfg, "--nodes", "2"]):
-        result = dtrain_cli(*args, timeout=60)
+        result = cli_in_process(*args)
         assert result.code == 2 and result.stderr.count("\n") == 1, result.stderr
         assert result.stderr.startswith("dtrain: error: resources.slots_per_trial 3 does not divide across 2 nodes")
 
 
 def test_slurm_script_is_valid_bash(tmp_path):
     cfg = tiny_config(tmp_path)
-    result = dtrain_cli("slurm", str(cfg), "--nodes", "2", "--time", "00:10:00", "--gpus", timeout=60)
+    result = cli_in_process("slurm", str(cfg), "--nodes", "2", "--time", "00:10:00", "--gpus")
     assert result.code == 0, result.stderr
     script = result.stdout
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0

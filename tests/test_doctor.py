@@ -4,7 +4,7 @@ import json
 import shutil
 
 import pytest
-from helpers import TRIALS, dtrain_cli, tiny_config
+from helpers import TRIALS, cli_in_process, dtrain_cli, tiny_config
 
 PLANTED = {
     "data_loading": ("planted:SlowDataTrial", {"load_seconds": 0.003, "global_batch_size": 8}),
@@ -21,7 +21,7 @@ def test_planted_bottleneck_is_named(tmp_path, expected):
                       scheduling_unit=40)
     result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
     assert result.code == 0, result.stderr
-    doctor = dtrain_cli("doctor", str(tmp_path / "r"), "--json")
+    doctor = cli_in_process("doctor", str(tmp_path / "r"), "--json")
     assert doctor.code == 0, doctor.stderr
     diagnosis = json.loads(doctor.stdout)
     shares = {f["factor"]: round(f["share"], 2) for f in diagnosis["factors"]}
@@ -39,18 +39,18 @@ def _one_line(result, fragment):
 
 
 def test_doctor_bad_input(tmp_path):
-    _one_line(dtrain_cli("doctor", str(tmp_path / "missing")), "is not a directory")
-    _one_line(dtrain_cli("doctor", str(tmp_path)), "is not a dtrain run")
+    _one_line(cli_in_process("doctor", str(tmp_path / "missing")), "is not a directory")
+    _one_line(cli_in_process("doctor", str(tmp_path)), "is not a dtrain run")
     (tmp_path / "config.yaml").write_text("name: x\n")
-    _one_line(dtrain_cli("doctor", str(tmp_path)), "has no profile.json yet")
+    _one_line(cli_in_process("doctor", str(tmp_path)), "has no profile.json yet")
     (tmp_path / "profile.json").write_text("")
-    _one_line(dtrain_cli("doctor", str(tmp_path)), "is empty or corrupt")
+    _one_line(cli_in_process("doctor", str(tmp_path)), "is empty or corrupt")
     (tmp_path / "profile.json").write_text('{"schema_version": 1, "per_rank": []}')
-    _one_line(dtrain_cli("doctor", str(tmp_path)), "is empty or corrupt")
+    _one_line(cli_in_process("doctor", str(tmp_path)), "is empty or corrupt")
 
 
 def test_bench_bad_slots(tmp_path):
     cfg = tiny_config(tmp_path)
-    _one_line(dtrain_cli("bench", str(cfg), "--slots", "0,2"), "'0' is not a positive integer")
-    _one_line(dtrain_cli("bench", str(cfg), "--slots", "one"), "positive integers")
-    _one_line(dtrain_cli("bench", str(cfg), "--steps", "0"), "expected a positive integer")
+    _one_line(cli_in_process("bench", str(cfg), "--slots", "0,2"), "'0' is not a positive integer")
+    _one_line(cli_in_process("bench", str(cfg), "--slots", "one"), "positive integers")
+    _one_line(cli_in_process("bench", str(cfg), "--steps", "0"), "expected a positive integer")

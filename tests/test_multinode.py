@@ -40,12 +40,9 @@ def _assert_same_weights(a: dict, b: dict) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(reference_runs):
     """The tiny trial on 2 slots of one machine: what every multi-node variant must reproduce."""
-    tmp = tmp_path_factory.mktemp("reference")
-    result = dtrain_cli("run", str(tiny_config(tmp)), "--run-dir", str(tmp / "r"), "--quiet", timeout=120)
-    assert result.code == 0, result.stderr
-    return _final_weights(tmp / "r")
+    return reference_runs.weights(2)
 
 
 # ------------------------------------------------------------------------------------------- bad input

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import ROOT, dtrain_cli, run_ranks, tiny_config
+from helpers import ROOT, cli_in_process, dtrain_cli, run_ranks, tiny_config
 from torch import nn
 
 from dtrain.config import config_from_dict
@@ -72,8 +72,8 @@ def _grads_bf16(rank, world):
 
 @pytest.mark.parametrize(("body", "tolerance"), [(_grads_fp16, 2e-3), (_grads_bf16, 1.5e-2)])
 def test_fp16_and_bf16_gradients_close_to_uncompressed(body, tolerance):
-    exact = run_ranks(_grads_none, world_size=2, timeout=60)[0]
-    compressed = run_ranks(body, world_size=2, timeout=60)
+    exact = run_ranks(_grads_none, world_size=2)[0]
+    compressed = run_ranks(body, world_size=2)
     assert torch.equal(compressed[0], compressed[1])  # replicas still agree exactly
     relative = (compressed[0] - exact).norm() / exact.norm()
     assert 0 < relative < tolerance, relative
@@ -109,20 +109,19 @@ def test_resume_with_powersgd_is_bit_identical(tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
-def test_fusion_auto_tune_measures_keeps_equivalence_and_is_reused(tmp_path):
-    tuned_cfg = {"max_length": {"batches": 30}, "optimizations.auto_tune_tensor_fusion": True,
+def test_fusion_auto_tune_measures_keeps_equivalence_and_is_reused(tmp_path, reference_runs):
+    tuned_cfg = {"optimizations.auto_tune_tensor_fusion": True,
                  "optimizations.auto_tune_candidates_mb": [0.0001, 0.0003, 1.0],
                  "optimizations.auto_tune_warmup_steps": 1, "optimizations.auto_tune_steps_per_candidate": 3,
-                 "min_checkpoint_period": {"batches": 15}}
+                 "min_checkpoint_period": {"batches": 12}}
     tuned = _run(tmp_path, "tuned", tiny_config(tmp_path, **tuned_cfg))
     result = json.loads((tuned / "fusion_tuning.json").read_text())
     assert [t["bucket_mb"] for t in result["trials"]] == [0.0001, 0.0003, 1.0]
     assert result["chosen_mb"] in (0.0001, 0.0003, 1.0) and result["tuning_steps"] == 12
-    one = _run(tmp_path, "one", tiny_config(tmp_path, **{"max_length": {"batches": 30}}), "--slots", "1")
-    for name, value in _weights(one).items():  # re-bucketing never all-reduces a gradient twice
+    for name, value in reference_runs.weights(1).items():  # re-bucketing never all-reduces a gradient twice
         torch.testing.assert_close(_weights(tuned)[name], value, rtol=1e-5, atol=1e-6)
     resumed = dtrain_cli("run", str(tiny_config(tmp_path, **tuned_cfg)), "--resume", str(tuned),
-                         "--set", "max_length={batches: 40}")
+                         "--set", "max_length={batches: 32}")
     assert resumed.code == 0, resumed.stderr
     assert "reusing" in (tuned / "logs" / "rank0.log").read_text()
 
@@ -141,5 +140,5 @@ def test_bad_optimization_values(key, value, fragment):
 
 
 def test_bad_optimization_value_via_cli(tmp_path):
-    result = dtrain_cli("run", str(tiny_config(tmp_path)), "--set", "optimizations.powersgd.rank=0")
+    result = cli_in_process("run", str(tiny_config(tmp_path)), "--set", "optimizations.powersgd.rank=0")
     assert result.code == 2 and "optimizations.powersgd.rank: got 0" in result.stderr

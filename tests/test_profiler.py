@@ -1,10 +1,77 @@
-"""The step profiler's arithmetic, on a real 2-slot run, and its unit pieces."""
+"""The step profiler: its arithmetic on scripted clocks (host and deferred, as on CUDA), and on a real
+2-slot run."""
 
 import json
 
+import pytest
 from helpers import dtrain_cli, tiny_config
 
-from dtrain.profiling import PHASES, CommRecorder
+from dtrain.profiling import PHASES, CommRecorder, StepTimer
+from dtrain.profiling import timer as timer_module
+
+
+class ScriptedClock:
+    """A clock that returns scripted times; ``deferred`` mimics CUDA events (resolved at flush)."""
+
+    def __init__(self, times, deferred):
+        self.times = iter(times)
+        self.deferred = deferred
+        self.synchronized = 0
+
+    def stamp(self):
+        return next(self.times)
+
+    def seconds(self, start, end):
+        return end - start
+
+    def synchronize(self):
+        self.synchronized += 1
+
+    def recycle(self):
+        pass
+
+
+def _timer(times, deferred, warmup=0):
+    import torch
+
+    t = StepTimer(torch.device("cpu"), enabled=True, warmup_steps=warmup)
+    t.clock = ScriptedClock(times, deferred)
+    t.recorder.clock = t.clock
+    return t
+
+
+def _one_step(t, grad_ready=None):
+    t.start_step()            # 0
+    t.lap("data")             # 1
+    with t.backward():        # forward until 3
+        if grad_ready is not None:
+            t.recorder.grad_ready, t.recorder.grad_ready_seen = grad_ready, True
+    with t.phase("optimizer", before="other"):
+        pass
+    t.end_step()
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_edges_become_phases_and_cuda_style_clocks_resolve_once_per_window(deferred):
+    # start 0, data 1, forward 3, backward end 10 (last gradient at 7), other 11, optimizer 12, end 13
+    times = [0.0, 1.0, 3.0, 10.0, 11.0, 12.0, 13.0] * 2
+    t = _timer(times, deferred)
+    _one_step(t, grad_ready=7.0)
+    assert t.clock.synchronized == 0 if deferred else t.profiled_steps == 1
+    _one_step(t, grad_ready=7.0)
+    step = t.per_step()  # resolves what is pending: the only synchronization
+    assert t.clock.synchronized == (1 if deferred else 0)
+    assert step["data"] == 1 and step["forward"] == 2 and step["backward"] == 4 and step["comm_exposed"] == 3
+    assert step["other"] == 1 + 1 - 0 and step["optimizer"] == 1 and step["step"] == 13
+    assert sum(step[p] for p in PHASES) == step["step"]
+
+
+def test_deferred_clock_flushes_every_window(monkeypatch):
+    monkeypatch.setattr(timer_module, "FLUSH_EVERY", 2)
+    t = _timer([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0] * 4, deferred=True, warmup=1)
+    for _ in range(4):
+        _one_step(t)
+    assert t.clock.synchronized == 2 and t.profiled_steps == 3 and t.steps == 4
 
 
 def test_busy_time_is_the_union_of_intervals():
@@ -32,12 +99,19 @@ def test_phases_add_up_and_exposed_never_exceeds_busy(tmp_path):
     spread = profile["seconds_per_step"]["step"]
     assert spread["min"] <= spread["mean"] <= spread["max"]
     assert profile["comm"]["algbw_bytes_per_second"] > 0
+    # Throughput: profiled steps / their time, and every step / the device-synchronized training time.
+    rank0_step = profile["per_rank"][0]["seconds_per_step"]["step"]
+    assert profile["samples_per_second"] == pytest.approx(16 / rank0_step, rel=1e-6)
+    assert 0 < profile["train_seconds"] <= profile["wall_seconds"]
+    all_steps = profile["steps"] * 16 / profile["train_seconds"]
+    assert profile["samples_per_second_all_steps"] == pytest.approx(all_steps, rel=1e-6)
     assert "time cost per step" in result.stdout and "doctor:" in result.stdout
 
 
-def test_profiling_off_writes_no_profile(tmp_path):
+def test_profiling_off_still_measures_throughput_honestly(tmp_path):
     cfg = tiny_config(tmp_path, **{"max_length": {"batches": 10}, "profiling.enabled": False})
     result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
     assert result.code == 0, result.stderr
     assert not (tmp_path / "r" / "profile.json").exists()
-    assert json.loads((tmp_path / "r" / "summary.json").read_text())["samples_per_second"] > 0
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["samples_per_second"] == pytest.approx(10 * 16 / summary["train_seconds"], rel=1e-6)

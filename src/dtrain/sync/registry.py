@@ -37,7 +37,12 @@ def _load_builtins() -> None:
 def names() -> tuple[str, ...]:
     """Every registered strategy name, built-ins first in their documented order."""
     _load_builtins()
-    return tuple(_STRATEGIES)
+
+    def order(name: str) -> int:
+        module = _STRATEGIES[name].__module__
+        return BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
+
+    return tuple(sorted(_STRATEGIES, key=order))
 
 
 def lookup(name: str) -> type[SyncStrategy]:
@@ -51,4 +56,4 @@ def lookup(name: str) -> type[SyncStrategy]:
 def unknown_message(name: str) -> str:
     close = difflib.get_close_matches(name, list(_STRATEGIES), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
-    return f"{name!r} is not a strategy; {hint}registered: {', '.join(_STRATEGIES)}"
+    return f"{name!r} is not a strategy; {hint}registered: {', '.join(names())}"
