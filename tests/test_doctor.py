@@ -54,3 +54,47 @@ def test_bench_bad_slots(tmp_path):
     _one_line(cli_in_process("bench", str(cfg), "--slots", "0,2"), "'0' is not a positive integer")
     _one_line(cli_in_process("bench", str(cfg), "--slots", "one"), "positive integers")
     _one_line(cli_in_process("bench", str(cfg), "--steps", "0"), "expected a positive integer")
+
+
+def _gpu_profile(precision="32-true", peak_gb=10.0, total_gb=80.0):
+    phases = {"data": 0.001, "forward": 0.010, "backward": 0.020, "comm_exposed": 0.0, "optimizer": 0.002,
+              "other": 0.001}
+    step = sum(phases.values())
+    return {
+        "schema_version": 1, "slots": 1, "samples_per_second": 32 / step, "global_batch_size": 32,
+        "precision": precision, "phases": list(phases),
+        "per_rank": [{"rank": 0, "host": "gpu0", "seconds_per_step": {**phases, "step": step},
+                      "peak_memory_bytes": peak_gb * 2**30}],
+        "seconds_per_step": {p: {"min": v, "mean": v, "max": v} for p, v in {**phases, "step": step}.items()},
+        "comm": {"busy_seconds_per_step": 0.0, "buckets_per_step": 0, "latency_seconds": 0.0, "bytes_per_step": 0,
+                 "algbw_bytes_per_second": 0.0},
+        "device_facts": {"type": "cuda", "name": "H100", "tensor_cores": True, "total_memory_bytes": total_gb * 2**30,
+                         "matmul_tflops": {"fp32": 50.0, "tf32": 200.0, "bf16": 400.0, "fp16": 400.0}},
+    }
+
+
+def test_doctor_recommends_lower_precision_on_a_compute_bound_gpu():
+    from dtrain.doctor import diagnose
+
+    diagnosis = diagnose(_gpu_profile())
+    by_factor = {f["factor"]: f for f in diagnosis["factors"]}
+    precision = by_factor["precision"]
+    assert precision["key"] == "precision" and precision["value"] == "bf16-mixed"
+    # compute 30 ms of a 34 ms step, matmuls 8x faster: at most 30 * 7/8 ms saved.
+    assert precision["seconds_per_step"] == pytest.approx(0.030 * 7 / 8)
+    assert precision["predicted_speedup"] == pytest.approx(0.034 / (0.034 - 0.030 * 7 / 8))
+    assert diagnosis["recommendations"][0]["action"] == "precision: bf16-mixed"
+    assert sum(f["share"] for f in diagnosis["factors"]) == pytest.approx(1.0)
+    mixed = {f["factor"]: f for f in diagnose(_gpu_profile(precision="bf16-mixed"))["factors"]}
+    assert mixed["precision"]["key"] is None and mixed["precision"]["seconds_per_step"] == 0
+
+
+def test_batch_size_advice_is_bounded_by_gpu_memory():
+    from dtrain.doctor import diagnose
+
+    roomy = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=10))["factors"]}
+    assert roomy["batch_size"]["value"] == 64
+    tight = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=50))["factors"]}
+    assert tight["batch_size"]["value"] == 40  # 0.9 x 80 GB / 50 GB peak: 1.25x the batch
+    full = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=75))["factors"]}
+    assert full["batch_size"]["key"] is None and "does not fit" in full["batch_size"]["why"]

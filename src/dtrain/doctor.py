@@ -12,6 +12,10 @@ all ranks finish a step together. From ``profile.json`` the step is split into p
 * ``sync_frequency`` the same exposed time's per-message part (buckets x measured one-float latency):
                      a cost paid per synchronization, which only syncing less often removes
 * ``straggler``      the remainder: time ranks spend waiting for the slowest rank
+* ``precision``      on a GPU with tensor cores training in float32: the part of the compute that lower
+                     precision would save, from matmul throughput measured on that very device at the end
+                     of the run (``device_facts.matmul_tflops``); an upper bound, as if compute were all
+                     matmuls. Zero on CPU and when already in mixed precision.
 
 Each factor's action is predicted from the same numbers (e.g. aggregation_frequency k divides the
 communication and waiting by k). Predictions assume the other parts stay as measured.
@@ -26,7 +30,9 @@ from typing import Any
 
 from dtrain.errors import UserError
 
-FACTORS = ("communication", "data_loading", "compute", "straggler", "batch_size", "sync_frequency")
+FACTORS = ("communication", "data_loading", "compute", "precision", "straggler", "batch_size", "sync_frequency")
+# Keep this share of the device's memory free when advising a bigger batch.
+MEMORY_HEADROOM = 0.9
 AGGREGATION_TO_TRY = 4
 
 
@@ -80,8 +86,10 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
     per_message = min(1.0, comm["buckets_per_step"] * comm["latency_seconds"] / busy) if busy > 0 else 0.0
     sync_part, bandwidth_part = exposed * per_message, exposed * (1 - per_message)
     straggler = max(0.0, step - data - compute - fixed - exposed)
-    seconds = {"communication": bandwidth_part, "data_loading": data, "compute": compute, "straggler": straggler,
-               "batch_size": fixed, "sync_frequency": sync_part}
+    precision = _precision_gain(profile)
+    saved = compute * (1 - 1 / precision[1]) if precision is not None else 0.0
+    seconds = {"communication": bandwidth_part, "data_loading": data, "compute": compute - saved,
+               "precision": saved, "straggler": straggler, "batch_size": fixed, "sync_frequency": sync_part}
 
     gbs = int(profile["global_batch_size"])
     k = AGGREGATION_TO_TRY
@@ -110,12 +118,8 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
             f"{1e3 * work[fastest]:.2f} ms on rank {fastest}; the others wait for it: find what slows that "
             "rank (shared cores, a slower device, uneven data), or leave it out",
             _speedup(step, step - straggler)),
-        "batch_size": _factor(
-            "hyperparameters.global_batch_size", 2 * gbs,
-            "optimizer step and bookkeeping cost the same whatever the batch; a bigger batch spreads them "
-            "(and communication) over more samples; scale the learning rate with it",
-            # Twice the samples per step: data and compute double, fixed costs and communication do not.
-            _speedup(step, step + data + compute, samples_factor=2.0)),
+        "batch_size": _batch_factor(profile, gbs, step, data, compute),
+        "precision": _precision_factor(profile, precision, step, saved),
         "compute": _factor(
             None, None,
             "forward and backward compute: the useful work. A step dominated by it scales well; a faster "
@@ -146,6 +150,58 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
         "recommendations": recommendations,
         "scaling": scaling,
     }
+
+
+def _precision_gain(profile: dict[str, Any]) -> tuple[str, float] | None:
+    """(precision to try, measured matmul speed-up over the current one) on a tensor-core GPU, else None."""
+    facts = profile.get("device_facts") or {}
+    tflops = facts.get("matmul_tflops") or {}
+    current = {"32-true": "fp32", "tf32": "tf32"}.get(str(profile.get("precision", "32-true")))
+    if facts.get("type") != "cuda" or not facts.get("tensor_cores") or current is None or not tflops.get(current):
+        return None
+    best = max((("bf16-mixed", "bf16"), ("tf32", "tf32")), key=lambda c: tflops.get(c[1], 0.0))
+    if best[1] == current:
+        return None
+    gain = tflops.get(best[1], 0.0) / tflops[current]
+    return (best[0], gain) if gain > 1.05 else None
+
+
+def _precision_factor(profile: dict[str, Any], precision: tuple[str, float] | None, step: float,
+                      saved: float) -> dict[str, Any]:
+    if precision is None:
+        return _factor(None, None, "no lower precision measured faster here (CPU, no tensor cores, or already "
+                       "mixed precision)", None)
+    name, gain = precision
+    current = profile.get("precision", "32-true")
+    return _factor("precision", name,
+                   f"the step is trained in {current}; matmuls ran {gain:.1f}x faster in {name} on this "
+                   f"{(profile.get('device_facts') or {}).get('name', 'GPU')} (measured); compute shrinks by up "
+                   "to that factor (weights stay float32; bf16 needs no loss scaling)",
+                   _speedup(step, step - saved))
+
+
+def _batch_factor(profile: dict[str, Any], gbs: int, step: float, data: float, compute: float) -> dict[str, Any]:
+    """A bigger global batch, as big as the device's memory allows (GPU: peak memory vs the card's)."""
+    factor = 2.0
+    facts = profile.get("device_facts") or {}
+    peak = max((float(r.get("peak_memory_bytes", 0.0)) for r in profile["per_rank"]), default=0.0)
+    memory_note = ""
+    if facts.get("type") == "cuda" and peak > 0 and facts.get("total_memory_bytes"):
+        # Activations grow with the batch, weights and optimizer state do not: scaling the whole peak is
+        # the conservative bound.
+        room = MEMORY_HEADROOM * float(facts["total_memory_bytes"]) / peak
+        factor = min(factor, float(int(room * 4) / 4))
+        memory_note = f"; peak GPU memory {peak / 2**30:.1f} of {float(facts['total_memory_bytes']) / 2**30:.0f} GiB"
+        if factor < 1.25:
+            return _factor(None, None, f"a bigger batch would amortize fixed costs, but it does not fit{memory_note}",
+                           None)
+    new_gbs = int(gbs * factor)
+    return _factor(
+        "hyperparameters.global_batch_size", new_gbs,
+        "optimizer step and bookkeeping cost the same whatever the batch; a bigger batch spreads them "
+        f"(and communication) over more samples; scale the learning rate with it{memory_note}",
+        # factor x the samples per step: data and compute grow with it, fixed costs and communication do not.
+        _speedup(step, step + (factor - 1) * (data + compute), samples_factor=new_gbs / gbs))
 
 
 def _factor(key: str | None, value: Any, why: str, speedup: float | None,
