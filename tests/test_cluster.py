@@ -125,7 +125,7 @@ def test_k8s_and_slurm_refuse_slots_that_do_not_divide(tmp_path):
 
 
 def test_slurm_script_is_valid_bash(tmp_path):
-    cfg = tiny_config(tmp_path)
+    cfg = tiny_config(tmp_path, backend="auto")
     result = cli_in_process("slurm", str(cfg), "--nodes", "2", "--time", "00:10:00", "--gpus")
     assert result.code == 0, result.stderr
     script = result.stdout

@@ -282,4 +282,6 @@ def init(backend: str = "auto", timeout_seconds: float = 300.0, seed: int = 0,
     shuffling; ``precision`` is one of ``32-true``, ``tf32``, ``bf16-mixed``, ``16-mixed`` (CUDA).
     """
     torch.manual_seed(seed)
-    return DistributedContext(backend=backend, timeout_seconds=timeout_seconds, seed=seed, precision=precision)
+    # No step profiler: an own loop does not mark its steps, so timing hooks would cost without telling.
+    return DistributedContext(backend=backend, timeout_seconds=timeout_seconds, seed=seed, precision=precision,
+                              profile=False)

@@ -96,11 +96,18 @@ def device_for(backend: str, env: DistEnv) -> torch.device:
     return torch.device("cpu")
 
 
-def limit_cpu_threads(env: DistEnv) -> int:
-    """Share the cores between the workers of one machine: N workers x M threads must not exceed cores,
-    or they fight over cores and every collective waits for the slowest."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    threads = max(1, cores // max(1, env.local_world_size))
+def limit_cpu_threads(env: DistEnv, environ: Mapping[str, str] | None = None) -> int:
+    """CPU threads for this worker: ``OMP_NUM_THREADS`` when set (by the user, ``dtrain run``'s launcher
+    or torchrun, which all set it per worker), else the machine's cores shared by its workers. N workers x
+    M threads must not exceed the cores, or they fight over them and every collective waits for the
+    slowest."""
+    env_vars = os.environ if environ is None else environ
+    requested = env_vars.get("OMP_NUM_THREADS", "")
+    if requested.isdigit() and int(requested) > 0:
+        threads = int(requested)
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = max(1, cores // max(1, env.local_world_size))
     torch.set_num_threads(threads)
     return threads
 
