@@ -26,8 +26,11 @@ class TinyTrial(dtrain.PyTorchTrial):
     def __init__(self, context: dtrain.TrialContext) -> None:
         super().__init__(context)
         hp = context.get_hparams()
+        hidden = hp.get("hidden", 16)
+        # Extra hidden layers (none by default) make the step device-bound for GPU timing tests.
+        extra = [m for _ in range(hp.get("extra_layers", 0)) for m in (nn.Linear(hidden, hidden), nn.Tanh())]
         self.model = context.wrap_model(nn.Sequential(
-            nn.Linear(8, 16), nn.Tanh(), nn.Dropout(hp.get("dropout", 0.0)), nn.Linear(16, 1)))
+            nn.Linear(8, hidden), nn.Tanh(), nn.Dropout(hp.get("dropout", 0.0)), *extra, nn.Linear(hidden, 1)))
         self.optimizer = context.wrap_optimizer(
             torch.optim.SGD(self.model.parameters(), lr=hp.get("lr", 0.05), momentum=0.9))
         self.hp = hp
