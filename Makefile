@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 SLOTS ?= 2
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test test-quick lint venv clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests bench examples
 	$(BIN)/python -m pytest -q
+
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check src tests bench examples
