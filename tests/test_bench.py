@@ -1,9 +1,13 @@
 """`dtrain bench --synthetic` on 1 and 2 slots: its table, JSON and scaling PNG."""
 
+
 import json
 
 import matplotlib.image
+import pytest
 from helpers import dtrain_cli, tiny_config
+
+pytestmark = pytest.mark.slow
 
 
 def test_bench_synthetic_one_and_two_slots(tmp_path):

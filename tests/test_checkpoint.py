@@ -38,6 +38,7 @@ def straight(tmp_path_factory):
     return tmp / "r"
 
 
+@pytest.mark.slow
 def test_crash_then_resume_is_bit_identical(tmp_path, straight):
     crashed = tmp_path / "crashed"
     cfg = tiny_config(tmp_path, **COMMON, **{"hyperparameters.crash_at_batch": 13})
@@ -58,6 +59,7 @@ def test_crash_then_resume_is_bit_identical(tmp_path, straight):
     assert list(crashed.glob("config.before-resume-*.yaml"))
 
 
+@pytest.mark.slow
 def test_elastic_restart_resumes_from_latest_checkpoint(tmp_path, straight):
     marker = tmp_path / "crashed-once"
     cfg = tiny_config(tmp_path, **COMMON, max_restarts=1,
@@ -68,6 +70,7 @@ def test_elastic_restart_resumes_from_latest_checkpoint(tmp_path, straight):
     _assert_bit_identical(_weights(straight), _weights(tmp_path / "elastic"))
 
 
+@pytest.mark.slow
 def test_dead_worker_fails_the_job_promptly(tmp_path):
     cfg = tiny_config(tmp_path, **{"hyperparameters.die_at_batch": 5})
     start = time.monotonic()
@@ -87,6 +90,7 @@ def short_run(tmp_path_factory):
     return cfg, tmp / "r"
 
 
+@pytest.mark.slow
 def test_tampered_and_truncated_checkpoints_are_refused(tmp_path, short_run):
     cfg, run_dir = short_run[0], tmp_path / "r"
     shutil.copytree(short_run[1], run_dir)
@@ -106,6 +110,7 @@ def test_tampered_and_truncated_checkpoints_are_refused(tmp_path, short_run):
     assert result.code == 2 and "no readable metadata.json" in result.stderr
 
 
+@pytest.mark.slow
 def test_checkpoint_contents(short_run):
     run_dir = short_run[1]
     ckpt = run_dir / "checkpoints" / "8"

@@ -53,6 +53,7 @@ def test_unwritable_run_dir(tmp_path):
     _assert_one_line_error(result, "cannot write run directory")
 
 
+@pytest.mark.slow
 def test_existing_run_is_not_overwritten(tmp_path):
     cfg = tiny_config(tmp_path, **{"max_length": {"batches": 2}})
     assert dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet", "--slots", "1").code == 0
@@ -61,6 +62,7 @@ def test_existing_run_is_not_overwritten(tmp_path):
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_data_error_inside_workers_is_one_line(tmp_path):
     # 8 training records cannot fill one global batch of 16: found by the workers, reported once.
     cfg = tiny_config(tmp_path, **{"hyperparameters.train_size": 8})
@@ -68,6 +70,7 @@ def test_data_error_inside_workers_is_one_line(tmp_path):
     _assert_one_line_error(result, "the training data has 8 records, fewer than 16")
 
 
+@pytest.mark.slow
 def test_launch_runs_your_own_loop_and_resumes(tmp_path):
     script = ROOT / "examples" / "own_loop" / "train.py"
     ckpt = tmp_path / "ckpt"

@@ -137,6 +137,7 @@ def test_slurm_script_is_valid_bash(tmp_path):
     assert "--nnodes 2 --rdzv-backend c10d" in script and '--master "$MASTER_ADDR:$MASTER_PORT"' in script
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(testhosts.unavailable_reason() is not None, reason=f"test hosts: {testhosts.unavailable_reason()}")
 def test_slurm_script_runs_on_two_hosts(tmp_path):
     """The generated script, run as sbatch would, with stand-ins for scontrol and srun that start one
@@ -233,6 +234,7 @@ def test_worker_flags_inside_torchrun_are_refused(tmp_path, monkeypatch):
 
 
 
+@pytest.mark.slow
 def test_srun_with_one_task_per_slot_trains_in_place(tmp_path):
     """srun started one task per slot (no torchrun): each task trains in place with Slurm's rank and
     world; the first task serves the store its peers learn the run directory from."""

@@ -13,6 +13,7 @@ PLANTED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("expected", list(PLANTED))
 def test_planted_bottleneck_is_named(tmp_path, expected):
     entrypoint, hparams = PLANTED[expected]

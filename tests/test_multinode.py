@@ -98,6 +98,7 @@ def test_interface_that_does_not_exist(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_non_dividing_slots_exit_code_through_the_real_cli(tmp_path):
     result = dtrain_cli("run", str(tiny_config(tmp_path)), "--slots", "3", "--nnodes", "2", "--node-rank", "0",
                         "--master", "127.0.0.1:29500", timeout=60)
@@ -138,6 +139,7 @@ def two_hosts():
         yield hosts
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_two_hosts_train_like_two_local_slots(tmp_path, two_hosts, reference):
     cfg = tiny_config(tmp_path, **{"resources.join_timeout_seconds": 30})
@@ -159,6 +161,7 @@ def test_two_hosts_train_like_two_local_slots(tmp_path, two_hosts, reference):
     assert not list(run_dir.glob(".join-*"))
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_elastic_c10d_form_trains_too(tmp_path, two_hosts, reference):
     cfg = tiny_config(tmp_path, **{"resources.join_timeout_seconds": 30})
@@ -171,6 +174,7 @@ def test_elastic_c10d_form_trains_too(tmp_path, two_hosts, reference):
     _assert_same_weights(reference, _final_weights(run_dir))
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_missing_node_fails_after_join_timeout_naming_it(tmp_path, two_hosts):
     cfg = tiny_config(tmp_path, **{"resources.join_timeout_seconds": 2})
@@ -185,6 +189,7 @@ def test_missing_node_fails_after_join_timeout_naming_it(tmp_path, two_hosts):
     assert not (tmp_path / "r").exists()  # the run directory is made only once every node is there
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_unreachable_master_and_wrong_interface_fail_fast(tmp_path, two_hosts):
     cfg = tiny_config(tmp_path, **{"resources.join_timeout_seconds": 20})
@@ -213,6 +218,7 @@ def test_unreachable_master_and_wrong_interface_fail_fast(tmp_path, two_hosts):
 # --------------------------------------------------------------------------------------------- torchrun
 
 
+@pytest.mark.slow
 def test_inside_torchrun_uses_its_ranks(tmp_path, reference):
     """torchrun started the workers: dtrain trains in place, with torchrun's ranks, no agent of its own."""
     cfg = tiny_config(tmp_path, **{"resources.slots_per_trial": 1})  # torchrun's 2 workers win, with a warning

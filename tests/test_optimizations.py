@@ -24,6 +24,7 @@ def _run(tmp_path, name, config, *args):
     return tmp_path / name
 
 
+@pytest.mark.slow
 def test_aggregation_equals_a_bigger_batch_and_syncs_once_per_k(tmp_path):
     cfg = tiny_config(tmp_path)
     aggregated = _run(tmp_path, "k4", cfg, "--set", "optimizations.aggregation_frequency=4",
@@ -70,6 +71,7 @@ def _grads_bf16(rank, world):
     return _grads_with("bf16")(rank, world)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("body", "tolerance"), [(_grads_fp16, 2e-3), (_grads_bf16, 1.5e-2)])
 def test_fp16_and_bf16_gradients_close_to_uncompressed(body, tolerance):
     exact = run_ranks(_grads_none, world_size=2)[0]
@@ -79,6 +81,7 @@ def test_fp16_and_bf16_gradients_close_to_uncompressed(body, tolerance):
     assert 0 < relative < tolerance, relative
 
 
+@pytest.mark.slow
 def test_powersgd_converges_like_uncompressed_with_many_buckets(tmp_path):
     plain = _run(tmp_path, "plain", DIGITS, "--set", "max_length={epochs: 20}")
     # 0.01 MB buckets: several buckets per step, the layout that deadlocks torch's own powerSGD_hook on Gloo.
@@ -94,6 +97,7 @@ def test_powersgd_converges_like_uncompressed_with_many_buckets(tmp_path):
     assert profile["comm"]["bytes_per_step"] < dense / 4  # rank-2 factors instead of whole matrices
 
 
+@pytest.mark.slow
 def test_resume_with_powersgd_is_bit_identical(tmp_path):
     common = {"hyperparameters.dropout": 0.1, "max_length": {"batches": 24}, "min_checkpoint_period": {"batches": 10},
               "optimizations.gradient_compression": "powersgd", "optimizations.powersgd": {"start_iteration": 3}}
@@ -109,6 +113,7 @@ def test_resume_with_powersgd_is_bit_identical(tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.slow
 def test_fusion_auto_tune_measures_keeps_equivalence_and_is_reused(tmp_path, reference_runs):
     tuned_cfg = {"optimizations.auto_tune_tensor_fusion": True,
                  "optimizations.auto_tune_candidates_mb": [0.0001, 0.0003, 1.0],

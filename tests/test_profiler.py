@@ -82,6 +82,7 @@ def test_busy_time_is_the_union_of_intervals():
     assert rec.busy_seconds(lo=2.5, hi=5.5) == 1.0  # [2.5,3] + [5,5.5]
 
 
+@pytest.mark.slow
 def test_phases_add_up_and_exposed_never_exceeds_busy(tmp_path):
     cfg = tiny_config(tmp_path, **{"max_length": {"batches": 60}, "hyperparameters.train_size": 1024})
     result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
@@ -108,6 +109,7 @@ def test_phases_add_up_and_exposed_never_exceeds_busy(tmp_path):
     assert "time cost per step" in result.stdout and "doctor:" in result.stdout
 
 
+@pytest.mark.slow
 def test_profiling_off_still_measures_throughput_honestly(tmp_path):
     cfg = tiny_config(tmp_path, **{"max_length": {"batches": 10}, "profiling.enabled": False})
     result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")

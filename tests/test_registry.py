@@ -46,6 +46,7 @@ def _train_with_toy(rank, world, folder):
     return {"exchanges": ToyStrategy.exchanges, "summary": summary}
 
 
+@pytest.mark.slow
 def test_a_registered_strategy_trains_like_ddp(tmp_path, reference_runs):
     shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
     cfg = tiny_config(tmp_path, **{"sync.strategy": "toy"})

@@ -51,6 +51,7 @@ def straight_runs(tmp_path_factory):
     return StraightRuns(tmp_path_factory.mktemp("straight"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["allreduce", "parameter_server", "fsdp"])
 def test_same_weights_as_one_slot(strategy, straight_runs, reference_runs):
     # Checkpoints do not change weights: the reference is plain DDP's (here: plain training) on one slot.
@@ -81,6 +82,7 @@ def _accuracy(run_dir):
     return json.loads((run_dir / "summary.json").read_text())["validation"]["accuracy"]
 
 
+@pytest.mark.slow
 def test_async_parameter_server_converges_within_its_staleness_bound(tmp_path):
     # Asynchrony acts like extra momentum (Mitliagkas et al., 2016): plain SGD here, as advised for async.
     _run(tmp_path, "async", DIGITS, "--slots", "3", "--set", "sync.strategy=parameter_server",
@@ -93,6 +95,7 @@ def test_async_parameter_server_converges_within_its_staleness_bound(tmp_path):
     assert sum(stats["pushes_per_worker"].values()) == stats["updates"] == 2 * 660
 
 
+@pytest.mark.slow
 def test_local_sgd_converges(tmp_path):
     _run(tmp_path, "local", DIGITS, "--set", "sync.strategy=local_sgd")
     assert _accuracy(tmp_path / "local") >= 0.95
@@ -125,6 +128,7 @@ def _local_sgd_replicas(rank, world):
     return checked, differed
 
 
+@pytest.mark.slow
 def test_local_sgd_replicas_identical_right_after_averaging():
     (checked, differed), _ = run_ranks(_local_sgd_replicas, world_size=2)
     assert checked == 2 + 3 and differed > 0  # warm-up steps 0,1; averaging at 2,5,8; local steps in between
@@ -145,6 +149,7 @@ def _fsdp_memory(rank, world):
     return local
 
 
+@pytest.mark.slow
 def test_fsdp_keeps_about_one_nth_of_the_state_per_rank():
     full_params = 64 * 256 + 256 + 256 * 64 + 64
     ddp_state = full_params * 3  # parameters + Adam's two moments, whole on every DDP rank
@@ -167,6 +172,7 @@ def test_bad_strategy_options(tmp_path, overrides, fragment):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_compare_table_and_plot(tmp_path):
     import matplotlib.image
 

@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 import torch
 from helpers import dtrain_cli, tiny_config
 from trials.tiny import TinyTrial, synthetic  # noqa: F401  (importable on its own)
@@ -20,6 +21,7 @@ def _run(tmp_path, name, *args, **overrides):
     return run_dir, result
 
 
+@pytest.mark.slow
 def test_one_slot_and_two_slots_give_the_same_weights(reference_runs):
     w1, w2 = reference_runs.weights(1), reference_runs.weights(2)
     assert w1.keys() == w2.keys()
@@ -30,6 +32,7 @@ def test_one_slot_and_two_slots_give_the_same_weights(reference_runs):
     assert summary["samples_per_second"] > 0
 
 
+@pytest.mark.slow
 def test_run_directory_layout_and_validation_is_exact(tmp_path):
     run_dir, _ = _run(tmp_path, "run", **{"min_validation_period": {"batches": 12},
                                           "optimizations.average_training_metrics": False})

@@ -25,6 +25,7 @@ import yaml
 
 from dtrain.doctor import diagnose, load_profile
 from dtrain.errors import UserError
+from dtrain.render import pyplot
 
 REPORT_NAME = "report.html"
 PHASE_COLORS = {"data": "#4e79a7", "forward": "#59a14f", "backward": "#8cd17d", "comm_exposed": "#e15759",
@@ -394,19 +395,9 @@ def _scaling_line(diagnosis: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------- charts
 
 
-def _pyplot() -> Any:
-    """matplotlib's pyplot on the Agg backend (files only), imported here so ``import dtrain`` stays light."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # training hosts have no display; Agg renders PNGs without one
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _png_data_uri(fig: Any) -> str:
     """Save ``fig`` as a PNG data URI and close it (pyplot keeps every open figure alive otherwise)."""
-    plt = _pyplot()
+    plt = pyplot()
     try:
         buffer = io.BytesIO()
         fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
@@ -422,7 +413,7 @@ def _plain(text: Any) -> str:
 
 def _plot_breakdown(profile: dict[str, Any]) -> str:
     """Stacked bar, one bar per rank, one segment per phase, in ms per step."""
-    plt = _pyplot()
+    plt = pyplot()
     ranks = profile["per_rank"]
     positions = list(range(len(ranks)))
     fig, ax = plt.subplots(figsize=(max(5.0, 3.0 + 0.9 * len(ranks)), 4.0))
@@ -442,7 +433,7 @@ def _plot_breakdown(profile: dict[str, Any]) -> str:
 
 def _plot_throughput(points: list[tuple[float, float]], profiled_mean: float | None) -> str:
     """Samples/s of each training report vs batches, with the profiled mean as a reference line."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(8.0, 3.5))
     ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label="training reports")
     if _finite(profiled_mean):
@@ -458,7 +449,7 @@ def _plot_throughput(points: list[tuple[float, float]], profiled_mean: float | N
 
 def _plot_curves(series: dict[str, dict[str, tuple[list[float], list[float]]]]) -> str:
     """One subplot per (kind, metric): losses and accuracies have different scales, so they get own axes."""
-    plt = _pyplot()
+    plt = pyplot()
     panels = [(kind, name, xy) for kind, metrics in series.items() for name, xy in metrics.items()]
     cols = min(3, len(panels))
     rows = math.ceil(len(panels) / cols)
