@@ -95,12 +95,7 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
     k = AGGREGATION_TO_TRY
     waiting = exposed + straggler
     factors = {
-        "communication": _best_of(
-            ("optimizations.gradient_compression", "fp16", _speedup(step, step - bandwidth_part / 2)),
-            ("optimizations.aggregation_frequency", k, _speedup(step, step - waiting * (1 - 1 / k))),
-            f"exposed all-reduce moves {_mb(comm['bytes_per_step'])} per step at "
-            f"{_mb(comm['algbw_bytes_per_second'])}/s; fp16 compression halves the bytes, aggregating "
-            f"{k} batches per exchange sends them a {k}th as often (effective batch {k * gbs})"),
+        "communication": _communication_factor(profile, bandwidth_part, waiting, step, k, gbs),
         "sync_frequency": _factor(
             "optimizations.aggregation_frequency", k,
             f"{comm['buckets_per_step']:.0f} all-reduce(s) per step at {1e3 * comm['latency_seconds']:.2f} ms "
@@ -150,6 +145,21 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
         "recommendations": recommendations,
         "scaling": scaling,
     }
+
+
+def _communication_factor(profile: dict[str, Any], bandwidth_part: float, waiting: float, step: float, k: int,
+                          gbs: int) -> dict[str, Any]:
+    """Fewer bytes (fp16 compression, where the run's strategy can honour it: its capabilities are
+    recorded in the profile from the strategy registry) or fewer exchanges (aggregation)."""
+    comm = profile["comm"]
+    aggregate = ("optimizations.aggregation_frequency", k, _speedup(step, step - waiting * (1 - 1 / k)))
+    why = (f"exposed all-reduce moves {_mb(comm['bytes_per_step'])} per step at "
+           f"{_mb(comm['algbw_bytes_per_second'])}/s; aggregating {k} batches per exchange sends them a {k}th as "
+           f"often (effective batch {k * gbs})")
+    if "fp16" not in profile.get("strategy_compressions", ["fp16"]):
+        return _factor(*aggregate, why + f"; sync.strategy {profile.get('strategy')} cannot compress gradients")
+    compress = ("optimizations.gradient_compression", "fp16", _speedup(step, step - bandwidth_part / 2))
+    return _best_of(compress, aggregate, why + "; fp16 compression halves the bytes")
 
 
 def _precision_gain(profile: dict[str, Any]) -> tuple[str, float] | None:

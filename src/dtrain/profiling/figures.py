@@ -150,6 +150,8 @@ def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
         "gradient_compression": o.gradient_compression,
         "tensor_fusion_threshold_mb": ctx.strategy.fusion_threshold_mb,
         "comm_measured": ctx.strategy.comm_measured,
+        # What the doctor may advise: the strategy's capabilities, from the registry's class.
+        "strategy_compressions": sorted(ctx.strategy.compressions),
         "profiling": timer.enabled,
         "steps": trainer.steps,
         "profiled_steps": timer.profiled_steps,
