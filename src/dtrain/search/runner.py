@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import json
 import math
 import shutil
@@ -234,8 +235,10 @@ class Search:
 
 
 def machine_slots(config: Any) -> tuple[int, bool]:
-    """(default slots, GPU slots?): the visible GPUs under NCCL, else the CPU cores."""
-    from dtrain.dist import resolve_backend  # imports torch
+    """(default slots, GPU slots?): the visible GPUs when the trials would use NCCL, else the CPU cores."""
+    if config.backend == "gloo" or (config.backend == "auto" and not glob.glob("/dev/nvidia[0-9]*")):
+        return len(procs.machine_cores()), False  # no GPU device node: torch would see none (and costs 2 s)
+    from dtrain.dist import resolve_backend
 
     if resolve_backend(config.backend) == "nccl":
         import torch
@@ -300,9 +303,8 @@ def run_search(config: Path | None, out: Path | None, resume: Path | None, slots
                overrides: list[str]) -> dict[str, Any]:
     """``dtrain search``: run (or continue) a search to its end; returns what trials.json holds."""
     plan, out = open_search(config, out, resume, overrides)
-    from dtrain.trial import load_trial_class  # imports torch: after the cheap checks
-
-    load_trial_class(plan.config.entrypoint, plan.config.code_dir)  # a wrong entrypoint fails here, once
+    # A wrong entrypoint is not checked here (that costs a torch import): the first trial's dtrain run
+    # refuses it before starting any worker, and that bad input stops the search with its one line.
     default, gpus = machine_slots(plan.config)
     slots = slots or default
     per_trial = plan.config.resources.slots_per_trial
