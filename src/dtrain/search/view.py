@@ -56,7 +56,8 @@ class Progress:
         self._drawn = 0.0
         if sys.stdout.isatty():
             # No auto-refresh thread: trials are started with preexec_fn, which wants no other threads.
-            self._live = Live(console=Console(), auto_refresh=False, transient=False)
+            # Transient: the final table replaces it when the search ends.
+            self._live = Live(console=Console(), auto_refresh=False, transient=True)
             self._live.start()
 
     def event(self, text: str) -> None:
