@@ -159,12 +159,13 @@ def plot(rows: list[dict[str, Any]], plan: SearchPlan, best: dict[str, Any] | No
     """Metric vs batches, one line per trial: solid completed, dashed stopped, the best one thick."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    for r in rows:
+    colors = plt.get_cmap("tab20")
+    for i, r in enumerate(rows):
         if not r["curve"]:
             continue
         xs, ys = zip(*r["curve"], strict=True)
         is_best = best is not None and r["trial"] == best["trial"]
-        ax.plot(xs, ys, marker="o", markersize=3, linewidth=3 if is_best else 1.2,
+        ax.plot(xs, ys, marker="o", markersize=3, linewidth=3 if is_best else 1.2, color=colors(i % 20),
                 linestyle="--" if r["state"] == "stopped" else "-", alpha=1.0 if is_best else 0.75,
                 label=f"trial {r['trial']}" + (" (best)" if is_best else ""))
     ax.set_xlabel("batches trained")
