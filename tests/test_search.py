@@ -65,6 +65,7 @@ def test_plan_from_ranges(tmp_path):
     ({"hyperparameters.lr": {"type": "categorical", "vals": [{"a": 1}]}}, "categorical vals must be numbers"),
     ({"hyperparameters.lr": {"type": "log", "minval": -3, "maxval": -1, "base": 1}}, "base 1 gives the same"),
     ({"searcher": {"name": "random", "metric": "mse"}}, "searcher.max_trials is required"),
+    ({"checkpoint_storage.path": "/tmp/shared"}, "every trial would write its checkpoints to the same place"),
     ({"searcher": {"name": "hyperband", "metric": "mse"}}, "searcher.name"),
     ({"searcher": {"name": "grid", "metric": "mse"},
       "hyperparameters.lr": {"type": "double", "minval": 0, "maxval": 1}}, "grid search needs 'count'"),
@@ -156,7 +157,7 @@ def test_asha_search_stops_early_and_resumes_after_ctrl_c(tmp_path):
     cfg = search_config(tmp_path, {**ASHA, "max_trials": 2}, max_length={"batches": 8}, seed=3,
                         min_checkpoint_period={"batches": 1},
                         **{"hyperparameters.lr": {"type": "categorical", "vals": [0.0, 0.05]},
-                           "hyperparameters.sleep_rank": 0, "hyperparameters.sleep_seconds": 0.25})
+                           "hyperparameters.sleep_rank": 0, "hyperparameters.sleep_seconds": 0.1})
     out = tmp_path / "search"
     proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "search", str(cfg), "--slots", "1", "--out",
                              str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

@@ -21,6 +21,7 @@ import fcntl
 import glob
 import json
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -75,7 +76,6 @@ class Search:
         self.running: dict[int, Segment] = {}
         # Trials waiting for slots to continue (promoted by ASHA, or interrupted): they go before new trials.
         self.queue: deque[tuple[int, int]] = deque()
-        self.notes: dict[int, str] = {}
         self.kept = self._recover()
 
     # ------------------------------------------------------------------------------------------ start
@@ -111,15 +111,19 @@ class Search:
         tdir = self.trial_dir(number)
         tdir.mkdir(parents=True, exist_ok=True)
         trial_yaml = tdir / "trial.yaml"
-        if not trial_yaml.exists():
+        if not trial_yaml.exists():  # written once, by rename: a crash never leaves half of it
             params = self.study.get_trials(deepcopy=False)[number].params
-            trial_yaml.write_text(yaml.safe_dump(self.plan.trial_config(params), sort_keys=False))
+            tmp = tdir / ".trial.yaml.tmp"
+            tmp.write_text(yaml.safe_dump(self.plan.trial_config(params), sort_keys=False))
+            os.replace(tmp, trial_yaml)
         ckpt = tdir / self.plan.config.checkpoint_storage.path / "latest"
         resume = ckpt.is_file()
         if not resume and (tdir / "config.yaml").exists():  # died before its first checkpoint: start over
             for child in tdir.iterdir():
-                if child.name != "trial.yaml":
-                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+                if child.is_dir():
+                    shutil.rmtree(child)
+                elif child.name not in ("trial.yaml", "search.log"):
+                    child.unlink()
         command = [sys.executable, "-m", "dtrain.cli", "run", str(trial_yaml.resolve()), "--run-dir",
                    str(tdir.resolve()), "--quiet", "--set", f"max_length={{{self.plan.unit}: {target}}}"]
         if resume:
@@ -334,7 +338,8 @@ def run_search(config: Path | None, out: Path | None, resume: Path | None, slots
             raise
         except UserError as exc:
             progress.close()
-            raise UserError(f"{exc}; after fixing it, continue with: dtrain search --resume {out}") from None
+            raise UserError(f"{exc}; fix it in {out / CONFIG} and continue with: dtrain search --resume {out}, "
+                            "or start a new search") from None
         progress.close()
         result = write_outputs(search.study, plan, out, time.perf_counter() - start)
     rows = trial_rows(search.study, plan, out)

@@ -332,6 +332,10 @@ def plan_from_raw(raw: dict[str, Any], source: str) -> SearchPlan:
     if searcher is None:
         raise ConfigError(f"{source}: no 'searcher' section; add one, e.g. searcher: {{name: random, "
                           "metric: validation_loss, max_trials: 8}")
+    if Path(config.checkpoint_storage.path).is_absolute():
+        raise ConfigError(f"{source}: checkpoint_storage.path {config.checkpoint_storage.path!r} is absolute, so every "
+                          "trial would write its checkpoints to the same place; use a relative path (each trial's "
+                          "run directory holds its own)")
     length = searcher.max_length or config.max_length
     unit: Literal["batches", "epochs"] = "batches" if length.batches is not None else "epochs"
     total = int(length.batches if length.batches is not None else length.epochs)  # type: ignore[arg-type]
