@@ -50,6 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     _add_node_args(compare)
 
+    search = sub.add_parser("search", help="hyperparameter search: each trial a dtrain run (searcher: section)")
+    search.add_argument("config", type=Path, nargs="?", help="experiment YAML with ranges and a searcher section")
+    search.add_argument("--slots", type=_positive_int, help="slots the search packs trials onto (default: the "
+                        "machine's CPU cores, or its GPUs under NCCL)")
+    search.add_argument("--out", type=Path, metavar="SEARCH_DIR", help="search directory (default "
+                        "runs/search-<name>-<timestamp>)")
+    search.add_argument("--resume", type=Path, metavar="SEARCH_DIR", help="continue an interrupted search")
+    search.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config key, e.g. --set searcher.max_trials=8 (repeatable)")
+
     doctor = sub.add_parser("doctor", help="explain a run's time cost and what to change")
     doctor.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
@@ -113,6 +123,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cluster.cmd_k8s(args) if args.command == "k8s" else cluster.cmd_slurm(args)
     if args.command == "doctor":
         return cmd_doctor(args)
+    if args.command == "search":
+        return cmd_search(args)
     if args.command == "compare":
         from dtrain.compare import compare, parse_strategies
         from dtrain.runs import NodeArgs
@@ -156,6 +168,18 @@ def cmd_run(args: argparse.Namespace) -> int:
     if plan.chief:  # one report per job, not one per node or worker
         print_run_summary(plan.run_dir, time.perf_counter() - start)
     return 0
+
+
+def cmd_search(args: argparse.Namespace) -> int:
+    try:
+        from dtrain.search.runner import run_search
+    except ModuleNotFoundError as exc:
+        if exc.name != "optuna":
+            raise
+        raise UserError("dtrain search needs Optuna; install it with: pip install 'dtrain[search]'") from None
+
+    result = run_search(args.config, args.out, args.resume, args.slots, args.overrides)
+    return 0 if result["best"] is not None else 1
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

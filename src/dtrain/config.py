@@ -143,6 +143,50 @@ class SyncOptions(_Strict):
         return name
 
 
+# The `type`s of a hyperparameter range (Determined's names); `dtrain search` samples them.
+HPARAM_TYPES = ("const", "int", "double", "log", "categorical")
+
+
+class SearcherConfig(_Strict):
+    """Determined's ``searcher`` section: how ``dtrain search`` picks, stops and ranks trials.
+
+    ``dtrain run`` ignores it; the search logic lives in :mod:`dtrain.search`.
+    """
+
+    name: Literal["single", "grid", "random", "adaptive_asha"] = "single"
+    # A validation metric the trial reports (a key of its evaluate_batch dict).
+    metric: str
+    smaller_is_better: bool = True
+    # Trials to sample (random, adaptive_asha); grid runs every point of its grid (at most max_trials if given).
+    max_trials: int | None = Field(default=None, ge=1)
+    # Training length of one trial (ASHA: of a trial that reaches the top rung); default: max_length.
+    max_length: Length | None = None
+    # 0: as many trials at once as the search's slots hold.
+    max_concurrent_trials: int = Field(default=0, ge=0)
+    # ASHA: keep the best 1/divisor at each rung; rung lengths are max_length / divisor^k.
+    divisor: int = Field(default=4, ge=2)
+    max_rungs: int = Field(default=5, ge=1)
+
+    @model_validator(mode="after")
+    def _check_trials(self) -> SearcherConfig:
+        if self.name in ("random", "adaptive_asha") and self.max_trials is None:
+            raise ValueError(f"searcher.max_trials is required with searcher.name {self.name}: how many trials "
+                             "to sample, e.g. max_trials: 16")
+        return self
+
+
+def first_range(hparams: dict[str, Any], prefix: str = "") -> str | None:
+    """The dotted name of the first hyperparameter given as a search range (``{type: ...}``), or None."""
+    for key, value in hparams.items():
+        if isinstance(value, dict):
+            if value.get("type") in HPARAM_TYPES:
+                return f"{prefix}{key}"
+            found = first_range(value, f"{prefix}{key}.")
+            if found is not None:
+                return found
+    return None
+
+
 class ExperimentConfig(_Strict):
     """A whole experiment. Field names and meanings follow Determined where it has one."""
 
@@ -166,6 +210,7 @@ class ExperimentConfig(_Strict):
     data_loader: DataLoaderOptions = Field(default_factory=DataLoaderOptions)
     profiling: Profiling = Field(default_factory=Profiling)
     sync: SyncOptions = Field(default_factory=SyncOptions)
+    searcher: SearcherConfig | None = None
     # Folder the entrypoint module is imported from; set from the config file's location.
     code_dir: str = "."
 
@@ -173,6 +218,9 @@ class ExperimentConfig(_Strict):
     def _check(self) -> ExperimentConfig:
         if ":" not in self.entrypoint or not all(self.entrypoint.split(":", 1)):
             raise ValueError(f"expected 'module:TrialClass', e.g. 'model_def:DigitsTrial', got {self.entrypoint!r}")
+        ranged = first_range(self.hyperparameters)
+        if ranged is not None:  # dtrain search hands each trial single values
+            raise ValueError(f"hyperparameters.{ranged} is a search range; use dtrain search, or give a single value")
         gbs = self.hyperparameters.get("global_batch_size")
         if gbs is None:
             raise ValueError("hyperparameters.global_batch_size is required (an integer >= 1)")

@@ -1,0 +1,191 @@
+"""dtrain search: the searcher schema (in-process), a grid search, an ASHA search that stops trials early,
+and a search interrupted with Ctrl-C then resumed. Trials are tests/trials/tiny.py on 1 slot, a few batches.
+
+tiny.py's validation set follows another function than its training set, so validation mse only grows with
+training: lr 0 is the best trial, which makes the searches' outcomes deterministic.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import ROOT, dtrain_cli, tiny_config
+
+from dtrain.cli import main
+from dtrain.config import load_config
+from dtrain.errors import ConfigError
+from dtrain.search.space import load_plan
+
+ASHA = {"name": "adaptive_asha", "metric": "mse", "max_trials": 3, "divisor": 2, "max_rungs": 2}
+
+
+def search_config(tmp_path: Path, searcher: dict, **overrides) -> Path:
+    return tiny_config(tmp_path, **{"resources.slots_per_trial": 1, "searcher": searcher, **overrides})
+
+
+# ------------------------------------------------------------------------------------------- schema
+
+
+def test_plan_from_ranges(tmp_path):
+    cfg = search_config(tmp_path, ASHA, **{
+        "hyperparameters.lr": {"type": "log", "minval": -3, "maxval": -1, "count": 3},
+        "hyperparameters.opt": {"kind": "sgd",
+                                "momentum": {"type": "double", "minval": 0.0, "maxval": 0.9, "count": 2}},
+        "hyperparameters.width": {"type": "int", "minval": 4, "maxval": 6, "count": 5},
+        "hyperparameters.act": {"type": "categorical", "vals": ["relu", "tanh"]},
+        "hyperparameters.fixed": {"type": "const", "val": 7},
+        "max_length": {"batches": 10}})
+    plan = load_plan(cfg)
+    assert plan.lengths == (5, 10) and plan.unit == "batches" and plan.max_trials == 3
+    assert set(plan.space.searched) == {"lr", "opt.momentum", "width", "act"}
+    grid = plan.space.grid("cfg")
+    assert grid["lr"] == pytest.approx([0.001, 0.01, 0.1]) and grid["width"] == [4, 5, 6]
+    assert grid["opt.momentum"] == [0.0, 0.9]
+    filled = plan.trial_config({"lr": 0.01, "opt.momentum": 0.5, "width": 5, "act": "tanh"})
+    assert filled["hyperparameters"]["opt"] == {"kind": "sgd", "momentum": 0.5}
+    assert filled["hyperparameters"]["fixed"] == 7 and "searcher" not in filled
+    assert filled["max_length"] == {"batches": 10}
+    (tmp_path / "trial.yaml").write_text(yaml.safe_dump(filled))
+    assert load_config(tmp_path / "trial.yaml").hyperparameters["width"] == 5  # a plain dtrain run config
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    ({"searcher": {**ASHA, "metirc": "mse"}}, "unknown key 'searcher.metirc'; did you mean 'searcher.metric'?"),
+    ({"hyperparameters.lr": {"type": "double", "minval": 0, "maxvall": 1}},
+     "unknown key 'hyperparameters.lr.maxvall'; did you mean 'hyperparameters.lr.maxval'?"),
+    ({"hyperparameters.lr": {"type": "doubel", "minval": 0, "maxval": 1}}, "did you mean 'double'?"),
+    ({"hyperparameters.lr": {"type": "int", "minval": 3}}, "type int needs 'maxval'"),
+    ({"hyperparameters.lr": {"type": "double", "minval": 2, "maxval": 1}}, "minval 2.0 is above maxval 1.0"),
+    ({"hyperparameters.lr": {"type": "categorical", "vals": [{"a": 1}]}}, "categorical vals must be numbers"),
+    ({"hyperparameters.lr": {"type": "log", "minval": -3, "maxval": -1, "base": 1}}, "base 1 gives the same"),
+    ({"searcher": {"name": "random", "metric": "mse"}}, "searcher.max_trials is required"),
+    ({"checkpoint_storage.path": "/tmp/shared"}, "every trial would write its checkpoints to the same place"),
+    ({"searcher": {"name": "hyperband", "metric": "mse"}}, "searcher.name"),
+    ({"searcher": {"name": "grid", "metric": "mse"},
+      "hyperparameters.lr": {"type": "double", "minval": 0, "maxval": 1}}, "grid search needs 'count'"),
+])
+def test_schema_errors(tmp_path, overrides, fragment):
+    overrides = dict(overrides)
+    searcher = overrides.pop("searcher", ASHA)
+    with pytest.raises(ConfigError) as info:
+        load_plan(search_config(tmp_path, searcher, **overrides))
+    assert fragment in str(info.value)
+
+
+def test_run_refuses_ranges_and_search_needs_a_searcher(tmp_path, capsys):
+    cfg = tiny_config(tmp_path, **{"hyperparameters.lr": {"type": "double", "minval": 0, "maxval": 1}})
+    with pytest.raises(ConfigError, match=r"hyperparameters\.lr is a search range; use dtrain search, or give a"):
+        load_config(cfg)
+    with pytest.raises(ConfigError, match="no 'searcher' section"):
+        load_plan(cfg)
+    assert main(["search"]) == 2
+    assert "needs CONFIG" in capsys.readouterr().err
+    assert main(["search", "--resume", str(tmp_path)]) == 2
+    assert "not a search directory" in capsys.readouterr().err
+
+
+def test_asha_rungs_shrink_to_fit(tmp_path):
+    plan = load_plan(search_config(tmp_path, {**ASHA, "divisor": 3, "max_rungs": 5}, max_length={"epochs": 10}))
+    assert plan.unit == "epochs" and plan.lengths == (1, 3, 10)
+    assert "using 3 rung(s)" in plan.notes[0]
+
+
+# ------------------------------------------------------------------------------------------ searches
+
+
+def _trials(out: Path) -> dict[int, dict]:
+    return {t["trial"]: t for t in json.loads((out / "trials.json").read_text())["trials"]}
+
+
+@pytest.mark.slow
+def test_grid_search_two_trials_at_once(tmp_path):
+    cfg = search_config(tmp_path, {"name": "grid", "metric": "mse"}, max_length={"batches": 4},
+                        **{"hyperparameters.lr": {"type": "double", "minval": 0.0, "maxval": 0.05, "count": 2}})
+    out = tmp_path / "search"
+    result = dtrain_cli("search", str(cfg), "--slots", "2", "--out", str(out), timeout=120)
+    assert result.code == 0, result.stdout + result.stderr
+    assert "2 at a time on 2 slot(s)" in result.stdout and "best trial" in result.stdout
+    trials = _trials(out)
+    assert sorted(t["hyperparameters"]["lr"] for t in trials.values()) == [0.0, 0.05]
+    assert all(t["state"] == "completed" and t["batches"] == 4 for t in trials.values())
+    for n in trials:  # each trial an ordinary run directory
+        assert (out / "trials" / str(n) / "checkpoints" / "latest").is_file()
+        assert (out / "trials" / str(n) / "summary.json").is_file()
+    best = load_config(out / "best.yaml")  # runnable with dtrain run: single values, no searcher
+    assert best.hyperparameters["lr"] == 0.0 and best.searcher is None and best.max_length.batches == 4
+    assert (out / "search.png").stat().st_size > 1000
+    assert "<img src=\"data:image/png;base64," in (out / "search.html").read_text()
+
+
+def _search_processes(marker: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if marker in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found
+
+
+def _interrupt_when(proc: subprocess.Popen, ready: Path, timeout: float) -> tuple[str, str]:
+    """Ctrl-C ``proc`` (SIGINT to the search only: its trials run in sessions of their own) once ``ready``
+    exists; return its output. Kills everything it started if it hangs."""
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate(timeout=5)
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        return proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.slow
+def test_asha_search_stops_early_and_resumes_after_ctrl_c(tmp_path):
+    """One slot, two trials, rungs at 4 and 8 batches. Seed 3 draws lr 0.0 (the best) for trial 0 and 0.05
+    for trial 1: trial 0 is promoted and continues from its checkpoint to 8 batches; trial 1 is interrupted
+    by Ctrl-C after its first checkpoint, continued by --resume, and stopped at the first rung."""
+    cfg = search_config(tmp_path, {**ASHA, "max_trials": 2}, max_length={"batches": 8}, seed=3,
+                        min_checkpoint_period={"batches": 1},
+                        **{"hyperparameters.lr": {"type": "categorical", "vals": [0.0, 0.05]},
+                           "hyperparameters.sleep_rank": 0, "hyperparameters.sleep_seconds": 0.1})
+    out = tmp_path / "search"
+    proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "search", str(cfg), "--slots", "1", "--out",
+                             str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    stdout, stderr = _interrupt_when(proc, out / "trials" / "1" / "checkpoints" / "latest", timeout=120)
+    assert proc.returncode == 130, stdout + stderr
+    assert f"continue with: dtrain search --resume {out}" in stderr
+    assert "trial 0 promoted to 8 batches" in stdout
+    assert "trial 0 continues from its checkpoint to 8 batches" in stdout and "trial 0 completed" in stdout
+    assert not _search_processes(str(out)), "a trial process outlived the interrupted search"
+    promoted = out / "trials" / "0"
+    assert list(promoted.glob("config.before-resume-*.yaml"))  # its second segment was a dtrain run --resume
+    validations = [json.loads(ln)["batches"] for ln in (promoted / "metrics.jsonl").read_text().splitlines()
+                   if json.loads(ln)["kind"] == "validation"]
+    assert validations == [4, 8]  # rung 1 then the rest: trained once, not from scratch again
+    before = (promoted / "metrics.jsonl").read_bytes()
+
+    result = dtrain_cli("search", "--resume", str(out), timeout=120)
+    assert result.code == 0, result.stdout + result.stderr
+    assert "1 finished trial(s) kept, 1 interrupted trial(s) continue" in result.stdout
+    assert "trial 1 continues from its checkpoint to 4 batches" in result.stdout
+    assert "dtrain search: trial 0 " not in result.stdout  # no event about trial 0: finished, kept as it was
+    assert (promoted / "metrics.jsonl").read_bytes() == before
+    trials = _trials(out)
+    assert [trials[n]["hyperparameters"]["lr"] for n in (0, 1)] == [0.0, 0.05]
+    assert trials[0]["state"] == "completed" and trials[0]["batches"] == 8
+    assert trials[1]["state"] == "stopped" and trials[1]["batches"] == 4  # stopped early by ASHA
+    assert json.loads((out / "trials.json").read_text())["total_batches"] == 12
+    assert yaml.safe_load((out / "best.yaml").read_text())["hyperparameters"]["lr"] == 0.0
