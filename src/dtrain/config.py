@@ -69,7 +69,7 @@ class Resources(_Strict):
         # Linux interface names: at most 15 bytes, no '/' or white space (IFNAMSIZ, dev_valid_name).
         if value is not None and not (0 < len(value.encode()) <= 15 and value.isprintable()
                                       and "/" not in value and not any(c.isspace() for c in value)):
-            raise ValueError(f"network_interface must be an interface name such as 'eth0' (1 to 15 characters, "
+            raise ValueError(f"expected an interface name such as 'eth0' (1 to 15 characters, "
                              f"no '/' or spaces), got {safeyaml.show(value)}")
         return value
 
@@ -198,7 +198,7 @@ class ExperimentConfig(_Strict):
     @classmethod
     def _code_dir_is_a_path(cls, value: str) -> str:
         if not value.isprintable():
-            raise ValueError(f"code_dir {safeyaml.show(value)} holds control characters; give a folder path")
+            raise ValueError(f"{safeyaml.show(value)} holds control characters; give a folder path")
         return value
 
     @field_validator("entrypoint")
@@ -331,7 +331,7 @@ def check_name(value: str) -> str:
     so that it can neither leave ``runs/`` nor break the file system's limits."""
     if (len(value) > MAX_NAME_CHARS or len(value.encode()) > 2 * MAX_NAME_CHARS
             or not all(c.isalnum() or c in "_.-" for c in value) or value[0] in ".-"):
-        raise ValueError(f"name must be 1 to {MAX_NAME_CHARS} letters, digits, '_', '.' or '-' (not starting with "
+        raise ValueError(f"must be 1 to {MAX_NAME_CHARS} letters, digits, '_', '.' or '-' (not starting with "
                          f"'.' or '-'), got {safeyaml.show(value)}; it names the run directory")
     return value
 
@@ -339,14 +339,14 @@ def check_name(value: str) -> str:
 def check_storage_path(value: str) -> str:
     """A relative checkpoint path must stay inside the run directory; any path must be a sane file name."""
     if not value.isprintable():
-        raise ValueError(f"checkpoint_storage.path {safeyaml.show(value)} holds control characters; "
+        raise ValueError(f"{safeyaml.show(value)} holds control characters; "
                          "use a plain folder name")
     parts = PurePosixPath(value).parts
     if any(len(part.encode()) > 255 for part in parts):
-        raise ValueError(f"checkpoint_storage.path {safeyaml.show(value)} has a component over 255 bytes; "
+        raise ValueError(f"{safeyaml.show(value)} has a component over 255 bytes; "
                          "use shorter folder names")
     if not PurePosixPath(value).is_absolute() and ".." in parts:
-        raise ValueError(f"checkpoint_storage.path {safeyaml.show(value)} leaves the run directory ('..'); use a "
+        raise ValueError(f"{safeyaml.show(value)} leaves the run directory ('..'); use a "
                          "folder inside it, e.g. 'checkpoints', or an absolute path you choose")
     return value
 

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import yaml
 
-from dtrain import checkpoint, data, netif
+from dtrain import checkpoint, data, netif, preflight
 from dtrain.config import ExperimentConfig, dump_config, load_config
 from dtrain.dist import ClusterEnv, read_cluster_env, read_env, resolve_backend
 from dtrain.errors import CheckpointError, UserError
@@ -111,12 +111,45 @@ def prepare(config_path: Path, overrides: list[str], run_dir: Path | None, resum
             return _prepare_nodes(config, rdzv, run_dir, resume, cluster)
     data.per_slot_batch_size(config.global_batch_size, slots)
     _check_backend(config.backend, slots)
+    _check_machine(config, slots)
     resume_from = _resume_checkpoint(resume, config) if resume is not None else None
     if run_dir is None:
         run_dir = _default_run_dir(config, resume)
     _prepare_run_dir(run_dir, continuing=resume is not None and run_dir.resolve() == resume.resolve())
     _write_config(config, run_dir)
     return RunPlan(config, run_dir, resume_from)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What ``dtrain check`` found: the resolved config, the per-slot batch and the warnings."""
+
+    config: ExperimentConfig
+    per_slot_batch: int
+    training_slots: int
+    warnings: list[str]
+
+
+def check(config_path: Path, overrides: list[str]) -> CheckResult:
+    """Every check ``dtrain run`` makes on one machine before it starts workers, and nothing else: no run
+    directory, no process. Raises :class:`UserError` with one line."""
+    with preflight.collect_warnings() as warnings:
+        config = load_config(config_path, overrides)
+        load_trial_class(config.entrypoint, config.code_dir)
+        slots = config.resources.slots_per_trial
+        # Slots that train: a parameter server's server ranks do not (dtrain.sync.parameter_server).
+        training = slots - config.sync.parameter_server.servers if config.sync.strategy == "parameter_server" else slots
+        per_slot = data.per_slot_batch_size(config.global_batch_size, training)
+        _check_backend(config.backend, slots)
+        warnings.extend(preflight.check_machine(config, slots))
+        preflight.check_storage(config.checkpoint_storage.path)
+    return CheckResult(config, per_slot, training, list(warnings))
+
+
+def _check_machine(config: ExperimentConfig, local_slots: int, started: bool = False) -> None:
+    for warning in preflight.check_machine(config, local_slots, started):
+        log.warning("%s", warning)
+    preflight.check_storage(config.checkpoint_storage.path)
 
 
 def _default_run_dir(config: ExperimentConfig, resume: Path | None) -> Path:
@@ -184,6 +217,7 @@ def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | N
     per_node = slots // rdzv.max_nodes
     data.per_slot_batch_size(config.global_batch_size, slots)
     _check_backend(config.backend, per_node)
+    _check_machine(config, per_node)
     resume_from = _resume_checkpoint(resume, config) if resume is not None else None
     shared = config.model_dump(mode="json")
     shared.pop("code_dir", None)  # where the code sits may differ between machines
@@ -246,6 +280,7 @@ def _prepare_in_place(config_path: Path, overrides: list[str], run_dir: Path | N
     load_trial_class(config.entrypoint, config.code_dir)
     data.per_slot_batch_size(config.global_batch_size, env.world_size)
     _check_backend(config.backend, env.local_world_size)
+    _check_machine(config, env.local_world_size, started=True)
     resume_from = _resume_checkpoint(resume, config) if resume is not None else None
     _set_interface_in_place(config, env.master_addr)
     store = _setup_store(env, config.resources.join_timeout_seconds, cluster)
@@ -331,7 +366,7 @@ def _resume_checkpoint(resume: Path, config: ExperimentConfig) -> Path:
     if found is None:
         raise CheckpointError(f"--resume {resume}: no checkpoint found under {root} (no 'latest'); "
                               "the run never reached a checkpoint, start it again without --resume")
-    checkpoint.verify(found)
+    checkpoint.check(found)  # data-only load of every file: a bad checkpoint fails here, not in N workers
     return found
 
 
