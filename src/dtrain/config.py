@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
@@ -400,7 +401,7 @@ def _describe(exc: ValidationError, source: str) -> str:
     msg = safeyaml.plain(err["msg"].removeprefix("Value error, "), 400)
     if err["type"] == "missing":
         return f"{source}: required key '{loc}' is missing; add it to the config"
-    expected = msg.removeprefix("Input should be ")
+    expected = re.sub(r"^(Input should be |(String|List|Dictionary) should have )", "", msg)
     if expected.startswith(("greater", "less")):
         expected = f"a value {expected}"
     received = err.get("input")

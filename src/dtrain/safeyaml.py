@@ -216,10 +216,11 @@ def _check_graph(root: yaml.Node) -> None:
             size = 1 + sum(measured[id(k)][0] for k in kids)
             depth = 1 + max((measured[id(k)][1] for k in kids), default=0)
             if size > MAX_NODES:
-                raise _error(node, f"aliases expand to more than {MAX_NODES:,} values; a config may hold at most "
-                                   "that many (write the values out, or use fewer aliases)")
+                raise _error(node, f"more than {MAX_NODES:,} values (aliases expanded); a config may hold at most "
+                                   "that many: is this the right file?")
             if depth > MAX_DEPTH:
-                raise _error(node, f"aliases nest lists/mappings more than {MAX_DEPTH} deep; flatten the structure")
+                raise _error(node, f"lists/mappings nested more than {MAX_DEPTH} deep (aliases expanded); flatten "
+                                   "the structure")
             measured[key] = (size, depth)
             continue
         if key in measured:
