@@ -32,6 +32,7 @@ import random
 import re
 import shutil
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -280,6 +281,8 @@ def _check_format(path: Path, meta: dict[str, Any]) -> None:
 def _load_data(file: Path, mmap: bool = False, when: str = "loading") -> Any:
     """``torch.load`` that accepts tensors and plain values only; anything else is a one-line error."""
     try:
+        if not zipfile.is_zipfile(file):  # dtrain writes only torch's zip format; never parse anything else
+            raise ValueError("not a torch zip archive, the only format dtrain writes")
         return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # untrusted bytes: whatever torch raises (zip, pickle, storage errors) means "bad"
         if when == "saving":
@@ -291,12 +294,12 @@ def _load_data(file: Path, mmap: bool = False, when: str = "loading") -> Any:
 
 
 def _first_line(exc: BaseException) -> str:
-    """The informative part of an exception for a one-line message (torch's unpickler says it mid-text)."""
-    text = str(exc)
-    found = re.search(r"Unsupported global: GLOBAL [\w.]+|Unsupported operand \d+|WeightsUnpickler error: [^\n.]+",
-                      text)
-    line = found.group(0) if found else next((ln.strip() for ln in text.splitlines() if ln.strip()),
-                                             type(exc).__name__)
+    """The informative line of an exception, for a one-line message: torch's unpickler names the refused
+    global in the middle of a long text."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    telling = [ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln or "WeightsUnpickler" in ln]
+    line = (telling or lines or [type(exc).__name__])[0].removeprefix("WeightsUnpickler error: ")
+    line = line.split(". ", 1)[0].rstrip(".")
     return repr(line)[1:-1][:160]
 
 
