@@ -24,9 +24,12 @@ checkpoint is refused.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import importlib
 import json
+import logging
 import os
 import random
 import re
@@ -280,6 +283,14 @@ def _check_format(path: Path, meta: dict[str, Any]) -> None:
 
 def _load_data(file: Path, mmap: bool = False, when: str = "loading") -> Any:
     """``torch.load`` that accepts tensors and plain values only; anything else is a one-line error."""
+    # FSDP's per-rank optimizer state holds DTensors: torch itself allow-lists them for weights_only loads
+    # once its DTensor module is imported (a launcher has not); unpickling their DeviceMesh outside a job
+    # logs a warning that concerns only torch.compile.
+    with contextlib.suppress(ImportError):
+        importlib.import_module("torch.distributed.tensor")
+    mesh_log = logging.getLogger("torch.distributed.device_mesh")
+    level = mesh_log.level
+    mesh_log.setLevel(logging.ERROR)
     try:
         if not zipfile.is_zipfile(file):  # dtrain writes only torch's zip format; never parse anything else
             raise ValueError("not a torch zip archive, the only format dtrain writes")
@@ -291,6 +302,8 @@ def _load_data(file: Path, mmap: bool = False, when: str = "loading") -> Any:
                                   "(e.g. the trial's extra)") from None
         raise CheckpointError(f"checkpoint file {file} is not plain data ({_first_line(exc)}); it was tampered "
                               "with or is damaged: resume from an older checkpoint or start a new run") from None
+    finally:
+        mesh_log.setLevel(level)
 
 
 def _first_line(exc: BaseException) -> str:
