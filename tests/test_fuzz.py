@@ -348,3 +348,74 @@ def test_accepted_mutations_really_run(corpus: tuple[Path, list[Outcome]], tmp_p
                 os.killpg(p.pid, signal.SIGKILL)
             raise AssertionError(f"{o.label}: did not finish in 90s") from None
         assert proc.returncode == 0, f"{o.label}: {err[-2000:]}"
+
+
+# ------------------------------------------------------------------- the issue's findings, one by one
+
+BOMB = "".join(f"  l{i}: &l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]\n" for i in range(1, 10))
+ISSUE_CASES = [
+    ("name: " + "a" * 5000 + "\n", [], "name: must be 1 to 100 letters"),
+    ('name: "a\\0b"\n', [], "name: must be 1 to 100 letters"),
+    ("hyperparameters:\n  deep: " + "[" * 5000 + "]" * 5000 + "\n", [], "nested more than 32 deep"),
+    ("hyperparameters:\n  deep: " + "{a: " * 3000 + "1" + "}" * 3000 + "\n", [], "nested more than 32 deep"),
+    ("hyperparameters:\n  l0: &l0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n" + BOMB, [],
+     "more than 10,000 values (aliases expanded)"),
+    ("resources:\n  collective_timeout_seconds: .inf\n", [], "expected a finite number"),
+    ("resources:\n  collective_timeout_seconds: 1.0e+308\n", [], "less than or equal to 604800"),
+    ("resources:\n  collective_timeout_seconds: 1e-9\n", [], "greater than or equal to 1"),
+    (f"seed: {2**64}\n", [], "seed: got 18446744073709551616 (int); expected a value less than or equal to"),
+    ("optimizations:\n  tensor_fusion_threshold: .inf\n", [], "expected a finite number"),
+    ("checkpoint_storage:\n  path: /proc/dtrain-test\n", [], "is not writable"),
+    ('checkpoint_storage:\n  path: "ck\\0pt"\n', [], "holds control characters"),
+    ("name: ../../../x\n", [], "name: must be 1 to 100 letters"),
+    ("checkpoint_storage:\n  path: ../../..\n", [], "leaves the run directory"),
+    ("scheduling_unit: true\n", [], "scheduling_unit: got True (bool); expected a valid integer"),
+    ('scheduling_unit: "64"\n', [], "scheduling_unit: got '64' (str); expected a valid integer"),
+    ("seed: 1\nseed: 2\n", [], "duplicate key 'seed'"),
+    ("", ["--slots", "10000"], "argument --slots: expected a positive integer up to 4,096, got 10,000"),
+    ("data_loader:\n  num_workers: 1000000\n", [], "less than or equal to 256"),
+    ("data_loader:\n  num_workers: 200\n", [], "loader processes on"),
+    ("", ["--set", "resources.slots_per_trial=true"], "got True (bool)"),
+]
+
+
+@pytest.fixture(scope="module")
+def imported() -> None:
+    """torch and the trial are imported once per process, by whatever runs first: not the validator's time."""
+    import dtrain.runs  # noqa: F401
+
+
+@pytest.mark.usefixtures("imported")
+@pytest.mark.parametrize(("extra", "argv", "fragment"), ISSUE_CASES)
+def test_issue_findings_fail_fast_in_one_line(tmp_path: Path, extra: str, argv: list[str], fragment: str) -> None:
+    shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
+    base = {k: v for k, v in TINY.items() if f"\n{k}:" not in "\n" + extra}
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(base) + extra)
+    code, seconds, out, err = check_in_process(path, argv)
+    assert code == 2 and err.count("\n") == 1 and fragment in err and not out, err[-2000:]
+    assert seconds < MAX_SECONDS
+
+
+@pytest.mark.usefixtures("imported")
+def test_huge_file_fails_before_it_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "huge.yaml"
+    with path.open("wb") as f:
+        f.truncate(20 * 1024 * 1024)  # sparse: 20 MB of NULs, never read
+    code, seconds, _, err = check_in_process(path, [])
+    assert code == 2 and "20,971,520 bytes; a config file may be at most 262,144 bytes" in err
+    assert seconds < 0.2
+
+
+def test_check_prints_resolved_config_batch_and_warnings(tmp_path: Path) -> None:
+    shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(TINY) + "optimizations:\n  tensor_fusion_threshold: 1e1\n")
+    code, _, out, err = check_in_process(path, ["--slots", "3", "--set", "hyperparameters.lr=1e-3"])
+    assert code == 0 and not err, err
+    assert "per-slot batch: 5 (16 global over 3 training slot(s))" in out
+    assert "# warning: global_batch_size 16 is not divisible by 3 slots" in out
+    raw = safeyaml.load_text(out, "out")
+    assert raw["resources"]["slots_per_trial"] == 3 and raw["hyperparameters"]["lr"] == 0.001
+    assert raw["optimizations"]["tensor_fusion_threshold"] == 10.0
+    assert not list(tmp_path.glob("runs*")) and not (ROOT / "runs" / "tiny").exists()  # nothing created
