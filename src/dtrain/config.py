@@ -91,7 +91,7 @@ class DataLoaderOptions(_Strict):
     """How dtrain feeds each slot (the trial only returns Datasets)."""
 
     # Background loader processes per slot; 0 loads in the training process.
-    # Bounded again by this machine's cores before workers start (runs.check_machine).
+    # Bounded again by this machine's cores before workers start (preflight.check_machine).
     num_workers: int = Field(default=0, ge=0, le=MAX_LOADER_WORKERS)
     # Reuse one real batch per slot, kept on the device, for every step: data loading drops out of the
     # step time, which isolates I/O cost when checking scaling (as Determined advises).
