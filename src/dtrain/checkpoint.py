@@ -7,22 +7,35 @@ Layout of ``<storage>/<batches>/``::
     optimizer.pt       list of optimizer (and LR scheduler) state dicts
     trainer_state.pt   batches trained, epoch, strategy state
     rank<r>.pt         each rank's RNG states and unreported metric sums
-    metadata.json      versions, world size, sha256 of every file above
+    metadata.json      versions, world size, sha256 of every file above (and an HMAC of it all, if signed)
 
 A checkpoint is built in a hidden temporary folder, every file fsynced, then renamed into place in one
 step; ``latest`` (also written by rename) names the newest. A crash at any moment leaves either the old
-or the new checkpoint, never half of one; the sha256 list catches truncation and tampering on load.
+or the new checkpoint, never half of one; the sha256 list catches truncation and accidents on load.
+
+Checkpoints hold data, never code: every ``.pt`` file holds only tensors and plain Python values (RNG
+states are converted to tensors), is read back that way before it is committed, and is loaded with
+``torch.load(..., weights_only=True)``, whose unpickler refuses any global it does not know. So a
+tampered file cannot run code; it is refused with one line. The sha256 list sits beside the files, so
+it proves nothing against someone who can write them: for that, set ``DTRAIN_CHECKPOINT_KEY`` and every
+``metadata.json`` carries an HMAC-SHA256 over its content (file digests included), without which a
+checkpoint is refused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import hmac
+import importlib
 import json
 import logging
 import os
 import random
+import re
 import shutil
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +47,12 @@ from dtrain.dist import barrier
 from dtrain.errors import CheckpointError
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1
+# 2: RNG states stored as tensors (format 1 kept numpy arrays, which only a code-running load reads).
+FORMAT_VERSION = 2
 LATEST = "latest"
+KEY_ENV = "DTRAIN_CHECKPOINT_KEY"
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+_MAX_METADATA_BYTES = 16 << 20
 
 
 def _fsync_file(path: Path) -> None:
@@ -65,10 +82,15 @@ def _save(obj: Any, path: Path) -> None:
 
 
 def rng_state() -> dict[str, Any]:
+    """This process's torch, numpy and Python RNG states, as tensors and plain values (weights_only-loadable)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
+    version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
-        "numpy": np.random.get_state(),
-        "python": random.getstate(),
+        "numpy": {"kind": str(kind), "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
+                   "gauss_next": gauss_next},
     }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -76,11 +98,20 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    """Restore what :func:`rng_state` returned; a malformed state is a :class:`CheckpointError`."""
+    try:
+        np_state, py_state = state["numpy"], state["python"]
+        keys = np_state["keys"].numpy().astype(np.uint32)
+        internal = tuple(int(v) for v in py_state["state"].tolist())
+        torch.set_rng_state(state["torch"])
+        np.random.set_state((np_state["kind"], keys, int(np_state["pos"]), int(np_state["has_gauss"]),
+                             float(np_state["cached_gaussian"])))
+        random.setstate((int(py_state["version"]), internal, py_state["gauss_next"]))
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        raise CheckpointError(f"the RNG state in this checkpoint is malformed ({_first_line(exc)}); resume from "
+                              "an older checkpoint or start a new run") from None
 
 
 @dataclass
@@ -121,6 +152,8 @@ def _commit(root: Path, tmp: Path, final: Path, payload: CheckpointPayload) -> N
         _save(state, tmp / ("model.pt" if i == 0 else f"model_{i}.pt"))
     _save(payload.optimizers, tmp / "optimizer.pt")
     _save(payload.trainer_state, tmp / "trainer_state.pt")
+    for p in sorted(tmp.glob("*.pt")):  # every rank's file is here by now: refuse to commit what cannot load
+        _load_data(p, mmap=True, when="saving")
     files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
     meta = {
         "format_version": FORMAT_VERSION,
@@ -130,6 +163,9 @@ def _commit(root: Path, tmp: Path, final: Path, payload: CheckpointPayload) -> N
         "files": files,
         **payload.metadata,
     }
+    key = signing_key()
+    if key is not None:
+        meta["hmac"] = _signature(meta, key)
     (tmp / "metadata.json").write_text(json.dumps(meta, indent=2))
     _fsync_file(tmp / "metadata.json")
     _fsync_dir(tmp)
@@ -169,17 +205,26 @@ class LoadedCheckpoint:
 
 
 def verify(path: Path) -> dict[str, Any]:
-    """Read metadata.json and check every file's sha256; raise CheckpointError with the fix."""
+    """Read metadata.json, check its signature (if a key is set) and every file's sha256; raise
+    :class:`CheckpointError` with the fix."""
     meta_path = path / "metadata.json"
     try:
+        if meta_path.stat().st_size > _MAX_METADATA_BYTES:
+            raise ValueError("too big")
         meta = json.loads(meta_path.read_text())
         files = meta["files"]
+        if not (isinstance(files, dict) and all(isinstance(v, str) for v in files.values())):
+            raise TypeError("files is not a mapping of names to digests")
     except (OSError, ValueError, KeyError, TypeError):
         raise CheckpointError(
             f"checkpoint {path} has no readable metadata.json: it is incomplete or was edited; "
             "resume from an older checkpoint or start a new run"
         ) from None
+    _check_signature(path, meta)
     for name, expected in files.items():
+        if not isinstance(name, str) or not _FILE_NAME.match(name):
+            raise CheckpointError(f"checkpoint {path}: metadata.json lists {name!r:.80}, not a file of this "
+                                  "checkpoint (tampered); resume from an older checkpoint")
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"checkpoint {path} is missing {name}; resume from an older checkpoint")
@@ -191,20 +236,111 @@ def verify(path: Path) -> dict[str, Any]:
     return meta
 
 
-def load(path: Path, rank: int) -> LoadedCheckpoint:
+def check(path: Path) -> dict[str, Any]:
+    """What the launcher runs before any worker starts: :func:`verify`, then read every file as data
+    (memory-mapped, so tensors are not read), so a bad checkpoint costs one line, not N worker failures."""
     meta = verify(path)
-    models = [torch.load(path / "model.pt", map_location="cpu", weights_only=True)]
+    _check_format(path, meta)
+    for name in meta["files"]:
+        if name.endswith(".pt"):
+            _load_data(path / name, mmap=True)
+    return meta
+
+
+def load(path: Path, rank: int) -> LoadedCheckpoint:
+    """Verify and load a checkpoint (data only) for ``rank``; raise :class:`CheckpointError` if it is bad."""
+    meta = verify(path)
+    _check_format(path, meta)
+    files = meta["files"]
+    if "model.pt" not in files:
+        raise CheckpointError(f"checkpoint {path}: metadata.json does not list model.pt; resume from an older "
+                              "checkpoint")
+    # Only files the manifest lists (and so the signature covers) are read.
+    models = [_load_data(path / "model.pt")]
     i = 1
-    while (path / f"model_{i}.pt").is_file():
-        models.append(torch.load(path / f"model_{i}.pt", map_location="cpu", weights_only=True))
+    while f"model_{i}.pt" in files:
+        models.append(_load_data(path / f"model_{i}.pt"))
         i += 1
-    # Optimizer and RNG states hold numpy/python objects that weights_only refuses; the sha256 check above
-    # guarantees these are the files dtrain wrote.
-    optimizers = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
-    trainer_state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False)
-    rank_file = path / f"rank{rank}.pt"
-    rank_state = torch.load(rank_file, map_location="cpu", weights_only=False) if rank_file.is_file() else None
-    return LoadedCheckpoint(path, meta, models, optimizers, trainer_state, rank_state)
+    optimizers = _load_data(path / "optimizer.pt") if "optimizer.pt" in files else None
+    trainer_state = _load_data(path / "trainer_state.pt") if "trainer_state.pt" in files else None
+    rank_file = f"rank{rank}.pt"
+    rank_state = _load_data(path / rank_file) if rank_file in files else None
+    shapes_ok = (all(isinstance(m, dict) for m in models) and isinstance(optimizers, list)
+                 and isinstance(trainer_state, dict) and isinstance(trainer_state.get("extra", {}), dict)
+                 and (rank_state is None or (isinstance(rank_state, dict) and isinstance(rank_state.get("rng"), dict))))
+    if not shapes_ok:
+        raise CheckpointError(f"checkpoint {path} does not hold what dtrain writes (models, optimizer list, trainer "
+                              "and rank state); resume from an older checkpoint or start a new run")
+    return LoadedCheckpoint(path, meta, models, optimizers, trainer_state, rank_state)  # type: ignore[arg-type]
+
+
+def _check_format(path: Path, meta: dict[str, Any]) -> None:
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {version!r:.20}, this dtrain reads "
+                              f"{FORMAT_VERSION} (version 1 stored RNG states that only a code-running load can "
+                              "read); start a new run or resume with the dtrain that wrote it")
+
+
+def _load_data(file: Path, mmap: bool = False, when: str = "loading") -> Any:
+    """``torch.load`` that accepts tensors and plain values only; anything else is a one-line error."""
+    # FSDP's per-rank optimizer state holds DTensors: torch itself allow-lists them for weights_only loads
+    # once its DTensor module is imported (a launcher has not); unpickling their DeviceMesh outside a job
+    # logs a warning that concerns only torch.compile.
+    with contextlib.suppress(ImportError):
+        importlib.import_module("torch.distributed.tensor")
+    mesh_log = logging.getLogger("torch.distributed.device_mesh")
+    level = mesh_log.level
+    mesh_log.setLevel(logging.ERROR)
+    try:
+        if not zipfile.is_zipfile(file):  # dtrain writes only torch's zip format; never parse anything else
+            raise ValueError("not a torch zip archive, the only format dtrain writes")
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as exc:  # untrusted bytes: whatever torch raises (zip, pickle, storage errors) means "bad"
+        if when == "saving":
+            raise CheckpointError(f"checkpoint file {file.name} would not load back as data ({_first_line(exc)}): "
+                                  "keep only tensors, numbers, strings, lists and dicts in checkpointed state "
+                                  "(e.g. the trial's extra)") from None
+        raise CheckpointError(f"checkpoint file {file} is not plain data ({_first_line(exc)}); it was tampered "
+                              "with or is damaged: resume from an older checkpoint or start a new run") from None
+    finally:
+        mesh_log.setLevel(level)
+
+
+def _first_line(exc: BaseException) -> str:
+    """The informative line of an exception, for a one-line message: torch's unpickler names the refused
+    global in the middle of a long text."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    telling = [ln for ln in lines if "GLOBAL" in ln or "Unsupported" in ln or "WeightsUnpickler" in ln]
+    line = (telling or lines or [type(exc).__name__])[0].removeprefix("WeightsUnpickler error: ")
+    line = line.split(". ", 1)[0].rstrip(".")
+    return repr(line)[1:-1][:160]
+
+
+def signing_key() -> bytes | None:
+    """The HMAC key from ``DTRAIN_CHECKPOINT_KEY``, or None (unsigned checkpoints). Only the environment:
+    a key in the config would be written into the run directory, beside the checkpoints it protects."""
+    key = os.environ.get(KEY_ENV, "")
+    return key.encode() if key else None
+
+
+def _signature(meta: dict[str, Any], key: bytes) -> str:
+    body = {k: v for k, v in meta.items() if k != "hmac"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+    return hmac.new(key, canonical, hashlib.sha256).hexdigest()
+
+
+def _check_signature(path: Path, meta: dict[str, Any]) -> None:
+    key = signing_key()
+    if key is None:
+        return  # unsigned mode; a signed checkpoint still loads (data only) without the key
+    signature = meta.get("hmac")
+    if not isinstance(signature, str):
+        raise CheckpointError(f"checkpoint {path} is not signed but {KEY_ENV} is set: refusing it; resume from a "
+                              f"checkpoint written with the key, or unset {KEY_ENV} if you trust this one")
+    if not hmac.compare_digest(signature, _signature(meta, key)):
+        raise CheckpointError(f"checkpoint {path} has an invalid signature for the {KEY_ENV} set here (tampered, or "
+                              "written with another key); resume from a checkpoint signed with this key")
 
 
 # ------------------------------------------------------------------------------ one rank's training state

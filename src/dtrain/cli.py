@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="train an experiment config on N slots")
     run.add_argument("config", type=Path, help="experiment YAML")
-    run.add_argument("--slots", type=_positive_int, help="override resources.slots_per_trial")
+    run.add_argument("--slots", type=_slot_count, help="override resources.slots_per_trial")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. --set hyperparameters.lr=0.1 (repeatable)")
     run.add_argument("--run-dir", type=Path, help="run directory (default runs/<name>-<timestamp>)")
@@ -37,28 +37,34 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("config", type=Path, help="experiment YAML")
     bench.add_argument("--slots", default="1,2", help="comma-separated slot counts (default 1,2)")
     bench.add_argument("--synthetic", action="store_true", help="also run with synthetic data (isolates I/O)")
-    bench.add_argument("--steps", type=_positive_int, default=100, help="training steps per case")
+    bench.add_argument("--steps", type=_step_count, default=100, help="training steps per case")
     bench.add_argument("--out", type=Path, help="output folder (default runs/bench-<name>-<timestamp>)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     compare = sub.add_parser("compare", help="the same trial under several sync strategies, side by side")
     compare.add_argument("config", type=Path, help="experiment YAML")
     compare.add_argument("--strategies", help="comma-separated sync strategies (default: every registered one)")
-    compare.add_argument("--steps", type=_positive_int, default=100, help="training steps per strategy")
-    compare.add_argument("--slots", type=_positive_int, help="override resources.slots_per_trial")
+    compare.add_argument("--steps", type=_step_count, default=100, help="training steps per strategy")
+    compare.add_argument("--slots", type=_slot_count, help="override resources.slots_per_trial")
     compare.add_argument("--out", type=Path, help="output folder (default runs/compare-<name>-<timestamp>)")
     compare.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     _add_node_args(compare)
 
     search = sub.add_parser("search", help="hyperparameter search: each trial a dtrain run (searcher: section)")
     search.add_argument("config", type=Path, nargs="?", help="experiment YAML with ranges and a searcher section")
-    search.add_argument("--slots", type=_positive_int, help="slots the search packs trials onto (default: the "
+    search.add_argument("--slots", type=_slot_count, help="slots the search packs trials onto (default: the "
                         "machine's CPU cores, or its GPUs under NCCL)")
     search.add_argument("--out", type=Path, metavar="SEARCH_DIR", help="search directory (default "
                         "runs/search-<name>-<timestamp>)")
     search.add_argument("--resume", type=Path, metavar="SEARCH_DIR", help="continue an interrupted search")
     search.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set searcher.max_trials=8 (repeatable)")
+
+    check = sub.add_parser("check", help="validate a config and its entrypoint without starting anything")
+    check.add_argument("config", type=Path, help="experiment YAML")
+    check.add_argument("--slots", type=_slot_count, help="override resources.slots_per_trial")
+    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                       help="override a config key, as for 'dtrain run' (repeatable)")
 
     doctor = sub.add_parser("doctor", help="explain a run's time cost and what to change")
     doctor.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
@@ -69,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_parsers(sub, _positive_int)  # dtrain k8s / dtrain slurm
 
     launch = sub.add_parser("launch", help="run your own training script on N slots (like torchrun)")
-    launch.add_argument("--slots", type=_positive_int, required=True)
+    launch.add_argument("--slots", type=_slot_count, required=True)
     launch.add_argument("--max-restarts", type=int, default=0)
     launch.add_argument("script", help="Python script that calls dtrain.init()")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -88,14 +94,28 @@ def _add_node_args(parser: argparse.ArgumentParser) -> None:
     nodes.add_argument("--rdzv-id", metavar="ID", help="c10d job id, the same on every node (default dtrain-<name>)")
 
 
-def _positive_int(text: str) -> int:
+def _positive_int(text: str, most: int | None = None) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text[:40]!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    if most is not None and value > most:
+        raise argparse.ArgumentTypeError(f"expected a positive integer up to {most:,}, got {value:,}")
     return value
+
+
+def _slot_count(text: str) -> int:
+    from dtrain.config import MAX_SLOTS  # the config's own bound, so flag and key agree
+
+    return _positive_int(text, MAX_SLOTS)
+
+
+def _step_count(text: str) -> int:
+    from dtrain.config import MAX_STEPS
+
+    return _positive_int(text, MAX_STEPS)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +145,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cmd_doctor(args)
     if args.command == "search":
         return cmd_search(args)
+    if args.command == "check":
+        return cmd_check(args)
     if args.command == "compare":
         from dtrain.compare import compare, parse_strategies
         from dtrain.runs import NodeArgs
@@ -182,6 +204,22 @@ def cmd_search(args: argparse.Namespace) -> int:
     return 0 if result["best"] is not None else 1
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    """``dtrain check``: validate config and entrypoint as ``dtrain run`` would, print what a run would use."""
+    from dtrain import runs
+    from dtrain.safeyaml import dump
+
+    overrides = [*args.overrides, *([f"resources.slots_per_trial={args.slots}"] if args.slots else [])]
+    result = runs.check(args.config, overrides)
+    print(f"# {args.config}: valid; resolved config:")
+    print(dump(result.config.model_dump(mode="json")), end="")
+    print(f"# per-slot batch: {result.per_slot_batch} ({result.config.global_batch_size} global over "
+          f"{result.training_slots} training slot(s))")
+    for warning in result.warnings:
+        print(f"# warning: {warning}")
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
@@ -204,8 +242,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     script = Path(args.script)
     if not script.is_file():
         raise UserError(f"script {str(script)!r} does not exist; pass the path of a Python training script")
-    if args.max_restarts < 0:
-        raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
+    if not 0 <= args.max_restarts <= 100:  # the same bound as the config's max_restarts
+        raise UserError(f"--max-restarts must be from 0 to 100, got {args.max_restarts}")
     failure = launch([str(script), *args.args],
                      LaunchOptions(slots=args.slots, max_restarts=args.max_restarts, debug=args.debug))
     if failure is not None:

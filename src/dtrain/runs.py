@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import yaml
 
-from dtrain import checkpoint, data, netif
+from dtrain import checkpoint, data, netif, preflight
 from dtrain.config import ExperimentConfig, dump_config, load_config
 from dtrain.dist import ClusterEnv, read_cluster_env, read_env, resolve_backend
 from dtrain.errors import CheckpointError, UserError
@@ -41,6 +41,7 @@ from dtrain.join import join
 from dtrain.launch import LaunchOptions, launch
 from dtrain.precision import check_precision
 from dtrain.rendezvous import JoinError, NodeLaunch, Rendezvous, parse_endpoint, parse_nnodes
+from dtrain.sync import registry
 from dtrain.trial import load_trial_class
 
 log = logging.getLogger(__name__)
@@ -108,12 +109,14 @@ def prepare(config_path: Path, overrides: list[str], run_dir: Path | None, resum
     return RunPlan(config, target, resume_from)
 
 
-def _validate(config: ExperimentConfig, local_slots: int, resume: Path | None) -> Path | None:
-    """Every check that needs no other process: the trial imports, the batch splits, the backend and
-    precision suit this machine, the checkpoint to resume from is complete. Returns that checkpoint."""
+def _validate(config: ExperimentConfig, local_slots: int, resume: Path | None, started: bool = False) -> Path | None:
+    """Every check that needs no other process: the trial imports, the batch splits, the backend,
+    precision and process counts suit this machine (``started``: another launcher already started these
+    workers), the checkpoint to resume from is complete. Returns that checkpoint."""
     load_trial_class(config.entrypoint, config.code_dir)
     data.per_slot_batch_size(config.global_batch_size, config.resources.slots_per_trial)
     _check_backend(config, local_slots)
+    _check_machine(config, local_slots, started=started)
     return _resume_checkpoint(resume, config) if resume is not None else None
 
 
@@ -124,6 +127,37 @@ def _create_run_dir(target: Path, config: ExperimentConfig, resume: Path | None)
     _prepare_run_dir(target, continuing=resume is not None and target.resolve() == resume.resolve())
     _write_config(config, target)
     return fresh
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """What ``dtrain check`` found: the resolved config, the per-slot batch and the warnings."""
+
+    config: ExperimentConfig
+    per_slot_batch: int
+    training_slots: int
+    warnings: list[str]
+
+
+def check(config_path: Path, overrides: list[str]) -> CheckResult:
+    """Every check ``dtrain run`` makes on one machine before it starts workers, and nothing else: no run
+    directory, no process. Raises :class:`UserError` with one line."""
+    with preflight.collect_warnings() as warnings:
+        config = load_config(config_path, overrides)
+        load_trial_class(config.entrypoint, config.code_dir)
+        slots = config.resources.slots_per_trial
+        training = registry.lookup(config.sync.strategy).training_slots(config)  # servers do not train
+        per_slot = data.per_slot_batch_size(config.global_batch_size, training)
+        _check_backend(config, slots)
+        warnings.extend(preflight.check_machine(config, slots))
+        preflight.check_storage(config.checkpoint_storage.path)
+    return CheckResult(config, per_slot, training, list(warnings))
+
+
+def _check_machine(config: ExperimentConfig, local_slots: int, started: bool = False) -> None:
+    for warning in preflight.check_machine(config, local_slots, started):
+        log.warning("%s", warning)
+    preflight.check_storage(config.checkpoint_storage.path)
 
 
 def _default_run_dir(config: ExperimentConfig, resume: Path | None) -> Path:
@@ -243,7 +277,7 @@ def _prepare_in_place(config_path: Path, overrides: list[str], run_dir: Path | N
             log.warning("%s started %d workers: resources.slots_per_trial %d is replaced by %d", cluster.source,
                         env.world_size, config.resources.slots_per_trial, env.world_size)
         config = load_config(config_path, [*overrides, f"resources.slots_per_trial={env.world_size}"])
-    resume_from = _validate(config, env.local_world_size, resume)
+    resume_from = _validate(config, env.local_world_size, resume, started=True)
     _set_interface_in_place(config, env.master_addr)
     store = _setup_store(env, config.resources.join_timeout_seconds, cluster)
     key = f"dtrain-setup/plan/{env.restart_count}"
@@ -330,7 +364,7 @@ def _resume_checkpoint(resume: Path, config: ExperimentConfig) -> Path:
     if found is None:
         raise CheckpointError(f"--resume {resume}: no checkpoint found under {root} (no 'latest'); "
                               "the run never reached a checkpoint, start it again without --resume")
-    checkpoint.verify(found)
+    checkpoint.check(found)  # data-only load of every file: a bad checkpoint fails here, not in N workers
     return found
 
 

@@ -67,6 +67,11 @@ class SyncStrategy(ABC):
         return cls(device, recorder)
 
     @classmethod
+    def training_slots(cls, config: ExperimentConfig) -> int:
+        """How many of the job's slots train (and share each global batch)."""
+        return config.resources.slots_per_trial
+
+    @classmethod
     def check_config(cls, config: ExperimentConfig) -> None:
         """Raise ValueError (one line, naming the key and the fix) for settings this strategy cannot honour."""
         o = config.optimizations

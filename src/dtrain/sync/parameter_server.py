@@ -106,6 +106,10 @@ class ParameterServerStrategy(SyncStrategy):
         return cls(device, config.sync.parameter_server if config is not None else ParameterServerOptions(), recorder)
 
     @classmethod
+    def training_slots(cls, config: ExperimentConfig) -> int:
+        return config.resources.slots_per_trial - config.sync.parameter_server.servers
+
+    @classmethod
     def check_config(cls, config: ExperimentConfig) -> None:
         super().check_config(config)
         servers, slots = config.sync.parameter_server.servers, config.resources.slots_per_trial
