@@ -1,5 +1,6 @@
 """The wrap-your-own-loop API on 2 ranks: replicas stay identical, reductions are exact."""
 
+import pytest
 import torch
 from helpers import run_ranks
 from torch import nn
@@ -36,6 +37,7 @@ def _train_and_check_replicas(rank: int, world: int) -> list[float]:
     return losses
 
 
+@pytest.mark.slow
 def test_replicas_identical_after_every_step():
     losses = run_ranks(_train_and_check_replicas, world_size=2, timeout=90)
     assert losses[0] == losses[1]  # reduced metrics agree on every rank
@@ -54,6 +56,7 @@ def _exact_weighted_mean(rank: int, world: int) -> dict[str, float]:
     return out
 
 
+@pytest.mark.slow
 def test_uneven_shards_reduce_to_the_exact_mean():
     results = run_ranks(_exact_weighted_mean, world_size=2, timeout=60)
     assert results[0]["mean"] == results[1]["mean"] == sum(range(61)) / 61

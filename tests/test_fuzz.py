@@ -319,6 +319,7 @@ def test_every_mutation_is_refused_in_one_line_or_accepted_valid(corpus: tuple[P
     assert counts["exit 2"] > 100 and counts["accepted"] > 30  # the fuzz exercises both sides
 
 
+@pytest.mark.slow
 def test_accepted_mutations_really_run(corpus: tuple[Path, list[Outcome]], tmp_path: Path) -> None:
     """A sample of accepted mutations of the tiny config trains for real (2 slots, a few batches). Mutations
     of free-form hyperparameters are left out: what the trial does with them is the trial's business."""

@@ -80,6 +80,7 @@ def _skip_on_every_rank(rank: int, world: int) -> dict:
     return {"skip": skip, "unchanged": unchanged, "scale": scale}
 
 
+@pytest.mark.slow
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
     results = run_ranks(_skip_on_every_rank, world_size=2, timeout=60)
     assert [r["skip"] for r in results] == [True, True]
