@@ -15,12 +15,16 @@
 # There may be no systemd (containers): the daemons are started directly and tracked by their pid files.
 #
 # The node is this machine, with the CPUs and RealMemory `slurmd -C` reports; partition "dtrain" (default).
+# DTRAIN_SLURM_NODES=N (N > 1, read by `up` when it writes the config) runs N slurmd on this host as nodes
+# HOST-1..HOST-N (Debian builds Slurm with multiple-slurmd), each claiming the whole machine: multi-node
+# jobs then run for real through srun, on one machine's CPUs and loopback.
 # Accounting has no database: job completions go to jobcomp/filetxt, read with `sacct -c`.
 set -euo pipefail
 
 DIR=${DTRAIN_SLURM_DIR:-/var/tmp/dtrain-slurm}
 CTLD_PORT=${DTRAIN_SLURM_PORT:-16817}
 SLURMD_PORT=$((CTLD_PORT + 1))
+NODES=${DTRAIN_SLURM_NODES:-1}
 PACKAGES=(munge slurm-client slurmctld slurmd)
 CONF=$DIR/etc/slurm.conf
 MARK=$DIR/.dtrain-slurm  # says "this directory is ours": down refuses to delete a directory without it
@@ -66,13 +70,19 @@ install_missing() {
 
 write_config() {
     [[ -f $CONF ]] && return 0
-    local node line cpus mem
+    local node line cpus mem nodeline
     node=$(hostname -s)
     # `slurmd -C` prints this machine's real layout: "NodeName=vm CPUs=2 Boards=1 ... RealMemory=24105".
     line=$(slurmd -C | head -n 1)
     [[ $line == NodeName=* ]] || die "slurmd -C printed no node line: $line"
     cpus=$(sed -n 's/.* CPUs=\([0-9]*\).*/\1/p' <<<"$line")
     mem=$(sed -n 's/.* RealMemory=\([0-9]*\).*/\1/p' <<<"$line")
+    [[ $NODES =~ ^[1-9][0-9]*$ ]] || die "DTRAIN_SLURM_NODES=$NODES: expected a node count"
+    if [[ $NODES -eq 1 ]]; then
+        nodeline="NodeName=$node"
+    else
+        nodeline="NodeName=$node-[1-$NODES] NodeHostname=$node NodeAddr=$node Port=$SLURMD_PORT-$((SLURMD_PORT + NODES - 1))"
+    fi
     mungekey --create --keyfile="$DIR/munge/munge.key" --force
     chmod 600 "$DIR/munge/munge.key"
     : >"$DIR/etc/plugstack.conf"  # no site SPANK plugins from /etc/slurm
@@ -89,11 +99,11 @@ CredType=cred/munge
 AuthInfo=socket=$DIR/munge/munge.socket
 PlugStackConfig=$DIR/etc/plugstack.conf
 StateSaveLocation=$DIR/ctld
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$DIR/spool/%n
 SlurmctldPidFile=$DIR/run/slurmctld.pid
-SlurmdPidFile=$DIR/run/slurmd.pid
+SlurmdPidFile=$DIR/run/slurmd-%n.pid
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
+SlurmdLogFile=$DIR/log/slurmd-%n.log
 # No cgroups to set up (containers often have none writable): processes are tracked through /proc.
 # task/affinity binds each task to the CPUs it was given, as most clusters do (so a job that asks for
 # too few CPUs shows it here too).
@@ -113,8 +123,8 @@ AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/filetxt
 JobCompLoc=$DIR/log/jobcomp.txt
-NodeName=$node CPUs=$cpus RealMemory=$mem State=UNKNOWN
-PartitionName=dtrain Nodes=$node Default=YES MaxTime=INFINITE State=UP
+$nodeline CPUs=$cpus RealMemory=$mem State=UNKNOWN
+PartitionName=dtrain Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
 }
 
@@ -150,15 +160,21 @@ start_daemons() {
         slurmctld -f "$CONF"
         wait_for 30 scontrol ping || die "slurmctld did not answer (see $DIR/log/slurmctld.log)"
     fi
-    if ! live_pid "$DIR/run/slurmd.pid" slurmd >/dev/null; then
-        slurmd -f "$CONF" -N "$(hostname -s)"
-    fi
     local node
-    node=$(hostname -s)
-    if ! wait_for 60 node_ready "$node"; then
-        die "node $node did not become idle: $(scontrol show node "$node" | grep -E 'State|Reason' | tr -s ' ')" \
-            "(see $DIR/log/slurmd.log)"
-    fi
+    for node in $(node_names); do
+        live_pid "$DIR/run/slurmd-$node.pid" slurmd >/dev/null || slurmd -f "$CONF" -N "$node"
+    done
+    for node in $(node_names); do
+        if ! wait_for 60 node_ready "$node"; then
+            die "node $node did not become idle: $(scontrol show node "$node" | grep -E 'State|Reason' | tr -s ' ')" \
+                "(see $DIR/log/slurmd-$node.log)"
+        fi
+    done
+}
+
+# The configured node names (HOST, or HOST-1..HOST-N), expanded from the config's NodeName= line.
+node_names() {
+    scontrol show hostnames "$(sed -n 's/^NodeName=\([^ ]*\).*/\1/p' "$CONF")"
 }
 
 node_ready() {
@@ -177,20 +193,23 @@ stop_pidfile() {  # stop_pidfile FILE NAME: SIGTERM, then SIGKILL after 10 s
     local pid
     pid=$(live_pid "$1" "$2") || return 0
     kill "$pid" 2>/dev/null || true
-    if ! wait_for 10 bash -c "! kill -0 $pid"; then
+    # live_pid, not kill -0: where PID 1 does not reap (some containers) the daemon stays a zombie.
+    if wait_for 10 bash -c "! tr '\\0' ' ' </proc/$pid/cmdline | grep -q $2"; then
+        say "stopped $2 ($pid)"
+    else
         kill -9 "$pid" 2>/dev/null || true
+        say "killed $2 ($pid)"
     fi
-    say "stopped $2 ($pid)"
 }
 
-# Processes of this cluster's jobs, found by the SLURM_CONF they inherited from sbatch (our own file).
+# Processes of this cluster's jobs: they carry a SLURM_JOB_ID and the SLURM_CONF they inherited from
+# sbatch (our own file). The daemons carry SLURM_CONF but no job id.
 job_pids() {
-    local env_file pid
-    for env_file in /proc/[0-9]*/environ; do
-        pid=${env_file#/proc/}
-        pid=${pid%/environ}
+    local pid vars
+    for pid in $(ls /proc | grep -E '^[0-9]+$'); do
         [[ $pid == "$$" ]] && continue
-        tr '\0' '\n' <"$env_file" 2>/dev/null | grep -qxF "SLURM_CONF=$CONF" && echo "$pid"
+        vars=$({ tr '\0' '\n' </proc/"$pid"/environ; } 2>/dev/null) || continue
+        grep -qxF "SLURM_CONF=$CONF" <<<"$vars" && grep -q '^SLURM_JOB_ID=' <<<"$vars" && echo "$pid"
     done
     return 0
 }
@@ -226,7 +245,10 @@ cmd_down() {
             wait_for 45 bash -c '[[ -z $(squeue -h -o %i 2>/dev/null) ]]' || say "jobs still listed after 45 s"
         fi
     fi
-    stop_pidfile "$DIR/run/slurmd.pid" slurmd
+    local pidfile
+    for pidfile in "$DIR"/run/slurmd-*.pid; do
+        [[ -e $pidfile ]] && stop_pidfile "$pidfile" slurmd
+    done
     stop_pidfile "$DIR/run/slurmctld.pid" slurmctld
     local left
     left=$(job_pids)
@@ -260,20 +282,24 @@ cmd_purge() {
 }
 
 cmd_status() {
-    local name pid up=0
-    for name in munged slurmctld slurmd; do
-        if pid=$(live_pid "$DIR/run/$name.pid" "$name"); then
-            echo "$name: running ($pid)"
+    local name pid want=2 up=0
+    local daemons=(munged:munged slurmctld:slurmctld)
+    if [[ -f $CONF ]]; then
+        for name in $(node_names); do daemons+=("slurmd-$name:slurmd"); want=$((want + 1)); done
+    fi
+    for name in "${daemons[@]}"; do
+        if pid=$(live_pid "$DIR/run/${name%%:*}.pid" "${name#*:}"); then
+            echo "${name%%:*}: running ($pid)"
             up=$((up + 1))
         else
-            echo "$name: not running"
+            echo "${name%%:*}: not running"
         fi
     done
     if [[ $up -gt 0 ]]; then
         sinfo 2>&1 || true
         squeue 2>&1 || true
     fi
-    [[ $up -eq 3 ]]
+    [[ $up -eq $want && -f $CONF ]]
 }
 
 case ${1:-} in
