@@ -254,6 +254,8 @@ def check_cancel_resume(cluster: Cluster, work: Path, jobs: list[str]) -> str:
     gone = time.monotonic() - cancelled_at
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert not (run_dir / "summary.json").exists(), "the cancelled run finished before scancel"
+    out = (work / f"digits-{first}.out").read_text()
+    assert "dtrain: stopped by SIGTERM" in out and "Traceback" not in out, out[-3000:]
     script = generate(cluster, work, 1, "--set", "min_checkpoint_period.epochs=2", "--resume",
                       str(run_dir), name="resume.sh")
     second = submit(cluster, script)
@@ -272,8 +274,11 @@ def check_requeue(cluster: Cluster, work: Path, jobs: list[str]) -> str:
         cluster, generate(cluster, work, 1, "--set", "min_checkpoint_period.epochs=2", name="requeue.sh"), jobs)
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     cluster.run("scontrol", "requeue", job)
-    # A requeued job waits (its BeginTime is set a little ahead) before it runs again.
-    info = wait_state(cluster, job, DONE_STATES - {"PREEMPTED"}, 420)
+    # A requeued job is held back a while (Reason=BeginTime, minutes here) before it runs again: make it
+    # eligible now.
+    wait_state(cluster, job, {"PENDING"}, 60)
+    cluster.run("scontrol", "update", f"jobid={job}", "StartTime=now")
+    info = wait_state(cluster, job, DONE_STATES - {"PREEMPTED"}, 300)
     out = (work / f"digits-{job}.out").read_text()
     assert info["JobState"] == "COMPLETED" and info.get("Restarts") == "1", (info, out[-3000:])
     check_finished_run(run_dir, 2)
@@ -300,6 +305,10 @@ def check_srun_per_slot(cluster: Cluster, work: Path, jobs: list[str]) -> str:
     script.write_text(
         "#!/bin/bash\n#SBATCH --job-name=digits\n#SBATCH --nodes=1\n#SBATCH --ntasks-per-node=2\n"
         "#SBATCH --cpus-per-task=1\n#SBATCH --time=00:10:00\n#SBATCH --output=digits-%j.out\nset -euo pipefail\n"
+        # dtrain takes the first node's name as the master: where names do not resolve (the two-slurmd test
+        # cluster's HOST-1, HOST-2), the script says where the first node is, as `dtrain slurm`'s does.
+        'FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)\n'
+        "export MASTER_ADDR=$(scontrol show node \"$FIRST_NODE\" | sed -n 's/.* NodeAddr=\\([^ ]*\\).*/\\1/p')\n"
         f"srun --kill-on-bad-exit=1 {dtrain_cmd()} run {CONFIG} --set max_length.epochs={EPOCHS} "
         '--run-dir "runs/digits-$SLURM_JOB_ID" --quiet\n')
     job = submit(cluster, script)

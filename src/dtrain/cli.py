@@ -143,7 +143,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     if plan.chief:
         print(f"{PROG}: run directory {plan.run_dir}", flush=True)
     start = time.perf_counter()
-    failure = runs.execute(plan, quiet=args.quiet, debug=args.debug)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        failure = runs.execute(plan, quiet=args.quiet, debug=args.debug)
+    except SignalException as exc:
+        # SIGTERM from scancel, preemption or a time limit reaches the agent (and, from Slurm, every
+        # worker): a stop asked for, not a crash, so one line rather than torch's traceback. Checkpoints
+        # are written atomically: the latest one is intact.
+        if args.debug:
+            raise
+        print(f"{PROG}: stopped by {exc.sigval.name} (scancel, preemption or a time limit?); continue from the "
+              f"latest checkpoint with: dtrain run {args.config} --resume {plan.run_dir}", file=sys.stderr)
+        return 128 + int(exc.sigval)
     if failure is not None:
         if failure.user_error:
             raise UserError(failure.message)
