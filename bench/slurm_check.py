@@ -83,21 +83,30 @@ def _script_env() -> dict[str, str]:
     return {**os.environ, "SLURM_CONF": conf}
 
 
+SLURM_PROGRAMS = ("munged", "mungekey", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo")
+
+
 @contextlib.contextmanager
-def slurm_cluster(nodes: int = 1, start: bool = True) -> Iterator[Cluster]:
+def slurm_cluster(nodes: int = 1, install: bool = True) -> Iterator[Cluster]:
     """A Slurm to submit to: the one already answering, else the script's cluster, started (and taken
-    down at the end) here. Raises SlurmUnavailable with the reason when there is none."""
+    down at the end) here; ``install``: let the script install Slurm with apt when it is missing.
+    Raises SlurmUnavailable with the reason when there is none."""
     for env in (dict(os.environ), _script_env()):
+        # sinfo spends a minute retrying a SLURM_CONF that does not exist: ask only where one does.
+        if "SLURM_CONF" in env and not Path(env["SLURM_CONF"]).exists():
+            continue
         found = _answers(env)
         if found:
             yield Cluster(env, found, started_here=False)
             return
-    if not start:
-        raise SlurmUnavailable("no Slurm answers (sinfo) and starting one was not asked for")
     if os.geteuid() != 0:
-        raise SlurmUnavailable("no Slurm answers and starting one needs root (os.geteuid() != 0)")
-    if shutil.which("slurmctld") is None and shutil.which("apt-get") is None:
-        raise SlurmUnavailable("no Slurm installed and no apt-get to install it")
+        raise SlurmUnavailable("no Slurm answers (sinfo) and starting one needs root (os.geteuid() != 0)")
+    missing = [p for p in SLURM_PROGRAMS if shutil.which(p) is None]
+    if missing and not install:
+        raise SlurmUnavailable(f"no Slurm answers and it is not installed (no {', '.join(missing)}); "
+                               "`scripts/slurm_cluster.sh up` installs it (apt) and starts one")
+    if missing and shutil.which("apt-get") is None:
+        raise SlurmUnavailable(f"no Slurm installed (no {', '.join(missing)}) and no apt-get to install it")
     env = {**os.environ, "DTRAIN_SLURM_NODES": str(nodes)}
     up = subprocess.run(["bash", str(CLUSTER), "up"], env=env, capture_output=True, text=True, timeout=600)
     try:

@@ -154,7 +154,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.debug:
             raise
         print(f"{PROG}: stopped by {exc.sigval.name} (scancel, preemption or a time limit?); continue from the "
-              f"latest checkpoint with: dtrain run {args.config} --resume {plan.run_dir}", file=sys.stderr)
+              f"latest checkpoint with --resume {plan.run_dir} (dtrain run, or dtrain slurm to resubmit)",
+              file=sys.stderr)
         return 128 + int(exc.sigval)
     if failure is not None:
         if failure.user_error:
