@@ -149,16 +149,24 @@ wait_for() {  # wait_for SECONDS COMMAND...: poll until COMMAND succeeds
     done
 }
 
+# The last lines of a daemon's log, on one line (a failed `up` is followed by `down`, which deletes it).
+log_tail() {
+    tail -n 3 "$DIR/log/$1" 2>/dev/null | tr -s '\n' ' ' || true
+    echo "($DIR/log/$1)"
+}
+
 start_daemons() {
     if ! live_pid "$DIR/run/munged.pid" munged >/dev/null; then
         # --force: munged refuses a root-owned socket directory it considers insecure otherwise.
         munged --force --key-file="$DIR/munge/munge.key" --socket="$DIR/munge/munge.socket" \
             --pid-file="$DIR/run/munged.pid" --log-file="$DIR/log/munged.log" --seed-file="$DIR/munge/munged.seed"
-        wait_for 10 test -S "$DIR/munge/munge.socket" || die "munged did not start (see $DIR/log/munged.log)"
+        wait_for 10 test -S "$DIR/munge/munge.socket" || die "munged did not start: $(log_tail munged.log)"
     fi
     if ! live_pid "$DIR/run/slurmctld.pid" slurmctld >/dev/null; then
         slurmctld -f "$CONF"
-        wait_for 30 scontrol ping || die "slurmctld did not answer (see $DIR/log/slurmctld.log)"
+        # A fatal error (a port in use, ...) ends slurmctld at once: stop waiting then.
+        wait_for 30 ctld_settled || true
+        scontrol ping >/dev/null 2>&1 || die "slurmctld did not answer: $(log_tail slurmctld.log)"
     fi
     local node
     for node in $(node_names); do
@@ -167,9 +175,13 @@ start_daemons() {
     for node in $(node_names); do
         if ! wait_for 60 node_ready "$node"; then
             die "node $node did not become idle: $(scontrol show node "$node" | grep -E 'State|Reason' | tr -s ' ')" \
-                "(see $DIR/log/slurmd-$node.log)"
+                "$(log_tail "slurmd-$node.log")"
         fi
     done
+}
+
+ctld_settled() {  # slurmctld answers, or said why it never will
+    scontrol ping >/dev/null 2>&1 || grep -q "fatal:" "$DIR/log/slurmctld.log" 2>/dev/null
 }
 
 # The configured node names (HOST, or HOST-1..HOST-N), expanded from the config's NodeName= line.
