@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -153,9 +154,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         # are written atomically: the latest one is intact.
         if args.debug:
             raise
-        print(f"{PROG}: stopped by {exc.sigval.name} (scancel, preemption or a time limit?); continue from the "
-              f"latest checkpoint with --resume {plan.run_dir} (dtrain run, or dtrain slurm to resubmit)",
-              file=sys.stderr)
+        why = "interrupted" if exc.sigval == signal.SIGINT else \
+            f"stopped by {exc.sigval.name} (scancel, preemption or a time limit?)"
+        print(f"{PROG}: {why}; continue from the latest checkpoint with --resume {plan.run_dir} (dtrain run, or "
+              "dtrain slurm to resubmit)", file=sys.stderr)
         return 128 + int(exc.sigval)
     if failure is not None:
         if failure.user_error:
