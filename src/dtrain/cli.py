@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from pathlib import Path
@@ -177,7 +178,21 @@ def cmd_run(args: argparse.Namespace) -> int:
     if plan.chief:
         print(f"{PROG}: run directory {plan.run_dir}", flush=True)
     start = time.perf_counter()
-    failure = runs.execute(plan, quiet=args.quiet, debug=args.debug)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    try:
+        failure = runs.execute(plan, quiet=args.quiet, debug=args.debug)
+    except SignalException as exc:
+        # SIGTERM from scancel, preemption or a time limit reaches the agent (and, from Slurm, every
+        # worker): a stop asked for, not a crash, so one line rather than torch's traceback. Checkpoints
+        # are written atomically: the latest one is intact.
+        if args.debug:
+            raise
+        why = "interrupted" if exc.sigval == signal.SIGINT else \
+            f"stopped by {exc.sigval.name} (scancel, preemption or a time limit?)"
+        print(f"{PROG}: {why}; continue from the latest checkpoint with --resume {plan.run_dir} (dtrain run, or "
+              "dtrain slurm to resubmit)", file=sys.stderr)
+        return 128 + int(exc.sigval)
     if failure is not None:
         if failure.user_error:
             raise UserError(failure.message)
