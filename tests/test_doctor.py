@@ -99,3 +99,16 @@ def test_batch_size_advice_is_bounded_by_gpu_memory():
     assert tight["batch_size"]["value"] == 40  # 0.9 x 80 GB / 50 GB peak: 1.25x the batch
     full = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=75))["factors"]}
     assert full["batch_size"]["key"] is None and "does not fit" in full["batch_size"]["why"]
+
+
+def test_no_compression_advice_for_a_strategy_that_cannot_compress():
+    from dtrain.doctor import diagnose
+
+    profile = _gpu_profile()
+    profile["per_rank"][0]["seconds_per_step"]["comm_exposed"] = 0.05
+    profile["comm"].update(busy_seconds_per_step=0.05, bytes_per_step=4e6, algbw_bytes_per_second=8e7,
+                           buckets_per_step=1, latency_seconds=1e-4)
+    profile["strategy"], profile["strategy_compressions"] = "fsdp", ["none"]
+    communication = {f["factor"]: f for f in diagnose(profile)["factors"]}["communication"]
+    assert communication["key"] == "optimizations.aggregation_frequency"
+    assert communication["predicted_speedup"] > 1 and "cannot compress" in communication["why"]
