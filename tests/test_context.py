@@ -46,7 +46,7 @@ def _exact_weighted_mean(rank: int, world: int) -> dict[str, float]:
     ctx = dtrain.init()
     data = TensorDataset(torch.arange(61, dtype=torch.float64))
     acc_sum, n = 0.0, 0
-    for (x,) in ctx.loader(data, batch_size=4, shuffle=False):
+    for (x,) in ctx.loader(data, batch_size=4, split="eval"):
         acc_sum += float(x.sum())
         n += len(x)
     out = ctx.reduce({"mean": acc_sum / n}, weight=n)
