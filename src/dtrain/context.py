@@ -352,7 +352,11 @@ class TrialContext(DistributedContext):
                          warmup_steps=config.profiling.warmup_steps, precision=config.precision)
         self.config = config
         # Slots that train: all of them, except a parameter server's server ranks.
-        self.per_slot_batch_size = data.per_slot_batch_size(config.global_batch_size, self.strategy.dp_world)
+        # The launcher warned about a remainder before any worker started; only a count it could not know
+        # (a parameter server's servers hold no data) is worth saying again, by the chief.
+        dp_world = self.strategy.dp_world
+        warn = self.is_chief and dp_world != config.resources.slots_per_trial
+        self.per_slot_batch_size = data.per_slot_batch_size(config.global_batch_size, dp_world, warn=warn)
 
     def get_hparams(self) -> dict[str, Any]:
         return dict(self.config.hyperparameters)

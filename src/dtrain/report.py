@@ -28,6 +28,8 @@ from dtrain.errors import UserError
 from dtrain.render import pyplot
 
 REPORT_NAME = "report.html"
+# What a run directory holds that the page reads; a folder with none of them is not a run.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "profile.json")
 PHASE_COLORS = {"data": "#4e79a7", "forward": "#59a14f", "backward": "#8cd17d", "comm_exposed": "#e15759",
                 "optimizer": "#f28e2b", "other": "#bab0ac"}
 CSS = """

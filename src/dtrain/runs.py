@@ -108,11 +108,12 @@ def prepare(config_path: Path, overrides: list[str], run_dir: Path | None, resum
     return RunPlan(config, target, resume_from)
 
 
-def _validate(config: ExperimentConfig, local_slots: int, resume: Path | None) -> Path | None:
+def _validate(config: ExperimentConfig, local_slots: int, resume: Path | None, warn: bool = True) -> Path | None:
     """Every check that needs no other process: the trial imports, the batch splits, the backend and
-    precision suit this machine, the checkpoint to resume from is complete. Returns that checkpoint."""
+    precision suit this machine, the checkpoint to resume from is complete. Returns that checkpoint.
+    ``warn``: give the warnings (once per job: not on every worker of an in-place run)."""
     load_trial_class(config.entrypoint, config.code_dir)
-    data.per_slot_batch_size(config.global_batch_size, config.resources.slots_per_trial)
+    data.per_slot_batch_size(config.global_batch_size, config.resources.slots_per_trial, warn=warn)
     _check_backend(config, local_slots)
     return _resume_checkpoint(resume, config) if resume is not None else None
 
@@ -243,7 +244,7 @@ def _prepare_in_place(config_path: Path, overrides: list[str], run_dir: Path | N
             log.warning("%s started %d workers: resources.slots_per_trial %d is replaced by %d", cluster.source,
                         env.world_size, config.resources.slots_per_trial, env.world_size)
         config = load_config(config_path, [*overrides, f"resources.slots_per_trial={env.world_size}"])
-    resume_from = _validate(config, env.local_world_size, resume)
+    resume_from = _validate(config, env.local_world_size, resume, warn=env.is_chief)
     _set_interface_in_place(config, env.master_addr)
     store = _setup_store(env, config.resources.join_timeout_seconds, cluster)
     key = f"dtrain-setup/plan/{env.restart_count}"
