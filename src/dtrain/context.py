@@ -140,7 +140,7 @@ class DistributedContext:
         return self.precision.autocast()
 
     # ---------------------------------------------------------------------------------------- data
-    def loader(self, dataset: Dataset, batch_size: int, split: Split | None = None, *, num_workers: int = 0,
+    def loader(self, dataset: Dataset, batch_size: int, split: Split | None = None, num_workers: int = 0, *,
                pin_memory: bool | None = None, drop_last: bool | None = None,
                collate_fn: Callable[[list[Any]], Any] | None = None, persistent_workers: bool = False,
                prefetch_factor: int | None = None, shuffle: bool | None = None, **options: Any) -> DataLoader:
