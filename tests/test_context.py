@@ -211,3 +211,41 @@ def test_init_says_what_it_seeds_and_rank_streams_differ(capsys):
         assert rank_seed(11, 0) != rank_seed(11, 1) != rank_seed(12, 1)
     finally:
         ctx.close()
+
+
+class _Store:
+    """The four calls of torch's Store that the roll call uses, in a dict (one process plays every rank)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, object] = {}
+
+    def set(self, key, value):
+        self.data[key] = value.encode() if isinstance(value, str) else value
+
+    def get(self, key):
+        return self.data[key]
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def add(self, key, amount):
+        self.data[key] = int(self.data.get(key, 0)) + amount
+        return self.data[key]
+
+
+def test_roll_call_judges_by_epochs_only_on_ranks_that_train():
+    from dtrain.rollcall import RollCall, SaveMismatchError
+
+    store = _Store()
+    worker, server, other = (RollCall(r, 3, timeout_seconds=0.3, store=store) for r in range(3))
+    worker.epoch_started(0)
+    other.epoch_started(1)  # a worker an epoch ahead: it passed the save
+    with pytest.raises(SaveMismatchError, match=r"rank\(s\) 2 \(it started epoch 1\)"):
+        worker.arrive()
+    # A server iterates no data: the workers' epochs say nothing to it; it waits, then names who is missing.
+    with pytest.raises(SaveMismatchError, match=r"rank\(s\) 2 did not call it within 0.3s"):
+        server.arrive()
+    other.close()
+    with pytest.raises(SaveMismatchError, match=r"2 \(it closed its context\)"):
+        server.arrive()
+    assert RollCall(0, 1, 1.0).active is False  # a world of one has nobody to wait for

@@ -10,7 +10,8 @@ saves it has entered, the newest training epoch it has started (from the trainin
 whether it has closed. A rank entering its n-th save counts arrivals; while it waits it reads the others'
 records. A rank that has started a *later* epoch, or closed, with fewer than n saves has passed this save
 without calling it: ranks train in lockstep (every step all-reduces), so nobody can be an epoch ahead of a
-rank that is still waiting unless it skipped the save. That is reported at once, in one line. Without such
+rank that is still waiting unless it skipped the save. That is reported at once, in one line. (A rank
+that iterates no training data, such as a parameter server's server, judges by ``close`` alone.) Without such
 evidence (a rank still busy, say with a chief-only evaluation) the wait lasts up to the collective timeout,
 as any collective would, and then fails naming the absent ranks.
 """
@@ -102,7 +103,9 @@ class RollCall:
                 continue
             if record["closed"]:
                 passed.append(f"{rank} (it closed its context)")
-            elif record["epoch"] > self.epoch:
+            elif self.epoch >= 0 and record["epoch"] > self.epoch:
+                # Only a rank that trains itself can tell: a parameter server's servers iterate no data
+                # and run behind or ahead of the workers' epochs by design.
                 passed.append(f"{rank} (it started epoch {record['epoch']})")
         return passed
 

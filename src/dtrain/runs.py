@@ -41,6 +41,7 @@ from dtrain.join import join
 from dtrain.launch import LaunchOptions, launch
 from dtrain.precision import check_precision
 from dtrain.rendezvous import JoinError, NodeLaunch, Rendezvous, parse_endpoint, parse_nnodes
+from dtrain.sync import registry
 from dtrain.trial import load_trial_class
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,9 @@ def _validate(config: ExperimentConfig, local_slots: int, resume: Path | None, w
     precision suit this machine, the checkpoint to resume from is complete. Returns that checkpoint.
     ``warn``: give the warnings (once per job: not on every worker of an in-place run)."""
     load_trial_class(config.entrypoint, config.code_dir)
-    data.per_slot_batch_size(config.global_batch_size, config.resources.slots_per_trial, warn=warn)
+    # A parameter server's servers hold no data: its chief worker warns instead, with the training slots.
+    servers = registry.lookup(config.sync.strategy).has_server_ranks
+    data.per_slot_batch_size(config.global_batch_size, config.resources.slots_per_trial, warn=warn and not servers)
     _check_backend(config, local_slots)
     return _resume_checkpoint(resume, config) if resume is not None else None
 
