@@ -94,15 +94,20 @@ class CliResult:
 
 def dtrain_cli(*args: str, timeout: float = 120.0, cwd: Path | None = None) -> CliResult:
     """Run ``dtrain ARGS`` in its own process group; on timeout kill the group (launcher and workers)."""
+    return python_command("-m", "dtrain.cli", *args, timeout=timeout, cwd=cwd)
+
+
+def python_command(*args: str, timeout: float = 120.0, cwd: Path | None = None) -> CliResult:
+    """Run ``python ARGS`` (this interpreter) in its own process group, killed whole on timeout."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", *args], cwd=cwd or ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, *args], cwd=cwd or ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        raise AssertionError(f"dtrain {' '.join(args)} did not finish in {timeout}s\n{out}\n{err}") from None
+        raise AssertionError(f"python {' '.join(args)} did not finish in {timeout}s\n{out}\n{err}") from None
     return CliResult(proc.returncode, out, err)
 
 

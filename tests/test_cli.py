@@ -81,3 +81,80 @@ def test_launch_runs_your_own_loop_and_resumes(tmp_path):
     assert result.code == 0, result.stderr
     assert "epoch 0:" not in result.stdout and "epoch 2: loss" in result.stdout
     _assert_one_line_error(dtrain_cli("launch", "--slots", "2", str(tmp_path / "nope.py")), "does not exist")
+
+
+# ------------------------------------------------------------------------------ rough edges (issue 16)
+
+
+def _profiled_run(tmp_path):
+    from test_report import _profile, _records, make_run
+
+    return make_run(tmp_path / "run", profile=_profile(), records=_records())
+
+
+def test_debug_is_accepted_before_or_after_the_command(tmp_path):
+    from dtrain.cli import build_parser
+
+    run_dir = _profiled_run(tmp_path)
+    for argv in (["--debug", "doctor", str(run_dir)], ["doctor", str(run_dir), "--debug"]):
+        result = cli_in_process(*argv)
+        assert result.code == 0 and "verdict" in result.stdout, (argv, result.stderr)
+    parser = build_parser()
+    assert parser.parse_args(["run", "x.yaml", "--debug"]).debug is True
+    assert parser.parse_args(["--debug", "run", "x.yaml"]).debug is True
+    assert parser.parse_args(["run", "x.yaml"]).debug is False
+    for command in ("k8s x.yaml --image i --nnodes 2 --debug", "slurm x.yaml --nodes 2 --debug",
+                    "bench x.yaml --debug"):
+        assert parser.parse_args(command.split()).debug is True, command
+    script_flag = parser.parse_args(["launch", "--slots", "2", "train.py", "--debug"])  # the script's own flag
+    assert script_flag.args == ["--debug"] and script_flag.debug is False
+
+
+def test_debug_shows_the_traceback_and_keeps_exit_code_2(tmp_path):
+    result = cli_in_process("run", str(tiny_config(tmp_path, **{"resources.slots_per_trail": 2})), "--debug")
+    assert result.code == 2
+    assert "Traceback (most recent call last)" in result.stderr
+    assert result.stderr.splitlines()[-1].startswith("dtrain: error: ")
+
+
+def test_a_directory_given_as_config_says_it_is_a_directory(tmp_path):
+    tiny_config(tmp_path)
+    result = cli_in_process("run", str(tmp_path))
+    _assert_one_line_error(result, "is a directory; pass the experiment YAML file itself (there: experiment.yaml)")
+    _assert_one_line_error(cli_in_process("bench", str(tmp_path)), "is a directory")
+
+
+def test_a_missing_package_in_trial_code_is_named_with_its_install(tmp_path):
+    write(tmp_path / "needs_pkg.py", """\
+        import dtrain_no_such_package_xyz  # noqa: F401
+        """)
+    result = cli_in_process("run", str(tiny_config(tmp_path, entrypoint="needs_pkg:Trial")))
+    _assert_one_line_error(result, "module 'needs_pkg' imports 'dtrain_no_such_package_xyz', which is not installed")
+    assert "pip install dtrain_no_such_package_xyz" in result.stderr
+    assert "beside the config" not in result.stderr
+
+
+def test_report_rebuilds_the_page_and_prints_the_time_table(tmp_path):
+    run_dir = _profiled_run(tmp_path)
+    result = cli_in_process("report", str(run_dir))
+    assert result.code == 0, result.stderr
+    assert "time cost per step (2 slot(s)" in result.stdout and "doctor: " in result.stdout
+    assert result.stdout.splitlines()[-1] == f"dtrain: report {run_dir / 'report.html'}"
+    assert (run_dir / "report.html").read_text().startswith("<!DOCTYPE html>")
+    quiet = cli_in_process("report", str(run_dir), "--quiet")
+    assert quiet.code == 0 and quiet.stdout.splitlines() == [f"dtrain: report {run_dir / 'report.html'}"]
+    (tmp_path / "empty").mkdir()
+    _assert_one_line_error(cli_in_process("report", str(tmp_path / "empty")), "is not a run directory")
+    _assert_one_line_error(cli_in_process("report", str(tmp_path / "nope")), "is not a directory")
+
+
+@pytest.mark.slow
+def test_quiet_run_ends_in_one_line_and_warns_once(tmp_path):
+    # 15 records on 2 slots: the remainder warning, from the launcher only (workers stay silent about it).
+    cfg = tiny_config(tmp_path, **{"hyperparameters.global_batch_size": 15, "max_length": {"batches": 2}})
+    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet", "--debug")
+    assert result.code == 0, result.stderr  # --debug after the command, and a success exits 0
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dtrain: done in "), result.stdout
+    assert lines[0].endswith(f"; report {tmp_path / 'r' / 'report.html'}")
+    assert result.stderr.count("is not divisible by 2 slots") == 1, result.stderr

@@ -43,3 +43,29 @@ def test_shard_sampler_covers_every_record_once():
     data = range(61)
     shards = [list(ShardSampler(data, 4, r)) for r in range(4)]
     assert sorted(i for shard in shards for i in shard) == list(range(61))
+
+
+def test_train_drop_last_false_keeps_the_tail_in_step_on_every_rank():
+    data = TensorDataset(torch.arange(23))
+    per_rank = []
+    for rank in range(2):
+        loader, sampler = train_loader(data, 4, rank, 2, seed=1, drop_last=False)
+        sampler.set_start(0, 0)
+        per_rank.append([b[0].tolist() for b in loader])
+    assert [len(b) for b in per_rank[0]] == [len(b) for b in per_rank[1]] == [4, 4, 4]  # 12 each: in step
+    seen = [i for batches in per_rank for b in batches for i in b]
+    assert sorted(set(seen)) == list(range(23)) and len(seen) == 24  # every record, one repeated as padding
+
+
+def test_loader_options_are_checked_in_one_line():
+    import pytest
+
+    from dtrain.data import loader_options
+    from dtrain.errors import DataError
+
+    assert loader_options(num_workers=2, prefetch_factor=4, persistent_workers=True, timeout=5) == {
+        "num_workers": 2, "pin_memory": False, "persistent_workers": True, "prefetch_factor": 4, "timeout": 5}
+    with pytest.raises(DataError, match="prefetch_factor needs background loader processes"):
+        loader_options(prefetch_factor=2)
+    with pytest.raises(DataError, match="sets shuffle itself"):
+        loader_options(shuffle=True)

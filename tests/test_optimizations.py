@@ -37,6 +37,8 @@ def test_aggregation_equals_a_bigger_batch_and_syncs_once_per_k(tmp_path):
     pa = json.loads((aggregated / "profile.json").read_text())
     pb = json.loads((big / "profile.json").read_text())
     assert pa["effective_batch_size"] == 32 and pa["aggregation_frequency"] == 4
+    # max_length counts batches, as Determined's does: 24 batches at k = 4 are the 6 steps of the big run.
+    assert json.loads((aggregated / "summary.json").read_text())["batches"] == 24
     # Per batch, one all-reduce per 4 batches (warm-up steps 3 of 24 shift it by at most one group).
     per_batch = pa["comm"]["buckets_per_step"] / pb["comm"]["buckets_per_step"]
     assert 0.2 <= per_batch <= 0.3, per_batch

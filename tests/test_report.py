@@ -11,7 +11,11 @@ import copy
 import html
 import io
 import json
+import os
 import re
+import shutil
+import signal
+import subprocess
 import xml.etree.ElementTree as ET
 from html.parser import HTMLParser
 from pathlib import Path
@@ -164,7 +168,7 @@ def test_full_report_is_well_formed_and_has_every_section(full_run):
     run_dir, path, page = full_run
     assert path == run_dir / "report.html"
     structure = check_well_formed(page)
-    assert structure.sections == ["config", "breakdown", "throughput", "curves", "doctor"]
+    assert structure.sections == ["doctor", "breakdown", "throughput", "curves", "config"]
     assert len(structure.images) == 3
     assert "This report is incomplete" not in page
     for fact in ("digits", "34,351", "accuracy 0.9805", "<dt>slots</dt><dd>2</dd>"):
@@ -267,3 +271,64 @@ def test_the_well_formedness_check_is_real(broken):
 def test_not_a_run_directory(tmp_path):
     with pytest.raises(UserError, match="not a directory"):
         write_report(tmp_path / "nope")
+
+
+def test_the_answer_comes_first_and_the_config_last_folded(full_run):
+    _, _, page = full_run
+    body = page[page.index("<body>"):]
+    verdict = body.index('class="verdict"')
+    # Before the verdict: only the title and the run's facts; no chart, table or other section.
+    assert "<img" not in body[:verdict] and "<table" not in body[:verdict] and "<pre" not in body[:verdict]
+    assert verdict < body.index("<h3>Try first</h3>") < body.index('id="breakdown"') < body.index('id="curves"')
+    config = body.index('<section id="config">')
+    assert config > body.index('id="curves"') and "<details>" in body[config:] and "<details open" not in body
+
+
+CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)
+PROBE = """<script>
+const box = document.getElementById("verdict").getBoundingClientRect();
+document.body.setAttribute("data-probe", [box.top, box.bottom, window.innerWidth, window.innerHeight].join(" "));
+</script>"""
+
+
+def _chromium(tmp_path, *args: str) -> str:
+    """Headless Chromium at 1280 x 800, its own profile folder, killed whole if it hangs."""
+    argv = [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
+            f"--user-data-dir={tmp_path / 'chromium-profile'}", "--window-size=1280,800", *args]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError("chromium did not finish in 90 s") from None
+    return out
+
+
+def _digits_run(path: Path) -> Path:
+    """A run directory whose config.yaml is the digits example's, resolved (66 lines, as a real run's)."""
+    from dtrain.config import dump_config, load_config
+
+    run_dir = make_run(path, profile=_profile(), records=_records())
+    dump_config(load_config(Path(__file__).parents[1] / "examples" / "digits" / "experiment.yaml"),
+                run_dir / "config.yaml")
+    return run_dir
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs headless Chromium (Debian: apt-get install chromium)")
+def test_verdict_is_on_the_first_screen_in_a_browser(tmp_path):
+    path = write_report(_digits_run(tmp_path / "run"))
+    page = path.read_text(encoding="utf-8")
+    probed = tmp_path / "probed.html"  # the page itself runs no script; a copy measures where the verdict lands
+    probed.write_text(page.replace("</body>", PROBE + "</body>"), encoding="utf-8")
+    dom = _chromium(tmp_path, "--dump-dom", probed.as_uri())
+    found = re.search(r'data-probe="([\d.\s-]+)"', dom)
+    assert found is not None, dom[-500:]
+    top, bottom, width, height = (float(v) for v in found.group(1).split())
+    assert width == 1280 and height >= 600, (width, height)
+    assert 0 <= top < bottom <= height, f"verdict at {top:.0f}-{bottom:.0f} px, screen {height:.0f} px tall"
+    shot = tmp_path / "first-screen.png"
+    _chromium(tmp_path, f"--screenshot={shot}", path.as_uri())
+    rgb = (matplotlib.image.imread(shot)[..., :3] * 255).round()  # imread gives floats in [0, 1]
+    verdict_border = (rgb == (240, 173, 78)).all(axis=-1)  # .verdict's left border (#f0ad4e): nothing else has it
+    assert rgb.shape[1] == 1280 and verdict_border.sum() > 100  # the verdict is on the screenshot's screen

@@ -26,11 +26,11 @@ def main() -> None:
     data = TensorDataset(torch.tensor(x, dtype=torch.float32) / 16, torch.tensor(y))
     model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
     model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    loader = ctx.loader(data, batch_size=args.batch_size)
+    loader = ctx.loader(data, batch_size=args.batch_size, split="train")
 
     start_epoch = 0
-    if args.checkpoint_dir is not None and (args.checkpoint_dir / "latest").exists():
-        start_epoch = ctx.load_checkpoint(args.checkpoint_dir)["epoch"] + 1
+    if args.checkpoint_dir is not None and (found := ctx.latest_checkpoint(args.checkpoint_dir)) is not None:
+        start_epoch = ctx.load_checkpoint(found)["epoch"] + 1
 
     for epoch in range(start_epoch, args.epochs):
         ctx.set_epoch(epoch)
@@ -41,8 +41,8 @@ def main() -> None:
         mean_loss = ctx.reduce({"loss": loss})["loss"]  # every rank calls it: it is a collective
         if ctx.is_chief:
             print(f"epoch {epoch}: loss {mean_loss:.4f} on {ctx.world_size} slot(s)", flush=True)
-        if args.checkpoint_dir is not None:
-            ctx.save_checkpoint(args.checkpoint_dir, batches=epoch, extra={"epoch": epoch})
+        if args.checkpoint_dir is not None:  # on every rank: saving is collective
+            ctx.save_checkpoint(args.checkpoint_dir, extra={"epoch": epoch})
     ctx.close()
 
 

@@ -194,6 +194,18 @@ def latest(root: Path) -> Path | None:
     return path if path.is_dir() else None
 
 
+def newest_complete(root: Path) -> Path | None:
+    """The checkpoint ``latest`` names, else the highest-numbered folder with its metadata.json (the last
+    file a commit writes), else None: no folder, nothing saved yet, or only unfinished temporaries."""
+    if not root.is_dir():
+        return None
+    named = latest(root)
+    if named is not None and (named / "metadata.json").is_file():
+        return named
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.isdigit() and (p / "metadata.json").is_file()]
+    return max(done, key=lambda p: int(p.name)) if done else None
+
+
 @dataclass
 class LoadedCheckpoint:
     path: Path
@@ -379,12 +391,14 @@ class TrainingState:
         return [o.state_dict() for o in self.optimizers] + [s.state_dict() for s in self.schedulers]
 
     def save(self, directory: Path, batches: int, extra: dict[str, Any] | None = None, keep_last: int = 2,
-             rank_extra: dict[str, Any] | None = None) -> Path:
-        """Collective: every rank calls it."""
+             rank_extra: dict[str, Any] | None = None, optimizer_steps: int | None = None) -> Path:
+        """Collective: every rank calls it. ``optimizer_steps``: the own-loop context's step count."""
         models = [self.strategy.model_state_dict(m) for m in self.models]  # may be collective (FSDP)
         payload = None
         if self.rank == 0:
-            trainer_state = {"extra": dict(extra or {})}
+            trainer_state: dict[str, Any] = {"extra": dict(extra or {})}
+            if optimizer_steps is not None:
+                trainer_state["optimizer_steps"] = optimizer_steps
             if self.precision is not None and self.precision.state_dict():
                 trainer_state["precision"] = self.precision.state_dict()
             payload = CheckpointPayload(batches=batches, models=models, optimizers=self._optimizer_states(),
@@ -401,9 +415,16 @@ class TrainingState:
     def restore(self, path: Path) -> Restored:
         """Load the checkpoint at ``path`` (a checkpoint folder, or a folder holding ``latest``) into the
         live objects."""
+        pending = self.pending_restore(path)
+        self._check_counts(pending.loaded, pending.path)
+        pending.apply(self)
+        return pending.restored
+
+    def pending_restore(self, path: Path) -> PendingRestore:
+        """Read and verify the checkpoint at ``path`` now; apply it (:meth:`PendingRestore.apply`) once the
+        models and optimizers exist, which lets a loop load before it wraps them."""
         path = resolve(path)
         loaded = load(path, self.rank)
-        self._check_counts(loaded, path)
         saved_world = loaded.metadata.get("world_size")
         same_layout = (loaded.rank_state is not None and saved_world == self.world_size
                        and loaded.metadata.get("strategy", self.strategy.name) == self.strategy.name)
@@ -412,27 +433,9 @@ class TrainingState:
             raise CheckpointError(f"checkpoint {path} has no optimizer state for rank {self.rank} of "
                                   f"{self.world_size} ({self.strategy.name} keeps it per rank); resume with "
                                   f"{saved_world} slots and the same sync.strategy")
-        for model, state in zip(self.models, rank_state.get("models", loaded.models), strict=True):
-            self.strategy.load_model_state_dict(model, state)
-        optimizer_states = rank_state.get("optimizers", loaded.optimizers)
-        n_opt = len(self.optimizers)
-        for opt, state in zip(self.optimizers, optimizer_states[:n_opt], strict=True):
-            opt.load_state_dict(state)
-        for sched, state in zip(self.schedulers, optimizer_states[n_opt:], strict=False):
-            sched.load_state_dict(state)
-        if self.precision is not None:
-            self.precision.load_state_dict(loaded.trainer_state.get("precision", {}))
-        if same_layout:
-            set_rng_state(rank_state["rng"])
-            self.strategy.load_state_dict(rank_state.get("strategy", {}))
-        elif self.rank == 0:
-            log.warning("checkpoint %s was written by %s slot(s), this job has %d: weights, optimizer state and "
-                        "the data position are restored exactly; only per-slot random streams (e.g. dropout) "
-                        "are reseeded, so stochastic layers draw differently than in an uninterrupted run",
-                        path, saved_world, self.world_size)
         extra = dict(loaded.trainer_state.get("extra", {}))
         rank_extra = dict(rank_state.get("extra", {})) if same_layout else None
-        return Restored(path, extra, rank_extra, same_layout)
+        return PendingRestore(path, loaded, rank_state, Restored(path, extra, rank_extra, same_layout))
 
     def _check_counts(self, loaded: LoadedCheckpoint, path: Path) -> None:
         if len(loaded.models) != len(self.models):
@@ -453,3 +456,70 @@ def resolve(path: Path) -> Path:
     if not (path / "metadata.json").exists():
         raise CheckpointError(f"{path} is not a dtrain checkpoint (no metadata.json); pass a checkpoint folder")
     return path
+
+
+@dataclass
+class PendingRestore:
+    """A checkpoint read and verified, applied to models, optimizers and schedulers as they get wrapped.
+
+    Per-rank state (RNG streams, the strategy's state, the loss scaler) is applied once every saved model
+    is in place: a loop that loads before building its model would otherwise draw that model's
+    initialisation from the restored RNG streams and shift every later draw.
+    """
+
+    path: Path
+    loaded: LoadedCheckpoint
+    rank_state: dict[str, Any]
+    restored: Restored
+    models_done: int = 0
+    optimizers_done: int = 0
+    schedulers_done: int = 0
+    rank_state_done: bool = False
+
+    def missing(self) -> str | None:
+        """What the loop has not wrapped yet that the checkpoint holds, or None once it is all applied."""
+        n_models = len(self.rank_state.get("models", self.loaded.models))
+        if self.models_done < n_models:
+            return f"{n_models} model(s), {self.models_done} wrapped"
+        if self.loaded.optimizers and not self.optimizers_done:
+            return "optimizer state, no optimizer wrapped"
+        return None
+
+    def apply(self, state: TrainingState) -> None:
+        """Apply what ``state`` now has room for (call again after wrapping more)."""
+        model_states = self.rank_state.get("models", self.loaded.models)
+        if len(state.models) > len(model_states):
+            raise CheckpointError(f"checkpoint {self.path} holds {len(model_states)} model(s) but this code wrapped "
+                                  f"{len(state.models)}; resume with the same training code")
+        for model, saved in zip(state.models[self.models_done:], model_states[self.models_done:], strict=False):
+            state.strategy.load_model_state_dict(model, saved)
+        self.models_done = len(state.models)
+        optimizer_states = self.rank_state.get("optimizers", self.loaded.optimizers)
+        n_opt = len(state.optimizers)
+        if n_opt > len(optimizer_states):
+            raise CheckpointError(f"checkpoint {self.path} holds {len(optimizer_states)} optimizer state(s) but this "
+                                  f"code wrapped {n_opt}; resume with the same training code")
+        for opt, saved in zip(state.optimizers[self.optimizers_done:], optimizer_states[self.optimizers_done:n_opt],
+                              strict=False):
+            opt.load_state_dict(saved)
+        self.optimizers_done = n_opt
+        scheduler_states = optimizer_states[n_opt:]
+        for sched, saved in zip(state.schedulers[self.schedulers_done:], scheduler_states[self.schedulers_done:],
+                                strict=False):
+            sched.load_state_dict(saved)
+        self.schedulers_done = min(len(state.schedulers), len(scheduler_states))
+        if not self.rank_state_done and self.models_done == len(model_states):
+            self._apply_rank_state(state)
+
+    def _apply_rank_state(self, state: TrainingState) -> None:
+        self.rank_state_done = True
+        if state.precision is not None:
+            state.precision.load_state_dict(self.loaded.trainer_state.get("precision", {}))
+        if self.restored.same_layout:
+            set_rng_state(self.rank_state["rng"])
+            state.strategy.load_state_dict(self.rank_state.get("strategy", {}))
+        elif state.rank == 0:
+            log.warning("checkpoint %s was written by %s slot(s), this job has %d: weights, optimizer state and "
+                        "the data position are restored exactly; only per-slot random streams (e.g. dropout) "
+                        "are reseeded, so stochastic layers draw differently than in an uninterrupted run",
+                        self.path, self.loaded.metadata.get("world_size"), state.world_size)

@@ -19,9 +19,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{PROG}: error: {message}; see '{self.prog} --help'\n")
 
 
+DEBUG_HELP = "show tracebacks and the agent's own logs (accepted before or after the command)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Synchronous data-parallel PyTorch training on N slots.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks and the agent's own logs")
+    parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="train an experiment config on N slots")
@@ -71,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
 
+    report = sub.add_parser("report", help="(re)build a run's report.html and print its time table")
+    report.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
+    report.add_argument("--quiet", action="store_true", help="print only the report's path")
+
     from dtrain import cluster  # light: no torch
 
     cluster.add_parsers(sub, _positive_int)  # dtrain k8s / dtrain slurm
@@ -80,7 +87,16 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--max-restarts", type=int, default=0)
     launch.add_argument("script", help="Python script that calls dtrain.init()")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    _global_flags_anywhere(sub)
     return parser
+
+
+def _global_flags_anywhere(sub: argparse._SubParsersAction) -> None:
+    """``--debug`` after the command too (``dtrain run CONFIG --debug``), on every subcommand, wherever it
+    was added. SUPPRESS as default: a subcommand that does not see the flag leaves the top-level value."""
+    for command in sub.choices.values():
+        if not any("--debug" in action.option_strings for action in command._actions):
+            command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
 
 
 def _add_node_args(parser: argparse.ArgumentParser) -> None:
@@ -122,10 +138,13 @@ def _step_count(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _check_config_path(getattr(args, "config", None))
         return _dispatch(args)
     except UserError as exc:
-        if args.debug:
-            raise
+        if args.debug:  # the traceback, then the same line and exit code as without --debug
+            import traceback
+
+            traceback.print_exc()
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
@@ -133,9 +152,19 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def _check_config_path(config: Path | None) -> None:
+    """A folder given where the experiment YAML goes: say so (the loader would call it missing)."""
+    if isinstance(config, Path) and config.is_dir():
+        found = sorted(p.name for p in config.iterdir() if p.suffix in (".yaml", ".yml"))
+        hint = f" (there: {', '.join(found[:4])})" if found else ""
+        raise UserError(f"config {str(config)!r} is a directory; pass the experiment YAML file itself{hint}")
+
+
 def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return cmd_run(args)
+    if args.command == "report":
+        return cmd_report(args)
     if args.command == "launch":
         return cmd_launch(args)
     if args.command in ("k8s", "slurm"):
@@ -175,7 +204,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         overrides.append(f"resources.slots_per_trial={args.slots}")
     plan = runs.prepare(args.config, overrides, run_dir=args.run_dir, resume=args.resume,
                         nodes=runs.NodeArgs.from_args(args))
-    if plan.chief:
+    if plan.chief and not args.quiet:  # quiet: the one closing line names it
         print(f"{PROG}: run directory {plan.run_dir}", flush=True)
     start = time.perf_counter()
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -203,7 +232,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     from dtrain.summary import print_run_summary
 
     if plan.chief:  # one report per job, not one per node or worker
-        print_run_summary(plan.run_dir, time.perf_counter() - start)
+        print_run_summary(plan.run_dir, time.perf_counter() - start, quiet=args.quiet)
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from dtrain.report import RUN_FILES, write_report
+    from dtrain.summary import print_profile
+
+    run_dir: Path = args.run_dir
+    if not run_dir.is_dir():
+        raise UserError(f"{str(run_dir)!r} is not a directory; pass a run directory made by 'dtrain run'")
+    if not any((run_dir / name).is_file() for name in RUN_FILES):
+        raise UserError(f"{str(run_dir)!r} is not a run directory (none of {', '.join(RUN_FILES)}); pass a "
+                        "directory made by 'dtrain run'")
+    path = write_report(run_dir)
+    if not args.quiet:
+        print_profile(run_dir)
+    print(f"{PROG}: report {path}")
     return 0
 
 

@@ -7,12 +7,17 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
-from collections.abc import Iterator, Mapping
+import random
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -20,14 +25,17 @@ from torch.utils.data import DataLoader, Dataset
 from dtrain import checkpoint, data
 from dtrain import dist as ddist
 from dtrain.config import ExperimentConfig
-from dtrain.errors import UserError
+from dtrain.errors import CheckpointError, UserError
 from dtrain.metrics import MeanAccumulator
 from dtrain.precision import Precision
 from dtrain.profiling import NULL_RECORDER, DDPTiming, StepTimer
+from dtrain.rollcall import RollCall
 from dtrain.sync import SyncStrategy, build_strategy
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=nn.Module)
+Split = Literal["train", "eval"]
+_warned_shuffle = False  # the deprecated ``shuffle=`` of ctx.loader warns once per process
 
 
 class DistributedContext:
@@ -60,6 +68,13 @@ class DistributedContext:
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_schedulers: list[Any] = []
         self._samplers: list[data.ResumableDistributedSampler] = []
+        # Optimizer steps taken (names checkpoints saved without ``batches``; restored with them).
+        self.optimizer_steps = 0
+        # A checkpoint loaded before its models/optimizers were wrapped: applied as they are.
+        self._pending: checkpoint.PendingRestore | None = None
+        self.rollcall = RollCall(self.rank, self.world_size, timeout_seconds)
+        if self.rollcall.active:
+            atexit.register(_close_quietly, self.rollcall)  # a script that ends without ctx.close()
 
     # ------------------------------------------------------------------------------------------ where
     @property
@@ -97,16 +112,19 @@ class DistributedContext:
         self.precision.wrap_forward(model)
         wrapped = self.strategy.setup_model(model)
         self.models.append(wrapped)
+        self._apply_pending()
         return wrapped  # type: ignore[return-value]
 
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         optimizer = self.strategy.setup_optimizer(optimizer)
         self.optimizers.append(optimizer)
+        self._apply_pending()
         return optimizer
 
     def wrap_lr_scheduler(self, scheduler: Any) -> Any:
         """Register an LR scheduler so that checkpoints save and restore it; you still call ``step()``."""
         self.lr_schedulers.append(scheduler)
+        self._apply_pending()
         return scheduler
 
     def setup(self, model: M, *optimizers: torch.optim.Optimizer) -> Any:
@@ -122,21 +140,55 @@ class DistributedContext:
         return self.precision.autocast()
 
     # ---------------------------------------------------------------------------------------- data
-    def loader(self, dataset: Dataset, batch_size: int, shuffle: bool = True, num_workers: int = 0) -> DataLoader:
-        """A per-slot loader over this slot's shard. ``batch_size`` is per slot.
+    def loader(self, dataset: Dataset, batch_size: int, split: Split | None = None, num_workers: int = 0, *,
+               pin_memory: bool | None = None, drop_last: bool | None = None,
+               collate_fn: Callable[[list[Any]], Any] | None = None, persistent_workers: bool = False,
+               prefetch_factor: int | None = None, shuffle: bool | None = None, **options: Any) -> DataLoader:
+        """A DataLoader over this slot's shard of ``dataset``; ``batch_size`` is per slot.
 
-        With ``shuffle`` (training), every slot draws the same seeded permutation and takes its share, full
-        batches only; call :meth:`set_epoch` each epoch. Without it (evaluation), each record is seen once.
-        Slots are the training ranks (a parameter server's servers hold no data).
+        ``split="train"`` (default): every slot draws the same seeded permutation (``seed`` of
+        :func:`dtrain.init`) and takes its share; call :meth:`set_epoch` each epoch. Every slot gets the
+        same number of batches. With ``drop_last`` (default) only full global batches are used, so N slots
+        x B/N train exactly as 1 slot x B; ``drop_last=False`` keeps the epoch's tail as one last, smaller
+        batch per slot, padded with repeated records as torch's ``DistributedSampler`` does (that batch
+        then differs from one slot's).
+        ``split="eval"``: each record exactly once across slots, in order; shards and last batches may be
+        uneven, so weight metrics by batch size in :meth:`reduce`.
+        ``pin_memory`` defaults to on with CUDA; ``num_workers``, ``collate_fn``, ``persistent_workers``,
+        ``prefetch_factor`` and further ``options`` go to the DataLoader as given. ``shuffle`` is the old
+        name of ``split`` (True: train, False: eval), kept for now.
         """
+        split = self._split(split, shuffle)
         dp_rank, dp_world = self.strategy.dp_rank, self.strategy.dp_world
-        pin = self.device.type == "cuda"
-        if not shuffle:
-            return data.eval_loader(dataset, batch_size, dp_rank, dp_world, num_workers, pin_memory=pin)
-        loader, sampler = data.train_loader(dataset, batch_size, dp_rank, dp_world, self.seed, num_workers,
-                                            pin_memory=pin)
+        pin = self.device.type == "cuda" if pin_memory is None else pin_memory
+        kwargs = dict(num_workers=num_workers, pin_memory=pin, collate_fn=collate_fn,
+                      persistent_workers=persistent_workers, prefetch_factor=prefetch_factor, **options)
+        if split == "eval":
+            return data.eval_loader(dataset, batch_size, dp_rank, dp_world, drop_last=bool(drop_last), **kwargs)
+        loader, sampler = data.train_loader(dataset, batch_size, dp_rank, dp_world, self.seed,
+                                            drop_last=drop_last is not False, **kwargs)
+        sampler.on_epoch_start = self.rollcall.epoch_started
         self._samplers.append(sampler)
         return loader
+
+    @staticmethod
+    def _split(split: Any, shuffle: bool | None) -> Split:
+        global _warned_shuffle
+        if isinstance(split, bool):  # ctx.loader(data, 32, False): the old positional shuffle
+            shuffle, split = split, None
+        if shuffle is not None:
+            if split is not None:
+                raise UserError("ctx.loader: give split= or the deprecated shuffle=, not both")
+            if not _warned_shuffle:
+                _warned_shuffle = True
+                warnings.warn("ctx.loader(shuffle=...) is deprecated: use split='train' (shuffle=True) or "
+                              "split='eval' (shuffle=False, every record once)", FutureWarning, stacklevel=3)
+            return "train" if shuffle else "eval"
+        if split is None:
+            return "train"
+        if split not in ("train", "eval"):
+            raise UserError(f"ctx.loader: split must be 'train' or 'eval', got {split!r}")
+        return split
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle every training loader made by :meth:`loader` for ``epoch``."""
@@ -177,6 +229,9 @@ class DistributedContext:
         are unscaled first and a step that overflowed on any rank is skipped on every rank."""
         if not self.sync_gradients:
             return
+        if self._pending is not None:
+            self._check_pending_applied()
+        self.optimizer_steps += 1
         timer, strategy, precision = self.timer, self.strategy, self.precision
         comm = "comm_exposed" if strategy.exchanges_in_step else "optimizer"
         skip = False
@@ -216,21 +271,67 @@ class DistributedContext:
         return checkpoint.TrainingState(self.strategy, self.models, self.optimizers, self.lr_schedulers,
                                         self.precision, self.rank, self.world_size)
 
-    def save_checkpoint(self, directory: str | Path, batches: int, extra: Mapping[str, Any] | None = None,
-                        keep_last: int = 2, rank_extra: Mapping[str, Any] | None = None) -> Path:
-        """Collective (every rank calls it): save wrapped models, optimizers, schedulers and ``extra``
-        (chief's) under ``directory/<batches>``; ``rank_extra`` is kept per rank."""
-        return self.training_state().save(Path(directory), batches, dict(extra or {}), keep_last,
-                                          dict(rank_extra or {}))
+    def save_checkpoint(self, directory: str | Path, batches: int | None = None,
+                        extra: Mapping[str, Any] | None = None, keep_last: int = 2,
+                        rank_extra: Mapping[str, Any] | None = None) -> Path:
+        """Save wrapped models, optimizers, schedulers, RNG streams and ``extra`` under
+        ``directory/<batches>`` (default: the optimizer steps taken so far) and return that folder.
+
+        **Every rank calls it** (it is collective; rank 0 writes the shared files, each rank its own RNG
+        state). Called under ``if rank == 0`` it fails in seconds, naming the ranks that went on without
+        it, instead of hanging. The folder appears complete or not at all; ``keep_last`` are kept.
+        ``extra`` (rank 0's) comes back from :meth:`load_checkpoint`; ``rank_extra`` is kept per rank.
+        """
+        self.rollcall.arrive()
+        steps = self.optimizer_steps
+        return self.training_state().save(Path(directory), steps if batches is None else batches,
+                                          dict(extra or {}), keep_last, dict(rank_extra or {}),
+                                          optimizer_steps=steps)
 
     def load_checkpoint(self, path: str | Path) -> dict[str, Any]:
-        """Restore models, optimizers, schedulers and RNG from a checkpoint folder (or a folder holding
-        ``latest``); returns the ``extra`` mapping that was saved with it."""
-        return self.training_state().restore(Path(path)).extra
+        """Restore models, optimizers, schedulers and RNG streams from a checkpoint folder (or a folder
+        holding ``latest``); returns the ``extra`` mapping saved with it.
+
+        Call it before or after :meth:`setup`: what is not wrapped yet is restored when it gets wrapped
+        (a step taken before then is an error). Every rank loads, from files every rank can read.
+        """
+        pending = self.training_state().pending_restore(Path(path))
+        self._pending = pending
+        steps = pending.loaded.trainer_state.get("optimizer_steps")
+        self.optimizer_steps = int(steps) if steps is not None else self.optimizer_steps
+        self._apply_pending()
+        return pending.restored.extra
+
+    @staticmethod
+    def latest_checkpoint(directory: str | Path) -> Path | None:
+        """The newest complete checkpoint folder under ``directory``, or None (no folder, none saved yet):
+        ``if (ckpt := ctx.latest_checkpoint(d)): ctx.load_checkpoint(ckpt)``."""
+        return checkpoint.newest_complete(Path(directory))
+
+    def _apply_pending(self) -> None:
+        if self._pending is not None:
+            self._pending.apply(self.training_state())
+
+    def _check_pending_applied(self) -> None:
+        pending, self._pending = self._pending, None  # from the first step on, later wraps are new objects
+        missing = pending.missing() if pending is not None else None
+        if missing is not None:
+            raise CheckpointError(f"checkpoint {pending.path} was loaded but not fully applied before the first "
+                                  f"optimizer step ({missing}): wrap every model and optimizer (ctx.setup) "
+                                  "before training")
+
+    # --------------------------------------------------------------------------------- randomness
+    def rank_generator(self, device: str | torch.device | None = None) -> torch.Generator:
+        """A torch.Generator of its own for this rank, seeded from ``seed`` and the rank: for per-rank
+        randomness (noise, augmentation, synthetic data) that must differ between ranks. The global RNGs
+        are seeded alike on every rank by :func:`init`. Same seed and rank, same stream."""
+        generator = torch.Generator(device=device if device is not None else "cpu")
+        return generator.manual_seed(rank_seed(self.seed, self.rank))
 
     def close(self) -> None:
         """Leave the job. The wrapped models go first: a DDP (and its reducer) outliving the process group
         can deadlock Gloo's teardown, which joins threads that need the Python lock."""
+        self.rollcall.close()
         self.models.clear()
         self.optimizers.clear()
         self.lr_schedulers.clear()
@@ -251,7 +352,11 @@ class TrialContext(DistributedContext):
                          warmup_steps=config.profiling.warmup_steps, precision=config.precision)
         self.config = config
         # Slots that train: all of them, except a parameter server's server ranks.
-        self.per_slot_batch_size = data.per_slot_batch_size(config.global_batch_size, self.strategy.dp_world)
+        # The launcher warned about a remainder before any worker started; only a count it could not know
+        # (a parameter server's servers hold no data) is worth saying again, by the chief.
+        dp_world = self.strategy.dp_world
+        warn = self.is_chief and dp_world != config.resources.slots_per_trial
+        self.per_slot_batch_size = data.per_slot_batch_size(config.global_batch_size, dp_world, warn=warn)
 
     def get_hparams(self) -> dict[str, Any]:
         return dict(self.config.hyperparameters)
@@ -274,14 +379,36 @@ class TrialContext(DistributedContext):
         return self.config
 
 
-def init(backend: str = "auto", timeout_seconds: float = 300.0, seed: int = 0,
-         precision: str = "32-true") -> DistributedContext:
+def rank_seed(seed: int, rank: int) -> int:
+    """A 63-bit seed for ``rank``'s own stream, decorrelated from the others (numpy's SeedSequence)."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(2, np.uint64)[0] >> np.uint64(1))
+
+
+def init(backend: str = "auto", timeout_seconds: float = 300.0, seed: int = 0, precision: str = "32-true",
+         quiet: bool = False) -> DistributedContext:
     """Join the job started by ``dtrain launch`` / ``torchrun`` (or a world of one) and return its context.
 
-    ``seed`` seeds torch's global RNG identically on every rank (so weights start equal) and the loaders'
-    shuffling; ``precision`` is one of ``32-true``, ``tf32``, ``bf16-mixed``, ``16-mixed`` (CUDA).
+    ``seed`` seeds torch's, numpy's and Python's global RNGs **alike on every rank** (so models start
+    equal), and the training loaders' shuffling; for randomness that must differ between ranks use
+    :meth:`DistributedContext.rank_generator`. Rank 0 says so in one line on stderr (``quiet`` silences it).
+    ``precision`` is one of ``32-true``, ``tf32``, ``bf16-mixed``, ``16-mixed`` (CUDA); ``timeout_seconds``
+    bounds every collective.
     """
     torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
     # No step profiler: an own loop does not mark its steps, so timing hooks would cost without telling.
-    return DistributedContext(backend=backend, timeout_seconds=timeout_seconds, seed=seed, precision=precision,
-                              profile=False)
+    ctx = DistributedContext(backend=backend, timeout_seconds=timeout_seconds, seed=seed, precision=precision,
+                             profile=False)
+    message = (f"seed {seed}: torch, numpy and random global RNGs seeded alike on all {ctx.world_size} rank(s) "
+               "(equal initial weights, equal draws); ctx.rank_generator() gives each rank its own stream")
+    log.info("%s", message)
+    if ctx.is_chief and not quiet:
+        print(f"dtrain: {message}", file=sys.stderr, flush=True)
+    return ctx
+
+
+def _close_quietly(rollcall: RollCall) -> None:
+    # At exit the store may be gone already; then nothing waits on this rank's record either.
+    with contextlib.suppress(Exception):
+        rollcall.close()

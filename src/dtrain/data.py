@@ -8,7 +8,7 @@ global batch a single slot would see at step i. That is what makes 1 x B and N x
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sized
+from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
@@ -19,15 +19,16 @@ from dtrain.errors import DataError
 log = logging.getLogger(__name__)
 
 
-def per_slot_batch_size(global_batch_size: int, slots: int) -> int:
-    """global // slots; the remainder is dropped with a warning; fewer records than slots is an error."""
+def per_slot_batch_size(global_batch_size: int, slots: int, warn: bool = True) -> int:
+    """global // slots; the remainder is dropped with a warning (``warn``: the launcher gives it once, before
+    any worker starts); fewer records than slots is an error."""
     if global_batch_size < slots:
         raise DataError(
             f"global_batch_size {global_batch_size} is smaller than slots_per_trial {slots}: every slot needs "
             f"at least one record; raise hyperparameters.global_batch_size to >= {slots} or use fewer slots"
         )
     per_slot = global_batch_size // slots
-    if global_batch_size % slots:
+    if global_batch_size % slots and warn:
         log.warning(
             "global_batch_size %d is not divisible by %d slots: each slot gets %d records, so the effective "
             "global batch is %d (%d dropped per step); use a multiple of %d to avoid this",
@@ -43,9 +44,11 @@ class ResumableDistributedSampler(DistributedSampler):
     such offset (torchdata's StatefulDataLoader does, but is an extra dependency for one integer).
     """
 
-    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int) -> None:
-        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    def __init__(self, dataset: Sized, num_replicas: int, rank: int, seed: int, drop_last: bool = True) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=seed, drop_last=drop_last)
         self.start_index = 0
+        # Called with the epoch each time an epoch's iteration starts (the context's roll call listens).
+        self.on_epoch_start: Callable[[int], None] | None = None
         # The DataLoader draws its workers' base seed from a generator each time an iterator is made. With
         # the default (global) RNG, making an iterator mid-epoch on resume would shift every later random
         # draw (dropout...). A private generator, reseeded per epoch, keeps the global stream untouched.
@@ -57,6 +60,8 @@ class ResumableDistributedSampler(DistributedSampler):
         self.loader_generator.manual_seed(self.seed + 1_000_003 * (epoch + 1))
 
     def __iter__(self) -> Iterator[int]:
+        if self.on_epoch_start is not None:
+            self.on_epoch_start(self.epoch)
         indices = list(super().__iter__())
         return iter(indices[self.start_index :])
 
@@ -93,28 +98,69 @@ def _check_size(dataset: Any, what: str, minimum: int, hint: str) -> int:
     return size
 
 
+# DataLoader options dtrain owns: the sampler decides what each slot sees, and its own generator keeps
+# the global RNG stream untouched (see ResumableDistributedSampler).
+_OWNED = ("sampler", "batch_sampler", "shuffle", "generator", "batch_size")
+
+
+def loader_options(num_workers: int = 0, pin_memory: bool = False, collate_fn: Callable[..., Any] | None = None,
+                   persistent_workers: bool = False, prefetch_factor: int | None = None,
+                   **extra: Any) -> dict[str, Any]:
+    """The DataLoader keyword arguments a user may set, checked with one-line errors (torch's own are
+    multi-line ValueErrors raised only when the loader is built)."""
+    owned = sorted(set(extra) & set(_OWNED))
+    if owned:
+        raise DataError(f"ctx.loader sets {', '.join(owned)} itself (it shards the data across slots); drop "
+                        f"{'it' if len(owned) == 1 else 'them'} and use split='train' or split='eval'")
+    if num_workers < 0:
+        raise DataError(f"num_workers must be >= 0, got {num_workers}")
+    if num_workers == 0 and (persistent_workers or prefetch_factor is not None):
+        given = "persistent_workers" if persistent_workers else "prefetch_factor"
+        raise DataError(f"{given} needs background loader processes: set num_workers >= 1")
+    options: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory, **extra}
+    if collate_fn is not None:
+        options["collate_fn"] = collate_fn
+    if persistent_workers:
+        options["persistent_workers"] = True
+    if prefetch_factor is not None:
+        options["prefetch_factor"] = prefetch_factor
+    return options
+
+
 def train_loader(
     dataset: Dataset, per_slot: int, rank: int, world_size: int, seed: int, num_workers: int = 0,
-    pin_memory: bool = False,
+    pin_memory: bool = False, drop_last: bool = True, **options: Any,
 ) -> tuple[DataLoader, ResumableDistributedSampler]:
-    """Shuffled, sharded, full batches only (a short last batch would break 1-vs-N equivalence).
-    ``pin_memory`` (for CUDA) lets host-to-device copies run asynchronously."""
+    """Shuffled and sharded; every slot gets the same number of batches (or DDP would wait forever).
+
+    ``drop_last=True`` (dtrain's default): full global batches only, so N slots x B/N see exactly the
+    batches 1 slot x B sees. ``drop_last=False`` is torch's ``DistributedSampler`` behaviour: the epoch's
+    tail becomes one last, smaller batch on every slot, padded with records from the epoch's start so the
+    slots stay in step; that batch differs from what one slot would see. ``pin_memory`` (for CUDA) lets
+    host-to-device copies run asynchronously; ``options`` go to the DataLoader (see :func:`loader_options`).
+    """
     global_batch = per_slot * world_size
-    _check_size(dataset, "training", global_batch,
-                f"one global batch needs {global_batch}; lower hyperparameters.global_batch_size")
-    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed)  # type: ignore[arg-type]
-    loader = DataLoader(dataset, batch_size=per_slot, sampler=sampler, drop_last=True, num_workers=num_workers,
-                        generator=sampler.loader_generator, pin_memory=pin_memory)
+    minimum = global_batch if drop_last else 1
+    _check_size(dataset, "training", minimum,
+                f"one global batch needs {global_batch}; lower the batch size" if drop_last else "add records")
+    sampler = ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed,  # type: ignore[arg-type]
+                                          drop_last=drop_last)
+    loader = DataLoader(dataset, batch_size=per_slot, sampler=sampler, drop_last=drop_last,
+                        generator=sampler.loader_generator,
+                        **loader_options(num_workers=num_workers, pin_memory=pin_memory, **options))
     return loader, sampler
 
 
 def eval_loader(dataset: Dataset, per_slot: int, rank: int, world_size: int, num_workers: int = 0,
-                pin_memory: bool = False) -> DataLoader:
+                pin_memory: bool = False, drop_last: bool = False, **options: Any) -> DataLoader:
+    """Every record exactly once across slots, in order; shards and last batches may be uneven, so weight
+    metrics by batch size (``ctx.reduce(metrics, weight=len(batch))``)."""
     _check_size(dataset, "validation", world_size, f"every one of the {world_size} slots needs at least one")
     sampler = ShardSampler(dataset, num_replicas=world_size, rank=rank)  # type: ignore[arg-type]
     # Own generator: validation must not consume the training RNG stream (see ResumableDistributedSampler).
-    return DataLoader(dataset, batch_size=per_slot, sampler=sampler, num_workers=num_workers,
-                      generator=torch.Generator().manual_seed(rank), pin_memory=pin_memory)
+    return DataLoader(dataset, batch_size=per_slot, sampler=sampler, drop_last=drop_last,
+                      generator=torch.Generator().manual_seed(rank),
+                      **loader_options(num_workers=num_workers, pin_memory=pin_memory, **options))
 
 
 def batches_per_epoch(dataset: Sized, global_batch: int) -> int:

@@ -28,15 +28,20 @@ from dtrain.errors import UserError
 from dtrain.render import pyplot
 
 REPORT_NAME = "report.html"
+TOP_RECOMMENDATIONS = 3
+# What a run directory holds that the page reads; a folder with none of them is not a run.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "profile.json")
 PHASE_COLORS = {"data": "#4e79a7", "forward": "#59a14f", "backward": "#8cd17d", "comm_exposed": "#e15759",
                 "optimizer": "#f28e2b", "other": "#bab0ac"}
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; padding: 0 1em; }
 h1 { margin-bottom: 0.2em; }
 h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 1.6em; }
-dl.facts { display: grid; grid-template-columns: max-content auto; gap: 0.2em 1em; }
+dl.facts { display: flex; flex-wrap: wrap; gap: 0.2em 0.4em; margin: 0.4em 0; color: #555; }
 dl.facts dt { font-weight: bold; }
-dl.facts dd { margin: 0; }
+dl.facts dt::after { content: ":"; }
+dl.facts dd { margin: 0 1em 0 0; }
+details summary { cursor: pointer; color: #4e79a7; }
 pre { background: #f6f8fa; padding: 1em; overflow-x: auto; font-size: 0.85em; }
 table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.9em; }
 th, td { border: 1px solid #ddd; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
@@ -82,8 +87,10 @@ def write_report(run_dir: Path) -> Path:
 def render_report(run_dir: Path) -> str:
     """The report page for ``run_dir`` as an HTML string (what :func:`write_report` writes)."""
     run = _load_run(Path(run_dir))
-    sections = [_header_section(run), _config_section(run), _breakdown_section(run), _throughput_section(run),
-                _curves_section(run), _doctor_section(run)]
+    # The answer first (the doctor's verdict and what to try), then where the time goes, then the curves;
+    # the config, which the reader wrote and knows, last and folded.
+    sections = [_header_section(run), _doctor_section(run), _breakdown_section(run), _throughput_section(run),
+                _curves_section(run), _config_section(run)]
     return _page(run.name, "\n".join(sections))
 
 
@@ -272,7 +279,12 @@ def _final_validation(run: _Run) -> str:
 
 
 def _config_section(run: _Run) -> str:
-    content = f"<pre>{_esc(run.config_text)}</pre>" if run.config_text is not None else _note("config.yaml is missing.")
+    if run.config_text is None:
+        content = _note("config.yaml is missing.")
+    else:
+        lines = len(run.config_text.splitlines())
+        content = (f"<details>\n<summary>The resolved config ({lines} lines of config.yaml)</summary>\n"
+                   f"<pre>{_esc(run.config_text)}</pre>\n</details>")
     return f'<section id="config">\n<h2>Config</h2>\n{content}\n</section>'
 
 
@@ -341,16 +353,16 @@ def _metric_series(records: list[dict[str, Any]], kind: str) -> dict[str, tuple[
 
 
 def _doctor_section(run: _Run) -> str:
-    title = '<section id="doctor">\n<h2>Doctor</h2>\n'
+    title = '<section id="doctor">\n<h2>Doctor\'s verdict</h2>\n'
     if run.profile is None:
-        return title + _note("The doctor needs profile.json; see the note at the top.") + "\n</section>"
+        return title + _note("The doctor needs profile.json; see the note above.") + "\n</section>"
     try:
         diagnosis = diagnose(run.profile)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a profile the doctor cannot model
         return title + _note(f"The doctor could not diagnose this profile: {exc!r}") + "\n</section>"
-    verdict = f'<p class="verdict">{_esc(diagnosis["verdict"])}</p>'
-    return (f"{title}{verdict}\n{_factor_table(diagnosis)}\n{_recommendation_list(diagnosis)}\n"
-            f"{_scaling_line(diagnosis)}\n</section>")
+    verdict = f'<p class="verdict" id="verdict">{_esc(diagnosis["verdict"])}</p>'
+    return (f"{title}{verdict}\n{_recommendation_list(diagnosis)}\n{_scaling_line(diagnosis)}\n"
+            f"<h3>Every factor</h3>\n{_factor_table(diagnosis)}\n</section>")
 
 
 def _factor_table(diagnosis: dict[str, Any]) -> str:
@@ -379,9 +391,11 @@ def _recommendation_list(diagnosis: dict[str, Any]) -> str:
     if not recs:
         return "<p>No config change is predicted to help by more than 2%.</p>"
     items = "".join(f"<li><code>{_esc(r['action'])}</code> ({_esc(_speedup(r['predicted_speedup']))}, "
-                    f"{_esc(r['factor'])})</li>" for r in recs)
+                    f"{_esc(r['factor'])})</li>" for r in recs[:TOP_RECOMMENDATIONS])
+    more = len(recs) - TOP_RECOMMENDATIONS
+    tail = f"<p>{more} more in the table below.</p>" if more > 0 else ""
     # The doctor's order, not re-sorted: it puts "fewer slots" first when more slots are slower than one.
-    return f"<h3>Recommendations</h3>\n<ol>{items}</ol>"
+    return f"<h3>Try first</h3>\n<ol>{items}</ol>{tail}"
 
 
 def _scaling_line(diagnosis: dict[str, Any]) -> str:

@@ -109,12 +109,16 @@ def prepare(config_path: Path, overrides: list[str], run_dir: Path | None, resum
     return RunPlan(config, target, resume_from)
 
 
-def _validate(config: ExperimentConfig, local_slots: int, resume: Path | None, started: bool = False) -> Path | None:
+def _validate(config: ExperimentConfig, local_slots: int, resume: Path | None, started: bool = False,
+              warn: bool = True) -> Path | None:
     """Every check that needs no other process: the trial imports, the batch splits, the backend,
     precision and process counts suit this machine (``started``: another launcher already started these
-    workers), the checkpoint to resume from is complete. Returns that checkpoint."""
+    workers), the checkpoint to resume from is complete. Returns that checkpoint. ``warn``: give the
+    warnings (once per job: not on every worker of an in-place run)."""
     load_trial_class(config.entrypoint, config.code_dir)
-    data.per_slot_batch_size(config.global_batch_size, config.resources.slots_per_trial)
+    # A parameter server's servers hold no data: its chief worker warns instead, with the training slots.
+    servers = registry.lookup(config.sync.strategy).has_server_ranks
+    data.per_slot_batch_size(config.global_batch_size, config.resources.slots_per_trial, warn=warn and not servers)
     _check_backend(config, local_slots)
     _check_machine(config, local_slots, started=started)
     return _resume_checkpoint(resume, config) if resume is not None else None
@@ -277,7 +281,7 @@ def _prepare_in_place(config_path: Path, overrides: list[str], run_dir: Path | N
             log.warning("%s started %d workers: resources.slots_per_trial %d is replaced by %d", cluster.source,
                         env.world_size, config.resources.slots_per_trial, env.world_size)
         config = load_config(config_path, [*overrides, f"resources.slots_per_trial={env.world_size}"])
-    resume_from = _validate(config, env.local_world_size, resume, started=True)
+    resume_from = _validate(config, env.local_world_size, resume, started=True, warn=env.is_chief)
     _set_interface_in_place(config, env.master_addr)
     store = _setup_store(env, config.resources.join_timeout_seconds, cluster)
     key = f"dtrain-setup/plan/{env.restart_count}"

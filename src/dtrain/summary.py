@@ -44,26 +44,40 @@ def short_verdict(profile: dict[str, Any], limit: int = 3) -> str:
     return "\n".join(lines)
 
 
-def print_run_summary(run_dir: Path, seconds: float) -> None:
+def print_run_summary(run_dir: Path, seconds: float, quiet: bool = False) -> None:
+    """The end of a run: throughput, the time-cost table, the doctor's verdict, the report's path; with
+    ``quiet`` one line (throughput, validation, report)."""
     path = run_dir / "summary.json"
     if not path.exists():
         return
     s = json.loads(path.read_text())
     val = "  ".join(f"{k} {v:.4f}" for k, v in s.get("validation", {}).items())
-    print(f"dtrain: done in {seconds:.1f}s: {s['batches']} batches on {s['slots']} slot(s), "
-          f"{s['samples_per_second']:,.0f} samples/s" + (f"; validation: {val}" if val else ""))
-    profile_path = run_dir / "profile.json"
-    if profile_path.exists():
-        profile = json.loads(profile_path.read_text())
-        if profile.get("profiled_steps", 0) > 0:
-            print(time_cost_table(profile), end="")
-            print(short_verdict(profile))
-        else:
-            print(f"dtrain: no step profiled ({profile.get('steps', 0)} steps, all within profiling.warmup_steps): "
-                  "train longer for a time-cost breakdown")
+    done = (f"dtrain: done in {seconds:.1f}s: {s['batches']} batches on {s['slots']} slot(s), "
+            f"{s['samples_per_second']:,.0f} samples/s" + (f"; validation: {val}" if val else ""))
     report = _write_report(run_dir)
+    if quiet:
+        print(done + (f"; report {report}" if report is not None else ""))
+        return
+    print(done)
+    if (run_dir / "profile.json").exists():  # profiling off: nothing to say about it here
+        print_profile(run_dir)
     if report is not None:
         print(f"dtrain: report {report}  (details: dtrain doctor {run_dir})")
+
+
+def print_profile(run_dir: Path) -> None:
+    """The time-cost table and the doctor's short verdict from ``RUN_DIR/profile.json``, or why not."""
+    profile_path = run_dir / "profile.json"
+    if not profile_path.exists():
+        print(f"dtrain: no profile.json in {run_dir}: no time table (profiling off, or the run did not finish)")
+        return
+    profile = json.loads(profile_path.read_text())
+    if profile.get("profiled_steps", 0) > 0:
+        print(time_cost_table(profile), end="")
+        print(short_verdict(profile))
+    else:
+        print(f"dtrain: no step profiled ({profile.get('steps', 0)} steps, all within profiling.warmup_steps): "
+              "train longer for a time-cost breakdown")
 
 
 def _write_report(run_dir: Path) -> Path | None:

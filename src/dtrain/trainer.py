@@ -62,10 +62,10 @@ class Trainer:
         self.global_batch = context.get_global_batch_size()
         workers = config.data_loader.num_workers
         train_set = trial.build_training_data()
-        self.loader = context.loader(train_set, self.per_slot, shuffle=True, num_workers=workers)
+        self.loader = context.loader(train_set, self.per_slot, split="train", num_workers=workers)
         self.sampler: data.ResumableDistributedSampler = self.loader.sampler  # type: ignore[assignment]
         val_set = trial.build_validation_data()
-        self.val_loader = (context.loader(val_set, self.per_slot, shuffle=False, num_workers=workers)
+        self.val_loader = (context.loader(val_set, self.per_slot, split="eval", num_workers=workers)
                            if val_set is not None else None)
         self.feeder = data.DeviceFeeder(context.device)
         self.synthetic_batch: Any = None

@@ -41,6 +41,11 @@ class PyTorchTrial(ABC):
         raise NotImplementedError("override evaluate_batch to validate")
 
 
+# Import names whose pip package is called something else (the usual surprises).
+PIP_NAMES = {"sklearn": "scikit-learn", "cv2": "opencv-python", "PIL": "pillow", "yaml": "pyyaml",
+             "skimage": "scikit-image", "bs4": "beautifulsoup4", "attr": "attrs", "google.protobuf": "protobuf"}
+
+
 def load_trial_class(entrypoint: str, code_dir: str) -> type[PyTorchTrial]:
     """Import ``module:Class`` from ``code_dir`` and check that it is a PyTorchTrial."""
     module_name, _, class_name = entrypoint.partition(":")
@@ -49,6 +54,13 @@ def load_trial_class(entrypoint: str, code_dir: str) -> type[PyTorchTrial]:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if missing and missing != module_name and not module_name.startswith(missing + "."):
+            # The trial's file was found; something it imports was not (a package not installed here).
+            top = missing.split(".")[0]
+            raise ConfigError(f"entrypoint {entrypoint!r}: module {module_name!r} imports {missing!r}, which is not "
+                              f"installed in this Python ({sys.executable}); install it: pip install "
+                              f"{PIP_NAMES.get(top, top)}") from None
         raise ConfigError(f"entrypoint {entrypoint!r}: cannot import module {exc.name!r} from {code_dir}; "
                           "check the module name and that the file sits beside the config") from None
     except Exception as exc:  # the user's module raised while importing

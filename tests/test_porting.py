@@ -1,0 +1,45 @@
+"""docs/porting.md: its diff is the files' diff, and the ported script runs under every launcher."""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+import pytest
+from helpers import ROOT, dtrain_cli, python_command
+
+TORCHRUN = ROOT / "examples" / "porting" / "torchrun_ddp.py"
+PORTED = ROOT / "examples" / "porting" / "dtrain_version.py"
+
+
+def _diff() -> str:
+    old, new = (p.read_text().splitlines(keepends=True) for p in (TORCHRUN, PORTED))
+    return "".join(difflib.unified_diff(old, new, str(TORCHRUN.relative_to(ROOT)), str(PORTED.relative_to(ROOT))))
+
+
+def test_the_documented_diff_is_the_diff_of_the_files():
+    doc = (ROOT / "docs" / "porting.md").read_text()
+    shown = re.search(r"```diff\n(.*?)```", doc, re.S)
+    assert shown is not None and shown.group(1) == _diff(), "regenerate the diff in docs/porting.md"
+    lines = _diff().splitlines()
+    added = sum(ln.startswith("+") and not ln.startswith("+++") for ln in lines)
+    removed = sum(ln.startswith("-") and not ln.startswith("---") for ln in lines)
+    assert f"({added} and {removed} with the docstrings)" in doc  # the numbers the page quotes
+
+
+@pytest.mark.slow
+def test_ported_script_runs_under_dtrain_launch_torchrun_and_python(tmp_path):
+    snapshots = str(tmp_path / "snapshots")
+    script = [str(PORTED), "--max-steps", "3", "--snapshot", snapshots]
+    launched = dtrain_cli("launch", "--slots", "2", *script, "--epochs", "1")
+    assert launched.code == 0, launched.stderr
+    assert "epoch 0: loss" in launched.stdout and "on 2 slot(s)" in launched.stdout
+    assert "seeded alike on all 2 rank(s)" in launched.stderr  # init says what it seeds
+    torchrun = python_command("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script,
+                              "--epochs", "2")
+    assert torchrun.code == 0, torchrun.stderr
+    assert "epoch 0:" not in torchrun.stdout and "epoch 1: loss" in torchrun.stdout  # resumed
+    alone = python_command(*script, "--epochs", "3")
+    assert alone.code == 0, alone.stderr
+    assert "epoch 1:" not in alone.stdout and "epoch 2: loss" in alone.stdout and "on 1 slot(s)" in alone.stdout
+    assert "was written by 2 slot(s), this job has 1" in alone.stderr  # resumed across slot counts
