@@ -110,6 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        from dtrain.supervise import Stopped  # light: no torch
+
+        if not isinstance(exc, Stopped) or args.debug:
+            raise
+        print(f"{PROG}: {args.command} stopped by {exc.signal_name}", file=sys.stderr)
+        return exc.exit_code
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -150,12 +157,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.slots is not None:
         overrides.append(f"resources.slots_per_trial={args.slots}")
-    plan = runs.prepare(args.config, overrides, run_dir=args.run_dir, resume=args.resume,
-                        nodes=runs.NodeArgs.from_args(args))
+    try:
+        plan = runs.prepare(args.config, overrides, run_dir=args.run_dir, resume=args.resume,
+                            nodes=runs.NodeArgs.from_args(args))
+    except runs.AlreadyFinished as done:
+        print(f"{PROG}: {done}")
+        return 0
     if plan.chief:
         print(f"{PROG}: run directory {plan.run_dir}", flush=True)
-    start = time.perf_counter()
-    failure = runs.execute(plan, quiet=args.quiet, debug=args.debug)
+    start, started = time.perf_counter(), time.time()
+    try:
+        failure = runs.execute(plan, quiet=args.quiet, debug=args.debug)
+    except runs.Stopped as stop:
+        line = runs.stop_line(plan, stop, args.config, started)
+        if line is not None:
+            print(line, file=sys.stderr)
+            return stop.exit_code
+        failure = None  # the signal came as the run was finishing: it did finish
     if failure is not None:
         if failure.user_error:
             raise UserError(failure.message)

@@ -46,6 +46,10 @@ class Resources(_Strict):
     join_timeout_seconds: float = Field(default=300.0, gt=0)
     # Collective timeout: torch's default is 30 minutes, far too long to notice a stuck peer.
     collective_timeout_seconds: float = Field(default=300.0, gt=0)
+    # On SIGTERM/SIGINT (a preemption: Kubernetes and Slurm send SIGTERM first), how long the ranks get to
+    # finish their step and write a checkpoint before they are killed. Keep it under the scheduler's own
+    # grace (Kubernetes' terminationGracePeriodSeconds defaults to 30 s, Slurm's GraceTime to 0).
+    preemption_grace_seconds: float = Field(default=25.0, gt=0, le=3600)
 
 
 class CheckpointStorage(_Strict):

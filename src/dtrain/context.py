@@ -25,6 +25,7 @@ from dtrain.metrics import MeanAccumulator
 from dtrain.precision import Precision
 from dtrain.profiling import NULL_RECORDER, DDPTiming, StepTimer
 from dtrain.sync import SyncStrategy, build_strategy
+from dtrain.watchdog import STATUS
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=nn.Module)
@@ -157,8 +158,12 @@ class DistributedContext:
         if self.aggregation_frequency > 1 and self.average_aggregated_gradients:
             loss = loss / self.aggregation_frequency
         loss = self.precision.scale(loss)
+        # Named for the launcher should a peer stop answering while this rank waits here.
+        STATUS.enter("backward (gradient all-reduce)" if self.sync_gradients and not self.strategy.exchanges_in_step
+                     else "backward")
         with self.timer.backward():
             loss.backward(**kwargs)
+        STATUS.enter("train_batch")
 
     @contextlib.contextmanager
     def gradient_sync(self, sync: bool) -> Iterator[None]:
@@ -184,8 +189,10 @@ class DistributedContext:
             # Unscale before the exchange, so that servers and averagers see true gradients.
             with timer.phase("optimizer", before="other"):
                 skip = precision.unscale_and_check(optimizer, strategy.dp_group)
+        STATUS.enter("gradient exchange" if strategy.exchanges_in_step else "optimizer step")
         with timer.phase(comm, before="other"):
             strategy.exchange_gradients(optimizer)
+        STATUS.enter("optimizer step")
         with timer.phase("optimizer", before="other"):
             if precision.scaler is not None and not strategy.exchanges_in_step:
                 skip = precision.unscale_and_check(optimizer, strategy.dp_group)
@@ -195,10 +202,12 @@ class DistributedContext:
             if not skip:
                 strategy.step(optimizer)
             precision.update()
+        STATUS.enter("weight sync" if strategy.exchanges_in_step else "optimizer step")
         with timer.phase(comm, before="other"):
             strategy.after_step(optimizer)  # before zero_grad: torch's averager skips grad-less params
         with timer.phase("optimizer", before="other"):
             optimizer.zero_grad(set_to_none=True)
+        STATUS.enter("train_batch")
 
     # --------------------------------------------------------------------------------------- metrics
     def reduce(self, metrics: Mapping[str, Any], weight: float = 1.0) -> dict[str, float]:

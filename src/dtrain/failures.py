@@ -52,23 +52,23 @@ class ErrorReport:
         return any(p in self.message for p in SECONDARY)
 
 
-def write_report(run_dir: Path, rank: int, exc: BaseException, user_error: bool, exit_code: int) -> None:
-    """Worker side: leave this rank's failure for the launcher."""
+def write_report(folder: Path, rank: int, exc: BaseException, user_error: bool, exit_code: int) -> None:
+    """Worker side: leave this rank's failure for the launcher in ``folder`` (a run's logs/)."""
     frames = traceback.extract_tb(exc.__traceback__)
     where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames and not user_error else ""
     report = ErrorReport(rank=rank, message=str(exc) if user_error else f"{type(exc).__name__}: {exc}", where=where,
                          time=time.time(), user_error=user_error, exit_code=exit_code)
-    (run_dir / "logs" / ERROR_FILE.format(rank=rank)).write_text(json.dumps(asdict(report)))
+    (folder / ERROR_FILE.format(rank=rank)).write_text(json.dumps(asdict(report)))
 
 
-def read_reports(run_dir: Path | None, own_ranks: set[int] | None = None) -> list[ErrorReport]:
-    """Launcher side: every rank's report; this node's own (``own_ranks``; None = all) are consumed, so a
-    later attempt or resume starts clean. On shared storage, other nodes' reports are left for their own
-    launchers to read."""
-    if run_dir is None:
+def read_reports(folder: Path | None, own_ranks: set[int] | None = None) -> list[ErrorReport]:
+    """Launcher side: every rank's report in ``folder``; this node's own (``own_ranks``; None = all) are
+    consumed, so a later attempt or resume starts clean. On shared storage, other nodes' reports are left
+    for their own launchers to read."""
+    if folder is None:
         return []
     reports = []
-    for path in (run_dir / "logs").glob(ERROR_FILE.format(rank="*")):
+    for path in folder.glob(ERROR_FILE.format(rank="*")):
         try:
             report = ErrorReport(**json.loads(path.read_text()))
         except (OSError, ValueError, TypeError):

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from dtrain import checkpoint
+from dtrain import checkpoint, watchdog
 from dtrain.config import load_config
 from dtrain.dist import DistEnv, read_env
 from dtrain.errors import UserError
@@ -58,8 +58,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume-from", type=Path)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
+    watchdog.die_with_launcher()  # first: a launcher killed during our imports must not leave us behind
     env = read_env()
     setup_logging(args.run_dir, env, args.quiet)
+    logs = args.run_dir / "logs"
+    # Under torchrun or srun (no dtrain launcher) the SIGTERM handling stays theirs.
+    watchdog.start(logs, env.rank, handle_signals=watchdog.LAUNCHER_PID_ENV in os.environ)
     try:
         config = load_config(args.run_dir / "config.yaml")
         resume = resume_point(args.run_dir, config.checkpoint_storage.path, args.resume_from, env)
@@ -68,12 +72,14 @@ def main(argv: list[str] | None = None) -> None:
         # Bad input found inside a worker (e.g. the trial's data): one line from the launcher, exit 2.
         _log_to_file_only()
         log.error("%s", exc)
-        write_report(args.run_dir, env.rank, exc, user_error=True, exit_code=exc.exit_code)
+        watchdog.publish_now()
+        write_report(logs, env.rank, exc, user_error=True, exit_code=exc.exit_code)
         sys.exit(exc.exit_code)
     except Exception as exc:
         _log_to_file_only()
-        log.exception("worker failed")
-        write_report(args.run_dir, env.rank, exc, user_error=False, exit_code=1)
+        log.exception("worker failed")  # the full text (Gloo's included) goes to this rank's log only
+        watchdog.publish_now()
+        write_report(logs, env.rank, exc, user_error=False, exit_code=1)
         sys.exit(1)
 
 
