@@ -177,7 +177,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     if failure is not None:
         if failure.user_error:
             raise UserError(failure.message)
-        print(f"{PROG}: error: worker rank {failure.rank} failed: {failure.message}", file=sys.stderr)
+        print(f"{PROG}: error: {failure.headline()}", file=sys.stderr)
         print(f"{PROG}: full log: {plan.run_dir / 'logs' / f'rank{failure.rank}.log'}; "
               f"resume with: dtrain run {args.config} --resume {plan.run_dir}", file=sys.stderr)
         return 1
@@ -227,7 +227,7 @@ def cmd_launch(args: argparse.Namespace) -> int:
     failure = launch([str(script), *args.args],
                      LaunchOptions(slots=args.slots, max_restarts=args.max_restarts, debug=args.debug))
     if failure is not None:
-        print(f"{PROG}: error: worker rank {failure.rank} failed: {failure.message}", file=sys.stderr)
+        print(f"{PROG}: error: {failure.headline()}", file=sys.stderr)
         return failure.exit_code if failure.user_error else 1
     return 0
 

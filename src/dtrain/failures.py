@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dtrain.culprit import Status, describe_death, explain_timeout, is_timeout
+
 ERROR_FILE = "error.rank{rank}.json"
 # Errors a rank gets because *another* rank died: never the root cause when a better candidate exists.
 SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
@@ -30,6 +32,11 @@ class Failure:
     exit_code: int
     message: str
     user_error: bool
+    # The message is a whole sentence about the job (it names the ranks itself), not one rank's error.
+    standalone: bool = False
+
+    def headline(self) -> str:
+        return self.message if self.standalone else f"worker rank {self.rank} failed: {self.message}"
 
 
 @dataclass(frozen=True)
@@ -79,22 +86,30 @@ def read_reports(folder: Path | None, own_ranks: set[int] | None = None) -> list
     return reports
 
 
-def root_cause(failures: dict[int, Any], reports: list[ErrorReport]) -> Failure | None:
-    """The failure to show, from the agent's per-rank ``failures`` (exit codes) and the reports: bad
-    input first, then the earliest genuine error, then a rank that died without a word (killed,
-    os._exit), and only then the peers' "connection closed" echoes. None: nothing to go on."""
+def root_cause(failures: dict[int, Any], reports: list[ErrorReport],
+               statuses: dict[int, Status] | None = None) -> Failure | None:
+    """The failure to show, from the agent's per-rank ``failures`` (exit codes), the reports and the ranks'
+    last ``statuses``: bad input first, then the earliest genuine error, then a collective that timed out
+    (blaming the rank it waited for, see :mod:`dtrain.culprit`), then a rank that died without a word
+    (killed, os._exit), and only then the peers' "connection closed" echoes. None: nothing to go on."""
+    statuses = statuses or {}
     user = [r for r in reports if r.user_error]
     if user:
         return min(user, key=lambda r: r.time).failure()
-    primary = [r for r in reports if not r.secondary]
+    timeouts = [r for r in reports if not r.secondary and is_timeout(r.message)]
+    primary = [r for r in reports if not r.secondary and r not in timeouts]
     if primary:
         return min(primary, key=lambda r: r.time).failure()
+    if timeouts:
+        first = min(timeouts, key=lambda r: r.time)
+        rank, line = explain_timeout(first.rank, first.message, first.time, {r.rank for r in timeouts}, statuses)
+        return Failure(rank, 1, line, user_error=False, standalone=True)
     reported = {r.rank for r in reports}
     for rank, failure in sorted(failures.items()):
         if rank not in reported and failure.exitcode not in _AGENT_KILL:
             how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
                    else f"exited with code {failure.exitcode} without raising an exception")
-            return Failure(rank, 1, how, user_error=False)
+            return Failure(rank, 1, describe_death(rank, how, statuses), user_error=False)
     if reports:
         return min(reports, key=lambda r: r.time).failure()
     return None

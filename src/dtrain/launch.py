@@ -26,6 +26,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtrain import watchdog
+from dtrain.culprit import read_statuses
 from dtrain.failures import Failure, read_reports, root_cause
 from dtrain.join import JoinError, NodeLaunch
 from dtrain.supervise import Stopped, Supervisor
@@ -134,7 +135,7 @@ def _status_dir(run_dir: Path | None) -> Iterator[Path]:
 
 def _root_cause(exc: ChildFailedError, status_dir: Path) -> Failure:
     """The one failure to show: see :func:`dtrain.failures.root_cause`."""
-    found = root_cause(exc.failures, read_reports(status_dir, own_ranks=set(exc.failures)))
+    found = root_cause(exc.failures, read_reports(status_dir, own_ranks=set(exc.failures)), read_statuses(status_dir))
     if found is not None:
         return found
     rank, failure = exc.get_first_failure()

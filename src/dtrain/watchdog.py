@@ -5,7 +5,7 @@
   own, so a kill of the launcher's process group would otherwise miss them.
 * :data:`STATUS`: where this rank is (batch, phase, since when). The step loop and the context update it
   with plain attribute writes (no lock, no syscall but a clock read); a background thread
-  (:class:`Watchdog`) publishes it once a second as ``status.rank<r>.json`` in the launcher's status
+  (:class:`Watchdog`) publishes it twice a second as ``status.rank<r>.json`` in the launcher's status
   folder, so that when a collective times out the launcher can name the rank that stopped and what the
   waiting rank was doing (:mod:`dtrain.culprit`).
 * :data:`STOP`: set when the launcher asks for a clean stop (SIGUSR1, after the launcher itself got
@@ -36,7 +36,7 @@ from typing import Any
 LAUNCHER_PID_ENV = "DTRAIN_LAUNCHER_PID"
 STATUS_DIR_ENV = "DTRAIN_STATUS_DIR"
 STATUS_FILE = "status.rank{rank}.json"
-PERIOD_SECONDS = 1.0
+PERIOD_SECONDS = 0.5
 CONFIRM_SECONDS = 1.0
 _PR_SET_PDEATHSIG = 1
 
@@ -62,7 +62,7 @@ class RankStatus:
 
     def __init__(self) -> None:
         self.batch: int | None = None
-        self.phase = "starting"
+        self.phase = "startup"
         self.since = time.time()
 
     def enter(self, phase: str, batch: int | None = None) -> None:
@@ -98,7 +98,7 @@ STOP = StopRequest()
 
 
 class Watchdog(threading.Thread):
-    """Publishes :data:`STATUS` every second and turns signals into :data:`STOP` or an exit."""
+    """Publishes :data:`STATUS` twice a second and turns signals into :data:`STOP` or an exit."""
 
     def __init__(self, status_dir: Path | None, rank: int, handle_signals: bool = True) -> None:
         super().__init__(name="dtrain-watchdog", daemon=True)
