@@ -100,8 +100,11 @@ def _positive_int(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from dtrain.supervise import terminate_as_stop  # light: no torch
+
     try:
-        return _dispatch(args)
+        with terminate_as_stop():  # a SIGTERM before any worker runs: one line too, not a silent death
+            return _dispatch(args)
     except UserError as exc:
         if args.debug:
             raise
@@ -224,7 +227,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise UserError(f"script {str(script)!r} does not exist; pass the path of a Python training script")
     if args.max_restarts < 0:
         raise UserError(f"--max-restarts must be >= 0, got {args.max_restarts}")
-    failure = launch([str(script), *args.args],
+    # Through dtrain.script_main: the script's exceptions are reported, its workers die with this process.
+    failure = launch(["-u", "-m", "dtrain.script_main", str(script), *args.args],
                      LaunchOptions(slots=args.slots, max_restarts=args.max_restarts, debug=args.debug))
     if failure is not None:
         print(f"{PROG}: error: {failure.headline()}", file=sys.stderr)

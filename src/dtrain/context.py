@@ -159,11 +159,12 @@ class DistributedContext:
             loss = loss / self.aggregation_frequency
         loss = self.precision.scale(loss)
         # Named for the launcher should a peer stop answering while this rank waits here.
+        before = STATUS.phase
         STATUS.enter("backward (gradient all-reduce)" if self.sync_gradients and not self.strategy.exchanges_in_step
                      else "backward")
         with self.timer.backward():
             loss.backward(**kwargs)
-        STATUS.enter("train_batch")
+        STATUS.enter(before)
 
     @contextlib.contextmanager
     def gradient_sync(self, sync: bool) -> Iterator[None]:
@@ -185,6 +186,7 @@ class DistributedContext:
         timer, strategy, precision = self.timer, self.strategy, self.precision
         comm = "comm_exposed" if strategy.exchanges_in_step else "optimizer"
         skip = False
+        before = STATUS.phase
         if precision.scaler is not None and strategy.exchanges_in_step:
             # Unscale before the exchange, so that servers and averagers see true gradients.
             with timer.phase("optimizer", before="other"):
@@ -207,7 +209,7 @@ class DistributedContext:
             strategy.after_step(optimizer)  # before zero_grad: torch's averager skips grad-less params
         with timer.phase("optimizer", before="other"):
             optimizer.zero_grad(set_to_none=True)
-        STATUS.enter("train_batch")
+        STATUS.enter(before)
 
     # --------------------------------------------------------------------------------------- metrics
     def reduce(self, metrics: Mapping[str, Any], weight: float = 1.0) -> dict[str, float]:

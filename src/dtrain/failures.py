@@ -59,10 +59,13 @@ class ErrorReport:
         return any(p in self.message for p in SECONDARY)
 
 
-def write_report(folder: Path, rank: int, exc: BaseException, user_error: bool, exit_code: int) -> None:
-    """Worker side: leave this rank's failure for the launcher in ``folder`` (a run's logs/)."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames and not user_error else ""
+def write_report(folder: Path, rank: int, exc: BaseException, user_error: bool, exit_code: int,
+                 where: str | None = None) -> None:
+    """Worker side: leave this rank's failure for the launcher in ``folder`` (a run's logs/); ``where``
+    defaults to the innermost frame."""
+    if where is None:
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames and not user_error else ""
     report = ErrorReport(rank=rank, message=str(exc) if user_error else f"{type(exc).__name__}: {exc}", where=where,
                          time=time.time(), user_error=user_error, exit_code=exit_code)
     (folder / ERROR_FILE.format(rank=rank)).write_text(json.dumps(asdict(report)))

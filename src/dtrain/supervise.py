@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,23 @@ class Stopped(Exception):
     @property
     def exit_code(self) -> int:
         return 128 + self.signum
+
+
+@contextlib.contextmanager
+def terminate_as_stop() -> Iterator[None]:
+    """Within: SIGTERM raises :class:`Stopped` (the supervisor takes over while workers run)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def children(pid: int | None = None) -> list[int]:
