@@ -144,9 +144,38 @@ def _commit(root: Path, tmp: Path, final: Path, payload: CheckpointPayload) -> N
 
 
 def _prune(root: Path, keep_last: int) -> None:
+    """Delete all but the ``keep_last`` newest checkpoints, and never the newest one with finite weights.
+
+    Each is first renamed to ``.deleting-N`` (one atomic step), then deleted: a crash midway leaves a
+    hidden folder, never a numbered one with files missing. Leftovers of earlier crashes (``.deleting-*``,
+    other saves' ``.tmp-*``) are removed here too.
+    """
     done = sorted((p for p in root.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
-    for old in done[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    keep = set(done[-keep_last:])
+    if not any(_finite(p) for p in keep):
+        keep |= set(_newest_finite(done))
+    for old in done:
+        if old in keep:
+            continue
+        doomed = root / f".deleting-{old.name}"
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    for leftover in [*root.glob(".deleting-*"), *root.glob(".tmp-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _finite(path: Path) -> bool:
+    """Whether a checkpoint's weights were all finite when saved (older checkpoints: assumed so)."""
+    try:
+        return bool(json.loads((path / "metadata.json").read_text()).get("finite", True))
+    except (OSError, ValueError):
+        return False
+
+
+def _newest_finite(done: list[Path]) -> list[Path]:
+    finite = [p for p in done if _finite(p)]
+    return finite[-1:]
 
 
 def latest(root: Path) -> Path | None:
@@ -253,7 +282,8 @@ class TrainingState:
                 trainer_state["precision"] = self.precision.state_dict()
             payload = CheckpointPayload(batches=batches, models=models, optimizers=self._optimizer_states(),
                                         trainer_state=trainer_state,
-                                        metadata={"world_size": self.world_size, "strategy": self.strategy.name})
+                                        metadata={"world_size": self.world_size, "strategy": self.strategy.name,
+                                                  "finite": _all_finite(models)})
         rank_state: dict[str, Any] = {"batches": batches, "rng": rng_state(), "extra": dict(rank_extra or {}),
                                       "strategy": self.strategy.state_dict()}
         if self.strategy.replicas_may_differ:
@@ -305,6 +335,13 @@ class TrainingState:
         if len(loaded.optimizers) < len(self.optimizers):
             raise CheckpointError(f"checkpoint {path} holds {len(loaded.optimizers)} optimizer state(s) but this "
                                   f"code wrapped {len(self.optimizers)}; resume with the same trial code")
+
+
+def _all_finite(states: list[dict[str, Any]]) -> bool:
+    """Whether every floating-point tensor of these state dicts is finite (checkpoint rotation keeps the
+    newest checkpoint for which this holds)."""
+    return all(bool(torch.isfinite(t).all()) for state in states for t in state.values()
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def resolve(path: Path) -> Path:

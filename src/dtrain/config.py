@@ -103,6 +103,10 @@ class Optimizations(_Strict):
     auto_tune_candidates_mb: list[float] = Field(default_factory=lambda: [1.0, 4.0, 16.0, 64.0])
     auto_tune_warmup_steps: int = Field(default=2, ge=0)
     auto_tune_steps_per_candidate: int = Field(default=5, ge=1)
+    # A nan/inf loss or gradient: fail (stop, naming the first rank and batch; no checkpoint with non-finite
+    # weights is written), or skip that update on every rank, failing after max_nonfinite_skips in a row.
+    on_nonfinite: Literal["fail", "skip"] = "fail"
+    max_nonfinite_skips: int = Field(default=10, ge=1)
 
     @model_validator(mode="after")
     def _check_candidates(self) -> Optimizations:

@@ -22,6 +22,7 @@ from dtrain import dist as ddist
 from dtrain.config import ExperimentConfig
 from dtrain.errors import UserError
 from dtrain.metrics import MeanAccumulator
+from dtrain.nonfinite import NonFiniteError, gradients_nonfinite
 from dtrain.precision import Precision
 from dtrain.profiling import NULL_RECORDER, DDPTiming, StepTimer
 from dtrain.sync import SyncStrategy, build_strategy
@@ -48,6 +49,11 @@ class DistributedContext:
         opts = config.optimizations if config is not None else None
         self.aggregation_frequency = opts.aggregation_frequency if opts is not None else 1
         self.average_aggregated_gradients = opts.average_aggregated_gradients if opts is not None else True
+        # optimizations.on_nonfinite: skip (None: the own-loop API, which leaves it to the user's code).
+        self.skip_nonfinite = opts is not None and opts.on_nonfinite == "skip"
+        self.max_nonfinite_skips = opts.max_nonfinite_skips if opts is not None else 0
+        self.nonfinite_skipped = False  # whether the last optimizer step was skipped for non-finite gradients
+        self.nonfinite_in_row = 0
         self.strategy: SyncStrategy = build_strategy(config, self.device,
                                                      self.timer.recorder if profile else NULL_RECORDER)
         if profile and hasattr(self.strategy, "timing"):
@@ -183,6 +189,7 @@ class DistributedContext:
         are unscaled first and a step that overflowed on any rank is skipped on every rank."""
         if not self.sync_gradients:
             return
+        self.nonfinite_skipped = False
         timer, strategy, precision = self.timer, self.strategy, self.precision
         comm = "comm_exposed" if strategy.exchanges_in_step else "optimizer"
         skip = False
@@ -198,6 +205,8 @@ class DistributedContext:
         with timer.phase("optimizer", before="other"):
             if precision.scaler is not None and not strategy.exchanges_in_step:
                 skip = precision.unscale_and_check(optimizer, strategy.dp_group)
+            if self.skip_nonfinite and precision.scaler is None and not strategy.has_server_ranks:
+                skip = self._skip_nonfinite(optimizer)
             if clip_grad_norm is not None:
                 params = [p for g in optimizer.param_groups for p in g["params"]]
                 torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
@@ -210,6 +219,19 @@ class DistributedContext:
         with timer.phase("optimizer", before="other"):
             optimizer.zero_grad(set_to_none=True)
         STATUS.enter(before)
+
+    def _skip_nonfinite(self, optimizer: torch.optim.Optimizer) -> bool:
+        """``on_nonfinite: skip``: the same verdict on every rank; fail after too many skips in a row."""
+        strategy = self.strategy
+        replicated = not (strategy.replicas_may_differ or strategy.per_rank_optimizer_state)
+        self.nonfinite_skipped = gradients_nonfinite(optimizer, strategy.dp_group, replicated, self.device)
+        self.nonfinite_in_row = self.nonfinite_in_row + 1 if self.nonfinite_skipped else 0
+        if self.nonfinite_in_row > self.max_nonfinite_skips:
+            raise NonFiniteError(f"non-finite gradients in {self.nonfinite_in_row} optimizer steps in a row, up to "
+                                 f"batch {STATUS.batch}: each was skipped (optimizations.on_nonfinite: skip) but "
+                                 f"optimizations.max_nonfinite_skips is {self.max_nonfinite_skips}; lower the learning "
+                                 "rate or clip gradients", None)
+        return self.nonfinite_skipped
 
     # --------------------------------------------------------------------------------------- metrics
     def reduce(self, metrics: Mapping[str, Any], weight: float = 1.0) -> dict[str, float]:

@@ -49,10 +49,13 @@ class ErrorReport:
     time: float
     user_error: bool
     exit_code: int
+    # The rank the failure is about when it is not the reporting one (all ranks stop on a non-finite loss
+    # that appeared on one of them).
+    blame: int | None = None
 
     def failure(self) -> Failure:
         message = self.message + (f" (at {self.where})" if self.where else "")
-        return Failure(self.rank, self.exit_code, message, self.user_error)
+        return Failure(self.rank if self.blame is None else self.blame, self.exit_code, message, self.user_error)
 
     @property
     def secondary(self) -> bool:
@@ -60,14 +63,14 @@ class ErrorReport:
 
 
 def write_report(folder: Path, rank: int, exc: BaseException, user_error: bool, exit_code: int,
-                 where: str | None = None) -> None:
+                 where: str | None = None, blame: int | None = None) -> None:
     """Worker side: leave this rank's failure for the launcher in ``folder`` (a run's logs/); ``where``
     defaults to the innermost frame."""
     if where is None:
         frames = traceback.extract_tb(exc.__traceback__)
         where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames and not user_error else ""
     report = ErrorReport(rank=rank, message=str(exc) if user_error else f"{type(exc).__name__}: {exc}", where=where,
-                         time=time.time(), user_error=user_error, exit_code=exit_code)
+                         time=time.time(), user_error=user_error, exit_code=exit_code, blame=blame)
     (folder / ERROR_FILE.format(rank=rank)).write_text(json.dumps(asdict(report)))
 
 

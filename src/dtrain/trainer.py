@@ -17,6 +17,7 @@ from dtrain.config import ExperimentConfig
 from dtrain.context import TrialContext
 from dtrain.dist import all_hostnames
 from dtrain.metrics import MeanAccumulator, MetricsWriter, truncate_metrics
+from dtrain.nonfinite import NonFiniteWatch
 from dtrain.profiling.clock import synchronized_now
 from dtrain.profiling.figures import build_profile, collect_rank_figures, run_facts
 from dtrain.progress import ProgressReporter
@@ -90,6 +91,10 @@ class Trainer:
         self._window_steps = 0
         self._iterating = False
         self.tuner = tuner_for_run(context, config.optimizations, run_dir)
+        # Non-finite losses: tracked on the device each step, compared across ranks where the loop syncs anyway.
+        self.nonfinite = NonFiniteWatch(context.device, context.strategy.dp_group)
+        self.fail_nonfinite = config.optimizations.on_nonfinite == "fail"
+        self.nonfinite_skips = 0
         self._group_start = 0.0
         self.writer = MetricsWriter(run_dir) if context.is_chief else None
         self.progress = ProgressReporter(self.total_batches, 0, context.is_chief, quiet)
@@ -185,7 +190,11 @@ class Trainer:
         STATUS.enter("train_batch")
         metrics = self.trial.train_batch(batch, epoch, self.batches)
         timer.end_step()
-        self.train_metrics.add(metrics)  # stays on the device until the next report
+        self.nonfinite.observe(metrics, self.batches)
+        if self.ctx.nonfinite_skipped:  # on_nonfinite: skip; the update was not applied on any rank
+            self.nonfinite_skips += 1
+        else:
+            self.train_metrics.add(metrics)  # stays on the device until the next report
         self.batches += 1
         self._window_steps += 1
         self.progress.advance(self.batches)
@@ -222,6 +231,8 @@ class Trainer:
     # ------------------------------------------------------------------------------ reporting
     def _report_training(self) -> None:
         STATUS.enter("metric all-reduce", self.batches - 1)
+        if self.fail_nonfinite:
+            self.nonfinite.fail_if_any(self.batches, "at the report")
         speed = self._close_window()
         if self.config.optimizations.average_training_metrics:
             means = self.train_metrics.global_means(self.ctx.strategy.dp_group)  # collective over training slots
@@ -269,6 +280,8 @@ class Trainer:
     # --------------------------------------------------------------------------------- checkpoints
     def _checkpoint(self) -> None:
         STATUS.enter("checkpoint")
+        if self.fail_nonfinite and not self.ctx.strategy.is_server:
+            self.nonfinite.fail_if_any(self.batches, "before the checkpoint")
         start = synchronized_now(self.ctx.device)
         self.ctx.save_checkpoint(
             self.ckpt_root, self.batches, extra={"batches": self.batches},
@@ -301,7 +314,7 @@ class Trainer:
         run = run_facts(self, wall_seconds)
         summary = {**run, "batches": self.batches, "epochs": self.batches / self.batches_per_epoch,
                    "step_breakdown_seconds": per_rank[0] if timer.enabled else {},
-                   "validation": self.last_validation}
+                   "validation": self.last_validation, "nonfinite_skipped_steps": self.nonfinite_skips}
         if self.writer is not None:
             self.writer.close()
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

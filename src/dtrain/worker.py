@@ -13,6 +13,7 @@ from dtrain.config import load_config
 from dtrain.dist import DistEnv, read_env
 from dtrain.errors import UserError
 from dtrain.failures import write_report
+from dtrain.nonfinite import NonFiniteError
 from dtrain.trainer import run_trial
 
 log = logging.getLogger("dtrain")
@@ -79,7 +80,10 @@ def main(argv: list[str] | None = None) -> None:
         _log_to_file_only()
         log.exception("worker failed")  # the full text (Gloo's included) goes to this rank's log only
         watchdog.publish_now()
-        write_report(logs, env.rank, exc, user_error=False, exit_code=1)
+        # A non-finite loss stops every rank; the report names the rank where it appeared, not a code line.
+        nonfinite = isinstance(exc, NonFiniteError)
+        write_report(logs, env.rank, exc, user_error=False, exit_code=1, where="" if nonfinite else None,
+                     blame=exc.rank if nonfinite else None)
         sys.exit(1)
 
 
