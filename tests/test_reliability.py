@@ -176,3 +176,67 @@ def test_a_silent_rank_is_named_and_fails_the_job_within_the_timeout(tmp_path, f
         assert took < 5 + 10 + 10, f"{took:.1f}s"  # timeout + 10 s, plus slack for this shared machine
     assert "unbound_buffer" not in err and "Traceback" not in err  # Gloo's own words: in the rank's log
     assert len([ln for ln in err.splitlines() if ln.strip()]) == 2  # the error, then where the log is
+
+
+# --------------------------------------------------------------------------------- 4. non-finite losses
+
+
+@pytest.mark.slow
+def test_a_nan_loss_fails_naming_its_rank_or_is_skipped_on_every_rank(tmp_path):
+    cfg = tiny_config(tmp_path, **{"hyperparameters.nan_at_batch": 13, "min_checkpoint_period": {"batches": 6},
+                                   "checkpoint_storage.save_trial_latest": 1})
+    failed = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "fail"), "--quiet")
+    assert failed.code == 1, failed.stderr
+    assert ("worker rank 1 failed: NonFiniteError: the loss became non-finite (nan or inf) on rank 1 at batch 13; "
+            "stopped at the report at batch 16") in failed.stderr
+    ckpts = tmp_path / "fail" / "checkpoints"
+    assert sorted(p.name for p in ckpts.iterdir()) == ["12", "latest"]  # no checkpoint with nan weights
+    assert all(torch.isfinite(t).all() for t in final_weights(tmp_path / "fail").values())
+
+    skipped = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "skip"), "--quiet",
+                         "--set", "optimizations.on_nonfinite=skip")
+    assert skipped.code == 0, skipped.stderr
+    summary = json.loads((tmp_path / "skip" / "summary.json").read_text())
+    assert summary["nonfinite_skipped_steps"] == 1 and summary["batches"] == 24
+    assert all(torch.isfinite(t).all() for t in final_weights(tmp_path / "skip").values())
+    records = [json.loads(ln) for ln in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["metrics"]["loss"] is not None for r in records if r["kind"] == "training")
+
+
+def _fake_checkpoint(root: Path, batches: int, finite: bool = True) -> None:
+    folder = root / str(batches)
+    folder.mkdir(parents=True)
+    (folder / "model.pt").write_bytes(b"weights")
+    (folder / "metadata.json").write_text(json.dumps({"batches": batches, "finite": finite}))
+
+
+def test_rotation_keeps_the_newest_finite_checkpoint_and_prunes_atomically(tmp_path, monkeypatch):
+    from dtrain import checkpoint
+
+    for batches, finite in [(10, True), (20, True), (30, False), (40, False)]:
+        _fake_checkpoint(tmp_path, batches, finite)
+    (tmp_path / ".deleting-5").mkdir()  # a crash's leftovers
+    (tmp_path / ".tmp-7").mkdir()
+    checkpoint._prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["20", "30", "40"]
+
+    # Killed in the middle of deleting a checkpoint's files: it was renamed out of sight first.
+    real_rmtree = checkpoint.shutil.rmtree
+
+    def crash(path, *args, **kwargs):
+        if Path(path).exists():
+            (Path(path) / "model.pt").unlink()  # half deleted...
+            raise KeyboardInterrupt("killed while deleting")  # ...when the process dies
+        real_rmtree(path, *args, **kwargs)
+
+    _fake_checkpoint(tmp_path, 50)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", crash)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint._prune(tmp_path, keep_last=2)
+    visible = [p for p in tmp_path.iterdir() if not p.name.startswith(".")]
+    assert sorted(p.name for p in visible) == ["30", "40", "50"]  # 20 went; 30 and 40 hold no finite weights...
+    assert all((p / "model.pt").exists() for p in visible)  # ...and nothing visible is half deleted
+    monkeypatch.undo()
+    _fake_checkpoint(tmp_path, 60)
+    checkpoint._prune(tmp_path, keep_last=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["50", "60"]  # leftovers cleaned on the next save
