@@ -240,3 +240,55 @@ def test_rotation_keeps_the_newest_finite_checkpoint_and_prunes_atomically(tmp_p
     _fake_checkpoint(tmp_path, 60)
     checkpoint._prune(tmp_path, keep_last=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["50", "60"]  # leftovers cleaned on the next save
+
+
+# ----------------------------------------------------------------------- 5. nothing a user has is destroyed
+
+RESULTS = ("summary.json", "profile.json", "report.html", "metrics.jsonl")
+
+
+@pytest.mark.slow
+def test_resuming_a_finished_run_says_so_and_a_longer_one_continues_it(tmp_path):
+    cfg = tiny_config(tmp_path, **{"max_length": {"batches": 8}, "resources.slots_per_trial": 1})
+    run_dir = tmp_path / "r"
+    assert dtrain_cli("run", str(cfg), "--run-dir", str(run_dir), "--quiet").code == 0
+    before = {name: (run_dir / name).read_bytes() for name in RESULTS}
+    again = cli_in_process("run", str(cfg), "--resume", str(run_dir))
+    assert again.code == 0 and again.stderr == "", again.stderr
+    assert again.stdout.startswith(f"dtrain: run {run_dir} already finished: it trained 8 batches")
+    assert len(again.stdout.splitlines()) == 1 and "--set max_length.batches=16" in again.stdout
+    assert {name: (run_dir / name).read_bytes() for name in RESULTS} == before  # nothing rewritten
+
+    longer = dtrain_cli("run", str(cfg), "--resume", str(run_dir), "--quiet", "--set", "max_length.batches=12")
+    assert longer.code == 0, longer.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["batches"] == 12 and summary["resumed_at_batch"] == 8  # which part its figures cover
+    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["batches"] for r in records if r["kind"] == "validation"] == [8, 12]  # no duplicate
+
+
+@pytest.mark.slow
+def test_a_run_that_failed_before_its_first_checkpoint_gives_one_advice_that_works(tmp_path):
+    cfg = tiny_config(tmp_path, **{"hyperparameters.crash_at_batch": 2, "max_length": {"batches": 4}})
+    run_dir = tmp_path / "r"
+    failed = dtrain_cli("run", str(cfg), "--run-dir", str(run_dir), "--quiet")
+    assert failed.code == 1
+    advice = f"resume with: dtrain run {cfg} --resume {run_dir} (no checkpoint was written yet: it starts over"
+    assert advice in failed.stderr, failed.stderr
+    followed = dtrain_cli("run", str(cfg), "--resume", str(run_dir), "--quiet",
+                          "--set", "hyperparameters.crash_at_batch=null")
+    assert followed.code == 0, followed.stderr
+    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["batches"] for r in records if r["kind"] == "training"] == [4]
+
+
+@pytest.mark.slow
+def test_launch_names_the_scripts_exception_and_line_and_stops_cleanly(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import time\nimport dtrain\n\nctx = dtrain.init()\nif ctx.rank == 1:\n"
+                      "    raise ValueError('bad shard')\nctx.barrier()\n")
+    result = dtrain_cli("launch", "--slots", "2", str(script), timeout=90)
+    assert result.code == 1
+    assert result.stderr.splitlines()[-1] == (f"dtrain: error: worker rank 1 failed: ValueError: bad shard "
+                                              f"(at {script}:6 in <module>)")
+    assert "Connection reset" not in result.stderr  # the peer's echo is not shown

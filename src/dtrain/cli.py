@@ -182,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise UserError(failure.message)
         print(f"{PROG}: error: {failure.headline()}", file=sys.stderr)
         print(f"{PROG}: full log: {plan.run_dir / 'logs' / f'rank{failure.rank}.log'}; "
-              f"resume with: dtrain run {args.config} --resume {plan.run_dir}", file=sys.stderr)
+              f"{runs.resume_advice(plan, args.config)}", file=sys.stderr)
         return 1
     from dtrain.summary import print_run_summary
 

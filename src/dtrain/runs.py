@@ -382,10 +382,18 @@ def _check_not_finished(run_dir: Path, config: ExperimentConfig, done: int) -> N
                               f"max_length.batches={2 * done}")
 
 
+def resume_advice(plan: RunPlan, config_path: Path) -> str:
+    """The one way to continue a run that stopped, whether or not it reached a checkpoint."""
+    advice = f"resume with: dtrain run {config_path} --resume {plan.run_dir}"
+    if checkpoint.latest(plan.run_dir / plan.config.checkpoint_storage.path) is None:
+        advice += " (no checkpoint was written yet: it starts over from batch 0)"
+    return advice
+
+
 def stop_line(plan: RunPlan, stop: Stopped, config_path: Path, started: float) -> str | None:
     """The one line for a run stopped by a signal, with the command that continues it; None when the run
     finished anyway (the signal came during its last moments, ``started``: ``time.time()`` at launch)."""
-    resume = f"resume with: dtrain run {config_path} --resume {plan.run_dir}"
+    resume = resume_advice(plan, config_path)
     batch = read_stopped(plan.run_dir / "logs")
     summary = plan.run_dir / "summary.json"
     if batch is None and summary.is_file() and summary.stat().st_mtime >= started:
@@ -397,7 +405,7 @@ def stop_line(plan: RunPlan, stop: Stopped, config_path: Path, started: float) -
         return (f"dtrain: stopped by {stop.signal_name} before the ranks agreed on a batch to stop at (killed after "
                 f"resources.preemption_grace_seconds or a second signal); the last checkpoint is at batch "
                 f"{found.name}; {resume}")
-    return f"dtrain: stopped by {stop.signal_name} before the first checkpoint; {resume} (it starts over)"
+    return f"dtrain: stopped by {stop.signal_name} before the first checkpoint; {resume}"
 
 
 def _prepare_run_dir(run_dir: Path, continuing: bool) -> None:

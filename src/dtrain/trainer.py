@@ -80,6 +80,7 @@ class Trainer:
         self.ckpt_every = self._period(config.min_checkpoint_period)
         self.ckpt_root = run_dir / config.checkpoint_storage.path
         self.batches = 0
+        self.resumed_at = 0  # the summary's figures cover batches resumed_at..batches (this process's part)
         self.train_metrics = MeanAccumulator()
         self.last_validation: dict[str, float] = {}
         self.validation_seconds = self.checkpoint_seconds = 0.0
@@ -297,6 +298,7 @@ class Trainer:
     def restore(self, path: Path) -> None:
         restored = self.ctx.training_state().restore(path)
         self.batches = int(restored.extra["batches"])
+        self.resumed_at = self.batches
         if restored.rank_extra is not None and "train_metrics" in restored.rank_extra:
             self.train_metrics.load_state_dict(restored.rank_extra["train_metrics"])
         if self.writer is not None:
@@ -312,6 +314,7 @@ class Trainer:
         timer = self.ctx.timer
         per_rank, latency, hosts = collect_rank_figures(self.ctx)  # collectives
         run = run_facts(self, wall_seconds)
+        run["resumed_at_batch"] = self.resumed_at  # a resumed run's figures cover its own part only
         summary = {**run, "batches": self.batches, "epochs": self.batches / self.batches_per_epoch,
                    "step_breakdown_seconds": per_rank[0] if timer.enabled else {},
                    "validation": self.last_validation, "nonfinite_skipped_steps": self.nonfinite_skips}
