@@ -292,3 +292,24 @@ def test_launch_names_the_scripts_exception_and_line_and_stops_cleanly(tmp_path)
     assert result.stderr.splitlines()[-1] == (f"dtrain: error: worker rank 1 failed: ValueError: bad shard "
                                               f"(at {script}:6 in <module>)")
     assert "Connection reset" not in result.stderr  # the peer's echo is not shown
+
+
+# ------------------------------------------------------------------- 7. resume on another slot count
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("before", "after"), [(2, 1), (1, 4)])
+def test_resume_on_another_slot_count_matches_an_uninterrupted_run(tmp_path, reference_runs, before, after):
+    cfg = tiny_config(tmp_path, **{"max_length": {"batches": 12}})
+    run_dir = tmp_path / "r"
+    first = dtrain_cli("run", str(cfg), "--run-dir", str(run_dir), "--quiet", "--slots", str(before))
+    assert first.code == 0, first.stderr
+    resumed = dtrain_cli("run", str(cfg), "--resume", str(run_dir), "--quiet", "--slots", str(after),
+                         "--set", "max_length.batches=24")
+    assert resumed.code == 0, resumed.stderr
+    straight, after_resume = reference_runs.weights(after), final_weights(run_dir)
+    for name in straight:
+        torch.testing.assert_close(after_resume[name], straight[name], rtol=1e-5, atol=1e-5)
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert f"written by {before} slot(s), this job has {after}" in log
+    assert "this model has no layer that draws from them (no dropout)" in log  # precisely what differs

@@ -320,13 +320,25 @@ class TrainingState:
             set_rng_state(rank_state["rng"])
             self.strategy.load_state_dict(rank_state.get("strategy", {}))
         elif self.rank == 0:
-            log.warning("checkpoint %s was written by %s slot(s), this job has %d: weights, optimizer state and "
-                        "the data position are restored exactly; only per-slot random streams (e.g. dropout) "
-                        "are reseeded, so stochastic layers draw differently than in an uninterrupted run",
-                        path, saved_world, self.world_size)
+            self._log_layout_change(path, saved_world)
         extra = dict(loaded.trainer_state.get("extra", {}))
         rank_extra = dict(rank_state.get("extra", {})) if same_layout else None
         return Restored(path, extra, rank_extra, same_layout)
+
+    def _log_layout_change(self, path: Path, saved_world: Any) -> None:
+        """Say exactly what differs from an uninterrupted run when the slot count (or strategy) changed."""
+        stochastic = sorted({type(m).__name__ for model in self.models for m in self.strategy.unwrap(model).modules()
+                             if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0})
+        head = (f"checkpoint {path} was written by {saved_world} slot(s), this job has {self.world_size}: weights, "
+                "optimizer state and the data position (a global batch index: the same samples per global batch on "
+                f"any slot count) are restored exactly, so training continues as an uninterrupted "
+                f"{self.world_size}-slot run would, up to the order of floating-point sums; ")
+        if stochastic:
+            log.warning("%sonly the per-slot random streams are reseeded, so the model's %s layers draw "
+                        "different masks than in that run", head, ", ".join(stochastic))
+        else:
+            log.info("%sthe per-slot random streams are reseeded, and this model has no layer that draws from "
+                     "them (no dropout)", head)
 
     def _check_counts(self, loaded: LoadedCheckpoint, path: Path) -> None:
         if len(loaded.models) != len(self.models):
