@@ -30,6 +30,9 @@ STALE_SECONDS = 3.0
 _TIMEOUT = re.compile(r"timed out waiting|collective operation timeout|socket timeout|wait timeout", re.IGNORECASE)
 _NATIVE_TIMEOUT = re.compile(r"\.(cc|cpp|hpp|h):\d+.*(timed out|timeout)", re.IGNORECASE | re.DOTALL)
 _MS = re.compile(r"(\d+)\s*ms")
+# Phases (named by the trainer and the context) in which a rank waits for all the others.
+COLLECTIVE_PHASES = frozenset({"backward (gradient all-reduce)", "gradient exchange", "weight sync",
+                               "metric all-reduce", "stop vote", "checkpoint", "end-of-run gather"})
 
 
 @dataclass(frozen=True)
@@ -43,12 +46,19 @@ class Status:
     phase: str
     since: float
     time: float
+    address: str = ""
+
+    @property
+    def communicating(self) -> bool:
+        """In a phase that waits for the other ranks (a collective)."""
+        return self.phase in COLLECTIVE_PHASES
 
     def where(self) -> str:
         return f"{self.phase}" + (f" at batch {self.batch}" if self.batch is not None else "")
 
     def who(self) -> str:
-        return f"rank {self.rank} on host {self.host} (pid {self.pid})"
+        remote = self.address and not self.address.startswith("127.")  # one machine: the host name says it all
+        return f"rank {self.rank} on host {self.host}{f' ({self.address})' if remote else ''} (pid {self.pid})"
 
 
 def read_statuses(folder: Path | None) -> dict[int, Status]:
@@ -61,7 +71,7 @@ def read_statuses(folder: Path | None) -> dict[int, Status]:
             raw: dict[str, Any] = json.loads(path.read_text())
             status = Status(int(raw["rank"]), str(raw["host"]), int(raw["pid"]),
                             None if raw["batch"] is None else int(raw["batch"]), str(raw["phase"]),
-                            float(raw["since"]), float(raw["time"]))
+                            float(raw["since"]), float(raw["time"]), str(raw.get("address", "")))
         except (OSError, ValueError, KeyError, TypeError):
             continue
         found[status.rank] = status
@@ -101,6 +111,11 @@ def explain_timeout(waiter: int, message: str, at: float, timed_out: set[int],
     if frozen:
         state = (f"stopped answering in {culprit.where()}, {ago:.0f} s ago (no heartbeat for "
                  f"{at - culprit.time:.0f} s: frozen by SIGSTOP or a debugger, or its host is down or unreachable)")
+    elif culprit.communicating and mine is not None and mine.communicating and culprit.host != mine.host:
+        # Both alive, both inside a collective, on different hosts: they wait for each other.
+        return culprit.rank, (f"{culprit.who()} was waiting too, in {culprit.where()}, for {ago:.0f} s: the ranks "
+                              f"lost each other, so the network between host {mine.host} and host {culprit.host} is "
+                              f"down or blocked (a cut link, a firewall); {waited}")
     else:
         state = f"stopped in {culprit.where()}, {ago:.0f} s ago (alive, but not answering)"
     return culprit.rank, f"{culprit.who()} {state}; {waited}"

@@ -106,7 +106,7 @@ def launch(command: list[str], options: LaunchOptions) -> Failure | None:
                 except ChildFailedError as exc:
                     if supervisor.signum is None:
                         return _root_cause(exc, status_dir)
-                except SignalException as exc:  # SIGHUP/SIGQUIT: the agent already stopped the workers
+                except SignalException as exc:  # the agent stopped the workers (SIGHUP, SIGQUIT, or no grace left)
                     raise Stopped(int(exc.sigval)) from None
                 except RendezvousError as exc:
                     # A node that passed dtrain's pre-rendezvous but never reached torch's (it died in between).

@@ -123,26 +123,45 @@ class Supervisor:
     # ------------------------------------------------------------------------------------ signals
     def _on_signal(self, signum: int, frame: Any) -> None:
         del frame
-        if self.signum is not None:  # asked twice: stop now
-            self._kill_all(signal.SIGKILL)
-            return
+        if self.signum is not None:  # asked again (or the grace period is over): stop now
+            self._stop_now()
         self.signum = signum
         self.deadline = time.monotonic() + self.grace
-        if self.clean:
-            self._pending = set(children())
-            self._tell_ready()
+        if not self.clean:  # the agent starts each worker in a session of its own: signal its whole group
+            for pid in children():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGTERM)
             return
-        for pid in children():  # the agent starts each worker in a session of its own: signal its whole group
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGTERM)
+        self._pending = set(children())
+        training = self._statuses()
+        if any(training.get(pid) is None for pid in self._pending):
+            # A rank is still starting: no step ran since the last checkpoint, so there is nothing to save,
+            # and waiting for the start to finish could take longer than the grace period.
+            self._stop_now()
+        self._tell_ready()
+
+    def _stop_now(self) -> None:
+        """Kill every worker and make the agent give up at once (an exception it knows: no restarts)."""
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        self._pending.clear()
+        self._kill_all(signal.SIGKILL)
+        assert self.signum is not None
+        raise SignalException(f"dtrain stopping on {signal.Signals(self.signum).name}",
+                              sigval=signal.Signals(self.signum))
+
+    def _statuses(self) -> dict[int, int | None]:
+        """pid -> batch of every worker that published a status (batch None: not training yet)."""
+        found: dict[int, int | None] = {}
+        for path in self.status_dir.glob("status.rank*.json") if self.status_dir is not None else ():
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                record = json.loads(path.read_text())
+                found[int(record["pid"])] = record["batch"]
+        return found
 
     def _ready(self) -> set[int]:
         """Workers whose watchdog runs (it published a status): SIGUSR1 would kill one still starting."""
-        pids = set()
-        for path in self.status_dir.glob("status.rank*.json") if self.status_dir is not None else ():
-            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-                pids.add(int(json.loads(path.read_text())["pid"]))
-        return pids
+        return set(self._statuses())
 
     def _tell_ready(self) -> None:
         if not self._pending:
@@ -161,7 +180,9 @@ class Supervisor:
         while not self._done.wait(POLL_SECONDS):
             self._tell_ready()
             if self.deadline is not None and time.monotonic() > self.deadline:
-                self._kill_all(signal.SIGKILL)
+                self.deadline = None
+                assert self.signum is not None
+                os.kill(os.getpid(), self.signum)  # the main thread's handler stops the agent
             self._unfreeze()
 
     def _unfreeze(self) -> None:

@@ -103,7 +103,7 @@ class Watchdog(threading.Thread):
     def __init__(self, status_dir: Path | None, rank: int, handle_signals: bool = True) -> None:
         super().__init__(name="dtrain-watchdog", daemon=True)
         self.path = status_dir / STATUS_FILE.format(rank=rank) if status_dir is not None else None
-        self.static = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid()}
+        self.static = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "address": _address()}
         self._read_fd: int | None = None
         if handle_signals and threading.current_thread() is threading.main_thread():
             read_fd, write_fd = os.pipe()
@@ -156,6 +156,19 @@ class Watchdog(threading.Thread):
         with contextlib.suppress(OSError):
             tmp.write_text(json.dumps(record))
             os.replace(tmp, self.path)
+
+
+def _address() -> str:
+    """The address this process reaches the job's master from (no packet is sent): names a lost node."""
+    master = os.environ.get("MASTER_ADDR", "")
+    if not master:
+        return ""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master, int(os.environ.get("MASTER_PORT", "1") or 1)))
+            return str(probe.getsockname()[0])
+    except (OSError, ValueError):
+        return ""
 
 
 def _noted(signum: int, frame: Any) -> None:
