@@ -87,19 +87,23 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
 
 
-def _exit_without_teardown() -> None:
+def _exit_without_teardown(code: int = 0) -> None:
     """Leave once everything is written, skipping the interpreter's teardown.
 
     Seen here under heavy load: a worker that had finished and written its summary was killed by SIGABRT
-    while the interpreter tore down (native communication threads racing the exit). Nothing is left to
-    do at that point, so flush what Python buffers and exit directly.
+    while the interpreter tore down (native communication threads racing the exit), and a failed worker
+    took 4-5 s to tear down while its peers waited on its open connections for the news. Nothing is left
+    to do at that point, so flush what Python buffers and exit directly.
     """
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as exc:  # a failure, already reported: its peers learn it when our sockets close
+        _exit_without_teardown(exc.code if isinstance(exc.code, int) else 1)
     _exit_without_teardown()
