@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from dtrain import supervise
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 from helpers import tiny_config  # noqa: E402  (the trial with planted faults lives with the tests)
@@ -248,6 +250,26 @@ class Campaign:
         return Trial(code, time.monotonic() - start, ok)
 
 
+    def launch_sigint(self) -> Trial:
+        """Ctrl-C of ``dtrain launch`` running a user's loop (no clean-stop protocol: SIGTERM, then SIGKILL)."""
+        self.count += 1
+        script = self.work / f"t{self.count}.py"
+        marker = self.work / f"t{self.count}.started"
+        script.write_text("import time\nfrom pathlib import Path\nimport dtrain\n\nctx = dtrain.init()\n"
+                          f"Path({str(marker)!r}).write_text('x')\nfor _ in range(100000):\n    ctx.barrier()\n"
+                          "    time.sleep(0.01)\n")
+        proc = _start("launch", "--slots", "2", str(script))
+        while not marker.exists() and proc.poll() is None:
+            time.sleep(0.05)
+        workers = supervise.children(proc.pid)
+        struck = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        code, err = _finish(proc, workers)
+        seconds = time.monotonic() - struck
+        ok = err.strip() == "dtrain: launch stopped by SIGINT" and not any(_alive(p) for p in workers)
+        return Trial(code, seconds, ok)
+
+
 def faults(c: Campaign) -> list[Fault]:
     resume = "by {sig}; resume with: dtrain run "
     return [
@@ -268,6 +290,7 @@ def faults(c: Campaign) -> list[Fault]:
               lambda: c.kill_during_checkpoints()),
         Fault("resume-finished", "--resume of a finished run", 0, lambda: c.resume_finished()),
         Fault("launch-exception", "dtrain launch: script raises on rank 1", 1, lambda: c.launch_exception()),
+        Fault("launch-sigint", "Ctrl-C of dtrain launch (own loop)", 130, lambda: c.launch_sigint()),
     ]
 
 

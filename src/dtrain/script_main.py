@@ -20,10 +20,12 @@ from dtrain import watchdog
 from dtrain.failures import SECONDARY, write_report
 
 
-def _rank() -> int:
+def _env() -> tuple[int, tuple[str, int] | None]:
+    """This slot's rank and the job's master address."""
     from dtrain.dist import read_env  # the one reader of the launcher's rank variables
 
-    return read_env().rank
+    env = read_env()
+    return env.rank, (env.master_addr, env.master_port) if env.launched else None
 
 
 def _in_script(exc: BaseException, script: Path) -> str:
@@ -51,9 +53,9 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m dtrain.script_main SCRIPT [ARGS...]")
     script = Path(argv[0]).resolve()
     reports = watchdog.status_dir_from_env()
-    rank = _rank()
+    rank, master = _env()
     # The script owns its signals; only the status thread runs.
-    watchdog.start(reports, rank, handle_signals=False)
+    watchdog.start(reports, rank, handle_signals=False, master=master)
     sys.argv = list(argv)
     sys.path.insert(0, str(script.parent))
     try:

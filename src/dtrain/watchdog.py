@@ -100,10 +100,11 @@ STOP = StopRequest()
 class Watchdog(threading.Thread):
     """Publishes :data:`STATUS` twice a second and turns signals into :data:`STOP` or an exit."""
 
-    def __init__(self, status_dir: Path | None, rank: int, handle_signals: bool = True) -> None:
+    def __init__(self, status_dir: Path | None, rank: int, handle_signals: bool = True,
+                 master: tuple[str, int] | None = None) -> None:
         super().__init__(name="dtrain-watchdog", daemon=True)
         self.path = status_dir / STATUS_FILE.format(rank=rank) if status_dir is not None else None
-        self.static = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "address": _address()}
+        self.static = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "address": _address(master)}
         self._read_fd: int | None = None
         if handle_signals and threading.current_thread() is threading.main_thread():
             read_fd, write_fd = os.pipe()
@@ -158,14 +159,13 @@ class Watchdog(threading.Thread):
             os.replace(tmp, self.path)
 
 
-def _address() -> str:
+def _address(master: tuple[str, int] | None) -> str:
     """The address this process reaches the job's master from (no packet is sent): names a lost node."""
-    master = os.environ.get("MASTER_ADDR", "")
-    if not master:
+    if master is None or not master[0]:
         return ""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            probe.connect((master, int(os.environ.get("MASTER_PORT", "1") or 1)))
+            probe.connect((master[0], master[1] or 1))
             return str(probe.getsockname()[0])
     except (OSError, ValueError):
         return ""
@@ -186,13 +186,15 @@ def _reset_in_child() -> None:
 _WATCHDOG: Watchdog | None = None
 
 
-def start(status_dir: Path | None, rank: int, handle_signals: bool = True) -> Watchdog:
-    """Start this process's watchdog (once): call early in the worker's main thread."""
+def start(status_dir: Path | None, rank: int, handle_signals: bool = True,
+          master: tuple[str, int] | None = None) -> Watchdog:
+    """Start this process's watchdog (once): call early in the worker's main thread. ``master``: the job's
+    MASTER_ADDR/PORT, to publish which address this rank reaches it from."""
     global _WATCHDOG
     if _WATCHDOG is None:
         if status_dir is not None:
             status_dir.mkdir(parents=True, exist_ok=True)
-        _WATCHDOG = Watchdog(status_dir, rank, handle_signals)
+        _WATCHDOG = Watchdog(status_dir, rank, handle_signals, master)
         _WATCHDOG.start()
     return _WATCHDOG
 

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.run_dir, env, args.quiet)
     logs = args.run_dir / "logs"
     # Under torchrun or srun (no dtrain launcher) the SIGTERM handling stays theirs.
-    watchdog.start(logs, env.rank, handle_signals=watchdog.LAUNCHER_PID_ENV in os.environ)
+    watchdog.start(logs, env.rank, handle_signals=watchdog.LAUNCHER_PID_ENV in os.environ,
+                   master=(env.master_addr, env.master_port) if env.launched else None)
     try:
         config = load_config(args.run_dir / "config.yaml")
         resume = resume_point(args.run_dir, config.checkpoint_storage.path, args.resume_from, env)
