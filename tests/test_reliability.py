@@ -193,8 +193,8 @@ def test_a_nan_loss_fails_naming_its_rank_or_is_skipped_on_every_rank(tmp_path):
     assert sorted(p.name for p in ckpts.iterdir()) == ["12", "latest"]  # no checkpoint with nan weights
     assert all(torch.isfinite(t).all() for t in final_weights(tmp_path / "fail").values())
 
-    skipped = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "skip"), "--quiet",
-                         "--set", "optimizations.on_nonfinite=skip")
+    skipped = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "skip"), "--quiet", "--slots", "1",
+                         "--set", "optimizations.on_nonfinite=skip", "--set", "hyperparameters.crash_rank=0")
     assert skipped.code == 0, skipped.stderr
     summary = json.loads((tmp_path / "skip" / "summary.json").read_text())
     assert summary["nonfinite_skipped_steps"] == 1 and summary["batches"] == 24
@@ -248,38 +248,31 @@ RESULTS = ("summary.json", "profile.json", "report.html", "metrics.jsonl")
 
 
 @pytest.mark.slow
-def test_resuming_a_finished_run_says_so_and_a_longer_one_continues_it(tmp_path):
-    cfg = tiny_config(tmp_path, **{"max_length": {"batches": 8}, "resources.slots_per_trial": 1})
-    run_dir = tmp_path / "r"
-    assert dtrain_cli("run", str(cfg), "--run-dir", str(run_dir), "--quiet").code == 0
-    before = {name: (run_dir / name).read_bytes() for name in RESULTS}
-    again = cli_in_process("run", str(cfg), "--resume", str(run_dir))
-    assert again.code == 0 and again.stderr == "", again.stderr
-    assert again.stdout.startswith(f"dtrain: run {run_dir} already finished: it trained 8 batches")
-    assert len(again.stdout.splitlines()) == 1 and "--set max_length.batches=16" in again.stdout
-    assert {name: (run_dir / name).read_bytes() for name in RESULTS} == before  # nothing rewritten
-
-    longer = dtrain_cli("run", str(cfg), "--resume", str(run_dir), "--quiet", "--set", "max_length.batches=12")
-    assert longer.code == 0, longer.stderr
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["batches"] == 12 and summary["resumed_at_batch"] == 8  # which part its figures cover
-    records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["batches"] for r in records if r["kind"] == "validation"] == [8, 12]  # no duplicate
-
-
-@pytest.mark.slow
-def test_a_run_that_failed_before_its_first_checkpoint_gives_one_advice_that_works(tmp_path):
-    cfg = tiny_config(tmp_path, **{"hyperparameters.crash_at_batch": 2, "max_length": {"batches": 4}})
+def test_a_failed_run_gets_one_advice_and_a_finished_one_is_never_rewritten(tmp_path):
+    cfg = tiny_config(tmp_path, **{"hyperparameters.crash_at_batch": 2, "hyperparameters.crash_rank": 0,
+                                   "max_length": {"batches": 8}, "resources.slots_per_trial": 1})
     run_dir = tmp_path / "r"
     failed = dtrain_cli("run", str(cfg), "--run-dir", str(run_dir), "--quiet")
     assert failed.code == 1
     advice = f"resume with: dtrain run {cfg} --resume {run_dir} (no checkpoint was written yet: it starts over"
     assert advice in failed.stderr, failed.stderr
     followed = dtrain_cli("run", str(cfg), "--resume", str(run_dir), "--quiet",
-                          "--set", "hyperparameters.crash_at_batch=null")
+                          "--set", "hyperparameters.crash_at_batch=null")  # the advice works
     assert followed.code == 0, followed.stderr
+
+    before = {name: (run_dir / name).read_bytes() for name in RESULTS}
+    again = cli_in_process("run", str(cfg), "--resume", str(run_dir))  # finished: says so, rewrites nothing
+    assert again.code == 0 and again.stderr == "", again.stderr
+    assert again.stdout.startswith(f"dtrain: run {run_dir} already finished: it trained 8 batches")
+    assert len(again.stdout.splitlines()) == 1 and "--set max_length.batches=16" in again.stdout
+    assert {name: (run_dir / name).read_bytes() for name in RESULTS} == before
+
+    longer = dtrain_cli("run", str(cfg), "--resume", str(run_dir), "--quiet", "--set", "max_length.batches=12")
+    assert longer.code == 0, longer.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["batches"] == 12 and summary["resumed_at_batch"] == 8  # which part its figures cover
     records = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["batches"] for r in records if r["kind"] == "training"] == [4]
+    assert [r["batches"] for r in records if r["kind"] == "validation"] == [8, 12]  # no duplicate, no stale
 
 
 @pytest.mark.slow
