@@ -56,9 +56,14 @@ class Status:
     def where(self) -> str:
         return f"{self.phase}" + (f" at batch {self.batch}" if self.batch is not None else "")
 
-    def who(self) -> str:
+    @property
+    def place(self) -> str:
+        """Host name, and the address when it is not loopback (hosts may share a name: containers)."""
         remote = self.address and not self.address.startswith("127.")  # one machine: the host name says it all
-        return f"rank {self.rank} on host {self.host}{f' ({self.address})' if remote else ''} (pid {self.pid})"
+        return f"{self.host} ({self.address})" if remote else self.host
+
+    def who(self) -> str:
+        return f"rank {self.rank} on host {self.place} (pid {self.pid})"
 
 
 def read_statuses(folder: Path | None) -> dict[int, Status]:
@@ -99,7 +104,7 @@ def explain_timeout(waiter: int, message: str, at: float, timed_out: set[int],
         f" and timed out{_timeout_seconds(message)} (resources.collective_timeout_seconds)"
     others = [s for r, s in statuses.items() if r not in timed_out]
     if not others:
-        hosts = sorted({s.host for s in statuses.values()})
+        hosts = sorted({s.place for s in statuses.values()})
         if len(hosts) > 1:
             return waiter, (f"ranks on hosts {', '.join(hosts)} all timed out waiting for each other: the network "
                             f"between these hosts is down or blocked (a cut link, a firewall); {waited}")
@@ -111,10 +116,10 @@ def explain_timeout(waiter: int, message: str, at: float, timed_out: set[int],
     if frozen:
         state = (f"stopped answering in {culprit.where()}, {ago:.0f} s ago (no heartbeat for "
                  f"{at - culprit.time:.0f} s: frozen by SIGSTOP or a debugger, or its host is down or unreachable)")
-    elif culprit.communicating and mine is not None and mine.communicating and culprit.host != mine.host:
+    elif culprit.communicating and mine is not None and mine.communicating and culprit.place != mine.place:
         # Both alive, both inside a collective, on different hosts: they wait for each other.
         return culprit.rank, (f"{culprit.who()} was waiting too, in {culprit.where()}, for {ago:.0f} s: the ranks "
-                              f"lost each other, so the network between host {mine.host} and host {culprit.host} is "
+                              f"lost each other, so the network between host {mine.place} and host {culprit.place} is "
                               f"down or blocked (a cut link, a firewall); {waited}")
     else:
         state = f"stopped in {culprit.where()}, {ago:.0f} s ago (alive, but not answering)"
