@@ -306,3 +306,24 @@ def test_resume_on_another_slot_count_matches_an_uninterrupted_run(tmp_path, ref
     log = (run_dir / "logs" / "rank0.log").read_text()
     assert f"written by {before} slot(s), this job has {after}" in log
     assert "this model has no layer that draws from them (no dropout)" in log  # precisely what differs
+
+
+def test_the_culprit_from_statuses_hung_frozen_or_a_lost_link():
+    from dtrain.culprit import Status, explain_timeout, is_timeout
+
+    gloo = "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation"
+    assert is_timeout(gloo) and not is_timeout("TimeoutError: my data server is slow")
+    now = 1000.0
+    waiter = Status(0, "h0", 11, 20, "backward (gradient all-reduce)", now - 5, now, "10.0.0.1")
+    hung = Status(1, "h0", 12, 20, "train_batch", now - 21, now - 0.2, "10.0.0.1")
+    rank, line = explain_timeout(0, gloo, now, {0}, {0: waiter, 1: hung})
+    assert rank == 1 and line.startswith("rank 1 on host h0 (10.0.0.1) (pid 12) stopped in train_batch at batch 20, "
+                                         "21 s ago (alive, but not answering); rank 0 waited in backward (gradient "
+                                         "all-reduce) at batch 20 and timed out after 5 s")
+    frozen = Status(1, "h0", 12, 20, "train_batch", now - 21, now - 9, "10.0.0.1")
+    assert "stopped answering in train_batch at batch 20, 21 s ago (no heartbeat for 9 s" in \
+        explain_timeout(0, gloo, now, {0}, {0: waiter, 1: frozen})[1]
+    # Same host name (containers, namespaces), other address, both inside the same collective: the link.
+    peer = Status(1, "h0", 13, 20, "backward (gradient all-reduce)", now - 5, now - 0.1, "10.0.0.2")
+    assert "the network between host h0 (10.0.0.1) and host h0 (10.0.0.2) is down or blocked" in \
+        explain_timeout(0, gloo, now, {0}, {0: waiter, 1: peer})[1]
