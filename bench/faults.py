@@ -270,6 +270,32 @@ class Campaign:
         return Trial(code, seconds, ok)
 
 
+    def link_cut(self) -> Trial:
+        """Two test hosts (network namespaces, root), one slot each; the link of host 1 goes down mid-run."""
+        sys.path.insert(0, str(ROOT / "scripts"))
+        import testhosts
+
+        reason = testhosts.unavailable_reason()
+        if reason is not None:
+            return Trial(note=f"skipped: {reason}")
+        cfg, run_dir = self.config(**{"resources.join_timeout_seconds": 60})
+        with testhosts.TestHosts(2, pin_cpus=True) as hosts:
+            argv = [sys.executable, "-m", "dtrain.cli", "run", str(cfg), "--run-dir", str(run_dir), "--quiet",
+                    "--nnodes", "2", "--master", f"{hosts.hostname(0)}:29500", "--node-rank"]
+            procs = [hosts.popen(i, [*argv, str(i)], cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True) for i in range(2)]
+            _wait_batch(procs[0], run_dir, FAULT_AT)
+            struck = time.monotonic()
+            subprocess.run(["ip", "-n", hosts.switch, "link", "set", "p1", "down"], check=True, timeout=30)
+            code, err = _finish(procs[0], [], timeout=120)
+            seconds = time.monotonic() - struck
+            hosts.destroy()
+        lines = err.strip().splitlines()
+        ok = bool(lines) and ("the network between host" in lines[0] or "stopped answering" in lines[0]) and \
+            hosts.hosts[1].address in lines[0]
+        return Trial(code, seconds, ok, note=lines[0][:200] if lines else "")
+
+
 def faults(c: Campaign) -> list[Fault]:
     resume = "by {sig}; resume with: dtrain run "
     return [
@@ -277,6 +303,7 @@ def faults(c: Campaign) -> list[Fault]:
         Fault("hang", "rank 1 sleeps at batch 20", 1, lambda: c.hang()),
         Fault("freeze", "rank 1 SIGSTOPped at batch 20", 1, lambda: c.freeze()),
         Fault("kill-worker", "rank 1 SIGKILLed at batch 20", 1, lambda: c.kill_worker()),
+        Fault("link-cut", "2 test hosts, host 1's link down at batch 20", 1, lambda: c.link_cut()),
         Fault("nan", "rank 1's loss is NaN at batch 20", 1, lambda: c.nan()),
         Fault("sigterm", "SIGTERM to dtrain (preemption)", 143,
               lambda: c.signalled(signal.SIGTERM, "launcher", resume.format(sig="SIGTERM"))),

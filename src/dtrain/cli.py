@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from dtrain.errors import UserError
+from dtrain.supervise import Stopped, terminate_as_stop  # light: no torch
 
 PROG = "dtrain"
 
@@ -100,8 +101,6 @@ def _positive_int(text: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from dtrain.supervise import terminate_as_stop  # light: no torch
-
     try:
         with terminate_as_stop():  # a SIGTERM before any worker runs: one line too, not a silent death
             return _dispatch(args)
@@ -113,10 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:
-        from dtrain.supervise import Stopped  # light: no torch
-
-        if not isinstance(exc, Stopped) or args.debug:
+    except Stopped as exc:  # bench, compare, launch (run says more itself)
+        if args.debug:
             raise
         print(f"{PROG}: {args.command} stopped by {exc.signal_name}", file=sys.stderr)
         return exc.exit_code
@@ -171,7 +168,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     start, started = time.perf_counter(), time.time()
     try:
         failure = runs.execute(plan, quiet=args.quiet, debug=args.debug)
-    except runs.Stopped as stop:
+    except Stopped as stop:
         line = runs.stop_line(plan, stop, args.config, started)
         if line is not None:
             print(line, file=sys.stderr)

@@ -45,14 +45,27 @@ class NonFiniteWatch:
     def __init__(self, device: torch.device, group: Any = None) -> None:
         self.group = group
         self.device = device
-        self._first = torch.full((), NEVER, dtype=torch.int64, device=device)
+        # float64 holds every batch index and NEVER exactly; the buffers live on the watched value's device
+        # and are reused, so a step costs four tiny kernels and no allocation.
+        self._first: torch.Tensor | None = None
+        self._scratch: torch.Tensor | None = None
+        self._never: torch.Tensor | None = None
         self._host_first = NEVER  # for metrics returned as Python floats (no device involved)
 
     def observe(self, metrics: Any, batch: int) -> None:
         value = _watched(metrics)
         if isinstance(value, torch.Tensor):
-            bad_at = torch.where(torch.isfinite(value.detach()).to(self.device), NEVER, batch)
-            torch.minimum(self._first, bad_at, out=self._first)
+            value = value.detach()
+            if self._first is None or self._first.device != value.device:
+                self._first = torch.full((), float(NEVER), dtype=torch.float64, device=value.device)
+                self._never = self._first.clone()
+                self._scratch = torch.zeros((), dtype=torch.float64, device=value.device)
+            scratch = self._scratch
+            assert scratch is not None and self._never is not None
+            torch.sub(value.reshape(()), value.reshape(()), out=scratch)  # 0 when finite, nan otherwise
+            torch.nan_to_num(scratch, nan=1.0, out=scratch)  # 0 or 1
+            torch.add(self._never, scratch, alpha=batch - NEVER, out=scratch)  # NEVER, or this batch
+            torch.minimum(self._first, scratch, out=self._first)
         elif isinstance(value, (int, float)) and not math.isfinite(value) and self._host_first == NEVER:
             self._host_first = batch
 
@@ -60,7 +73,8 @@ class NonFiniteWatch:
         """Collective over the training ranks: (rank, batch) of the first non-finite loss, or None."""
         world = dist.get_world_size(self.group) if dist.is_initialized() else 1
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        key = torch.minimum(self._first, torch.tensor(self._host_first, device=self.device)) * world + rank
+        first = int(self._first.item()) if self._first is not None else NEVER  # a sync: reports sync anyway
+        key = torch.tensor(min(first, self._host_first) * world + rank, dtype=torch.int64, device=self.device)
         if world > 1:
             dist.all_reduce(key, op=dist.ReduceOp.MIN, group=self.group)
         value = int(key.item())
