@@ -7,7 +7,7 @@ from helpers import dtrain_cli, final_weights, run_ranks, tiny_config
 from torch import nn
 
 from dtrain import cli, precision
-from dtrain.checkpoint import TrainingState
+from dtrain.state import TrainingState
 from dtrain.sync.ddp import DDPStrategy
 
 

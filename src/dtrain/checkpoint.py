@@ -180,9 +180,38 @@ def _commit(root: Path, tmp: Path, final: Path, payload: CheckpointPayload) -> N
 
 
 def _prune(root: Path, keep_last: int) -> None:
+    """Delete all but the ``keep_last`` newest checkpoints, and never the newest one with finite weights.
+
+    Each is first renamed to ``.deleting-N`` (one atomic step), then deleted: a crash midway leaves a
+    hidden folder, never a numbered one with files missing. Leftovers of earlier crashes (``.deleting-*``,
+    other saves' ``.tmp-*``) are removed here too.
+    """
     done = sorted((p for p in root.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name))
-    for old in done[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+    keep = set(done[-keep_last:])
+    if not any(_finite(p) for p in keep):
+        keep |= set(_newest_finite(done))
+    for old in done:
+        if old in keep:
+            continue
+        doomed = root / f".deleting-{old.name}"
+        shutil.rmtree(doomed, ignore_errors=True)
+        os.replace(old, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+    for leftover in [*root.glob(".deleting-*"), *root.glob(".tmp-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _finite(path: Path) -> bool:
+    """Whether a checkpoint's weights were all finite when saved (older checkpoints: assumed so)."""
+    try:
+        return bool(json.loads((path / "metadata.json").read_text()).get("finite", True))
+    except (OSError, ValueError):
+        return False
+
+
+def _newest_finite(done: list[Path]) -> list[Path]:
+    finite = [p for p in done if _finite(p)]
+    return finite[-1:]
 
 
 def latest(root: Path) -> Path | None:
@@ -358,92 +387,11 @@ def _check_signature(path: Path, meta: dict[str, Any]) -> None:
 # ------------------------------------------------------------------------------ one rank's training state
 
 
-@dataclass
-class Restored:
-    """What a restore hands back to the loop: where it came from and the loop's own saved values."""
-
-    path: Path
-    extra: dict[str, Any]  # the chief's ``extra`` (the trainer's batch count, a user's epoch, ...)
-    rank_extra: dict[str, Any] | None  # this rank's ``rank_extra``; None when the job's layout changed
-    same_layout: bool
-
-
-@dataclass
-class TrainingState:
-    """Everything a rank saves and restores, and the rules for it, in one place.
-
-    The chief writes the full models (gathered from shards if need be), optimizers, schedulers, the
-    precision's loss-scaler state and ``extra``; every rank writes its RNG streams, its strategy's state
-    (e.g. PowerSGD error feedback) and ``rank_extra``, plus its own weights and optimizer state where the
-    strategy lets those differ between ranks. Resuming on another slot count restores the shared state
-    exactly; per-rank streams are then reseeded (only per-slot randomness, such as dropout, differs).
-    """
-
-    strategy: Any
-    models: list[Any]
-    optimizers: list[Any]
-    schedulers: list[Any]
-    precision: Any
-    rank: int
-    world_size: int
-
-    def _optimizer_states(self) -> list[dict[str, Any]]:
-        return [o.state_dict() for o in self.optimizers] + [s.state_dict() for s in self.schedulers]
-
-    def save(self, directory: Path, batches: int, extra: dict[str, Any] | None = None, keep_last: int = 2,
-             rank_extra: dict[str, Any] | None = None, optimizer_steps: int | None = None) -> Path:
-        """Collective: every rank calls it. ``optimizer_steps``: the own-loop context's step count."""
-        models = [self.strategy.model_state_dict(m) for m in self.models]  # may be collective (FSDP)
-        payload = None
-        if self.rank == 0:
-            trainer_state: dict[str, Any] = {"extra": dict(extra or {})}
-            if optimizer_steps is not None:
-                trainer_state["optimizer_steps"] = optimizer_steps
-            if self.precision is not None and self.precision.state_dict():
-                trainer_state["precision"] = self.precision.state_dict()
-            payload = CheckpointPayload(batches=batches, models=models, optimizers=self._optimizer_states(),
-                                        trainer_state=trainer_state,
-                                        metadata={"world_size": self.world_size, "strategy": self.strategy.name})
-        rank_state: dict[str, Any] = {"batches": batches, "rng": rng_state(), "extra": dict(rank_extra or {}),
-                                      "strategy": self.strategy.state_dict()}
-        if self.strategy.replicas_may_differ:
-            rank_state["models"] = [self.strategy.unwrap(m).state_dict() for m in self.models]
-        if self.strategy.per_rank_optimizer_state:
-            rank_state["optimizers"] = self._optimizer_states()
-        return save(directory, payload, rank_state, self.rank, keep_last)
-
-    def restore(self, path: Path) -> Restored:
-        """Load the checkpoint at ``path`` (a checkpoint folder, or a folder holding ``latest``) into the
-        live objects."""
-        pending = self.pending_restore(path)
-        self._check_counts(pending.loaded, pending.path)
-        pending.apply(self)
-        return pending.restored
-
-    def pending_restore(self, path: Path) -> PendingRestore:
-        """Read and verify the checkpoint at ``path`` now; apply it (:meth:`PendingRestore.apply`) once the
-        models and optimizers exist, which lets a loop load before it wraps them."""
-        path = resolve(path)
-        loaded = load(path, self.rank)
-        saved_world = loaded.metadata.get("world_size")
-        same_layout = (loaded.rank_state is not None and saved_world == self.world_size
-                       and loaded.metadata.get("strategy", self.strategy.name) == self.strategy.name)
-        rank_state = loaded.rank_state if same_layout and loaded.rank_state is not None else {}
-        if self.strategy.per_rank_optimizer_state and "optimizers" not in rank_state:
-            raise CheckpointError(f"checkpoint {path} has no optimizer state for rank {self.rank} of "
-                                  f"{self.world_size} ({self.strategy.name} keeps it per rank); resume with "
-                                  f"{saved_world} slots and the same sync.strategy")
-        extra = dict(loaded.trainer_state.get("extra", {}))
-        rank_extra = dict(rank_state.get("extra", {})) if same_layout else None
-        return PendingRestore(path, loaded, rank_state, Restored(path, extra, rank_extra, same_layout))
-
-    def _check_counts(self, loaded: LoadedCheckpoint, path: Path) -> None:
-        if len(loaded.models) != len(self.models):
-            raise CheckpointError(f"checkpoint {path} holds {len(loaded.models)} model(s) but this code wrapped "
-                                  f"{len(self.models)}; resume with the same trial code")
-        if len(loaded.optimizers) < len(self.optimizers):
-            raise CheckpointError(f"checkpoint {path} holds {len(loaded.optimizers)} optimizer state(s) but this "
-                                  f"code wrapped {len(self.optimizers)}; resume with the same trial code")
+def _all_finite(states: list[dict[str, Any]]) -> bool:
+    """Whether every floating-point tensor of these state dicts is finite (checkpoint rotation keeps the
+    newest checkpoint for which this holds)."""
+    return all(bool(torch.isfinite(t).all()) for state in states for t in state.values()
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
 
 
 def resolve(path: Path) -> Path:
@@ -456,70 +404,3 @@ def resolve(path: Path) -> Path:
     if not (path / "metadata.json").exists():
         raise CheckpointError(f"{path} is not a dtrain checkpoint (no metadata.json); pass a checkpoint folder")
     return path
-
-
-@dataclass
-class PendingRestore:
-    """A checkpoint read and verified, applied to models, optimizers and schedulers as they get wrapped.
-
-    Per-rank state (RNG streams, the strategy's state, the loss scaler) is applied once every saved model
-    is in place: a loop that loads before building its model would otherwise draw that model's
-    initialisation from the restored RNG streams and shift every later draw.
-    """
-
-    path: Path
-    loaded: LoadedCheckpoint
-    rank_state: dict[str, Any]
-    restored: Restored
-    models_done: int = 0
-    optimizers_done: int = 0
-    schedulers_done: int = 0
-    rank_state_done: bool = False
-
-    def missing(self) -> str | None:
-        """What the loop has not wrapped yet that the checkpoint holds, or None once it is all applied."""
-        n_models = len(self.rank_state.get("models", self.loaded.models))
-        if self.models_done < n_models:
-            return f"{n_models} model(s), {self.models_done} wrapped"
-        if self.loaded.optimizers and not self.optimizers_done:
-            return "optimizer state, no optimizer wrapped"
-        return None
-
-    def apply(self, state: TrainingState) -> None:
-        """Apply what ``state`` now has room for (call again after wrapping more)."""
-        model_states = self.rank_state.get("models", self.loaded.models)
-        if len(state.models) > len(model_states):
-            raise CheckpointError(f"checkpoint {self.path} holds {len(model_states)} model(s) but this code wrapped "
-                                  f"{len(state.models)}; resume with the same training code")
-        for model, saved in zip(state.models[self.models_done:], model_states[self.models_done:], strict=False):
-            state.strategy.load_model_state_dict(model, saved)
-        self.models_done = len(state.models)
-        optimizer_states = self.rank_state.get("optimizers", self.loaded.optimizers)
-        n_opt = len(state.optimizers)
-        if n_opt > len(optimizer_states):
-            raise CheckpointError(f"checkpoint {self.path} holds {len(optimizer_states)} optimizer state(s) but this "
-                                  f"code wrapped {n_opt}; resume with the same training code")
-        for opt, saved in zip(state.optimizers[self.optimizers_done:], optimizer_states[self.optimizers_done:n_opt],
-                              strict=False):
-            opt.load_state_dict(saved)
-        self.optimizers_done = n_opt
-        scheduler_states = optimizer_states[n_opt:]
-        for sched, saved in zip(state.schedulers[self.schedulers_done:], scheduler_states[self.schedulers_done:],
-                                strict=False):
-            sched.load_state_dict(saved)
-        self.schedulers_done = min(len(state.schedulers), len(scheduler_states))
-        if not self.rank_state_done and self.models_done == len(model_states):
-            self._apply_rank_state(state)
-
-    def _apply_rank_state(self, state: TrainingState) -> None:
-        self.rank_state_done = True
-        if state.precision is not None:
-            state.precision.load_state_dict(self.loaded.trainer_state.get("precision", {}))
-        if self.restored.same_layout:
-            set_rng_state(self.rank_state["rng"])
-            state.strategy.load_state_dict(self.rank_state.get("strategy", {}))
-        elif state.rank == 0:
-            log.warning("checkpoint %s was written by %s slot(s), this job has %d: weights, optimizer state and "
-                        "the data position are restored exactly; only per-slot random streams (e.g. dropout) "
-                        "are reseeded, so stochastic layers draw differently than in an uninterrupted run",
-                        self.path, self.loaded.metadata.get("world_size"), state.world_size)

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from dtrain.errors import UserError
+from dtrain.supervise import Stopped, terminate_as_stop  # light: no torch
 
 PROG = "dtrain"
 
@@ -139,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         _check_config_path(getattr(args, "config", None))
-        return _dispatch(args)
+        with terminate_as_stop():  # a SIGTERM before any worker runs: one line too, not a silent death
+            return _dispatch(args)
     except UserError as exc:
         if args.debug:  # the traceback, then the same line and exit code as without --debug
             import traceback
@@ -150,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    except Stopped as exc:  # bench, compare, launch (run says more itself)
+        if args.debug:
+            raise
+        print(f"{PROG}: {args.command} stopped by {exc.signal_name}", file=sys.stderr)
+        return exc.exit_code
 
 
 def _check_config_path(config: Path | None) -> None:
@@ -197,24 +204,34 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dtrain import runs  # keeps `dtrain --help` fast: torch is imported only when needed
+    from dtrain import resume, runs  # keeps `dtrain --help` fast: torch is imported only when needed
 
     overrides = list(args.overrides)
     if args.slots is not None:
         overrides.append(f"resources.slots_per_trial={args.slots}")
-    plan = runs.prepare(args.config, overrides, run_dir=args.run_dir, resume=args.resume,
-                        nodes=runs.NodeArgs.from_args(args))
+    try:
+        plan = runs.prepare(args.config, overrides, run_dir=args.run_dir, resume=args.resume,
+                            nodes=runs.NodeArgs.from_args(args))
+    except resume.AlreadyFinished as done:
+        print(f"{PROG}: {done}")
+        return 0
     if plan.chief and not args.quiet:  # quiet: the one closing line names it
         print(f"{PROG}: run directory {plan.run_dir}", flush=True)
-    start = time.perf_counter()
+    start, started = time.perf_counter(), time.time()
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
     try:
         failure = runs.execute(plan, quiet=args.quiet, debug=args.debug)
+    except Stopped as stop:
+        line = resume.stop_line(plan, stop, args.config, started)
+        if line is not None:
+            print(line, file=sys.stderr)
+            return stop.exit_code
+        failure = None  # the signal came as the run was finishing: it did finish
     except SignalException as exc:
-        # SIGTERM from scancel, preemption or a time limit reaches the agent (and, from Slurm, every
-        # worker): a stop asked for, not a crash, so one line rather than torch's traceback. Checkpoints
-        # are written atomically: the latest one is intact.
+        # A signal torch's agent saw before dtrain's supervisor did (scancel signals every process of the
+        # step): a stop asked for, not a crash, so one line rather than torch's traceback. Checkpoints are
+        # written atomically: the latest one is intact.
         if args.debug:
             raise
         why = "interrupted" if exc.sigval == signal.SIGINT else \
@@ -225,9 +242,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if failure is not None:
         if failure.user_error:
             raise UserError(failure.message)
-        print(f"{PROG}: error: worker rank {failure.rank} failed: {failure.message}", file=sys.stderr)
+        print(f"{PROG}: error: {failure.headline()}", file=sys.stderr)
         print(f"{PROG}: full log: {plan.run_dir / 'logs' / f'rank{failure.rank}.log'}; "
-              f"resume with: dtrain run {args.config} --resume {plan.run_dir}", file=sys.stderr)
+              f"{resume.resume_advice(plan, args.config)}", file=sys.stderr)
         return 1
     from dtrain.summary import print_run_summary
 
@@ -305,10 +322,11 @@ def cmd_launch(args: argparse.Namespace) -> int:
         raise UserError(f"script {str(script)!r} does not exist; pass the path of a Python training script")
     if not 0 <= args.max_restarts <= 100:  # the same bound as the config's max_restarts
         raise UserError(f"--max-restarts must be from 0 to 100, got {args.max_restarts}")
-    failure = launch([str(script), *args.args],
+    # Through dtrain.script_main: the script's exceptions are reported, its workers die with this process.
+    failure = launch(["-u", "-m", "dtrain.script_main", str(script), *args.args],
                      LaunchOptions(slots=args.slots, max_restarts=args.max_restarts, debug=args.debug))
     if failure is not None:
-        print(f"{PROG}: error: worker rank {failure.rank} failed: {failure.message}", file=sys.stderr)
+        print(f"{PROG}: error: {failure.headline()}", file=sys.stderr)
         return failure.exit_code if failure.user_error else 1
     return 0
 

@@ -73,6 +73,10 @@ class Resources(_Strict):
             raise ValueError(f"expected an interface name such as 'eth0' (1 to 15 characters, "
                              f"no '/' or spaces), got {safeyaml.show(value)}")
         return value
+    # On SIGTERM/SIGINT (a preemption: Kubernetes and Slurm send SIGTERM first), how long the ranks get to
+    # finish their step and write a checkpoint before they are killed. Keep it under the scheduler's own
+    # grace (Kubernetes' terminationGracePeriodSeconds defaults to 30 s, Slurm's GraceTime to 0).
+    preemption_grace_seconds: float = Field(default=25.0, gt=0, le=3600, allow_inf_nan=False)
 
 
 class CheckpointStorage(_Strict):
@@ -134,6 +138,10 @@ class Optimizations(_Strict):
         default_factory=lambda: [1.0, 4.0, 16.0, 64.0], max_length=64)
     auto_tune_warmup_steps: int = Field(default=2, ge=0, le=10_000)
     auto_tune_steps_per_candidate: int = Field(default=5, ge=1, le=10_000)
+    # A nan/inf loss or gradient: fail (stop, naming the first rank and batch; no checkpoint with non-finite
+    # weights is written), or skip that update on every rank, failing after max_nonfinite_skips in a row.
+    on_nonfinite: Literal["fail", "skip"] = "fail"
+    max_nonfinite_skips: int = Field(default=10, ge=1, le=1_000_000)
 
     @model_validator(mode="after")
     def _check_candidates(self) -> Optimizations:

@@ -27,10 +27,13 @@ from dtrain import dist as ddist
 from dtrain.config import ExperimentConfig
 from dtrain.errors import CheckpointError, UserError
 from dtrain.metrics import MeanAccumulator
+from dtrain.nonfinite import NonFiniteError, gradients_nonfinite
 from dtrain.precision import Precision
 from dtrain.profiling import NULL_RECORDER, DDPTiming, StepTimer
 from dtrain.rollcall import RollCall
+from dtrain.state import PendingRestore, TrainingState
 from dtrain.sync import SyncStrategy, build_strategy
+from dtrain.watchdog import STATUS
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=nn.Module)
@@ -55,6 +58,11 @@ class DistributedContext:
         opts = config.optimizations if config is not None else None
         self.aggregation_frequency = opts.aggregation_frequency if opts is not None else 1
         self.average_aggregated_gradients = opts.average_aggregated_gradients if opts is not None else True
+        # optimizations.on_nonfinite: skip (None: the own-loop API, which leaves it to the user's code).
+        self.skip_nonfinite = opts is not None and opts.on_nonfinite == "skip"
+        self.max_nonfinite_skips = opts.max_nonfinite_skips if opts is not None else 0
+        self.nonfinite_skipped = False  # whether the last optimizer step was skipped for non-finite gradients
+        self.nonfinite_in_row = 0
         self.strategy: SyncStrategy = build_strategy(config, self.device,
                                                      self.timer.recorder if profile else NULL_RECORDER)
         if profile and hasattr(self.strategy, "timing"):
@@ -71,7 +79,7 @@ class DistributedContext:
         # Optimizer steps taken (names checkpoints saved without ``batches``; restored with them).
         self.optimizer_steps = 0
         # A checkpoint loaded before its models/optimizers were wrapped: applied as they are.
-        self._pending: checkpoint.PendingRestore | None = None
+        self._pending: PendingRestore | None = None
         self.rollcall = RollCall(self.rank, self.world_size, timeout_seconds)
         if self.rollcall.active:
             atexit.register(_close_quietly, self.rollcall)  # a script that ends without ctx.close()
@@ -209,8 +217,13 @@ class DistributedContext:
         if self.aggregation_frequency > 1 and self.average_aggregated_gradients:
             loss = loss / self.aggregation_frequency
         loss = self.precision.scale(loss)
+        # Named for the launcher should a peer stop answering while this rank waits here.
+        before = STATUS.phase
+        STATUS.enter("backward (gradient all-reduce)" if self.sync_gradients and not self.strategy.exchanges_in_step
+                     else "backward")
         with self.timer.backward():
             loss.backward(**kwargs)
+        STATUS.enter(before)
 
     @contextlib.contextmanager
     def gradient_sync(self, sync: bool) -> Iterator[None]:
@@ -232,28 +245,49 @@ class DistributedContext:
         if self._pending is not None:
             self._check_pending_applied()
         self.optimizer_steps += 1
+        self.nonfinite_skipped = False
         timer, strategy, precision = self.timer, self.strategy, self.precision
         comm = "comm_exposed" if strategy.exchanges_in_step else "optimizer"
         skip = False
+        before = STATUS.phase
         if precision.scaler is not None and strategy.exchanges_in_step:
             # Unscale before the exchange, so that servers and averagers see true gradients.
             with timer.phase("optimizer", before="other"):
                 skip = precision.unscale_and_check(optimizer, strategy.dp_group)
+        STATUS.enter("gradient exchange" if strategy.exchanges_in_step else "optimizer step")
         with timer.phase(comm, before="other"):
             strategy.exchange_gradients(optimizer)
+        STATUS.enter("optimizer step")
         with timer.phase("optimizer", before="other"):
             if precision.scaler is not None and not strategy.exchanges_in_step:
                 skip = precision.unscale_and_check(optimizer, strategy.dp_group)
+            if self.skip_nonfinite and precision.scaler is None and not strategy.has_server_ranks:
+                skip = self._skip_nonfinite(optimizer)
             if clip_grad_norm is not None:
                 params = [p for g in optimizer.param_groups for p in g["params"]]
                 torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
             if not skip:
                 strategy.step(optimizer)
             precision.update()
+        STATUS.enter("weight sync" if strategy.exchanges_in_step else "optimizer step")
         with timer.phase(comm, before="other"):
             strategy.after_step(optimizer)  # before zero_grad: torch's averager skips grad-less params
         with timer.phase("optimizer", before="other"):
             optimizer.zero_grad(set_to_none=True)
+        STATUS.enter(before)
+
+    def _skip_nonfinite(self, optimizer: torch.optim.Optimizer) -> bool:
+        """``on_nonfinite: skip``: the same verdict on every rank; fail after too many skips in a row."""
+        strategy = self.strategy
+        replicated = not (strategy.replicas_may_differ or strategy.per_rank_optimizer_state)
+        self.nonfinite_skipped = gradients_nonfinite(optimizer, strategy.dp_group, replicated, self.device)
+        self.nonfinite_in_row = self.nonfinite_in_row + 1 if self.nonfinite_skipped else 0
+        if self.nonfinite_in_row > self.max_nonfinite_skips:
+            raise NonFiniteError(f"non-finite gradients in {self.nonfinite_in_row} optimizer steps in a row, up to "
+                                 f"batch {STATUS.batch}: each was skipped (optimizations.on_nonfinite: skip) but "
+                                 f"optimizations.max_nonfinite_skips is {self.max_nonfinite_skips}; lower the learning "
+                                 "rate or clip gradients", None)
+        return self.nonfinite_skipped
 
     # --------------------------------------------------------------------------------------- metrics
     def reduce(self, metrics: Mapping[str, Any], weight: float = 1.0) -> dict[str, float]:
@@ -266,9 +300,9 @@ class DistributedContext:
         ddist.barrier()
 
     # ----------------------------------------------------------------------------------- checkpoints
-    def training_state(self) -> checkpoint.TrainingState:
-        """What a checkpoint saves and restores for this rank (see :class:`dtrain.checkpoint.TrainingState`)."""
-        return checkpoint.TrainingState(self.strategy, self.models, self.optimizers, self.lr_schedulers,
+    def training_state(self) -> TrainingState:
+        """What a checkpoint saves and restores for this rank (see :class:`dtrain.state.TrainingState`)."""
+        return TrainingState(self.strategy, self.models, self.optimizers, self.lr_schedulers,
                                         self.precision, self.rank, self.world_size)
 
     def save_checkpoint(self, directory: str | Path, batches: int | None = None,

@@ -8,21 +8,28 @@ starts each node's agent with what the join settled (:class:`~dtrain.join.NodeLa
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+import tempfile
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from dtrain import watchdog
+from dtrain.culprit import read_statuses
 from dtrain.failures import Failure, read_reports, root_cause
 from dtrain.join import JoinError, NodeLaunch
+from dtrain.supervise import Stopped, Supervisor
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,10 @@ class LaunchOptions:
     debug: bool = False
     # Multi-machine: how torch's agent meets the other nodes (None: this machine alone).
     nodes: NodeLaunch | None = None
+    # Whether the workers stop cleanly on SIGUSR1 (dtrain's own worker; not a user's script), and how long
+    # a signalled run may take to stop before its workers are killed.
+    clean_stop: bool = False
+    grace_seconds: float = 30.0
 
 
 def _threads_per_worker(slots: int) -> int:
@@ -52,7 +63,8 @@ def _quiet_agent(debug: bool) -> None:
 def launch(command: list[str], options: LaunchOptions) -> Failure | None:
     """Run ``command`` (a Python module or script and its args) on ``options.slots`` local workers.
 
-    Returns None on success, else the first (root-cause) failure.
+    Returns None on success, else the first (root-cause) failure; raises :class:`~dtrain.supervise.Stopped`
+    when a signal stopped the run.
     """
     _quiet_agent(options.debug)
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(options.slots)))
@@ -79,22 +91,51 @@ def launch(command: list[str], options: LaunchOptions) -> Failure | None:
         max_restarts=options.max_restarts,
         monitor_interval=0.1,
         logs_specs=logs_specs,
+        # SIGINT and SIGTERM are the supervisor's (a clean stop); the agent keeps the rarer ones.
+        signals_to_handle="SIGHUP,SIGQUIT",
         **rdzv,
     )
-    try:
-        elastic_launch(config, sys.executable)(*command)
-    except ChildFailedError as exc:
-        return _root_cause(exc, options.run_dir)
-    except RendezvousError as exc:
-        # A node that passed dtrain's pre-rendezvous but never reached torch's (it died in between).
-        raise JoinError(f"torch's rendezvous at {nodes.rdzv_endpoint if nodes else 'localhost'} failed: "
-                        f"{exc}; check that every node is still running") from None
+    with _status_dir(options.run_dir) as status_dir:
+        # Workers die with this process (watchdog.die_with_launcher) and publish where they are here.
+        os.environ[watchdog.LAUNCHER_PID_ENV] = str(os.getpid())
+        os.environ[watchdog.STATUS_DIR_ENV] = str(status_dir)
+        try:
+            with Supervisor(options.grace_seconds, options.clean_stop, status_dir) as supervisor:
+                try:
+                    elastic_launch(config, sys.executable)(*command)
+                except ChildFailedError as exc:
+                    if supervisor.signum is None:
+                        return _root_cause(exc, status_dir)
+                except SignalException as exc:  # the agent stopped the workers (SIGHUP, SIGQUIT, or no grace left)
+                    raise Stopped(int(exc.sigval)) from None
+                except RendezvousError as exc:
+                    # A node that passed dtrain's pre-rendezvous but never reached torch's (it died in between).
+                    raise JoinError(f"torch's rendezvous at {nodes.rdzv_endpoint if nodes else 'localhost'} failed: "
+                                    f"{exc}; check that every node is still running") from None
+            if supervisor.signum is not None:
+                raise Stopped(supervisor.signum)
+        finally:
+            os.environ.pop(watchdog.LAUNCHER_PID_ENV, None)
+            os.environ.pop(watchdog.STATUS_DIR_ENV, None)
     return None
 
 
-def _root_cause(exc: ChildFailedError, run_dir: Path | None) -> Failure:
+@contextlib.contextmanager
+def _status_dir(run_dir: Path | None) -> Iterator[Path]:
+    """Where ranks publish their status and error reports: the run's logs/, else a temporary folder."""
+    if run_dir is not None:
+        logs = run_dir / "logs"
+        for stale in logs.glob(watchdog.STATUS_FILE.format(rank="*")):  # a previous attempt's
+            stale.unlink(missing_ok=True)
+        yield logs
+        return
+    with tempfile.TemporaryDirectory(prefix="dtrain-launch-") as tmp:
+        yield Path(tmp)
+
+
+def _root_cause(exc: ChildFailedError, status_dir: Path) -> Failure:
     """The one failure to show: see :func:`dtrain.failures.root_cause`."""
-    found = root_cause(exc.failures, read_reports(run_dir, own_ranks=set(exc.failures)))
+    found = root_cause(exc.failures, read_reports(status_dir, own_ranks=set(exc.failures)), read_statuses(status_dir))
     if found is not None:
         return found
     rank, failure = exc.get_first_failure()

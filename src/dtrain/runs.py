@@ -32,15 +32,18 @@ from typing import Any
 import torch
 import yaml
 
-from dtrain import checkpoint, data, netif, preflight
+from dtrain import data, netif, preflight
 from dtrain.config import ExperimentConfig, dump_config, load_config
 from dtrain.dist import ClusterEnv, read_cluster_env, read_env, resolve_backend
-from dtrain.errors import CheckpointError, UserError
+from dtrain.errors import UserError
 from dtrain.failures import Failure, read_reports
 from dtrain.join import join
 from dtrain.launch import LaunchOptions, launch
 from dtrain.precision import check_precision
 from dtrain.rendezvous import JoinError, NodeLaunch, Rendezvous, parse_endpoint, parse_nnodes
+from dtrain.resume import resume_checkpoint
+from dtrain.runlock import RunLock, lock_run_dir
+from dtrain.stopping import STOPPED_FILE
 from dtrain.sync import registry
 from dtrain.trial import load_trial_class
 
@@ -79,6 +82,8 @@ class RunPlan:
     # Whether this process reports for the whole run (prints the run directory and summary).
     chief: bool = True
     keepalive: Any = field(default=None, compare=False, repr=False)
+    # The run directory's lock, held by this process for the whole run (None: another node holds it).
+    lock: RunLock | None = field(default=None, compare=False, repr=False)
 
 
 def prepare(config_path: Path, overrides: list[str], run_dir: Path | None, resume: Path | None,
@@ -103,10 +108,18 @@ def prepare(config_path: Path, overrides: list[str], run_dir: Path | None, resum
     rdzv = _rendezvous(rdzv_args, config, cluster) if rdzv_args is not None else None
     if rdzv is not None:
         return _prepare_nodes(config, rdzv, run_dir, resume)
-    resume_from = _validate(config, config.resources.slots_per_trial, resume)
     target = run_dir if run_dir is not None else _default_run_dir(config, resume)
-    _create_run_dir(target, config, resume)
-    return RunPlan(config, target, resume_from)
+    # An existing directory is locked before anything reads it (a checkpoint another run is writing).
+    lock = lock_run_dir(target) if target.is_dir() else None
+    try:
+        resume_from = _validate(config, config.resources.slots_per_trial, resume)
+        lock = lock or lock_run_dir(target)
+        _create_run_dir(target, config, resume)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
+    return RunPlan(config, target, resume_from, lock=lock)
 
 
 def _validate(config: ExperimentConfig, local_slots: int, resume: Path | None, started: bool = False,
@@ -121,7 +134,7 @@ def _validate(config: ExperimentConfig, local_slots: int, resume: Path | None, s
     data.per_slot_batch_size(config.global_batch_size, config.resources.slots_per_trial, warn=warn and not servers)
     _check_backend(config, local_slots)
     _check_machine(config, local_slots, started=started)
-    return _resume_checkpoint(resume, config) if resume is not None else None
+    return resume_checkpoint(resume, config) if resume is not None else None
 
 
 def _create_run_dir(target: Path, config: ExperimentConfig, resume: Path | None) -> bool:
@@ -229,9 +242,11 @@ def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | N
     shared = config.model_dump(mode="json")
     shared.pop("code_dir", None)  # where the code sits may differ between machines
     created: list[Path] = []
+    locks: list[RunLock] = []
 
     def host_prepare() -> dict:
         target = run_dir if run_dir is not None else _default_run_dir(config, resume)
+        locks.append(lock_run_dir(target))
         if _create_run_dir(target, config, resume):
             created.append(target)
         token = uuid.uuid4().hex
@@ -250,6 +265,8 @@ def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | N
                             "pass --run-dir on a shared filesystem")
 
     def host_abort() -> None:
+        for lock in locks:
+            lock.release()
         for path in created:  # made moments ago for this job, nothing trained: leave no trace
             shutil.rmtree(path, ignore_errors=True)
 
@@ -260,7 +277,7 @@ def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | N
         (target / f".join-{plan['token']}").unlink(missing_ok=True)
     print(f"dtrain: {nodes.label}: network interface {nodes.ifname} ({nodes.interface_reason})", flush=True)
     resume_point = Path(plan["resume_from"]) if plan.get("resume_from") else None
-    return RunPlan(config, target, resume_point, nodes=nodes, chief=nodes.is_host)
+    return RunPlan(config, target, resume_point, nodes=nodes, chief=nodes.is_host, lock=locks[0] if locks else None)
 
 
 # ------------------------------------------------------------------------ inside torchrun or srun
@@ -285,15 +302,18 @@ def _prepare_in_place(config_path: Path, overrides: list[str], run_dir: Path | N
     _set_interface_in_place(config, env.master_addr)
     store = _setup_store(env, config.resources.join_timeout_seconds, cluster)
     key = f"dtrain-setup/plan/{env.restart_count}"
+    lock = None
     if env.is_chief:
         first = None
         if env.restart_count > 0 and store.check(["dtrain-setup/plan/0"]):
             first = json.loads(store.get("dtrain-setup/plan/0"))
         if first is not None:  # an elastic restart: same run directory, resumed by the worker
             target = Path(first["run_dir"])
+            lock = lock_run_dir(target)  # the previous attempt's chief died, and its lock with it
             plan = {**first, "resume_from": None}
         else:
             target = run_dir if run_dir is not None else _default_run_dir(config, resume)
+            lock = lock_run_dir(target)
             _create_run_dir(target, config, resume)
             plan = {"run_dir": str(target.resolve()), "resume_from": str(resume_from) if resume_from else None}
         store.set(key, json.dumps(plan))
@@ -311,7 +331,7 @@ def _prepare_in_place(config_path: Path, overrides: list[str], run_dir: Path | N
             raise UserError(f"rank {env.rank}: run directory {target}, made by rank 0, is not visible on this host; "
                             "multi-machine runs need the run directory on storage every node mounts (--run-dir)")
     resume_point = Path(plan["resume_from"]) if plan.get("resume_from") else None
-    return RunPlan(config, target, resume_point, in_place=True, chief=env.is_chief, keepalive=store)
+    return RunPlan(config, target, resume_point, in_place=True, chief=env.is_chief, keepalive=store, lock=lock)
 
 
 def _set_interface_in_place(config: ExperimentConfig, master_addr: str) -> None:
@@ -360,18 +380,6 @@ def _check_backend(config: ExperimentConfig, slots: int) -> None:
     check_precision(config.precision, "cuda" if backend == "nccl" else "cpu")
 
 
-def _resume_checkpoint(resume: Path, config: ExperimentConfig) -> Path:
-    if not resume.is_dir():
-        raise CheckpointError(f"--resume {resume}: no such run directory; pass a directory made by 'dtrain run'")
-    root = resume / config.checkpoint_storage.path
-    found = checkpoint.latest(root)
-    if found is None:
-        raise CheckpointError(f"--resume {resume}: no checkpoint found under {root} (no 'latest'); "
-                              "the run never reached a checkpoint, start it again without --resume")
-    checkpoint.check(found)  # data-only load of every file: a bad checkpoint fails here, not in N workers
-    return found
-
-
 def _prepare_run_dir(run_dir: Path, continuing: bool) -> None:
     if not continuing and (run_dir / "config.yaml").exists():
         raise UserError(f"run directory {run_dir} already holds a run; continue it with --resume {run_dir} "
@@ -396,6 +404,8 @@ def _write_config(config: ExperimentConfig, run_dir: Path) -> None:
 
 
 def execute(plan: RunPlan, quiet: bool, debug: bool) -> Failure | None:
+    """Start the workers; None on success, else the root-cause failure. Raises :class:`Stopped` on a signal."""
+    (plan.run_dir / "logs" / STOPPED_FILE).unlink(missing_ok=True)  # a previous stop's, now being resumed
     args = ["--run-dir", str(plan.run_dir)]
     if plan.resume_from is not None:
         args += ["--resume-from", str(plan.resume_from)]
@@ -407,7 +417,8 @@ def execute(plan: RunPlan, quiet: bool, debug: bool) -> Failure | None:
     if plan.nodes is not None:
         slots //= plan.nodes.max_nodes
     options = LaunchOptions(slots=slots, max_restarts=plan.config.max_restarts, run_dir=plan.run_dir, debug=debug,
-                            nodes=plan.nodes)
+                            nodes=plan.nodes, clean_stop=True,
+                            grace_seconds=plan.config.resources.preemption_grace_seconds)
     return launch(["-u", "-m", "dtrain.worker", *args], options)
 
 
@@ -421,7 +432,7 @@ def _train_in_place(args: list[str], plan: RunPlan) -> Failure | None:
     except SystemExit as exc:
         if exc.code in (0, None):
             return None
-        mine = [r for r in read_reports(plan.run_dir, own_ranks={rank}) if r.rank == rank]
+        mine = [r for r in read_reports(plan.run_dir / "logs", own_ranks={rank}) if r.rank == rank]
         if mine:
             return mine[0].failure()
         return Failure(rank, int(exc.code) if isinstance(exc.code, int) else 1, f"exited with {exc.code}",

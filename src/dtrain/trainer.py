@@ -17,12 +17,15 @@ from dtrain.config import ExperimentConfig
 from dtrain.context import TrialContext
 from dtrain.dist import all_hostnames
 from dtrain.metrics import MeanAccumulator, MetricsWriter, truncate_metrics
+from dtrain.nonfinite import NonFiniteWatch
 from dtrain.profiling.clock import synchronized_now
 from dtrain.profiling.figures import build_profile, collect_rank_figures, run_facts
 from dtrain.progress import ProgressReporter
+from dtrain.stopping import StopVote, write_stopped
 from dtrain.sync import Serving
 from dtrain.sync.fusion import tuner_for_run
 from dtrain.trial import PyTorchTrial, load_trial_class
+from dtrain.watchdog import STATUS
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,8 @@ def run_trial(config: ExperimentConfig, run_dir: Path, resume_from: Path | None,
         trainer = Trainer(context, trial, config, run_dir, quiet)
         if resume_from is not None:
             trainer.restore(resume_from)
+        elif trainer.writer is not None:
+            truncate_metrics(trainer.writer.path, 0)  # a run started over in place: its old records go
         return trainer.fit()
     finally:
         context.close()  # after the trial and its wrapped models are gone
@@ -75,6 +80,7 @@ class Trainer:
         self.ckpt_every = self._period(config.min_checkpoint_period)
         self.ckpt_root = run_dir / config.checkpoint_storage.path
         self.batches = 0
+        self.resumed_at = 0  # the summary's figures cover batches resumed_at..batches (this process's part)
         self.train_metrics = MeanAccumulator()
         self.last_validation: dict[str, float] = {}
         self.validation_seconds = self.checkpoint_seconds = 0.0
@@ -86,6 +92,10 @@ class Trainer:
         self._window_steps = 0
         self._iterating = False
         self.tuner = tuner_for_run(context, config.optimizations, run_dir)
+        # Non-finite losses: tracked on the device each step, compared across ranks where the loop syncs anyway.
+        self.nonfinite = NonFiniteWatch(context.device, context.strategy.dp_group)
+        self.fail_nonfinite = config.optimizations.on_nonfinite == "fail"
+        self.nonfinite_skips = 0
         self._group_start = 0.0
         self.writer = MetricsWriter(run_dir) if context.is_chief else None
         self.progress = ProgressReporter(self.total_batches, 0, context.is_chief, quiet)
@@ -112,6 +122,12 @@ class Trainer:
             yield b, sync, validate, ckpt
 
     def fit(self) -> dict[str, Any]:
+        if self.batches >= self.total_batches:  # resumed at the end: rewriting its results would lose them
+            if self.ctx.is_chief:
+                log.warning("the checkpoint is at batch %d, max_length is %d batches: nothing to train",
+                            self.batches, self.total_batches)
+            self.progress.close()
+            return {"already_finished": self.batches}
         start = synchronized_now(self.ctx.device)
         strategy = self.ctx.strategy
         if strategy.has_server_ranks and strategy.is_server and isinstance(strategy, Serving):
@@ -120,6 +136,8 @@ class Trainer:
             all_hostnames()  # the workers' end-of-run collective over every rank
             return {"role": "server", "wall_seconds": synchronized_now(self.ctx.device) - start}
         last_val = last_ckpt = -1
+        # Where every rank agrees to stop on a signal (see dtrain.stopping); no per-step cost.
+        vote = StopVote(not strategy.has_server_ranks, self.batches, self.ctx.aggregation_frequency, self.ctx.backend)
         self._open_window()
         for b, sync, validate, ckpt in self.schedule():
             with self.ctx.gradient_sync(sync):
@@ -136,6 +154,8 @@ class Trainer:
             if ckpt:
                 self._checkpoint()
                 last_ckpt = b
+            if vote.due(b, sync) and b < self.total_batches and vote.vote(b):
+                return self._stop(last_ckpt)
         self._close_window()
         strategy.refresh()
         if self.val_loader is not None and last_val != self.batches:
@@ -143,6 +163,18 @@ class Trainer:
         if last_ckpt != self.batches:
             self._checkpoint()  # a final checkpoint is always written
         return self._finish(synchronized_now(self.ctx.device) - start)
+
+    def _stop(self, last_ckpt: int) -> dict[str, Any]:
+        """Every rank agreed to stop after this batch: checkpoint here, leave results for the finished run."""
+        self._close_window()
+        self.ctx.strategy.refresh()
+        if last_ckpt != self.batches:
+            self._checkpoint()
+        self.progress.close()
+        if self.writer is not None:
+            self.writer.close()
+            write_stopped(self.run_dir / "logs", self.batches)
+        return {"stopped_at": self.batches}
 
     def _train_step(self) -> None:
         epoch, position = divmod(self.batches, self.batches_per_epoch)
@@ -153,11 +185,17 @@ class Trainer:
             self._iterating = True
         timer = self.ctx.timer
         timer.start_step()
+        STATUS.enter("loading data", self.batches)
         batch = self._next_batch()
         timer.lap("data")
+        STATUS.enter("train_batch")
         metrics = self.trial.train_batch(batch, epoch, self.batches)
         timer.end_step()
-        self.train_metrics.add(metrics)  # stays on the device until the next report
+        self.nonfinite.observe(metrics, self.batches)
+        if self.ctx.nonfinite_skipped:  # on_nonfinite: skip; the update was not applied on any rank
+            self.nonfinite_skips += 1
+        else:
+            self.train_metrics.add(metrics)  # stays on the device until the next report
         self.batches += 1
         self._window_steps += 1
         self.progress.advance(self.batches)
@@ -193,6 +231,9 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ reporting
     def _report_training(self) -> None:
+        STATUS.enter("metric all-reduce", self.batches - 1)
+        if self.fail_nonfinite:
+            self.nonfinite.fail_if_any(self.batches, "at the report")
         speed = self._close_window()
         if self.config.optimizations.average_training_metrics:
             means = self.train_metrics.global_means(self.ctx.strategy.dp_group)  # collective over training slots
@@ -212,6 +253,7 @@ class Trainer:
     def _validate(self) -> None:
         if self.val_loader is None:
             return
+        STATUS.enter("validation")
         start = synchronized_now(self.ctx.device)
         for model in self.ctx.models:
             model.eval()
@@ -238,6 +280,9 @@ class Trainer:
 
     # --------------------------------------------------------------------------------- checkpoints
     def _checkpoint(self) -> None:
+        STATUS.enter("checkpoint")
+        if self.fail_nonfinite and not self.ctx.strategy.is_server:
+            self.nonfinite.fail_if_any(self.batches, "before the checkpoint")
         start = synchronized_now(self.ctx.device)
         self.ctx.save_checkpoint(
             self.ckpt_root, self.batches, extra={"batches": self.batches},
@@ -253,6 +298,7 @@ class Trainer:
     def restore(self, path: Path) -> None:
         restored = self.ctx.training_state().restore(path)
         self.batches = int(restored.extra["batches"])
+        self.resumed_at = self.batches
         if restored.rank_extra is not None and "train_metrics" in restored.rank_extra:
             self.train_metrics.load_state_dict(restored.rank_extra["train_metrics"])
         if self.writer is not None:
@@ -263,13 +309,15 @@ class Trainer:
 
     # -------------------------------------------------------------------------------------- summary
     def _finish(self, wall_seconds: float) -> dict[str, Any]:
+        STATUS.enter("end-of-run gather")
         self.progress.close()
         timer = self.ctx.timer
         per_rank, latency, hosts = collect_rank_figures(self.ctx)  # collectives
         run = run_facts(self, wall_seconds)
+        run["resumed_at_batch"] = self.resumed_at  # a resumed run's figures cover its own part only
         summary = {**run, "batches": self.batches, "epochs": self.batches / self.batches_per_epoch,
                    "step_breakdown_seconds": per_rank[0] if timer.enabled else {},
-                   "validation": self.last_validation}
+                   "validation": self.last_validation, "nonfinite_skipped_steps": self.nonfinite_skips}
         if self.writer is not None:
             self.writer.close()
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -8,11 +8,12 @@ import os
 import sys
 from pathlib import Path
 
-from dtrain import checkpoint
+from dtrain import checkpoint, watchdog
 from dtrain.config import load_config
 from dtrain.dist import DistEnv, read_env
 from dtrain.errors import UserError
 from dtrain.failures import write_report
+from dtrain.nonfinite import NonFiniteError
 from dtrain.trainer import run_trial
 
 log = logging.getLogger("dtrain")
@@ -58,8 +59,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--resume-from", type=Path)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
+    watchdog.die_with_launcher()  # first: a launcher killed during our imports must not leave us behind
     env = read_env()
     setup_logging(args.run_dir, env, args.quiet)
+    logs = args.run_dir / "logs"
+    # Under torchrun or srun (no dtrain launcher) the SIGTERM handling stays theirs.
+    watchdog.start(logs, env.rank, handle_signals=watchdog.LAUNCHER_PID_ENV in os.environ,
+                   master=(env.master_addr, env.master_port) if env.launched else None)
     try:
         config = load_config(args.run_dir / "config.yaml")
         resume = resume_point(args.run_dir, config.checkpoint_storage.path, args.resume_from, env)
@@ -68,28 +74,37 @@ def main(argv: list[str] | None = None) -> None:
         # Bad input found inside a worker (e.g. the trial's data): one line from the launcher, exit 2.
         _log_to_file_only()
         log.error("%s", exc)
-        write_report(args.run_dir, env.rank, exc, user_error=True, exit_code=exc.exit_code)
+        watchdog.publish_now()
+        write_report(logs, env.rank, exc, user_error=True, exit_code=exc.exit_code)
         sys.exit(exc.exit_code)
     except Exception as exc:
         _log_to_file_only()
-        log.exception("worker failed")
-        write_report(args.run_dir, env.rank, exc, user_error=False, exit_code=1)
+        log.exception("worker failed")  # the full text (Gloo's included) goes to this rank's log only
+        watchdog.publish_now()
+        # A non-finite loss stops every rank; the report names the rank where it appeared, not a code line.
+        nonfinite = isinstance(exc, NonFiniteError)
+        write_report(logs, env.rank, exc, user_error=False, exit_code=1, where="" if nonfinite else None,
+                     blame=exc.rank if nonfinite else None)
         sys.exit(1)
 
 
-def _exit_without_teardown() -> None:
+def _exit_without_teardown(code: int = 0) -> None:
     """Leave once everything is written, skipping the interpreter's teardown.
 
     Seen here under heavy load: a worker that had finished and written its summary was killed by SIGABRT
-    while the interpreter tore down (native communication threads racing the exit). Nothing is left to
-    do at that point, so flush what Python buffers and exit directly.
+    while the interpreter tore down (native communication threads racing the exit), and a failed worker
+    took 4-5 s to tear down while its peers waited on its open connections for the news. Nothing is left
+    to do at that point, so flush what Python buffers and exit directly.
     """
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except SystemExit as exc:  # a failure, already reported: its peers learn it when our sockets close
+        _exit_without_teardown(exc.code if isinstance(exc.code, int) else 1)
     _exit_without_teardown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ class TinyTrial(dtrain.PyTorchTrial):
         self._maybe_fail(batch_idx)
         x, y = batch
         loss = nn.functional.mse_loss(self.model(x), y)
+        if self.hp.get("nan_at_batch") == batch_idx and self.hp.get("crash_rank", 1) == self.context.rank:
+            loss = loss * float("nan")
         self.context.backward(loss)
         self.context.step_optimizer(self.optimizer)
         return {"loss": loss}
@@ -64,8 +67,12 @@ class TinyTrial(dtrain.PyTorchTrial):
                 raise RuntimeError(f"planted failure at batch {batch_idx}")
         if hp.get("die_at_batch") == batch_idx and hp.get("crash_rank", 1) == rank:
             os._exit(17)
-        if hp.get("sleep_rank") == rank:
-            time.sleep(hp.get("sleep_seconds", 0.0))
+        if hp.get("sleep_rank") == rank and hp.get("sleep_at_batch") in (None, batch_idx):
+            time.sleep(hp.get("sleep_seconds", 0.0))  # every batch, or only at sleep_at_batch
+        if hp.get("freeze_at_batch") == batch_idx and hp.get("crash_rank", 1) == rank:
+            os.kill(os.getpid(), signal.SIGSTOP)  # frozen, as by a debugger or `kill -STOP`
+        if hp.get("kill_at_batch") == batch_idx and hp.get("crash_rank", 1) == rank:
+            os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does
 
 
 class NotATrial:
