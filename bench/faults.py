@@ -291,7 +291,7 @@ class Campaign:
             seconds = time.monotonic() - struck
             hosts.destroy()
         lines = err.strip().splitlines()
-        ok = bool(lines) and ("the network between host" in lines[0] or "stopped answering" in lines[0]) and \
+        ok = bool(lines) and ("the network between" in lines[0] or "stopped answering" in lines[0]) and \
             hosts.hosts[1].address in lines[0]
         return Trial(code, seconds, ok, note=lines[0][:200] if lines else "")
 
@@ -315,8 +315,9 @@ def faults(c: Campaign) -> list[Fault]:
               lambda: c.signalled(signal.SIGKILL, "group", None)),
         Fault("kill-checkpointing", "SIGKILL while checkpointing/pruning every batch", -9,
               lambda: c.kill_during_checkpoints()),
-        Fault("resume-finished", "--resume of a finished run", 0, lambda: c.resume_finished()),
-        Fault("launch-exception", "dtrain launch: script raises on rank 1", 1, lambda: c.launch_exception()),
+        Fault("resume-finished", "--resume of a finished run (s: whole command)", 0, lambda: c.resume_finished()),
+        Fault("launch-exception", "dtrain launch: script raises on rank 1 (s: whole command)", 1,
+              lambda: c.launch_exception()),
         Fault("launch-sigint", "Ctrl-C of dtrain launch (own loop)", 130, lambda: c.launch_sigint()),
     ]
 

@@ -134,9 +134,9 @@ class Supervisor:
             return
         self._pending = set(children())
         training = self._statuses()
-        if any(training.get(pid) is None for pid in self._pending):
-            # A rank is still starting: no step ran since the last checkpoint, so there is nothing to save,
-            # and waiting for the start to finish could take longer than the grace period.
+        if not self._pending or any(training.get(pid) is None for pid in self._pending):
+            # No worker yet, or one still starting: no step ran since the last checkpoint, so there is
+            # nothing to save, and waiting for the start to finish could take longer than the grace period.
             self._stop_now()
         self._tell_ready()
 

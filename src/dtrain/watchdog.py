@@ -106,6 +106,7 @@ class Watchdog(threading.Thread):
         self.path = status_dir / STATUS_FILE.format(rank=rank) if status_dir is not None else None
         self.static = {"rank": rank, "host": socket.gethostname(), "pid": os.getpid(), "address": _address(master)}
         self._read_fd: int | None = None
+        self._writing = threading.Lock()  # publish_now (main thread) and the beat share the temporary file
         if handle_signals and threading.current_thread() is threading.main_thread():
             read_fd, write_fd = os.pipe()
             os.set_blocking(write_fd, False)
@@ -154,7 +155,7 @@ class Watchdog(threading.Thread):
         record = {**self.static, "batch": STATUS.batch, "phase": STATUS.phase, "since": STATUS.since,
                   "time": time.time()}
         tmp = self.path.with_name(f".{self.path.name}.tmp")
-        with contextlib.suppress(OSError):
+        with self._writing, contextlib.suppress(OSError):
             tmp.write_text(json.dumps(record))
             os.replace(tmp, self.path)
 
