@@ -17,6 +17,7 @@ Prints a Markdown table per part.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -140,6 +141,11 @@ def _sizes_alone(sizes: list[int], reps: int, idle_ms: float) -> dict[str, list[
             for t in tensors:
                 dist.all_reduce(t)
             out[mode].append(time.perf_counter() - t0)
+        for t in tensors:  # each size on its own, link just used
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            out.setdefault(f"one {t.numel() * 4} B", []).append(time.perf_counter() - t0)
     return out
 
 
@@ -154,13 +160,19 @@ def _compression_alone(reps: int) -> list[float]:
     model = _model()
     state = powersgd.PowerSGDState(model, rank=4, start_iteration=0, error_feedback=True, warm_start=True)
     grads = [(i, torch.randn_like(p).view(p.shape[0], -1)) for i, p in enumerate(model.parameters()) if p.dim() > 1]
+    plain = [torch.randn_like(p) for p in model.parameters() if p.dim() < 2]
+    # Since the fix the bucket's vectors travel with P: the function takes them too.
+    fused = len(inspect.signature(powersgd._compress_and_average).parameters) == 4
     saved = powersgd.dist.all_reduce
     powersgd.dist.all_reduce = lambda *a, **k: None  # type: ignore[assignment]
     try:
         times = []
         for _ in range(reps):
             t0 = time.perf_counter()
-            powersgd._compress_and_average(state, grads, 1)
+            if fused:
+                powersgd._compress_and_average(state, grads, plain, 1)
+            else:
+                powersgd._compress_and_average(state, grads, 1)
             times.append(time.perf_counter() - t0)
     finally:
         powersgd.dist.all_reduce = saved  # type: ignore[assignment]
@@ -193,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("mode", nargs="?", default="driver", choices=["driver", "worker"])
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--master", default="")
-    parser.add_argument("--rate", default="200mbit")
+    parser.add_argument("--rate", default="200mbit", help="tbf rate of each host's link; none: unthrottled")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--idle-ms", type=float, default=300.0, help="computation without traffic before "
@@ -210,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench/powersgd_link.py: {reason}", file=sys.stderr)
         return 2
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "eth0", "PYTHONPATH": str(SRC)}
-    with TestHosts(2, rate=args.rate, pin_cpus=True) as hosts:
+    with TestHosts(2, rate=None if args.rate == "none" else args.rate, pin_cpus=True) as hosts:
         master = f"{hosts.hosts[0].address}:{PORT}"
 
         def argv_for(i: int) -> list[str]:
@@ -234,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n## The same all-reduces alone on the link ({args.reps} reps, after a barrier)")
     print(f"| back to back | {_ms(res['alone']['back_to_back'])} |")
     print(f"| after {args.idle_ms:.0f} ms of compute, no traffic | {_ms(res['alone']['after_compute'])} |")
+    for key, values in res["alone"].items():
+        if key.startswith("one "):
+            print(f"| {key[4:]} alone | {_ms(values)} |")
     print(f"\n## Compression compute alone, one core, no communication: {_ms(res['compression'])}")
     return 0
 
