@@ -102,7 +102,7 @@ def link_table(rate: str, steps: int, rounds: list[dict[str, dict[str, float]]],
         ratios = {key: [r[name][key] / r["none"][key] for r in rounds] for key in ("busy", "samples")} \
             if "none" in names else None
         lines.append(
-            f"| {name} | {mb:.2f} | {statistics.median(x['collectives'] for x in runs):.0f} | {bound:.3f} | "
+            f"| {name} | {mb:.2f} | {statistics.median(x['collectives'] for x in runs):.3g} | {bound:.3f} | "
             f"{_spread([x['busy'] for x in runs], '.3f')} | "
             f"{_spread(ratios['busy'], '.2f') + 'x' if ratios else '-'} | "
             f"{_spread([x['step'] for x in runs], '.3f')} | {_spread([x['samples'] for x in runs], ',.0f')} | "

@@ -75,7 +75,7 @@ class _Calls:
         return _Timed()
 
 
-def _hook_steps(steps: int, start_iteration: int) -> dict[str, Any]:
+def _hook_steps(steps: int, start_iteration: int, bucket_view: bool) -> dict[str, Any]:
     """Part 1: train ``steps`` steps with dtrain's PowerSGD hook; per-step logs after warm-up."""
     import torch
     import torch.distributed as dist
@@ -85,7 +85,7 @@ def _hook_steps(steps: int, start_iteration: int) -> dict[str, Any]:
 
     torch.manual_seed(0)
     model = _model()
-    ddp = DistributedDataParallel(model, bucket_cap_mb=64.0)
+    ddp = DistributedDataParallel(model, bucket_cap_mb=64.0, gradient_as_bucket_view=bucket_view)
     state = PowerSGDState(model, rank=4, start_iteration=start_iteration, error_feedback=True, warm_start=True)
     hook_seconds: list[float] = []
 
@@ -109,7 +109,7 @@ def _hook_steps(steps: int, start_iteration: int) -> dict[str, Any]:
         loss = torch.nn.functional.cross_entropy(ddp(x), y)
         loss.backward()
         optimizer.step()
-        optimizer.zero_grad()
+        optimizer.zero_grad(set_to_none=True)  # as dtrain's context does
         total = time.perf_counter() - t0
         if step >= start_iteration + 2:
             rows.append({"step": total, "hook": sum(hook_seconds), "buckets": len(hook_seconds),
@@ -179,13 +179,13 @@ def _compression_alone(reps: int) -> list[float]:
     return times
 
 
-def worker(rank: int, master: str, steps: int, reps: int, idle_ms: float) -> None:
+def worker(rank: int, master: str, steps: int, reps: int, idle_ms: float, bucket_view: bool) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=2)
-    result: dict[str, Any] = {"hook": _hook_steps(steps, start_iteration=2)}
+    result: dict[str, Any] = {"hook": _hook_steps(steps, start_iteration=2, bucket_view=bucket_view)}
     sizes = result["hook"]["rows"][-1]["allreduces"]
     result["sizes"] = sizes
     result["alone"] = _sizes_alone(sizes, reps, idle_ms)
@@ -210,9 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--idle-ms", type=float, default=300.0, help="computation without traffic before "
                         "the all-reduces in part 2 (default 300: above Linux's 200 ms minimum RTO)")
+    parser.add_argument("--bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True)")
     args = parser.parse_args(argv)
     if args.mode == "worker":
-        worker(args.rank, args.master, args.steps, args.reps, args.idle_ms)
+        worker(args.rank, args.master, args.steps, args.reps, args.idle_ms, args.bucket_view)
         return 0
     from link import PORT, _run_pair
     from testhosts import TestHosts, unavailable_reason
@@ -227,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def argv_for(i: int) -> list[str]:
             return [sys.executable, str(Path(__file__).resolve()), "worker", "--rank", str(i), "--master", master,
-                    "--steps", str(args.steps), "--reps", str(args.reps), "--idle-ms", str(args.idle_ms)]
+                    "--steps", str(args.steps), "--reps", str(args.reps), "--idle-ms", str(args.idle_ms),
+                    *(["--bucket-view"] if args.bucket_view else [])]
 
         out = _run_pair(hosts, argv_for, env, timeout=900)[0].stdout
     res = json.loads(out.strip().splitlines()[-1])
