@@ -3,6 +3,7 @@
 
     .venv/bin/python bench/optimizations.py [--rate 200mbit] [--steps 20] [--repeats 3] [--cases none,powersgd]
                                             [--skip-accuracy] [--json out.json]
+                                            [--baseline-src OLD_CHECKOUT]
 
 1. Step time and communication time per step on the link: none, fp16, bf16, powersgd (rank 4, compressing
    from step 2), aggregation_frequency 4. Goals: fp16 comm <= 0.55x none; powersgd step speed-up >= 5x;
@@ -43,8 +44,9 @@ CASES = {
 }
 
 
-def two_hosts(rate: str, tmp: Path, tag: str, steps: int, overrides: list[str]) -> Path:
-    """Run the wide digits model on 2 hosts x 1 slot; return the run directory."""
+def two_hosts(rate: str, tmp: Path, tag: str, steps: int, overrides: list[str], src: Path | None = None) -> Path:
+    """Run the wide digits model on 2 hosts x 1 slot; return the run directory. ``src``: run another
+    checkout's dtrain package (its ``src`` folder) instead of this one."""
     from link import PORT, _run_pair
     from testhosts import TestHosts
 
@@ -58,7 +60,8 @@ def two_hosts(rate: str, tmp: Path, tag: str, steps: int, overrides: list[str]) 
             for item in sets:
                 cmd += ["--set", item]
             return cmd
-        _run_pair(hosts, argv, {**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=900)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"PYTHONPATH": str(src)} if src else {})}
+        _run_pair(hosts, argv, env, timeout=900)
     return run_dir
 
 
@@ -118,11 +121,20 @@ def main() -> int:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--json", type=Path, help="also write every run's figures here")
+    parser.add_argument("--baseline-src", type=Path, help="also run powersgd with the dtrain of this checkout's "
+                        "src/ (e.g. a worktree of an older commit), in the same rounds: before/after side by side")
     args = parser.parse_args()
     names = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [n for n in names if n not in CASES]
     if unknown or not names or args.repeats < 1:
         parser.error(f"unknown cases {unknown}; choose from {', '.join(CASES)}" if unknown else "nothing to run")
+    cases: dict[str, tuple[list[str], Path | None]] = {name: (CASES[name], None) for name in names}
+    if args.baseline_src:
+        src = args.baseline_src.resolve() / "src"
+        if not (src / "dtrain").is_dir():
+            parser.error(f"--baseline-src: no dtrain package under {src}")
+        cases[f"powersgd, {args.baseline_src.name}"] = (CASES["powersgd"], src)
+    names = list(cases)
     from testhosts import unavailable_reason
 
     reason = unavailable_reason()
@@ -139,7 +151,8 @@ def main() -> int:
             results: dict[str, dict[str, float]] = {}
             for name in order:
                 print(f"round {r + 1}/{args.repeats}: {name} ...", file=sys.stderr, flush=True)
-                run_dir = two_hosts(args.rate, Path(tmp), f"{name}-{r}", args.steps, CASES[name])
+                overrides, src = cases[name]
+                run_dir = two_hosts(args.rate, Path(tmp), f"{name.replace(',', '')}-{r}", args.steps, overrides, src)
                 profile = json.loads((run_dir / "profile.json").read_text())
                 results[name] = _row(profile)
                 parameters = profile["parameters"]
