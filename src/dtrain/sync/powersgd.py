@@ -11,14 +11,17 @@ much smaller, that is the right trade.
 
 Per bucket, each gradient viewed as an n x m matrix M (n = first dimension) with rank r << min(n, m):
 
-    M += error                      error feedback: what compression lost last time is sent now
+    M = gradient + error            error feedback: what compression lost last time is sent now
     P = M Q;  all-reduce(P);  P = orthonormal(P)
     Q = M^T P; all-reduce(Q) / N
     M_hat = P Q^T;  error = M - M_hat;  gradient = M_hat
 
 Q is kept for the next step (warm start, one power iteration per step) and starts from the same seeded
 random matrix on every rank. Vectors and matrices too small to gain (r (n + m) >= n m) are averaged
-uncompressed, in one fused all-reduce per bucket.
+uncompressed, in P's all-reduce: two collectives per bucket in all (one for a bucket of vectors only).
+
+Each collective reports to the profiler on its own, so ``comm_busy`` is time spent in all-reduces and
+the compression math counts as compute: on a slow link a reader must be able to tell the two apart.
 """
 
 # No "from __future__ import annotations": DDP checks the comm hook's annotations at runtime.
@@ -96,50 +99,79 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     indices = [state.param_index[id(p)] for p in bucket.parameters()]
     matrices = [(i, g.view(g.shape[0], -1)) for i, g in zip(indices, grads, strict=True) if state.compressible(g)]
     plain = [g for g in grads if not state.compressible(g)]
-    # What goes on the wire: the uncompressible tensors whole, and P (n x r) and Q (m x r) per matrix.
-    wire = (sum(g.numel() for g in plain) + sum(state.rank * sum(m.shape) for _, m in matrices)) * buffer.element_size()
-    with state.recorder.collective(wire):
-        plain_flat = torch.cat([g.reshape(-1) for g in plain]) if plain else None
-        plain_work = dist.all_reduce(plain_flat, async_op=True) if plain_flat is not None else None
-        if matrices:
-            _compress_and_average(state, matrices, world)
-        if plain_work is not None and plain_flat is not None:
-            plain_work.wait()
-            plain_flat.div_(world)
-            offset = 0
-            for g in plain:
-                g.copy_(plain_flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+    if matrices:
+        _compress_and_average(state, matrices, plain, world)
+    else:
+        _average_plain(state, plain, world)
     return _done(state, bucket, buffer)
 
 
-def _compress_and_average(state: PowerSGDState, matrices: list[tuple[int, torch.Tensor]], world: int) -> None:
-    """One power iteration per matrix, all matrices of the bucket fused into one P and one Q all-reduce;
-    the averaged low-rank approximation is written back into the bucket."""
-    ps, qs = [], []
+def _average_plain(state: PowerSGDState, plain: list[torch.Tensor], world: int) -> None:
+    """A bucket of vectors only (biases, norms): one fused exact all-reduce."""
+    if not plain:
+        return
+    flat = torch.cat([g.reshape(-1) for g in plain])
+    with state.recorder.collective(flat.numel() * flat.element_size()):
+        dist.all_reduce(flat)
+    flat.div_(world)
+    _scatter(flat, plain)
+
+
+def _compress_and_average(state: PowerSGDState, matrices: list[tuple[int, torch.Tensor]], plain: list[torch.Tensor],
+                          world: int) -> None:
+    """One power iteration per matrix; the bucket's P matrices and its uncompressed tensors travel in one
+    all-reduce, its Q matrices in a second: two collectives per bucket, whatever its content. The
+    averaged low-rank approximation is written back into the bucket.
+
+    Why it is written this way (bench/powersgd_link.py, 3072 x 3072 gradient, one core): every pass
+    over M costs about as much as the whole all-reduce of P and Q on a 25 MB/s link, so the math reads
+    and writes M as few times as it can. Q is computed as (P^T M)^T, not M^T P: torch's CPU matmul of a
+    transposed square matrix by a skinny one is ~9x slower (216 ms vs 24 ms). The error-feedback buffer
+    is kept and updated in place: allocating a fresh copy of M per step (``clone``) costs page faults on
+    every one of its pages (60-90 ms for 38 MB)."""
+    sources, ps = [], []
     for index, m in matrices:
+        source = m
         if state.error_feedback:
             error = state.error.get(index)
-            if error is not None:
-                m.add_(error)
-            state.error[index] = m.clone()  # M before compression; M_hat is subtracted below
+            if error is None:
+                error = state.error[index] = m.clone()  # once per parameter: the buffer is reused after
+            else:
+                error.add_(m)  # the buffer now holds M = gradient + what compression lost last time
+            source = error
         q = state.q.get(index) if state.warm_start else None
         if q is None:
             q = state.initial_q(index, m.shape[1], m)
-        qs.append(q)
-        ps.append(m @ q)
-    p_flat = torch.cat([p.reshape(-1) for p in ps])
-    dist.all_reduce(p_flat)
-    ps = [_orthonormalize(p) for p in _split(p_flat, [p.shape for p in ps])]
-    q_flat = torch.cat([(m.t() @ p).reshape(-1) for (_, m), p in zip(matrices, ps, strict=True)])
-    dist.all_reduce(q_flat)
-    q_flat.div_(world)
-    qs = _split(q_flat, [q.shape for q in qs])
-    for (index, m), p, q in zip(matrices, ps, qs, strict=True):
-        torch.matmul(p, q.t(), out=m)  # writes M_hat straight into the bucket
+        sources.append(source)
+        ps.append(source @ q)
+    # Uncompressed tensors ride with P: one latency on the link instead of two (an async all-reduce of
+    # their own would only overlap with math that now takes a few milliseconds).
+    p_flat = torch.cat([p.reshape(-1) for p in ps] + [g.reshape(-1) for g in plain])
+    with state.recorder.collective(p_flat.numel() * p_flat.element_size()):
+        dist.all_reduce(p_flat)
+    p_numel = sum(p.numel() for p in ps)
+    if plain:
+        _scatter(p_flat[p_numel:].div_(world), plain)
+    ps = [_orthonormalize(p) for p in _split(p_flat[:p_numel], [p.shape for p in ps])]
+    # Q^T = P^T M (r x m, contiguous) instead of Q = M^T P: see the doc above.
+    qt_flat = torch.cat([(p.t() @ source).reshape(-1) for source, p in zip(sources, ps, strict=True)])
+    with state.recorder.collective(qt_flat.numel() * qt_flat.element_size()):
+        dist.all_reduce(qt_flat)
+    qt_flat.div_(world)
+    qts = _split(qt_flat, [torch.Size((state.rank, m.shape[1])) for _, m in matrices])
+    for (index, m), p, qt in zip(matrices, ps, qts, strict=True):
         if state.error_feedback:
-            state.error[index].sub_(m)
-        state.q[index] = q
+            state.error[index].addmm_(p, qt, alpha=-1)  # error = M - P Q^T, in place
+        torch.mm(p, qt, out=m)  # writes M_hat = P Q^T straight into the bucket
+        state.q[index] = qt.t()  # m x r, as the next step's P = M Q expects
+
+
+def _scatter(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """Copy consecutive slices of ``flat`` back into ``tensors``."""
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
