@@ -28,6 +28,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dtrain import advice
 from dtrain.errors import UserError
 
 FACTORS = ("communication", "data_loading", "compute", "precision", "straggler", "batch_size", "sync_frequency")
@@ -74,9 +75,13 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
     ranks = [r["seconds_per_step"] for r in profile["per_rank"]]
     slots = int(profile["slots"])
     step = sum(r["step"] for r in ranks) / len(ranks)
-    data = sum(r["data"] for r in ranks) / len(ranks)
+    # The wait every rank has: one rank's slower loader is that rank straggling, not slow data loading.
+    data = min(r["data"] for r in ranks)
     work = [r["data"] + r["forward"] + r["backward"] + r["optimizer"] + r["other"] for r in ranks]
-    slowest = max(range(len(ranks)), key=lambda i: work[i])
+    late = advice.straggler(profile, work)
+    # The rank the others wait for: the one that arrives last at the collectives (measured), else the one
+    # with the most work; its exposed time is pure communication (it waited for no one).
+    slowest = late["rank"] if late is not None else max(range(len(ranks)), key=lambda i: work[i])
     fastest = min(range(len(ranks)), key=lambda i: work[i])
     compute = ranks[fastest]["forward"] + ranks[fastest]["backward"]
     fixed = ranks[fastest]["optimizer"] + ranks[fastest]["other"]
@@ -107,12 +112,7 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
             "slots wait for their next batch; background loader workers overlap loading with the step "
             "(dtrain bench --synthetic shows the ceiling)",
             _speedup(step, step - data)),
-        "straggler": _factor(
-            "resources.slots_per_trial", max(1, slots - 1),
-            f"rank {slowest} ({_host(profile, slowest)}) needs {1e3 * work[slowest]:.2f} ms of work per step vs "
-            f"{1e3 * work[fastest]:.2f} ms on rank {fastest}; the others wait for it: find what slows that "
-            "rank (shared cores, a slower device, uneven data), or leave it out",
-            _speedup(step, step - straggler)),
+        "straggler": _straggler_factor(profile, late, step, straggler, data, compute, fixed, ranks[slowest]),
         "batch_size": _batch_factor(profile, gbs, step, data, compute),
         "precision": _precision_factor(profile, precision, step, saved),
         "compute": _factor(
@@ -145,6 +145,29 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
         "recommendations": recommendations,
         "scaling": scaling,
     }
+
+
+def _straggler_factor(profile: dict[str, Any], late: dict[str, Any] | None, step: float, straggler: float,
+                      data: float, compute: float, fixed: float, slowest: dict[str, float]) -> dict[str, Any]:
+    """Name the rank the others wait for (host, lag, slow phase) and what to check there. The config change
+    is the real fix where one exists (a slow loader: more loader workers); leaving the rank out is the
+    fallback, predicted with the remaining slots doing its share of the batch."""
+    slots = int(profile["slots"])
+    if late is None:
+        return _factor(None, None, "one slot: nothing to wait for", None)
+    fixed_speedup = _speedup(step, step - straggler)
+    # N-1 slots: each does N/(N-1) of the per-slot data and compute, communication and fixed costs stay.
+    # The same global batch: one slot fewer does N/(N-1) of the per-slot data and compute; fixed costs
+    # stay, and so does communication unless one slot is left (then there is none).
+    fewer = slots - 1
+    leave_out = _speedup(step, (data + compute) * slots / fewer + fixed + (slowest["comm_exposed"] if fewer > 1 else 0))
+    leave = ("resources.slots_per_trial", fewer, leave_out)
+    why = advice.straggler_text(late, f"resources.slots_per_trial: {fewer}")
+    if late["phase"] == "data":
+        return _factor("data_loader.num_workers", advice.loader_workers(profile), why, fixed_speedup,
+                       alternative=leave, straggler={**late, "fixed_speedup": fixed_speedup})
+    return _factor("resources.slots_per_trial", fewer, why, leave_out,
+                   straggler={**late, "fixed_speedup": fixed_speedup})
 
 
 def _communication_factor(profile: dict[str, Any], bandwidth_part: float, waiting: float, step: float, k: int,
@@ -215,10 +238,13 @@ def _batch_factor(profile: dict[str, Any], gbs: int, step: float, data: float, c
 
 
 def _factor(key: str | None, value: Any, why: str, speedup: float | None,
-            alternative: tuple[str, Any, float] | None = None) -> dict[str, Any]:
+            alternative: tuple[str, Any, float | None] | None = None,
+            straggler: dict[str, Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"key": key, "value": value, "why": why, "predicted_speedup": speedup}
     if alternative is not None:
         out["alternative"] = {"key": alternative[0], "value": alternative[1], "predicted_speedup": alternative[2]}
+    if straggler is not None:
+        out["straggler"] = straggler
     return out
 
 
@@ -260,13 +286,28 @@ def _verdict(top: str, row: dict[str, Any], scaling: dict[str, Any], slots: int,
     lead = f"{top.replace('_', ' ')} is the top factor ({share} of the step)"
     if row["key"] is not None:
         lead += f": try {row['key']}: {row['value']}, predicted about {row['predicted_speedup']:.1f}x samples/s"
+    late = row.get("straggler")
+    if top == "straggler" and late:
+        lead = f"{top} is the top factor ({share} of the step): {row['why']}"
+        if late.get("fixed_speedup"):
+            lead += f"; fixing it: about {late['fixed_speedup']:.1f}x samples/s"
+        if row["key"] is not None:
+            lead += f"; {row['key']}: {row['value']}: about {row['predicted_speedup']:.1f}x"
     if scaling["slower_than_one_slot"]:
-        cores = profile.get("threads_per_slot", 1) * slots
         lead = (f"{slots} slots are SLOWER than 1 would be here (estimated "
-                f"{scaling['estimated_speedup_vs_one_slot']:.2f}x of one slot): communication and {cores} shared "
-                "CPU cores cost more than they buy; use resources.slots_per_trial: 1 or make each step bigger. "
+                f"{scaling['estimated_speedup_vs_one_slot']:.2f}x of one slot): communication and {_cpus(profile)} "
+                "cost more than they buy; use resources.slots_per_trial: 1 or make each step bigger. "
                 "Then: " + lead)
     return lead
+
+
+def _cpus(profile: dict[str, Any]) -> str:
+    """'2 slots x 1 thread on 2 CPU cores' (cores as the run recorded them; older profiles lack them)."""
+    slots, threads = int(profile["slots"]), int(profile.get("threads_per_slot", 1))
+    cores = advice.usable_cores(profile)
+    hosts = len({r.get("host") for r in profile["per_rank"]})
+    where = f" on {cores} CPU core(s)" + (" per host" if hosts > 1 else "") if cores else ""
+    return f"{slots} slots x {threads} thread(s){where}"
 
 
 def _mb(value: float) -> str:

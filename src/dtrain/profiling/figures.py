@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dtrain.profiling import stragglers
 from dtrain.profiling.timer import COMM_FIELDS, PHASES, StepTimer
 
 RANK_FIELDS = (*PHASES, "step", *COMM_FIELDS, "peak_memory_bytes", "state_bytes")
@@ -59,17 +61,20 @@ def latency_probe(repeats: int = 10, group: Any = None) -> float:
 
 def gather_rank_stats(timer: StepTimer, memory: dict[str, float], group: Any = None) -> list[dict[str, float]]:
     """Every rank's per-step means and ``memory`` figures, gathered on all ranks of ``group`` (one small
-    all_gather)."""
+    all_gather, which also carries each rank's straggler samples: their lag figures are added per rank)."""
     mine = {**timer.per_step(), **memory}
-    values = torch.tensor([mine[f] for f in RANK_FIELDS], dtype=torch.float64)
+    values = torch.tensor([mine[f] for f in RANK_FIELDS] + timer.lag.export(), dtype=torch.float64)
     if not (dist.is_initialized() and dist.get_world_size(group) > 1):
-        return [dict(zip(RANK_FIELDS, values.tolist(), strict=True))]
+        return [dict(zip(RANK_FIELDS, values[:len(RANK_FIELDS)].tolist(), strict=True))]
     device = _comm_device(group)
     if device is not None:
         values = values.to(device)
     gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, values, group=group)
-    return [dict(zip(RANK_FIELDS, g.cpu().tolist(), strict=True)) for g in gathered]
+    rows = [g.cpu().tolist() for g in gathered]
+    lags = stragglers.rank_figures([row[len(RANK_FIELDS):] for row in rows])
+    return [{**dict(zip(RANK_FIELDS, row[:len(RANK_FIELDS)], strict=True)), **lag}
+            for row, lag in zip(rows, lags, strict=True)]
 
 
 def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[str, Any],
@@ -84,7 +89,7 @@ def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[
     comm_bytes = sum(r["comm_bytes"] for r in per_rank) / slots
     busy = sum(r["comm_busy"] for r in per_rank) / slots
     algbw = comm_bytes / busy if busy > 0 else 0.0
-    return {
+    profile = {
         "schema_version": 1,
         **run,
         "phases": list(PHASES),
@@ -108,6 +113,9 @@ def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[
             "latency_seconds": latency_seconds,
         },
     }
+    if slots > 1 and "lag_median" in per_rank[0]:
+        profile["stragglers"] = stragglers.section(per_rank, hosts, spread["step"]["mean"])
+    return profile
 
 
 def collect_rank_figures(ctx: Any) -> tuple[list[dict[str, float]], float, list[str]]:
@@ -121,6 +129,11 @@ def collect_rank_figures(ctx: Any) -> tuple[list[dict[str, float]], float, list[
     per_rank = gather_rank_stats(ctx.timer, memory, group)
     latency = latency_probe(group=group)
     return per_rank, latency, all_hostnames()
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity: a container's or Slurm's share, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
@@ -140,6 +153,7 @@ def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
         "device": ctx.device.type,
         "precision": ctx.precision.name,
         "threads_per_slot": ctx.num_threads,
+        "cpu_cores": cpu_cores(),
         "global_batch_size": gbs,
         "per_slot_batch_size": trainer.per_slot,
         "parameters": sum(p.numel() for m in ctx.models for p in m.parameters()),
