@@ -77,14 +77,89 @@ def usable_cores(profile: dict[str, Any]) -> int | None:
     return int(cores) if cores else None
 
 
-def loader_workers(profile: dict[str, Any]) -> int:
-    """Background loader processes per slot to try: double the current count (at least 2), but no more
-    than the cores each slot has, where the run recorded them (a loader process that finds no free core
-    slows the training process it should hide behind)."""
+def local_slots(profile: dict[str, Any]) -> int:
+    """Slots per host (the run's ranks over its distinct host names)."""
+    hosts = len({r.get("host") for r in profile["per_rank"]}) or 1
+    return max(1, int(profile["slots"]) // hosts)
+
+
+# Loader processes per slot dtrain will advise at most (each is a process with its own dataset copy).
+MAX_ADVISED_WORKERS = 8
+
+
+def loader_plan(profile: dict[str, Any], data: float, step: float, cpu_work: float) -> dict[str, Any]:
+    """How many loader processes per slot to try and the step they predict, from what the machine has.
+
+    ``data`` is the wait for a batch per step, ``cpu_work`` the training process's own busy time per step.
+    With W loader processes a slot gets a batch every ``L / W`` seconds (``L``: seconds to load one, probed
+    after the run), hidden behind the rest of the step; but the loaders' CPU time (``L`` x the probed CPU
+    share) and the training threads' share the slot's cores, which bounds the step from below::
+
+        step(W) = max(step - data, L / W, (threads x cpu_work + cpu_share x L) / cores_per_slot)
+
+    So on 2 cores with 2 slots, CPU-bound loaders gain little (they take the training's core), while
+    loaders that mostly wait (disk, network) need no core and hide up to W batches of waiting.
+    """
     current = int(profile.get("data_loader_workers", 0))
-    wanted = max(2, 2 * current)
+    load = float(profile.get("data_load_seconds_per_batch") or 0.0) or data
+    share = profile.get("data_load_cpu_share")
+    cpu_share = float(share) if share is not None else 1.0  # not probed: assume loading needs a core
     cores = usable_cores(profile)
-    if cores is None:
-        return wanted
-    local_slots = max(1, int(profile["slots"]) // max(1, len({r.get("host") for r in profile["per_rank"]})))
-    return max(1, min(wanted, cores // local_slots))
+    per_slot = cores / local_slots(profile) if cores else None
+    threads = int(profile.get("threads_per_slot", 1))
+    rest = max(0.0, step - data)
+
+    def predicted(workers: int) -> float:
+        bound = max(rest, load / workers)
+        if per_slot is not None:
+            bound = max(bound, (threads * cpu_work + cpu_share * load) / per_slot)
+        return bound
+
+    limit = MAX_ADVISED_WORKERS
+    if cores:  # the preflight's own limit on loader processes per slot
+        from dtrain.preflight import PROCESSES_PER_CORE
+
+        limit = max(1, min(limit, PROCESSES_PER_CORE * cores // local_slots(profile)))
+    candidates = list(range(current + 1, max(current + 1, limit) + 1))
+    best = min(predicted(w) for w in candidates)
+    workers = next(w for w in candidates if predicted(w) <= best * 1.03)  # fewest processes within 3%
+    new_step = min(step, predicted(workers))
+    where = (f"{per_slot:g} core(s) per slot, {threads} torch thread(s) each" if per_slot is not None
+             else "cores per slot not recorded")
+    probed = (f"{1e3 * load:.2f} ms to load a batch, {100 * cpu_share:.0f}% of it on the CPU (probed after the run)"
+              if share is not None else f"{1e3 * load:.2f} ms to load a batch (CPU share not probed: assumed all)")
+    return {"workers": workers, "step_seconds": new_step,
+            "why": f"{probed}; {workers} loader process(es) per slot overlap it with the "
+                   f"{1e3 * rest:.2f} ms rest of the step, on {where}"}
+
+
+# Optimizers whose step is normalized by a running gradient scale: a k times bigger batch lowers the
+# gradient noise by sqrt(k), and the square-root rule keeps the update's noise scale (Hoffer et al. 2017,
+# Malladi et al. 2022); plain SGD (with momentum) takes the linear rule (Goyal et al. 2017).
+ADAPTIVE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "SparseAdam", "Adafactor")
+LR_NAMES = ("lr", "learning_rate")
+
+
+def batch_change(profile: dict[str, Any], new_gbs: int) -> dict[str, Any]:
+    """A bigger global batch in the user's terms: the learning-rate rule that keeps training equivalent
+    for the run's optimizer, the config changes (``--set`` form) that apply it, and a sentence."""
+    old = int(profile["global_batch_size"])
+    ratio = new_gbs / old
+    optimizer = str(profile.get("optimizer") or "")
+    adaptive = optimizer in ADAPTIVE
+    rule, factor = ("square-root", ratio ** 0.5) if adaptive else ("linear", ratio)
+    which = optimizer or "your optimizer"
+    lr = profile.get("lr_hyperparameter") or {}
+    sets: list[str] = []
+    if lr.get("name") and isinstance(lr.get("value"), (int, float)):
+        new_lr = float(lr["value"]) * factor
+        sets.append(f"hyperparameters.{lr['name']}={new_lr:.6g}")
+        lr_text = f"hyperparameters.{lr['name']}: {lr['value']:g} -> {new_lr:.6g}"
+    else:
+        lr_text = f"the learning rate x {factor:.3g}"
+    text = (f"global_batch_size {old} -> {new_gbs} ({ratio:g}x): with {which} use the {rule} rule, {lr_text} "
+            f"({'square root for Adam-like optimizers' if adaptive else 'linear for SGD'}), and warm up: ramp the "
+            f"learning rate from the old value to the new one over the first few epochs (e.g. "
+            f"torch.optim.lr_scheduler.LinearLR(opt, start_factor={1 / factor:.3g}, total_iters=<steps of ~5 "
+            "epochs>)) so the first big steps do not diverge")
+    return {"sets": sets, "rule": rule, "lr_factor": factor, "text": text}

@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="explain a run's time cost and what to change")
     doctor.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument("--verify", action="store_true", help="measure the top recommendations and bisection "
+                        "experiments as short runs beside a baseline; write RUN_DIR/tuned.yaml")
+    doctor.add_argument("--steps", type=_step_count, default=60, help="steps per --verify run (default 60)")
+    doctor.add_argument("--repeats", type=_positive_int, default=1, help="--verify rounds; the median counts")
+    doctor.add_argument("--top", type=_positive_int, default=3, help="--verify: how many recommendations to run")
 
     from dtrain import cluster  # light: no torch
 
@@ -226,6 +231,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from dtrain.doctor import diagnose, load_profile, render
     from dtrain.summary import time_cost_table
 
+    if args.verify:
+        from dtrain.verify import render as render_verify
+        from dtrain.verify import verify
+
+        result = verify(args.run_dir, args.steps, args.repeats, args.top, debug=args.debug,
+                        log=lambda line: print(line, file=sys.stderr, flush=True))
+        print(json.dumps(result, indent=2) if args.json else render_verify(result), end="\n" if args.json else "")
+        return 0
     profile = load_profile(args.run_dir)
     diagnosis = diagnose(profile)
     if args.json:

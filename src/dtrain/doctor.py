@@ -85,6 +85,7 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
     fastest = min(range(len(ranks)), key=lambda i: work[i])
     compute = ranks[fastest]["forward"] + ranks[fastest]["backward"]
     fixed = ranks[fastest]["optimizer"] + ranks[fastest]["other"]
+    cpu_work = compute + fixed
     comm = profile["comm"]
     exposed = ranks[slowest]["comm_exposed"]
     busy = float(comm["busy_seconds_per_step"])
@@ -107,12 +108,9 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
             f"latency each; exchanging gradients every {k} batches pays that once per {k} batches "
             f"(effective batch {k * gbs})",
             _speedup(step, step - waiting * (1 - 1 / k))),
-        "data_loading": _factor(
-            "data_loader.num_workers", max(2, 2 * int(profile.get("data_loader_workers", 0))),
-            "slots wait for their next batch; background loader workers overlap loading with the step "
-            "(dtrain bench --synthetic shows the ceiling)",
-            _speedup(step, step - data)),
-        "straggler": _straggler_factor(profile, late, step, straggler, data, compute, fixed, ranks[slowest]),
+        "data_loading": _data_factor(profile, step, data, cpu_work),
+        "straggler": _straggler_factor(profile, late, step, straggler, data, compute, fixed, ranks[slowest],
+                                       cpu_work),
         "batch_size": _batch_factor(profile, gbs, step, data, compute),
         "precision": _precision_factor(profile, precision, step, saved),
         "compute": _factor(
@@ -148,7 +146,8 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
 
 
 def _straggler_factor(profile: dict[str, Any], late: dict[str, Any] | None, step: float, straggler: float,
-                      data: float, compute: float, fixed: float, slowest: dict[str, float]) -> dict[str, Any]:
+                      data: float, compute: float, fixed: float, slowest: dict[str, float],
+                      cpu_work: float) -> dict[str, Any]:
     """Name the rank the others wait for (host, lag, slow phase) and what to check there. The config change
     is the real fix where one exists (a slow loader: more loader workers); leaving the rank out is the
     fallback, predicted with the remaining slots doing its share of the batch."""
@@ -164,10 +163,19 @@ def _straggler_factor(profile: dict[str, Any], late: dict[str, Any] | None, step
     leave = ("resources.slots_per_trial", fewer, leave_out)
     why = advice.straggler_text(late, f"resources.slots_per_trial: {fewer}")
     if late["phase"] == "data":
-        return _factor("data_loader.num_workers", advice.loader_workers(profile), why, fixed_speedup,
+        workers = advice.loader_plan(profile, slowest["data"], step, cpu_work)["workers"]
+        return _factor("data_loader.num_workers", workers, why, fixed_speedup,
                        alternative=leave, straggler={**late, "fixed_speedup": fixed_speedup})
     return _factor("resources.slots_per_trial", fewer, why, leave_out,
                    straggler={**late, "fixed_speedup": fixed_speedup})
+
+
+def _data_factor(profile: dict[str, Any], step: float, data: float, cpu_work: float) -> dict[str, Any]:
+    """More loader processes per slot, as many as the machine's cores and the probed load make worth it."""
+    plan = advice.loader_plan(profile, data, step, cpu_work)
+    return _factor("data_loader.num_workers", plan["workers"],
+                   f"slots wait {1e3 * data:.2f} ms per step for their next batch: {plan['why']} (dtrain bench "
+                   "--synthetic shows the ceiling)", _speedup(step, plan["step_seconds"]))
 
 
 def _communication_factor(profile: dict[str, Any], bandwidth_part: float, waiting: float, step: float, k: int,
@@ -225,14 +233,21 @@ def _batch_factor(profile: dict[str, Any], gbs: int, step: float, data: float, c
         room = MEMORY_HEADROOM * float(facts["total_memory_bytes"]) / peak
         factor = min(factor, float(int(room * 4) / 4))
         memory_note = f"; peak GPU memory {peak / 2**30:.1f} of {float(facts['total_memory_bytes']) / 2**30:.0f} GiB"
-        if factor < 1.25:
-            return _factor(None, None, f"a bigger batch would amortize fixed costs, but it does not fit{memory_note}",
-                           None)
+    elif facts.get("type") != "cuda" and peak > 0 and profile.get("memory_total_bytes"):
+        # CPU: every slot on a host holds its peak RSS (libraries included, which do not grow: conservative).
+        total = float(profile["memory_total_bytes"])
+        room = MEMORY_HEADROOM * total / (peak * advice.local_slots(profile))
+        factor = min(factor, float(int(room * 4) / 4))
+        memory_note = (f"; peak RSS {peak / 2**30:.2f} GiB per slot x {advice.local_slots(profile)} on a "
+                       f"{total / 2**30:.0f} GiB host")
+    if factor < 1.25:
+        return _factor(None, None, f"a bigger batch would amortize fixed costs, but it does not fit{memory_note}",
+                       None)
     new_gbs = int(gbs * factor)
     return _factor(
         "hyperparameters.global_batch_size", new_gbs,
         "optimizer step and bookkeeping cost the same whatever the batch; a bigger batch spreads them "
-        f"(and communication) over more samples; scale the learning rate with it{memory_note}",
+        f"(and communication) over more samples. {advice.batch_change(profile, new_gbs)['text']}{memory_note}",
         # factor x the samples per step: data and compute grow with it, fixed costs and communication do not.
         _speedup(step, step + (factor - 1) * (data + compute), samples_factor=new_gbs / gbs))
 

@@ -102,3 +102,7 @@ class SlowLoaderTrial(_Regression):
     def build_training_data(self) -> Dataset:
         slow = self.context.rank == self.context.get_hparam("slow_rank")
         return SlowDataset(512, self.context.get_hparam("load_seconds") if slow else 0.0)
+
+
+class PlainTrial(_Regression):
+    """Nothing planted: with a tiny global batch, per-step costs (communication, optimizer) dominate."""

@@ -136,6 +136,22 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def _memory_total() -> float:
+    """This host's physical memory (bytes), for batch-size advice on CPU."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def _lr_hyperparameter(hparams: dict[str, Any]) -> dict[str, Any] | None:
+    for name in ("lr", "learning_rate"):
+        value = hparams.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return {"name": name, "value": value}
+    return None
+
+
 def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
     """What a run was and how fast it went: the head of ``summary.json`` and ``profile.json``.
 
@@ -154,6 +170,10 @@ def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
         "precision": ctx.precision.name,
         "threads_per_slot": ctx.num_threads,
         "cpu_cores": cpu_cores(),
+        "memory_total_bytes": _memory_total(),
+        # What a batch-size advice needs to keep training equivalent: the optimizer and its learning rate.
+        "optimizer": type(getattr(ctx.optimizers[0], "optim", ctx.optimizers[0])).__name__ if ctx.optimizers else None,
+        "lr_hyperparameter": _lr_hyperparameter(config.hyperparameters),
         "global_batch_size": gbs,
         "per_slot_batch_size": trainer.per_slot,
         "parameters": sum(p.numel() for m in ctx.models for p in m.parameters()),
@@ -180,4 +200,31 @@ def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
         from dtrain.profiling.device import device_facts
 
         facts["device_facts"] = device_facts(ctx.device)
+        if not config.data_loader.synthetic:
+            facts.update(loader_probe(trainer.loader))
     return facts
+
+
+def loader_probe(loader: Any, batches: int = 3, budget_seconds: float = 0.5) -> dict[str, float]:
+    """Load a few batches in this thread, after training: seconds per batch and the share of it spent on
+    the CPU (the rest is waiting: disk, network, sleeps). It tells the doctor whether more loader
+    processes need free cores (CPU-bound decoding) or only hide waiting (I/O-bound)."""
+    dataset, size = loader.dataset, loader.batch_size
+    try:
+        records = len(dataset)
+    except TypeError:  # an iterable dataset: no random access to probe with
+        return {}
+    if not size or records < 1:
+        return {}
+    wall = cpu = 0.0
+    done = 0
+    for b in range(batches):
+        start, start_cpu = time.perf_counter(), time.thread_time()
+        loader.collate_fn([dataset[(b * size + i) % records] for i in range(size)])
+        wall += time.perf_counter() - start
+        cpu += time.thread_time() - start_cpu
+        done += 1
+        if wall > budget_seconds:
+            break
+    return {"data_load_seconds_per_batch": wall / done,
+            "data_load_cpu_share": min(1.0, cpu / wall) if wall > 0 else 1.0}
