@@ -163,3 +163,15 @@ def batch_change(profile: dict[str, Any], new_gbs: int) -> dict[str, Any]:
             f"torch.optim.lr_scheduler.LinearLR(opt, start_factor={1 / factor:.3g}, total_iters=<steps of ~5 "
             "epochs>)) so the first big steps do not diverge")
     return {"sets": sets, "rule": rule, "lr_factor": factor, "text": text}
+
+
+def growth(single: float, double: float) -> float:
+    """How much of the work grows with the batch: 0 (all per-step overhead) to 1 (all per-sample)."""
+    if single <= 0 or double <= 0:
+        return 1.0
+    return min(1.0, max(0.0, double / single - 1.0))
+
+
+def scaled(seconds: float, growth_share: float, factor: float) -> float:
+    """``seconds`` of work at the measured batch, at ``factor`` times that batch (linear in the batch)."""
+    return seconds * (1.0 + growth_share * (factor - 1.0))

@@ -38,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--slots", default="1,2", help="comma-separated slot counts (default 1,2)")
     bench.add_argument("--synthetic", action="store_true", help="also run with synthetic data (isolates I/O)")
     bench.add_argument("--steps", type=_step_count, default=100, help="training steps per case")
+    bench.add_argument("--repeats", type=_positive_int, default=3, help="rounds of every case (median; default 3)")
     bench.add_argument("--out", type=Path, help="output folder (default runs/bench-<name>-<timestamp>)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
@@ -163,7 +164,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from dtrain.bench import bench, parse_slots
 
-        bench(args.config, parse_slots(args.slots), args.synthetic, args.steps, args.out, args.overrides, args.debug)
+        bench(args.config, parse_slots(args.slots), args.synthetic, args.steps, args.out, args.overrides, args.debug,
+              args.repeats)
         return 0
     raise AssertionError(args.command)  # argparse only lets known commands through
 

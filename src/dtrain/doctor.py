@@ -125,7 +125,7 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
           "action": f"{f['key']}: {f['value']}"} for f in table
          if f["key"] is not None and f["predicted_speedup"] and f["predicted_speedup"] > 1.02 and f["share"] >= 0.05),
         key=lambda r: r["predicted_speedup"], reverse=True)
-    scaling = _scaling(slots, step, data, ranks, fixed)
+    scaling = _scaling(profile, slots, step, ranks, fixed)
     if scaling["slower_than_one_slot"]:
         recommendations.append({"factor": "scaling", "key": "resources.slots_per_trial", "value": 1,
                                 "predicted_speedup": scaling["estimated_one_slot_speedup"],
@@ -280,19 +280,31 @@ def _best_of(first: tuple[str, Any, float], second: tuple[str, Any, float], why:
     return _factor(lead[0], lead[1], why, lead[2], alternative=other)
 
 
-def _scaling(slots: int, step: float, data: float, ranks: list[dict[str, float]], fixed: float) -> dict[str, Any]:
-    """Estimate one slot doing the whole global batch: N x the per-sample work, no communication.
+def _scaling(profile: dict[str, Any], slots: int, step: float, ranks: list[dict[str, float]],
+             fixed: float) -> dict[str, Any]:
+    """Estimate one slot doing the whole global batch: its data and compute at N x the per-slot batch, no
+    communication.
 
-    Conservative on CPU: one slot could use every core, which this estimate does not credit.
+    How work grows with the batch comes from the run's end-of-run probe (``batch_scaling``: the trial's
+    step at the per-slot batch and at twice it): a small model's step is mostly per-step overhead, which
+    N x the batch does not multiply. Without the probe, work is taken as proportional to the batch (the
+    pessimistic end for one slot). One slot is credited with no more threads than each slot had: with
+    ``dtrain.cpu``'s rule it gets more only on idle cores, where this estimate is conservative.
     """
     if slots == 1:
         return {"estimated_one_slot_speedup": 1.0, "slower_than_one_slot": False, "estimated_scaling_efficiency": 1.0}
-    per_slot_work = min(r["data"] + r["forward"] + r["backward"] for r in ranks)
-    one_slot_step = slots * per_slot_work + fixed
+    probe = profile.get("batch_scaling") or {}
+    work_growth = advice.growth(probe.get("work_seconds", 0.0), probe.get("work_double_seconds", 0.0))
+    load_growth = advice.growth(probe.get("load_seconds", 0.0), probe.get("load_double_seconds", 0.0))
+    fastest = min(ranks, key=lambda r: r["data"] + r["forward"] + r["backward"])
+    one_slot_step = (advice.scaled(fastest["data"], load_growth, slots)
+                     + advice.scaled(fastest["forward"] + fastest["backward"], work_growth, slots) + fixed)
     speedup = one_slot_step / step  # N slots' samples/s over one slot's
     return {"estimated_one_slot_speedup": 1 / speedup if speedup > 0 else float("inf"),
             "estimated_speedup_vs_one_slot": speedup,
             "estimated_scaling_efficiency": speedup / slots,
+            "estimated_one_slot_step_seconds": one_slot_step,
+            "work_growth_with_batch": work_growth if probe else None,
             "slower_than_one_slot": speedup < 1.0}
 
 

@@ -391,7 +391,8 @@ def _write_config(config: ExperimentConfig, run_dir: Path) -> None:
     dump_config(config, path)
 
 
-def execute(plan: RunPlan, quiet: bool, debug: bool) -> Failure | None:
+def execute(plan: RunPlan, quiet: bool, debug: bool, threads: int | None = None) -> Failure | None:
+    """Start the run's workers (``threads``: torch threads per worker; None: :func:`dtrain.cpu.for_run`)."""
     args = ["--run-dir", str(plan.run_dir)]
     if plan.resume_from is not None:
         args += ["--resume-from", str(plan.resume_from)]
@@ -403,7 +404,7 @@ def execute(plan: RunPlan, quiet: bool, debug: bool) -> Failure | None:
     if plan.nodes is not None:
         slots //= plan.nodes.max_nodes
     options = LaunchOptions(slots=slots, max_restarts=plan.config.max_restarts, run_dir=plan.run_dir, debug=debug,
-                            nodes=plan.nodes)
+                            nodes=plan.nodes, threads=threads)
     return launch(["-u", "-m", "dtrain.worker", *args], options)
 
 

@@ -265,7 +265,7 @@ class Trainer:
     def _finish(self, wall_seconds: float) -> dict[str, Any]:
         self.progress.close()
         timer = self.ctx.timer
-        per_rank, latency, hosts = collect_rank_figures(self.ctx)  # collectives
+        per_rank, latency, hosts = collect_rank_figures(self.ctx, self)  # collectives (and the batch probe)
         run = run_facts(self, wall_seconds)
         summary = {**run, "batches": self.batches, "epochs": self.batches / self.batches_per_epoch,
                    "step_breakdown_seconds": per_rank[0] if timer.enabled else {},

@@ -10,9 +10,10 @@ import torch
 import torch.distributed as dist
 
 from dtrain.profiling import stragglers
+from dtrain.profiling.probes import PROBE_FIELDS, batch_probe
 from dtrain.profiling.timer import COMM_FIELDS, PHASES, StepTimer
 
-RANK_FIELDS = (*PHASES, "step", *COMM_FIELDS, "peak_memory_bytes", "state_bytes")
+RANK_FIELDS = (*PHASES, "step", *COMM_FIELDS, "peak_memory_bytes", "state_bytes", *PROBE_FIELDS)
 
 
 def peak_memory_bytes(device: torch.device) -> float:
@@ -63,7 +64,7 @@ def gather_rank_stats(timer: StepTimer, memory: dict[str, float], group: Any = N
     """Every rank's per-step means and ``memory`` figures, gathered on all ranks of ``group`` (one small
     all_gather, which also carries each rank's straggler samples: their lag figures are added per rank)."""
     mine = {**timer.per_step(), **memory}
-    values = torch.tensor([mine[f] for f in RANK_FIELDS] + timer.lag.export(), dtype=torch.float64)
+    values = torch.tensor([float(mine.get(f, 0.0)) for f in RANK_FIELDS] + timer.lag.export(), dtype=torch.float64)
     if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return [dict(zip(RANK_FIELDS, values[:len(RANK_FIELDS)].tolist(), strict=True))]
     device = _comm_device(group)
@@ -115,17 +116,37 @@ def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[
     }
     if slots > 1 and "lag_median" in per_rank[0]:
         profile["stragglers"] = stragglers.section(per_rank, hosts, spread["step"]["mean"])
+    profile.update(_probe_figures(per_rank, run))
     return profile
 
 
-def collect_rank_figures(ctx: Any) -> tuple[list[dict[str, float]], float, list[str]]:
+def _probe_figures(per_rank: list[dict[str, float]], run: dict[str, Any]) -> dict[str, Any]:
+    """The end-of-run probe (:mod:`dtrain.profiling.probes`), means over ranks; empty when not probed."""
+    def mean(field: str) -> float:
+        return sum(r.get(field, 0.0) for r in per_rank) / len(per_rank)
+
+    out: dict[str, Any] = {}
+    if mean("probe_work") > 0:
+        out["batch_scaling"] = {"per_slot_batch_size": run.get("per_slot_batch_size"),
+                                "work_seconds": mean("probe_work"), "work_double_seconds": mean("probe_work_double"),
+                                "load_seconds": mean("probe_load"), "load_double_seconds": mean("probe_load_double")}
+    if mean("probe_load") > 0:
+        out["data_load_seconds_per_batch"] = mean("probe_load")
+        out["data_load_cpu_share"] = mean("probe_load_cpu_share")
+    return out
+
+
+def collect_rank_figures(ctx: Any, trainer: Any = None) -> tuple[list[dict[str, float]], float, list[str]]:
     """End of a run, on every rank of a DistributedContext: per-rank step figures and memory (training
-    slots), the all-reduce latency probe, and every rank's host name. Collectives: all ranks call it."""
+    slots), the batch probe (given the ``trainer``, when profiling), the all-reduce latency probe, and
+    every rank's host name. Collectives: all ranks call it."""
     from dtrain.dist import all_hostnames
 
     group = ctx.strategy.dp_group
     memory = {"peak_memory_bytes": peak_memory_bytes(ctx.device),
               "state_bytes": state_bytes(ctx.models, ctx.optimizers)}
+    if trainer is not None and ctx.timer.enabled:
+        memory.update(batch_probe(trainer))
     per_rank = gather_rank_stats(ctx.timer, memory, group)
     latency = latency_probe(group=group)
     return per_rank, latency, all_hostnames()
@@ -200,31 +221,4 @@ def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
         from dtrain.profiling.device import device_facts
 
         facts["device_facts"] = device_facts(ctx.device)
-        if not config.data_loader.synthetic:
-            facts.update(loader_probe(trainer.loader))
     return facts
-
-
-def loader_probe(loader: Any, batches: int = 3, budget_seconds: float = 0.5) -> dict[str, float]:
-    """Load a few batches in this thread, after training: seconds per batch and the share of it spent on
-    the CPU (the rest is waiting: disk, network, sleeps). It tells the doctor whether more loader
-    processes need free cores (CPU-bound decoding) or only hide waiting (I/O-bound)."""
-    dataset, size = loader.dataset, loader.batch_size
-    try:
-        records = len(dataset)
-    except TypeError:  # an iterable dataset: no random access to probe with
-        return {}
-    if not size or records < 1:
-        return {}
-    wall = cpu = 0.0
-    done = 0
-    for b in range(batches):
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        loader.collate_fn([dataset[(b * size + i) % records] for i in range(size)])
-        wall += time.perf_counter() - start
-        cpu += time.thread_time() - start_cpu
-        done += 1
-        if wall > budget_seconds:
-            break
-    return {"data_load_seconds_per_batch": wall / done,
-            "data_load_cpu_share": min(1.0, cpu / wall) if wall > 0 else 1.0}
