@@ -76,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--repeats", type=_positive_int, default=1, help="--verify rounds; the median counts")
     doctor.add_argument("--top", type=_positive_int, default=3, help="--verify: how many recommendations to run")
 
+    plan = sub.add_parser("plan", help="predict other slot/node counts and the doctor's options from one run")
+    plan.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
+    plan.add_argument("--slots", default="1,2,4,8", help="comma-separated slot counts (default 1,2,4,8)")
+    plan.add_argument("--nodes", type=_positive_int, default=1, help="also spread each slot count over N nodes")
+    plan.add_argument("--link", help="link between nodes: RATE[,LATENCY] like 200mbit or 1gbit,0.2ms, or measured")
+    plan.add_argument("--png", type=Path, help="chart path (default RUN_DIR/plan.png)")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
+
     from dtrain import cluster  # light: no torch
 
     cluster.add_parsers(sub, _positive_int)  # dtrain k8s / dtrain slurm
@@ -149,6 +157,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cluster.cmd_k8s(args) if args.command == "k8s" else cluster.cmd_slurm(args)
     if args.command == "doctor":
         return cmd_doctor(args)
+    if args.command == "plan":
+        return cmd_plan(args)
     if args.command == "search":
         return cmd_search(args)
     if args.command == "check":
@@ -248,6 +258,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         print(time_cost_table(profile), end="")
         print(render(diagnosis), end="")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from dtrain.bench import parse_slots
+    from dtrain.plan import parse_link, plan, plot, render
+
+    doc = plan(args.run_dir, parse_slots(args.slots), args.nodes, parse_link(args.link))
+    png = args.png or args.run_dir / "plan.png"
+    plot(doc, png)
+    doc["png"] = str(png)
+    print(json.dumps(doc, indent=2) if args.json else render(doc) + f"chart: {png}")
     return 0
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.profiling import stragglers
-from dtrain.profiling.probes import PROBE_FIELDS, batch_probe
+from dtrain.profiling.probes import PROBE_FIELDS, allreduce_probe, batch_probe
 from dtrain.profiling.timer import COMM_FIELDS, PHASES, StepTimer
 
 RANK_FIELDS = (*PHASES, "step", *COMM_FIELDS, "peak_memory_bytes", "state_bytes", *PROBE_FIELDS)
@@ -130,6 +130,8 @@ def _probe_figures(per_rank: list[dict[str, float]], run: dict[str, Any]) -> dic
         out["batch_scaling"] = {"per_slot_batch_size": run.get("per_slot_batch_size"),
                                 "work_seconds": mean("probe_work"), "work_double_seconds": mean("probe_work_double"),
                                 "load_seconds": mean("probe_load"), "load_double_seconds": mean("probe_load_double")}
+    if mean("probe_allreduce_seconds") > 0:
+        out["allreduce_probe"] = {"bytes": mean("probe_allreduce_bytes"), "seconds": mean("probe_allreduce_seconds")}
     if mean("probe_load") > 0:
         out["data_load_seconds_per_batch"] = mean("probe_load")
         out["data_load_cpu_share"] = mean("probe_load_cpu_share")
@@ -147,6 +149,7 @@ def collect_rank_figures(ctx: Any, trainer: Any = None) -> tuple[list[dict[str, 
               "state_bytes": state_bytes(ctx.models, ctx.optimizers)}
     if trainer is not None and ctx.timer.enabled:
         memory.update(batch_probe(trainer))
+        memory.update(allreduce_probe(ctx))
     per_rank = gather_rank_stats(ctx.timer, memory, group)
     latency = latency_probe(group=group)
     return per_rank, latency, all_hostnames()

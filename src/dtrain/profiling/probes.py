@@ -22,7 +22,10 @@ from typing import Any
 
 import torch
 
-PROBE_FIELDS = ("probe_work", "probe_work_double", "probe_load", "probe_load_double", "probe_load_cpu_share")
+PROBE_FIELDS = ("probe_work", "probe_work_double", "probe_load", "probe_load_double", "probe_load_cpu_share",
+                "probe_allreduce_bytes", "probe_allreduce_seconds")
+# The all-reduce probe moves the gradients' size, at most this many bytes (its rate is what counts).
+ALLREDUCE_PROBE_MAX_BYTES = 16 * 2**20
 # Rounds of the probe: as many as fit in this many seconds (by the run's last step time), within bounds:
 # the minimum of more rounds is less disturbed by other processes, and the probe stays a small cost.
 BUDGET_SECONDS = 0.3
@@ -113,6 +116,29 @@ def _agree(repeats: int, ctx: Any) -> int:
     count = torch.tensor([repeats], dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MIN, group=group)
     return int(count.item())
+
+
+def allreduce_probe(ctx: Any, repeats: int = 5) -> dict[str, float]:
+    """Median seconds of a back-to-back all-reduce of the gradients' size (capped): the ring's bytes rate,
+    apart from what an exchange costs inside a training step (waking up, waiting for peers). Collective."""
+    import torch.distributed as dist
+
+    group = ctx.strategy.dp_group if ctx.strategy is not None else None
+    if not (dist.is_initialized() and dist.get_world_size(group) > 1) or not ctx.models:
+        return {}
+    nbytes = min(ALLREDUCE_PROBE_MAX_BYTES, 4 * sum(p.numel() for m in ctx.models for p in m.parameters()))
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    buffer = torch.zeros(max(1, nbytes // 4), device=device)
+    dist.all_reduce(buffer, group=group)  # warm-up
+    times = []
+    for _ in range(repeats):
+        dist.barrier(group=group)
+        start = time.perf_counter()
+        dist.all_reduce(buffer, group=group)
+        if device is not None:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    return {"probe_allreduce_bytes": float(buffer.numel() * 4), "probe_allreduce_seconds": sorted(times)[repeats // 2]}
 
 
 def _sync(device: torch.device) -> None:
