@@ -162,7 +162,7 @@ def _straggler_factor(profile: dict[str, Any], late: dict[str, Any] | None, step
     leave_out = _speedup(step, (data + compute) * slots / fewer + fixed + (slowest["comm_exposed"] if fewer > 1 else 0))
     leave = ("resources.slots_per_trial", fewer, leave_out)
     why = advice.straggler_text(late, f"resources.slots_per_trial: {fewer}")
-    if late["phase"] == "data":
+    if late["phase"] == "data" and late["chronic"] is not False:  # a loader fix only for a rank always late
         workers = advice.loader_plan(profile, slowest["data"], step, cpu_work)["workers"]
         return _factor("data_loader.num_workers", workers, why, fixed_speedup,
                        alternative=leave, straggler={**late, "fixed_speedup": fixed_speedup})
@@ -359,4 +359,7 @@ def render(diagnosis: dict[str, Any]) -> str:
         action = f"{f['key']}: {f['value']}" if f["key"] else "-"
         predicted = f"{f['predicted_speedup']:.2f}x" if f["predicted_speedup"] else "-"
         table.add_row(f["factor"], f"{100 * f['share']:.0f}%", f"{1e3 * f['seconds_per_step']:.2f}", action, predicted)
-    return as_text(table) + f"verdict: {diagnosis['verdict']}\n"
+    # Why, in the user's terms (learning-rate rule, what to check on a host), for the factors with a change.
+    notes = "".join(f"  {f['factor']}: {f['why']}\n" for f in diagnosis["factors"][:4]
+                    if f["key"] and f["share"] >= 0.05)
+    return as_text(table) + f"verdict: {diagnosis['verdict']}\n" + (f"why:\n{notes}" if notes else "")
