@@ -8,9 +8,13 @@ for the throttled rows), ``dtrain.plan`` predicts samples/s for:
 * 2 test hosts x 1 slot (network namespaces, scripts/testhosts.py, each pinned to its own core):
   unthrottled veth, and a 200 Mbit tc tbf link with aggregation 1 and 4 and with fp16 compression.
 
-Each configuration is then run and measured (steady-state samples/s from its profile.json). With
-``--repeats R`` the measurements run in R rounds and the median counts. Root is needed for the test
-hosts (without it the host rows are skipped and said so).
+Each configuration is then run and measured (steady-state samples/s from its profile.json), in rounds:
+each round measures the 2-slot configuration again first, and every other configuration is compared as a
+*ratio to that round's 2-slot run*, predicted vs measured. On a machine shared with other jobs the same
+configuration's samples/s drifts by 2-3x within minutes (measured here), so absolute figures from one run
+cannot be checked against runs minutes later; ratios to a run measured just before can. With
+``--repeats R`` the median ratio over rounds counts. Root is needed for the test hosts (without it the
+host rows are skipped and said so).
 
     sudo .venv/bin/python bench/plan_accuracy.py [--steps 300] [--repeats 1] [--rate 200mbit] [--json out.json]
 
@@ -118,37 +122,51 @@ def main(argv: list[str] | None = None) -> int:
 
     no_hosts = unavailable_reason()
     table = rows(args.rate)
-    load_before = os.getloadavg()
+    base_row = table[1]
+    loads = [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="dtrain-plan-accuracy-") as tmp:
         base = Path(tmp) / "base"
-        run_local(table[1], args.steps, base)
+        base_sps = run_local(base_row, args.steps, base)
         for row in table:
             row.predicted = predict(base, row)
+        ratios: dict[str, list[float]] = {row.label: [] for row in table}
         for r in range(args.repeats):
-            for i, row in enumerate(table):
+            reference = run_local(base_row, args.steps, Path(tmp) / f"r{r}-reference")
+            others = [row for row in table if row is not base_row]
+            for i, row in enumerate(others if r % 2 == 0 else list(reversed(others))):
                 if row.nodes > 1 and no_hosts:
                     continue
                 print(f"plan_accuracy: [{r + 1}/{args.repeats}] {row.label} ...", file=sys.stderr, flush=True)
-                run_dir = Path(tmp) / f"r{r}-{i}"
                 run = run_hosts if row.nodes > 1 else run_local
-                row.measured.append(run(row, args.steps, run_dir))
-    load_after = os.getloadavg()
+                row.measured.append(run(row, args.steps, Path(tmp) / f"r{r}-{i}"))
+                ratios[row.label].append(row.measured[-1] / reference)
+            base_row.measured.append(reference)
+            loads.append(os.getloadavg()[0])
     print(f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.steps} steps per run, "
-          f"{args.repeats} round(s) (median), load average {load_before[0]:.1f} before, {load_after[0]:.1f} after.\n")
-    print("| configuration | predicted samples/s | measured samples/s | error |")
-    print("|---|---|---|---|")
+          f"{args.repeats} round(s), medians; load average (1 min) {', '.join(f'{x:.1f}' for x in loads)} "
+          f"(start, after each round). The measured configuration: {base_sps:,.0f} samples/s in the run the "
+          f"predictions come from, {', '.join(f'{x:,.0f}' for x in base_row.measured)} in the rounds.\n")
+    print("| configuration | predicted samples/s | predicted ratio to 2 slots | measured ratio (rounds) | error |")
+    print("|---|---|---|---|---|")
     out = []
     for row in table:
-        if not row.measured:
-            print(f"| {row.label} | {row.predicted:,.0f} | skipped: {no_hosts} | - |")
+        predicted_ratio = row.predicted / base_row.predicted
+        if row is base_row:
+            print(f"| {row.label} | {row.predicted:,.0f} | 1 | 1 | - |")
             continue
-        measured = statistics.median(row.measured)
-        error = row.predicted / measured - 1 if row.predicted else None
-        spread = f" ({min(row.measured):,.0f}-{max(row.measured):,.0f})" if len(row.measured) > 1 else ""
-        print(f"| {row.label} | {row.predicted:,.0f} | {measured:,.0f}{spread} | {100 * error:+.0f}% |")
-        out.append({"label": row.label, "predicted": row.predicted, "measured": row.measured, "error": error})
+        if not ratios[row.label]:
+            print(f"| {row.label} | {row.predicted:,.0f} | {predicted_ratio:.2f} | skipped: {no_hosts} | - |")
+            continue
+        measured = statistics.median(ratios[row.label])
+        error = predicted_ratio / measured - 1
+        rounds = ", ".join(f"{x:.2f}" for x in ratios[row.label])
+        print(f"| {row.label} | {row.predicted:,.0f} | {predicted_ratio:.2f} | {measured:.2f} ({rounds}) | "
+              f"{100 * error:+.0f}% |")
+        out.append({"label": row.label, "predicted": row.predicted, "predicted_ratio": predicted_ratio,
+                    "measured": row.measured, "measured_ratios": ratios[row.label], "error": error})
     if args.json:
-        args.json.write_text(json.dumps({"rows": out, "load": [load_before, load_after]}, indent=2))
+        args.json.write_text(json.dumps({"rows": out, "loads": loads, "base_samples_per_second": base_sps,
+                                         "reference_runs": base_row.measured}, indent=2))
     return 0
 
 
