@@ -1,27 +1,41 @@
 """The doctor names planted bottlenecks, and refuses bad input with one line."""
 
 import json
+import re
 import shutil
+import socket
 
 import pytest
 from helpers import TRIALS, cli_in_process, dtrain_cli, tiny_config
 
 PLANTED = {
-    "data_loading": ("planted:SlowDataTrial", {"load_seconds": 0.003, "global_batch_size": 8}),
-    "communication": ("planted:WideTrial", {"wide_params": 3_000_000, "global_batch_size": 8}),
-    "straggler": ("planted:StragglerTrial", {"slow_rank": 1, "sleep_seconds": 0.02, "global_batch_size": 8}),
+    "data_loading": ("data_loading", "planted:SlowDataTrial", {"load_seconds": 0.003, "global_batch_size": 8}),
+    "communication": ("communication", "planted:WideTrial", {"wide_params": 3_000_000, "global_batch_size": 8}),
+    "straggler-forward": ("straggler", "planted:StragglerTrial",
+                          {"slow_rank": 1, "sleep_seconds": 0.02, "global_batch_size": 8}),
+    "straggler-backward": ("straggler", "planted:SlowBackwardTrial",
+                           {"slow_rank": 1, "sleep_seconds": 0.02, "global_batch_size": 8}),
+    "straggler-loader": ("straggler", "planted:SlowLoaderTrial",
+                         {"slow_rank": 1, "load_seconds": 0.005, "global_batch_size": 8}),
 }
+# The phase each planted straggler is slow in.
+SLOW_PHASE = {"straggler-forward": "forward", "straggler-backward": "backward", "straggler-loader": "data"}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("expected", list(PLANTED))
-def test_planted_bottleneck_is_named(tmp_path, expected):
-    entrypoint, hparams = PLANTED[expected]
+def _planted_run(tmp_path, case):
+    expected, entrypoint, hparams = PLANTED[case]
     shutil.copy(TRIALS / "planted.py", tmp_path / "planted.py")
     cfg = tiny_config(tmp_path, entrypoint=entrypoint, hyperparameters=hparams, max_length={"batches": 40},
                       scheduling_unit=40)
     result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
     assert result.code == 0, result.stderr
+    return expected
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(PLANTED))
+def test_planted_bottleneck_is_named(tmp_path, case):
+    expected = _planted_run(tmp_path, case)
     doctor = cli_in_process("doctor", str(tmp_path / "r"), "--json")
     assert doctor.code == 0, doctor.stderr
     diagnosis = json.loads(doctor.stdout)
@@ -30,7 +44,19 @@ def test_planted_bottleneck_is_named(tmp_path, expected):
     assert diagnosis["recommendations"], diagnosis
     assert all(r["key"] and r["predicted_speedup"] > 1 for r in diagnosis["recommendations"])
     if expected == "straggler":
-        assert "rank 1" in diagnosis["factors"][0]["why"]
+        # The advice names the rank, its host, how late it arrives (ms) and the phase it is slow in.
+        top = diagnosis["factors"][0]
+        host = socket.gethostname()
+        for text in (top["why"], diagnosis["verdict"]):
+            assert "rank 1 " in text and f"host {host}" in text, text
+            lag = re.search(r"arrives (\d+\.\d+) ms late", text)
+            assert lag and float(lag.group(1)) > 5, text
+            assert f"slow in {SLOW_PHASE[case]}" in text, text
+        assert top["straggler"]["rank"] == 1 and top["straggler"]["chronic"]
+        lags = json.loads((tmp_path / "r" / "profile.json").read_text())["stragglers"]
+        assert lags["chronic_rank"] == 1 and lags["per_rank"][1]["slow_phase"] == SLOW_PHASE[case]
+        if case == "straggler-loader":  # a real fix exists: more loader workers, not fewer slots
+            assert top["key"] == "data_loader.num_workers", top
 
 
 def _one_line(result, fragment):

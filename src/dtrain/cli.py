@@ -43,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--slots", default="1,2", help="comma-separated slot counts (default 1,2)")
     bench.add_argument("--synthetic", action="store_true", help="also run with synthetic data (isolates I/O)")
     bench.add_argument("--steps", type=_step_count, default=100, help="training steps per case")
+    bench.add_argument("--repeats", type=_positive_int, default=3, help="rounds of every case (median; default 3)")
     bench.add_argument("--out", type=Path, help="output folder (default runs/bench-<name>-<timestamp>)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
@@ -74,6 +75,19 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="explain a run's time cost and what to change")
     doctor.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument("--verify", action="store_true", help="measure the top recommendations and bisection "
+                        "experiments as short runs beside a baseline; write RUN_DIR/tuned.yaml")
+    doctor.add_argument("--steps", type=_step_count, default=60, help="steps per --verify run (default 60)")
+    doctor.add_argument("--repeats", type=_positive_int, default=1, help="--verify rounds; the median counts")
+    doctor.add_argument("--top", type=_positive_int, default=3, help="--verify: how many recommendations to run")
+
+    plan = sub.add_parser("plan", help="predict other slot/node counts and the doctor's options from one run")
+    plan.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
+    plan.add_argument("--slots", default="1,2,4,8", help="comma-separated slot counts (default 1,2,4,8)")
+    plan.add_argument("--nodes", type=_positive_int, default=1, help="also spread each slot count over N nodes")
+    plan.add_argument("--link", help="link between nodes: RATE[,LATENCY] like 200mbit or 1gbit,0.2ms, or measured")
+    plan.add_argument("--png", type=Path, help="chart path (default RUN_DIR/plan.png)")
+    plan.add_argument("--json", action="store_true", help="machine-readable output")
 
     report = sub.add_parser("report", help="(re)build a run's report.html and print its time table")
     report.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
@@ -180,6 +194,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cluster.cmd_k8s(args) if args.command == "k8s" else cluster.cmd_slurm(args)
     if args.command == "doctor":
         return cmd_doctor(args)
+    if args.command == "plan":
+        return cmd_plan(args)
     if args.command == "search":
         return cmd_search(args)
     if args.command == "check":
@@ -195,7 +211,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from dtrain.bench import bench, parse_slots
 
-        bench(args.config, parse_slots(args.slots), args.synthetic, args.steps, args.out, args.overrides, args.debug)
+        bench(args.config, parse_slots(args.slots), args.synthetic, args.steps, args.out, args.overrides, args.debug,
+              args.repeats)
         return 0
     raise AssertionError(args.command)  # argparse only lets known commands through
 
@@ -304,6 +321,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from dtrain.doctor import diagnose, load_profile, render
     from dtrain.summary import time_cost_table
 
+    if args.verify:
+        from dtrain.verify import render as render_verify
+        from dtrain.verify import verify
+
+        result = verify(args.run_dir, args.steps, args.repeats, args.top, debug=args.debug,
+                        log=lambda line: print(line, file=sys.stderr, flush=True))
+        print(json.dumps(result, indent=2) if args.json else render_verify(result), end="\n" if args.json else "")
+        return 0
     profile = load_profile(args.run_dir)
     diagnosis = diagnose(profile)
     if args.json:
@@ -311,6 +336,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         print(time_cost_table(profile), end="")
         print(render(diagnosis), end="")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import json
+
+    from dtrain.bench import parse_slots
+    from dtrain.plan import parse_link, plan, plot, render
+
+    doc = plan(args.run_dir, parse_slots(args.slots), args.nodes, parse_link(args.link))
+    png = args.png or args.run_dir / "plan.png"
+    plot(doc, png)
+    doc["png"] = str(png)
+    print(json.dumps(doc, indent=2) if args.json else render(doc) + f"chart: {png}")
     return 0
 
 

@@ -230,6 +230,7 @@ class DistributedContext:
         """Run one batch (forward *and* backward: DDP decides in forward whether backward communicates)
         either exchanging gradients or only accumulating them locally."""
         self.sync_gradients = sync
+        self.timer.exchanging = sync  # only exchanging steps tell how late each rank arrives
         with contextlib.ExitStack() as stack:
             if not sync:
                 for model in self.models:

@@ -28,6 +28,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dtrain import advice
 from dtrain.errors import UserError
 
 FACTORS = ("communication", "data_loading", "compute", "precision", "straggler", "batch_size", "sync_frequency")
@@ -74,12 +75,17 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
     ranks = [r["seconds_per_step"] for r in profile["per_rank"]]
     slots = int(profile["slots"])
     step = sum(r["step"] for r in ranks) / len(ranks)
-    data = sum(r["data"] for r in ranks) / len(ranks)
+    # The wait every rank has: one rank's slower loader is that rank straggling, not slow data loading.
+    data = min(r["data"] for r in ranks)
     work = [r["data"] + r["forward"] + r["backward"] + r["optimizer"] + r["other"] for r in ranks]
-    slowest = max(range(len(ranks)), key=lambda i: work[i])
+    late = advice.straggler(profile, work)
+    # The rank the others wait for: the one that arrives last at the collectives (measured), else the one
+    # with the most work; its exposed time is pure communication (it waited for no one).
+    slowest = late["rank"] if late is not None else max(range(len(ranks)), key=lambda i: work[i])
     fastest = min(range(len(ranks)), key=lambda i: work[i])
     compute = ranks[fastest]["forward"] + ranks[fastest]["backward"]
     fixed = ranks[fastest]["optimizer"] + ranks[fastest]["other"]
+    cpu_work = compute + fixed
     comm = profile["comm"]
     exposed = ranks[slowest]["comm_exposed"]
     busy = float(comm["busy_seconds_per_step"])
@@ -102,17 +108,9 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
             f"latency each; exchanging gradients every {k} batches pays that once per {k} batches "
             f"(effective batch {k * gbs})",
             _speedup(step, step - waiting * (1 - 1 / k))),
-        "data_loading": _factor(
-            "data_loader.num_workers", max(2, 2 * int(profile.get("data_loader_workers", 0))),
-            "slots wait for their next batch; background loader workers overlap loading with the step "
-            "(dtrain bench --synthetic shows the ceiling)",
-            _speedup(step, step - data)),
-        "straggler": _factor(
-            "resources.slots_per_trial", max(1, slots - 1),
-            f"rank {slowest} ({_host(profile, slowest)}) needs {1e3 * work[slowest]:.2f} ms of work per step vs "
-            f"{1e3 * work[fastest]:.2f} ms on rank {fastest}; the others wait for it: find what slows that "
-            "rank (shared cores, a slower device, uneven data), or leave it out",
-            _speedup(step, step - straggler)),
+        "data_loading": _data_factor(profile, step, data, cpu_work),
+        "straggler": _straggler_factor(profile, late, step, straggler, data, compute, fixed, ranks[slowest],
+                                       cpu_work),
         "batch_size": _batch_factor(profile, gbs, step, data, compute),
         "precision": _precision_factor(profile, precision, step, saved),
         "compute": _factor(
@@ -127,7 +125,7 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
           "action": f"{f['key']}: {f['value']}"} for f in table
          if f["key"] is not None and f["predicted_speedup"] and f["predicted_speedup"] > 1.02 and f["share"] >= 0.05),
         key=lambda r: r["predicted_speedup"], reverse=True)
-    scaling = _scaling(slots, step, data, ranks, fixed)
+    scaling = _scaling(profile, slots, step, ranks, fixed)
     if scaling["slower_than_one_slot"]:
         recommendations.append({"factor": "scaling", "key": "resources.slots_per_trial", "value": 1,
                                 "predicted_speedup": scaling["estimated_one_slot_speedup"],
@@ -145,6 +143,39 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
         "recommendations": recommendations,
         "scaling": scaling,
     }
+
+
+def _straggler_factor(profile: dict[str, Any], late: dict[str, Any] | None, step: float, straggler: float,
+                      data: float, compute: float, fixed: float, slowest: dict[str, float],
+                      cpu_work: float) -> dict[str, Any]:
+    """Name the rank the others wait for (host, lag, slow phase) and what to check there. The config change
+    is the real fix where one exists (a slow loader: more loader workers); leaving the rank out is the
+    fallback, predicted with the remaining slots doing its share of the batch."""
+    slots = int(profile["slots"])
+    if late is None:
+        return _factor(None, None, "one slot: nothing to wait for", None)
+    fixed_speedup = _speedup(step, step - straggler)
+    # N-1 slots: each does N/(N-1) of the per-slot data and compute, communication and fixed costs stay.
+    # The same global batch: one slot fewer does N/(N-1) of the per-slot data and compute; fixed costs
+    # stay, and so does communication unless one slot is left (then there is none).
+    fewer = slots - 1
+    leave_out = _speedup(step, (data + compute) * slots / fewer + fixed + (slowest["comm_exposed"] if fewer > 1 else 0))
+    leave = ("resources.slots_per_trial", fewer, leave_out)
+    why = advice.straggler_text(late, f"resources.slots_per_trial: {fewer}")
+    if late["phase"] == "data" and late["chronic"] is not False:  # a loader fix only for a rank always late
+        workers = advice.loader_plan(profile, slowest["data"], step, cpu_work)["workers"]
+        return _factor("data_loader.num_workers", workers, why, fixed_speedup,
+                       alternative=leave, straggler={**late, "fixed_speedup": fixed_speedup})
+    return _factor("resources.slots_per_trial", fewer, why, leave_out,
+                   straggler={**late, "fixed_speedup": fixed_speedup})
+
+
+def _data_factor(profile: dict[str, Any], step: float, data: float, cpu_work: float) -> dict[str, Any]:
+    """More loader processes per slot, as many as the machine's cores and the probed load make worth it."""
+    plan = advice.loader_plan(profile, data, step, cpu_work)
+    return _factor("data_loader.num_workers", plan["workers"],
+                   f"slots wait {1e3 * data:.2f} ms per step for their next batch: {plan['why']} (dtrain bench "
+                   "--synthetic shows the ceiling)", _speedup(step, plan["step_seconds"]))
 
 
 def _communication_factor(profile: dict[str, Any], bandwidth_part: float, waiting: float, step: float, k: int,
@@ -204,23 +235,33 @@ def _batch_factor(profile: dict[str, Any], gbs: int, step: float, data: float, c
         room = MEMORY_HEADROOM * float(facts["total_memory_bytes"]) / peak
         factor = min(factor, float(int(room * 4) / 4))
         memory_note = f"; peak GPU memory {peak / 2**30:.1f} of {float(facts['total_memory_bytes']) / 2**30:.0f} GiB"
-        if factor < 1.25:
-            return _factor(None, None, f"a bigger batch would amortize fixed costs, but it does not fit{memory_note}",
-                           None)
+    elif facts.get("type") != "cuda" and peak > 0 and profile.get("memory_total_bytes"):
+        # CPU: every slot on a host holds its peak RSS (libraries included, which do not grow: conservative).
+        total = float(profile["memory_total_bytes"])
+        room = MEMORY_HEADROOM * total / (peak * advice.local_slots(profile))
+        factor = min(factor, float(int(room * 4) / 4))
+        memory_note = (f"; peak RSS {peak / 2**30:.2f} GiB per slot x {advice.local_slots(profile)} on a "
+                       f"{total / 2**30:.0f} GiB host")
+    if factor < 1.25:
+        return _factor(None, None, f"a bigger batch would amortize fixed costs, but it does not fit{memory_note}",
+                       None)
     new_gbs = int(gbs * factor)
     return _factor(
         "hyperparameters.global_batch_size", new_gbs,
         "optimizer step and bookkeeping cost the same whatever the batch; a bigger batch spreads them "
-        f"(and communication) over more samples; scale the learning rate with it{memory_note}",
+        f"(and communication) over more samples. {advice.batch_change(profile, new_gbs)['text']}{memory_note}",
         # factor x the samples per step: data and compute grow with it, fixed costs and communication do not.
         _speedup(step, step + (factor - 1) * (data + compute), samples_factor=new_gbs / gbs))
 
 
 def _factor(key: str | None, value: Any, why: str, speedup: float | None,
-            alternative: tuple[str, Any, float] | None = None) -> dict[str, Any]:
+            alternative: tuple[str, Any, float | None] | None = None,
+            straggler: dict[str, Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"key": key, "value": value, "why": why, "predicted_speedup": speedup}
     if alternative is not None:
         out["alternative"] = {"key": alternative[0], "value": alternative[1], "predicted_speedup": alternative[2]}
+    if straggler is not None:
+        out["straggler"] = straggler
     return out
 
 
@@ -241,19 +282,31 @@ def _best_of(first: tuple[str, Any, float], second: tuple[str, Any, float], why:
     return _factor(lead[0], lead[1], why, lead[2], alternative=other)
 
 
-def _scaling(slots: int, step: float, data: float, ranks: list[dict[str, float]], fixed: float) -> dict[str, Any]:
-    """Estimate one slot doing the whole global batch: N x the per-sample work, no communication.
+def _scaling(profile: dict[str, Any], slots: int, step: float, ranks: list[dict[str, float]],
+             fixed: float) -> dict[str, Any]:
+    """Estimate one slot doing the whole global batch: its data and compute at N x the per-slot batch, no
+    communication.
 
-    Conservative on CPU: one slot could use every core, which this estimate does not credit.
+    How work grows with the batch comes from the run's end-of-run probe (``batch_scaling``: the trial's
+    step at the per-slot batch and at twice it): a small model's step is mostly per-step overhead, which
+    N x the batch does not multiply. Without the probe, work is taken as proportional to the batch (the
+    pessimistic end for one slot). One slot is credited with no more threads than each slot had: with
+    ``dtrain.cpu``'s rule it gets more only on idle cores, where this estimate is conservative.
     """
     if slots == 1:
         return {"estimated_one_slot_speedup": 1.0, "slower_than_one_slot": False, "estimated_scaling_efficiency": 1.0}
-    per_slot_work = min(r["data"] + r["forward"] + r["backward"] for r in ranks)
-    one_slot_step = slots * per_slot_work + fixed
+    probe = profile.get("batch_scaling") or {}
+    work_growth = advice.growth(probe.get("work_seconds", 0.0), probe.get("work_double_seconds", 0.0))
+    load_growth = advice.growth(probe.get("load_seconds", 0.0), probe.get("load_double_seconds", 0.0))
+    fastest = min(ranks, key=lambda r: r["data"] + r["forward"] + r["backward"])
+    one_slot_step = (advice.scaled(fastest["data"], load_growth, slots)
+                     + advice.scaled(fastest["forward"] + fastest["backward"], work_growth, slots) + fixed)
     speedup = one_slot_step / step  # N slots' samples/s over one slot's
     return {"estimated_one_slot_speedup": 1 / speedup if speedup > 0 else float("inf"),
             "estimated_speedup_vs_one_slot": speedup,
             "estimated_scaling_efficiency": speedup / slots,
+            "estimated_one_slot_step_seconds": one_slot_step,
+            "work_growth_with_batch": work_growth if probe else None,
             "slower_than_one_slot": speedup < 1.0}
 
 
@@ -262,13 +315,28 @@ def _verdict(top: str, row: dict[str, Any], scaling: dict[str, Any], slots: int,
     lead = f"{top.replace('_', ' ')} is the top factor ({share} of the step)"
     if row["key"] is not None:
         lead += f": try {row['key']}: {row['value']}, predicted about {row['predicted_speedup']:.1f}x samples/s"
+    late = row.get("straggler")
+    if top == "straggler" and late:
+        lead = f"{top} is the top factor ({share} of the step): {row['why']}"
+        if late.get("fixed_speedup"):
+            lead += f"; fixing it: about {late['fixed_speedup']:.1f}x samples/s"
+        if row["key"] is not None:
+            lead += f"; {row['key']}: {row['value']}: about {row['predicted_speedup']:.1f}x"
     if scaling["slower_than_one_slot"]:
-        cores = profile.get("threads_per_slot", 1) * slots
         lead = (f"{slots} slots are SLOWER than 1 would be here (estimated "
-                f"{scaling['estimated_speedup_vs_one_slot']:.2f}x of one slot): communication and {cores} shared "
-                "CPU cores cost more than they buy; use resources.slots_per_trial: 1 or make each step bigger. "
+                f"{scaling['estimated_speedup_vs_one_slot']:.2f}x of one slot): communication and {_cpus(profile)} "
+                "cost more than they buy; use resources.slots_per_trial: 1 or make each step bigger. "
                 "Then: " + lead)
     return lead
+
+
+def _cpus(profile: dict[str, Any]) -> str:
+    """'2 slots x 1 thread on 2 CPU cores' (cores as the run recorded them; older profiles lack them)."""
+    slots, threads = int(profile["slots"]), int(profile.get("threads_per_slot", 1))
+    cores = advice.usable_cores(profile)
+    hosts = len({r.get("host") for r in profile["per_rank"]})
+    where = f" on {cores} CPU core(s)" + (" per host" if hosts > 1 else "") if cores else ""
+    return f"{slots} slots x {threads} thread(s){where}"
 
 
 def _mb(value: float) -> str:
@@ -293,4 +361,7 @@ def render(diagnosis: dict[str, Any]) -> str:
         action = f"{f['key']}: {f['value']}" if f["key"] else "-"
         predicted = f"{f['predicted_speedup']:.2f}x" if f["predicted_speedup"] else "-"
         table.add_row(f["factor"], f"{100 * f['share']:.0f}%", f"{1e3 * f['seconds_per_step']:.2f}", action, predicted)
-    return as_text(table) + f"verdict: {diagnosis['verdict']}\n"
+    # Why, in the user's terms (learning-rate rule, what to check on a host), for the factors with a change.
+    notes = "".join(f"  {f['factor']}: {f['why']}\n" for f in diagnosis["factors"][:4]
+                    if f["key"] and f["share"] >= 0.05)
+    return as_text(table) + f"verdict: {diagnosis['verdict']}\n" + (f"why:\n{notes}" if notes else "")

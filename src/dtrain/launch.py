@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from dtrain import watchdog
+from dtrain import cpu, watchdog
 from dtrain.culprit import read_statuses
 from dtrain.failures import Failure, read_reports, root_cause
 from dtrain.join import JoinError, NodeLaunch
@@ -46,11 +46,8 @@ class LaunchOptions:
     # a signalled run may take to stop before its workers are killed.
     clean_stop: bool = False
     grace_seconds: float = 30.0
-
-
-def _threads_per_worker(slots: int) -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // slots)
+    # torch threads per worker (None: dtrain.cpu.for_run's rule, which respects the user's OMP_NUM_THREADS).
+    threads: int | None = None
 
 
 def _quiet_agent(debug: bool) -> None:
@@ -67,7 +64,14 @@ def launch(command: list[str], options: LaunchOptions) -> Failure | None:
     when a signal stopped the run.
     """
     _quiet_agent(options.debug)
-    os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(options.slots)))
+    # Set for every launch (not setdefault): bench and --verify launch several runs from one process, and
+    # one run's value must not leak into the next (a 2-thread 1-slot value oversubscribing 2 slots).
+    threads = options.threads
+    if threads is None:
+        threads, why = cpu.for_run(options.slots)
+        if why is not None:  # the user's own setting oversubscribes: say so; fewer threads for busy cores: quietly
+            logging.getLogger("dtrain").log(logging.WARNING if cpu.user_threads() else logging.INFO, "%s", why)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     logs_specs = DefaultLogsSpecs()
     nodes = options.nodes
     if options.run_dir is not None:

@@ -295,7 +295,21 @@ def _breakdown_section(run: _Run) -> str:
                              "profiling.enabled: false, so there is no time breakdown.") + "\n</section>"
     chart = _img(_plot_breakdown(run.profile), "stacked bar of ms per step per phase, one bar per rank")
     return (f"{title}{chart}\n<h3>Per phase across ranks (ms / step)</h3>\n{_phase_table(run.profile)}\n"
-            f"<h3>Communication</h3>\n{_comm_table(run.profile)}\n</section>")
+            f"{_straggler_table(run.profile)}<h3>Communication</h3>\n{_comm_table(run.profile)}\n</section>")
+
+
+def _straggler_table(profile: dict[str, Any]) -> str:
+    """How late each rank arrives at the gradient all-reduce (profile.json's ``stragglers``)."""
+    lags = profile.get("stragglers") or {}
+    rows = [[_esc(r.get("rank")), _esc(r.get("host")), _ms(r.get("lag_median_seconds")), _ms(r.get("lag_p90_seconds")),
+             _fmt(100 * r.get("last_fraction", 0.0), ".0f") + "%", _esc(r.get("slow_phase")),
+             _ms(r.get("slow_phase_excess_seconds")), "chronic" if r.get("chronic") else ""]
+            for r in lags.get("per_rank") or []]
+    if not rows:
+        return ""
+    headers = ["rank", "host", "lag median", "lag p90", "arrived last", "slowest phase", "behind fastest", ""]
+    return (f"<h3>Arrival at the gradient all-reduce ({_esc(lags.get('samples'))} sampled steps; ms)</h3>\n"
+            f"{_table(headers, rows, numeric={2, 3, 4, 6})}\n")
 
 
 def _phase_table(profile: dict[str, Any]) -> str:

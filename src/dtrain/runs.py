@@ -403,8 +403,9 @@ def _write_config(config: ExperimentConfig, run_dir: Path) -> None:
     dump_config(config, path)
 
 
-def execute(plan: RunPlan, quiet: bool, debug: bool) -> Failure | None:
-    """Start the workers; None on success, else the root-cause failure. Raises :class:`Stopped` on a signal."""
+def execute(plan: RunPlan, quiet: bool, debug: bool, threads: int | None = None) -> Failure | None:
+    """Start the workers (``threads``: torch threads per worker; None: :func:`dtrain.cpu.for_run`); None on
+    success, else the root-cause failure. Raises :class:`Stopped` on a signal."""
     (plan.run_dir / "logs" / STOPPED_FILE).unlink(missing_ok=True)  # a previous stop's, now being resumed
     args = ["--run-dir", str(plan.run_dir)]
     if plan.resume_from is not None:
@@ -418,7 +419,7 @@ def execute(plan: RunPlan, quiet: bool, debug: bool) -> Failure | None:
         slots //= plan.nodes.max_nodes
     options = LaunchOptions(slots=slots, max_restarts=plan.config.max_restarts, run_dir=plan.run_dir, debug=debug,
                             nodes=plan.nodes, clean_stop=True,
-                            grace_seconds=plan.config.resources.preemption_grace_seconds)
+                            grace_seconds=plan.config.resources.preemption_grace_seconds, threads=threads)
     return launch(["-u", "-m", "dtrain.worker", *args], options)
 
 

@@ -312,7 +312,7 @@ class Trainer:
         STATUS.enter("end-of-run gather")
         self.progress.close()
         timer = self.ctx.timer
-        per_rank, latency, hosts = collect_rank_figures(self.ctx)  # collectives
+        per_rank, latency, hosts = collect_rank_figures(self.ctx, self)  # collectives (and the batch probe)
         run = run_facts(self, wall_seconds)
         run["resumed_at_batch"] = self.resumed_at  # a resumed run's figures cover its own part only
         summary = {**run, "batches": self.batches, "epochs": self.batches / self.batches_per_epoch,

@@ -25,7 +25,8 @@ class SlowDataset(Dataset):
         return len(self.x)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        time.sleep(self.seconds)
+        if self.seconds:
+            time.sleep(self.seconds)
         return self.x[i], self.y[i]
 
 
@@ -77,3 +78,31 @@ class StragglerTrial(_Regression):
         if self.context.rank == self.context.get_hparam("slow_rank"):
             time.sleep(self.context.get_hparam("sleep_seconds"))
         return super().train_batch(batch, epoch_idx, batch_idx)
+
+
+class SlowBackwardTrial(_Regression):
+    """One rank slow *inside* backward: a gradient hook that sleeps (a costly custom autograd op)."""
+
+    def __init__(self, context: dtrain.TrialContext) -> None:
+        super().__init__(context)
+        if context.rank == context.get_hparam("slow_rank"):
+            seconds = context.get_hparam("sleep_seconds")
+            head = context.unwrap(self.model)[-1].weight  # computed first in backward, before any all-reduce
+
+            def sleep(grad: torch.Tensor) -> torch.Tensor:
+                time.sleep(seconds)
+                return grad
+
+            head.register_hook(sleep)
+
+
+class SlowLoaderTrial(_Regression):
+    """One rank's loader is slow (a slower disk or a busier host), the others' are not."""
+
+    def build_training_data(self) -> Dataset:
+        slow = self.context.rank == self.context.get_hparam("slow_rank")
+        return SlowDataset(512, self.context.get_hparam("load_seconds") if slow else 0.0)
+
+
+class PlainTrial(_Regression):
+    """Nothing planted: with a tiny global batch, per-step costs (communication, optimizer) dominate."""

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from dtrain.profiling import stragglers
+from dtrain.profiling.probes import PROBE_FIELDS, allreduce_probe, batch_probe
 from dtrain.profiling.timer import COMM_FIELDS, PHASES, StepTimer
 
-RANK_FIELDS = (*PHASES, "step", *COMM_FIELDS, "peak_memory_bytes", "state_bytes")
+RANK_FIELDS = (*PHASES, "step", *COMM_FIELDS, "peak_memory_bytes", "state_bytes", *PROBE_FIELDS)
 
 
 def peak_memory_bytes(device: torch.device) -> float:
@@ -59,17 +62,20 @@ def latency_probe(repeats: int = 10, group: Any = None) -> float:
 
 def gather_rank_stats(timer: StepTimer, memory: dict[str, float], group: Any = None) -> list[dict[str, float]]:
     """Every rank's per-step means and ``memory`` figures, gathered on all ranks of ``group`` (one small
-    all_gather)."""
+    all_gather, which also carries each rank's straggler samples: their lag figures are added per rank)."""
     mine = {**timer.per_step(), **memory}
-    values = torch.tensor([mine[f] for f in RANK_FIELDS], dtype=torch.float64)
+    values = torch.tensor([float(mine.get(f, 0.0)) for f in RANK_FIELDS] + timer.lag.export(), dtype=torch.float64)
     if not (dist.is_initialized() and dist.get_world_size(group) > 1):
-        return [dict(zip(RANK_FIELDS, values.tolist(), strict=True))]
+        return [dict(zip(RANK_FIELDS, values[:len(RANK_FIELDS)].tolist(), strict=True))]
     device = _comm_device(group)
     if device is not None:
         values = values.to(device)
     gathered = [torch.empty_like(values) for _ in range(dist.get_world_size(group))]
     dist.all_gather(gathered, values, group=group)
-    return [dict(zip(RANK_FIELDS, g.cpu().tolist(), strict=True)) for g in gathered]
+    rows = [g.cpu().tolist() for g in gathered]
+    lags = stragglers.rank_figures([row[len(RANK_FIELDS):] for row in rows])
+    return [{**dict(zip(RANK_FIELDS, row[:len(RANK_FIELDS)], strict=True)), **lag}
+            for row, lag in zip(rows, lags, strict=True)]
 
 
 def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[str, Any],
@@ -84,7 +90,7 @@ def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[
     comm_bytes = sum(r["comm_bytes"] for r in per_rank) / slots
     busy = sum(r["comm_busy"] for r in per_rank) / slots
     algbw = comm_bytes / busy if busy > 0 else 0.0
-    return {
+    profile = {
         "schema_version": 1,
         **run,
         "phases": list(PHASES),
@@ -108,19 +114,66 @@ def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[
             "latency_seconds": latency_seconds,
         },
     }
+    if slots > 1 and "lag_median" in per_rank[0]:
+        profile["stragglers"] = stragglers.section(per_rank, hosts, spread["step"]["mean"])
+    profile.update(_probe_figures(per_rank, run))
+    return profile
 
 
-def collect_rank_figures(ctx: Any) -> tuple[list[dict[str, float]], float, list[str]]:
+def _probe_figures(per_rank: list[dict[str, float]], run: dict[str, Any]) -> dict[str, Any]:
+    """The end-of-run probe (:mod:`dtrain.profiling.probes`), means over ranks; empty when not probed."""
+    def mean(field: str) -> float:
+        return sum(r.get(field, 0.0) for r in per_rank) / len(per_rank)
+
+    out: dict[str, Any] = {}
+    if mean("probe_work") > 0:
+        out["batch_scaling"] = {"per_slot_batch_size": run.get("per_slot_batch_size"),
+                                "work_seconds": mean("probe_work"), "work_double_seconds": mean("probe_work_double"),
+                                "load_seconds": mean("probe_load"), "load_double_seconds": mean("probe_load_double")}
+    if mean("probe_allreduce_seconds") > 0:
+        out["allreduce_probe"] = {"bytes": mean("probe_allreduce_bytes"), "seconds": mean("probe_allreduce_seconds")}
+    if mean("probe_load") > 0:
+        out["data_load_seconds_per_batch"] = mean("probe_load")
+        out["data_load_cpu_share"] = mean("probe_load_cpu_share")
+    return out
+
+
+def collect_rank_figures(ctx: Any, trainer: Any = None) -> tuple[list[dict[str, float]], float, list[str]]:
     """End of a run, on every rank of a DistributedContext: per-rank step figures and memory (training
-    slots), the all-reduce latency probe, and every rank's host name. Collectives: all ranks call it."""
+    slots), the batch probe (given the ``trainer``, when profiling), the all-reduce latency probe, and
+    every rank's host name. Collectives: all ranks call it."""
     from dtrain.dist import all_hostnames
 
     group = ctx.strategy.dp_group
     memory = {"peak_memory_bytes": peak_memory_bytes(ctx.device),
               "state_bytes": state_bytes(ctx.models, ctx.optimizers)}
+    if trainer is not None and ctx.timer.enabled:
+        memory.update(batch_probe(trainer))
+        memory.update(allreduce_probe(ctx))
     per_rank = gather_rank_stats(ctx.timer, memory, group)
     latency = latency_probe(group=group)
     return per_rank, latency, all_hostnames()
+
+
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity: a container's or Slurm's share, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def _memory_total() -> float:
+    """This host's physical memory (bytes), for batch-size advice on CPU."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def _lr_hyperparameter(hparams: dict[str, Any]) -> dict[str, Any] | None:
+    for name in ("lr", "learning_rate"):
+        value = hparams.get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return {"name": name, "value": value}
+    return None
 
 
 def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
@@ -140,6 +193,11 @@ def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
         "device": ctx.device.type,
         "precision": ctx.precision.name,
         "threads_per_slot": ctx.num_threads,
+        "cpu_cores": cpu_cores(),
+        "memory_total_bytes": _memory_total(),
+        # What a batch-size advice needs to keep training equivalent: the optimizer and its learning rate.
+        "optimizer": type(getattr(ctx.optimizers[0], "optim", ctx.optimizers[0])).__name__ if ctx.optimizers else None,
+        "lr_hyperparameter": _lr_hyperparameter(config.hyperparameters),
         "global_batch_size": gbs,
         "per_slot_batch_size": trainer.per_slot,
         "parameters": sum(p.numel() for m in ctx.models for p in m.parameters()),

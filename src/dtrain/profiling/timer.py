@@ -26,8 +26,9 @@ import torch
 
 from dtrain.profiling.clock import clock_for
 from dtrain.profiling.comm import CommRecorder
+from dtrain.profiling.phases import PHASES
+from dtrain.profiling.stragglers import STEP_COLUMN, LagSampler
 
-PHASES = ("data", "forward", "backward", "comm_exposed", "optimizer", "other")
 COMM_FIELDS = ("comm_busy", "comm_bytes", "comm_buckets")
 _INDEX = {p: i for i, p in enumerate(PHASES)}
 _BACKWARD, _EXPOSED, _OTHER = _INDEX["backward"], _INDEX["comm_exposed"], _INDEX["other"]
@@ -56,11 +57,15 @@ class StepTimer:
         self.profiled_seconds = 0.0
         self.last_step_seconds = 0.0
         self._in_step = False
+        # Whether the current step exchanges gradients (False while aggregating: the context sets it);
+        # only exchanging steps are offered to the straggler sampler, as only they have a collective.
+        self.exchanging = True
+        self.lag = LagSampler()
         # Edges of the steps not resolved yet: phase index (-1 opens a step) and stamp, flat; per step,
-        # (first edge, edge count, profiled?, comm busy seconds, comm bytes, comm buckets).
+        # (first edge, edge count, profiled?, comm busy seconds, comm bytes, comm buckets, exchanging?).
         self._phase: list[int] = []
         self._stamp: list[Any] = []
-        self._steps: list[tuple[int, int, bool, float, float, float]] = []
+        self._steps: list[tuple[int, int, bool, float, float, float, bool]] = []
         self._step_first = 0
 
     # ---------------------------------------------------------------------------------- edges
@@ -129,7 +134,7 @@ class StepTimer:
         rec = self.recorder
         first = self._step_first
         self._steps.append((first, len(self._phase) - first, profiled, rec.busy_seconds(), float(rec.bytes),
-                            float(len(rec.launches))))
+                            float(len(rec.launches)), self.exchanging))
         if not self.clock.deferred or len(self._steps) >= FLUSH_EVERY:
             self.flush()
 
@@ -143,16 +148,23 @@ class StepTimer:
             clock.synchronize()
         seconds = clock.seconds
         phases, stamps, window = self._phase, self._stamp, self.window
-        for first, count, profiled, busy, nbytes, buckets in self._steps:
+        lag, samples = self.lag, self.lag.buffer
+        for first, count, profiled, busy, nbytes, buckets, exchanging in self._steps:
             step = seconds(stamps[first], stamps[first + count - 1])
             self.last_step_seconds = step
             if not profiled:
                 continue
+            # A sampled step's phases also go to the straggler buffer (offset base), in place.
+            base = lag.slot() if exchanging else -1
             for i in range(first + 1, first + count):
                 part = seconds(stamps[i - 1], stamps[i])
                 name = PHASES[phases[i]]
                 self.totals[name] += part
                 window[name] += part
+                if base >= 0:
+                    samples[base + phases[i]] += part
+            if base >= 0:
+                samples[base + STEP_COLUMN] = step
             self.profiled_steps += 1
             self.profiled_seconds += step
             self.window_steps += 1

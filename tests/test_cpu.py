@@ -1,0 +1,37 @@
+"""One thread rule for run, bench and the doctor: free cores shared by the slots; the user's
+OMP_NUM_THREADS respected by run (with a warning when it oversubscribes) and overridden by bench."""
+
+import pytest
+
+from dtrain import cpu
+
+
+@pytest.fixture
+def two_cores(monkeypatch):
+    monkeypatch.setattr(cpu, "cores", lambda: 2)
+    monkeypatch.setattr(cpu, "USER_THREADS", None)
+
+
+def test_free_cores_are_shared_and_busy_cores_are_not_counted(two_cores, monkeypatch):
+    monkeypatch.setattr(cpu, "free_cores", lambda: 2.0)
+    assert cpu.rule(1) == (2, None) and cpu.rule(2) == (1, None)
+    monkeypatch.setattr(cpu, "free_cores", lambda: 0.2)
+    threads, why = cpu.rule(1)
+    assert threads == 1 and "1.8 of 2 cores busy" in why
+    assert cpu.rule(2) == (1, None)  # one thread per slot is the floor, and no fewer than the even share
+
+
+def test_user_setting_is_respected_by_run_and_overridden_by_bench(two_cores, monkeypatch):
+    monkeypatch.setattr(cpu, "free_cores", lambda: 2.0)
+    monkeypatch.setattr(cpu, "USER_THREADS", "2")
+    assert cpu.for_run(1) == (2, None)
+    threads, warning = cpu.for_run(2)
+    assert threads == 2 and "oversubscribe" in warning
+    threads, reason = cpu.for_bench(2)
+    assert threads == 1 and "OMP_NUM_THREADS=2 overridden" in reason
+    assert cpu.for_bench(1) == (2, None)  # the user's value is the rule's: nothing to override
+
+
+def test_free_cores_reads_this_machine():
+    free = cpu.free_cores(0.02)
+    assert 0.0 <= free <= cpu.cores()
