@@ -1,7 +1,7 @@
 """`dtrain bench --synthetic` on 1 and 2 slots: its table, JSON and scaling PNG."""
 
-
 import json
+import os
 
 import matplotlib.image
 import pytest
