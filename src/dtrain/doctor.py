@@ -188,7 +188,9 @@ def _communication_factor(profile: dict[str, Any], bandwidth_part: float, waitin
            f"{_mb(comm['algbw_bytes_per_second'])}/s; aggregating {k} batches per exchange sends them a {k}th as "
            f"often (effective batch {k * gbs})")
     if "fp16" not in profile.get("strategy_compressions", ["fp16"]):
-        return _factor(*aggregate, why + f"; sync.strategy {profile.get('strategy')} cannot compress gradients")
+        key, value, speedup = aggregate
+        return _factor(key, value, why + f"; sync.strategy {profile.get('strategy')} cannot compress gradients",
+                       speedup)
     compress = ("optimizations.gradient_compression", "fp16", _speedup(step, step - bandwidth_part / 2))
     return _best_of(compress, aggregate, why + "; fp16 compression halves the bytes")
 
