@@ -16,7 +16,11 @@ cannot be checked against runs minutes later; ratios to a run measured just befo
 ``--repeats R`` the median ratio over rounds counts. Root is needed for the test hosts (without it the
 host rows are skipped and said so).
 
-    sudo .venv/bin/python bench/plan_accuracy.py [--steps 300] [--repeats 1] [--rate 200mbit] [--json out.json]
+    sudo .venv/bin/python bench/plan_accuracy.py [--steps 500] [--repeats 2] [--rate 200mbit] [--json out.json]
+                                                 [--out DIR]
+
+With ``--out DIR`` the runs are kept there, and a run whose ``profile.json`` is already there is not run
+again: an interrupted session continues where it stopped.
 
 Prints a Markdown table: configuration, predicted, measured, error.
 """
@@ -24,8 +28,10 @@ Prints a Markdown table: configuration, predicted, measured, error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -77,7 +83,15 @@ def _short(steps: int) -> list[str]:
     return [arg for s in sets for arg in ("--set", s)]
 
 
+def _done(run_dir: Path) -> float | None:
+    path = run_dir / "profile.json"
+    return json.loads(path.read_text())["samples_per_second"] if path.is_file() else None
+
+
 def run_local(row: Row, steps: int, run_dir: Path) -> float:
+    if (done_before := _done(run_dir)) is not None:
+        return done_before
+    shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted attempt
     argv = [sys.executable, "-m", "dtrain.cli", "run", str(CONFIG), "--slots", str(row.slots), "--run-dir",
             str(run_dir), "--quiet", *_short(steps), *[a for s in row.sets for a in ("--set", s)]]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -90,6 +104,9 @@ def run_hosts(row: Row, steps: int, run_dir: Path) -> float:
     from link import _run_pair
     from testhosts import TestHosts
 
+    if (done_before := _done(run_dir)) is not None:
+        return done_before
+    shutil.rmtree(run_dir, ignore_errors=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with TestHosts(2, rate=row.rate, pin_cpus=True) as hosts:
         def argv(i: int) -> list[str]:
@@ -113,10 +130,11 @@ def predict(base: Path, row: Row) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=500)
+    parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--rate", default="200mbit")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--out", type=Path, help="keep the runs here (and continue an interrupted session)")
     args = parser.parse_args(argv)
     from testhosts import unavailable_reason
 
@@ -124,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     table = rows(args.rate)
     base_row = table[1]
     loads = [os.getloadavg()[0]]
-    with tempfile.TemporaryDirectory(prefix="dtrain-plan-accuracy-") as tmp:
+    with contextlib.ExitStack() as stack:
+        tmp = args.out or stack.enter_context(tempfile.TemporaryDirectory(prefix="dtrain-plan-accuracy-"))
         base = Path(tmp) / "base"
         base_sps = run_local(base_row, args.steps, base)
         for row in table:
