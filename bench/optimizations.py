@@ -163,6 +163,9 @@ def main() -> int:
                         verdict.append(doctor.stdout[doctor.stdout.index("verdict"):].replace("\n", " "))
             rounds.append({name: results[name] for name in names})
             load.append(os.getloadavg()[0])
+            if args.json:  # after every round: a run cut short still leaves its finished rounds
+                args.json.write_text(json.dumps({"rate": args.rate, "steps": args.steps, "rounds": rounds,
+                                                 "load": load}, indent=2))
         print("\n".join(link_table(args.rate, args.steps, rounds, parameters)))
         print(f"\nload average (1 min) at the start and after each round: {', '.join(f'{x:.1f}' for x in load)} "
               f"on {os.cpu_count()} CPUs")
