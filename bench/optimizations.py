@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -120,7 +121,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="rounds of all cases (default 3)")
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {', '.join(CASES)}")
     parser.add_argument("--skip-accuracy", action="store_true")
-    parser.add_argument("--json", type=Path, help="also write every run's figures here")
+    parser.add_argument("--json", type=Path, help="also write every run's figures here (after every round)")
+    parser.add_argument("--resume", action="store_true", help="keep the finished rounds of --json's file (same "
+                        "rate, steps and cases) and run only the missing ones: for a run that was killed")
     parser.add_argument("--baseline-src", type=Path, help="also run powersgd with the dtrain of this checkout's "
                         "src/ (e.g. a worktree of an older commit), in the same rounds: before/after side by side")
     args = parser.parse_args()
@@ -141,12 +144,27 @@ def main() -> int:
     if reason:
         print(f"bench/optimizations.py: {reason}", file=sys.stderr)
         return 2
+    # SIGTERM as an exception: the test hosts' namespaces are torn down on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     verdict: list[str] = []
     rounds: list[dict[str, dict[str, float]]] = []
     load = [os.getloadavg()[0]]
     parameters = 0.0
+    if args.resume and args.json and args.json.exists():
+        saved = json.loads(args.json.read_text())
+        if (saved["rate"], saved["steps"], list(saved["rounds"][0]) if saved["rounds"] else names) != \
+                (args.rate, args.steps, names):
+            parser.error(f"--resume: {args.json} holds another benchmark (rate, steps or cases differ)")
+        rounds, load, parameters = saved["rounds"], saved["load"], saved.get("parameters", 0.0)
+        verdict = saved.get("verdict", [])
+
+    def save(**extra: object) -> None:
+        if args.json:
+            args.json.write_text(json.dumps({"rate": args.rate, "steps": args.steps, "rounds": rounds, "load": load,
+                                             "parameters": parameters, "verdict": verdict, **extra}, indent=2))
+
     with tempfile.TemporaryDirectory(prefix="dtrain-opt-") as tmp:
-        for r in range(args.repeats):
+        for r in range(len(rounds), args.repeats):
             order = names[r % len(names):] + names[:r % len(names)]
             results: dict[str, dict[str, float]] = {}
             for name in order:
@@ -163,6 +181,7 @@ def main() -> int:
                         verdict.append(doctor.stdout[doctor.stdout.index("verdict"):].replace("\n", " "))
             rounds.append({name: results[name] for name in names})
             load.append(os.getloadavg()[0])
+            save()  # after every round: a run cut short still leaves its finished rounds
         print("\n".join(link_table(args.rate, args.steps, rounds, parameters)))
         print(f"\nload average (1 min) at the start and after each round: {', '.join(f'{x:.1f}' for x in load)} "
               f"on {os.cpu_count()} CPUs")
@@ -176,9 +195,7 @@ def main() -> int:
             print(f"\ndigits accuracy after 30 epochs, 2 slots on one host: none {accuracy['none']:.4f}, "
                   f"powersgd {accuracy['powersgd']:.4f} "
                   f"(difference {100 * (accuracy['powersgd'] - accuracy['none']):+.2f} points)")
-    if args.json:
-        args.json.write_text(json.dumps({"rate": args.rate, "steps": args.steps, "rounds": rounds, "load": load,
-                                         "accuracy": accuracy}, indent=2))
+    save(accuracy=accuracy)
     return 0
 
 
