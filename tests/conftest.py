@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from helpers import dtrain_cli, final_weights, tiny_config
+from helpers import cli_in_process, final_weights, tiny_config
 
 
 class ReferenceRuns:
@@ -21,8 +21,8 @@ class ReferenceRuns:
         if slots not in self._dirs:
             folder = self.root / f"slots{slots}"
             folder.mkdir()
-            result = dtrain_cli("run", str(tiny_config(folder)), "--slots", str(slots), "--run-dir",
-                                str(folder / "r"), "--quiet", timeout=120)
+            result = cli_in_process("run", str(tiny_config(folder)), "--slots", str(slots), "--run-dir",
+                                str(folder / "r"), "--quiet")
             assert result.code == 0, result.stderr
             self._dirs[slots] = folder / "r"
         return self._dirs[slots]

@@ -111,9 +111,19 @@ def python_command(*args: str, timeout: float = 120.0, cwd: Path | None = None) 
     return CliResult(proc.returncode, out, err)
 
 
+# Signals a launcher run in this process takes over (its supervisor, torch's agent, the workers' stop).
+_LAUNCHER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+
 def cli_in_process(*args: str, cwd: Path | None = None) -> CliResult:
-    """``dtrain ARGS`` in this process: for bad input and generators, which never start a worker (a
-    subprocess would pay torch's import again for a one-line answer)."""
+    """``dtrain ARGS`` with the launcher in this process (workers are still real processes).
+
+    For bad input and generators, which never start a worker, and for runs whose test does not signal or
+    kill the launcher: a subprocess would pay torch's and matplotlib's imports again (about 2.5 s of a
+    6 s tiny run). The launcher's changes to the environment and signal handlers are undone afterwards,
+    so one run cannot leak its thread count or status folder into the next test. A hang is still bounded:
+    the run's collective timeout and watchdog, then pytest-timeout.
+    """
     import contextlib
     import io
 
@@ -121,6 +131,8 @@ def cli_in_process(*args: str, cwd: Path | None = None) -> CliResult:
 
     out, err = io.StringIO(), io.StringIO()
     here = Path.cwd()
+    environ = dict(os.environ)
+    handlers = {sig: signal.getsignal(sig) for sig in _LAUNCHER_SIGNALS}
     try:
         os.chdir(cwd or ROOT)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -130,6 +142,11 @@ def cli_in_process(*args: str, cwd: Path | None = None) -> CliResult:
                 code = exc.code if isinstance(exc.code, int) else 2
     finally:
         os.chdir(here)
+        os.environ.clear()
+        os.environ.update(environ)
+        for sig, handler in handlers.items():
+            if handler is not None:  # None: set outside Python, never replaced by dtrain
+                signal.signal(sig, handler)
     return CliResult(code, out.getvalue(), err.getvalue())
 
 

@@ -7,7 +7,7 @@ import matplotlib.image
 import pytest
 from helpers import dtrain_cli, tiny_config
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timing]
 
 
 def test_bench_synthetic_one_and_two_slots(tmp_path):

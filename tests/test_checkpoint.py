@@ -6,7 +6,7 @@ import time
 
 import pytest
 import torch
-from helpers import cli_in_process, dtrain_cli, tiny_config
+from helpers import cli_in_process, tiny_config
 
 COMMON = {"hyperparameters.dropout": 0.1, "max_length": {"batches": 24},
           "min_checkpoint_period": {"batches": 10}, "min_validation_period": {"batches": 12}}
@@ -33,7 +33,7 @@ def _assert_bit_identical(a, b):
 def straight(tmp_path_factory):
     """The uninterrupted run every interrupted one must reproduce, bit for bit."""
     tmp = tmp_path_factory.mktemp("straight")
-    result = dtrain_cli("run", str(tiny_config(tmp, **COMMON)), "--run-dir", str(tmp / "r"), "--quiet")
+    result = cli_in_process("run", str(tiny_config(tmp, **COMMON)), "--run-dir", str(tmp / "r"), "--quiet")
     assert result.code == 0, result.stderr
     return tmp / "r"
 
@@ -43,14 +43,14 @@ def test_crash_then_resume_is_bit_identical(tmp_path, straight):
     crashed = tmp_path / "crashed"
     cfg = tiny_config(tmp_path, **COMMON, **{"hyperparameters.crash_at_batch": 13})
     start = time.monotonic()
-    result = dtrain_cli("run", str(cfg), "--run-dir", str(crashed), "--quiet")
+    result = cli_in_process("run", str(cfg), "--run-dir", str(crashed), "--quiet")
     assert result.code == 1
     assert "worker rank 1 failed: RuntimeError: planted failure at batch 13" in result.stderr
     assert "Traceback" not in result.stderr
     assert time.monotonic() - start < 60
     assert (crashed / "checkpoints" / "latest").read_text().strip() == "10"
 
-    resumed = dtrain_cli("run", str(cfg), "--resume", str(crashed), "--quiet",
+    resumed = cli_in_process("run", str(cfg), "--resume", str(crashed), "--quiet",
                          "--set", "hyperparameters.crash_at_batch=null")
     assert resumed.code == 0, resumed.stderr
     _assert_bit_identical(_weights(straight), _weights(crashed))
@@ -64,7 +64,7 @@ def test_elastic_restart_resumes_from_latest_checkpoint(tmp_path, straight):
     marker = tmp_path / "crashed-once"
     cfg = tiny_config(tmp_path, **COMMON, max_restarts=1,
                       **{"hyperparameters.crash_at_batch": 15, "hyperparameters.crash_once_marker": str(marker)})
-    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "elastic"), "--quiet")
+    result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "elastic"), "--quiet")
     assert result.code == 0, result.stderr
     assert marker.exists()  # it did crash, and the agent restarted it
     _assert_bit_identical(_weights(straight), _weights(tmp_path / "elastic"))
@@ -74,7 +74,7 @@ def test_elastic_restart_resumes_from_latest_checkpoint(tmp_path, straight):
 def test_dead_worker_fails_the_job_promptly(tmp_path):
     cfg = tiny_config(tmp_path, **{"hyperparameters.die_at_batch": 5})
     start = time.monotonic()
-    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "dead"), "--quiet", timeout=90)
+    result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "dead"), "--quiet")
     assert result.code == 1
     assert "worker rank 1 failed" in result.stderr and "17" in result.stderr
     assert time.monotonic() - start < 45
@@ -85,7 +85,7 @@ def short_run(tmp_path_factory):
     """A finished 1-slot run with one checkpoint (tests that damage it work on a copy)."""
     tmp = tmp_path_factory.mktemp("short")
     cfg = tiny_config(tmp, **{"max_length": {"batches": 8}})
-    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp / "r"), "--quiet", "--slots", "1")
+    result = cli_in_process("run", str(cfg), "--run-dir", str(tmp / "r"), "--quiet", "--slots", "1")
     assert result.code == 0, result.stderr
     return cfg, tmp / "r"
 

@@ -6,7 +6,7 @@ import shutil
 import socket
 
 import pytest
-from helpers import TRIALS, cli_in_process, dtrain_cli, tiny_config
+from helpers import TRIALS, cli_in_process, tiny_config
 
 PLANTED = {
     "data_loading": ("data_loading", "planted:SlowDataTrial", {"load_seconds": 0.003, "global_batch_size": 8}),
@@ -27,12 +27,13 @@ def _planted_run(tmp_path, case):
     shutil.copy(TRIALS / "planted.py", tmp_path / "planted.py")
     cfg = tiny_config(tmp_path, entrypoint=entrypoint, hyperparameters=hparams, max_length={"batches": 40},
                       scheduling_unit=40)
-    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
+    result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
     assert result.code == 0, result.stderr
     return expected
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 @pytest.mark.parametrize("case", list(PLANTED))
 def test_planted_bottleneck_is_named(tmp_path, case):
     expected = _planted_run(tmp_path, case)

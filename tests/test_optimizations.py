@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import ROOT, cli_in_process, dtrain_cli, run_ranks, tiny_config
+from helpers import ROOT, cli_in_process, run_ranks, tiny_config
 from torch import nn
 
 from dtrain.config import config_from_dict
@@ -19,7 +19,7 @@ def _weights(run_dir):
 
 
 def _run(tmp_path, name, config, *args):
-    result = dtrain_cli("run", str(config), "--run-dir", str(tmp_path / name), "--quiet", *args)
+    result = cli_in_process("run", str(config), "--run-dir", str(tmp_path / name), "--quiet", *args)
     assert result.code == 0, result.stderr
     return tmp_path / name
 
@@ -105,9 +105,9 @@ def test_resume_with_powersgd_is_bit_identical(tmp_path):
               "optimizations.gradient_compression": "powersgd", "optimizations.powersgd": {"start_iteration": 3}}
     straight = _run(tmp_path, "straight", tiny_config(tmp_path, **common))
     cfg = tiny_config(tmp_path, **common, **{"hyperparameters.crash_at_batch": 15})
-    crashed = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "crashed"), "--quiet")
+    crashed = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "crashed"), "--quiet")
     assert crashed.code == 1
-    resumed = dtrain_cli("run", str(cfg), "--resume", str(tmp_path / "crashed"), "--quiet",
+    resumed = cli_in_process("run", str(cfg), "--resume", str(tmp_path / "crashed"), "--quiet",
                          "--set", "hyperparameters.crash_at_batch=null")
     assert resumed.code == 0, resumed.stderr
     a, b = _weights(straight), _weights(tmp_path / "crashed")
@@ -127,7 +127,7 @@ def test_fusion_auto_tune_measures_keeps_equivalence_and_is_reused(tmp_path, ref
     assert result["chosen_mb"] in (0.0001, 0.0003, 1.0) and result["tuning_steps"] == 12
     for name, value in reference_runs.weights(1).items():  # re-bucketing never all-reduces a gradient twice
         torch.testing.assert_close(_weights(tuned)[name], value, rtol=1e-5, atol=1e-6)
-    resumed = dtrain_cli("run", str(tiny_config(tmp_path, **tuned_cfg)), "--resume", str(tuned),
+    resumed = cli_in_process("run", str(tiny_config(tmp_path, **tuned_cfg)), "--resume", str(tuned),
                          "--set", "max_length={batches: 32}")
     assert resumed.code == 0, resumed.stderr
     assert "reusing" in (tuned / "logs" / "rank0.log").read_text()

@@ -3,7 +3,7 @@ the scaler in checkpoints, and the 1-vs-N invariant under bf16-mixed."""
 
 import pytest
 import torch
-from helpers import dtrain_cli, final_weights, run_ranks, tiny_config
+from helpers import cli_in_process, final_weights, run_ranks, tiny_config
 from torch import nn
 
 from dtrain import cli, precision
@@ -107,7 +107,7 @@ def test_bf16_mixed_one_slot_and_two_slots_agree(tmp_path, reference_runs):
     flat = {}
     for slots in (1, 2):
         cfg = tiny_config(tmp_path, precision="bf16-mixed")
-        result = dtrain_cli("run", str(cfg), "--slots", str(slots), "--run-dir", str(tmp_path / f"s{slots}"),
+        result = cli_in_process("run", str(cfg), "--slots", str(slots), "--run-dir", str(tmp_path / f"s{slots}"),
                             "--quiet")
         assert result.code == 0, result.stderr
         flat[slots] = torch.cat([w.flatten() for w in final_weights(tmp_path / f"s{slots}").values()])

@@ -4,7 +4,7 @@
 import json
 
 import pytest
-from helpers import cli_in_process, dtrain_cli, tiny_config
+from helpers import cli_in_process, tiny_config
 
 from dtrain.profiling import PHASES, CommRecorder, StepTimer
 from dtrain.profiling import timer as timer_module
@@ -83,9 +83,10 @@ def test_busy_time_is_the_union_of_intervals():
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_phases_add_up_and_exposed_never_exceeds_busy(tmp_path):
     cfg = tiny_config(tmp_path, **{"max_length": {"batches": 60}, "hyperparameters.train_size": 1024})
-    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
+    result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
     assert result.code == 0, result.stderr
     profile = json.loads((tmp_path / "r" / "profile.json").read_text())
     assert profile["slots"] == 2 and profile["profiled_steps"] == 60 - 3
@@ -112,9 +113,10 @@ def test_phases_add_up_and_exposed_never_exceeds_busy(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 def test_profiling_off_still_measures_throughput_honestly(tmp_path):
     cfg = tiny_config(tmp_path, **{"max_length": {"batches": 10}, "profiling.enabled": False})
-    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
+    result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
     assert result.code == 0, result.stderr
     assert not (tmp_path / "r" / "profile.json").exists()
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())

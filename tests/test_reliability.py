@@ -133,7 +133,7 @@ def test_sigterm_checkpoints_where_the_ranks_agree_and_resumes_bit_identical(tmp
     assert took < 15, f"took {took:.1f}s to stop"  # 5 s on an idle machine; this one is shared
     assert not (run_dir / "summary.json").exists()  # an unfinished run has no results yet
 
-    resumed = dtrain_cli("run", str(cfg), "--resume", str(run_dir), "--quiet",
+    resumed = cli_in_process("run", str(cfg), "--resume", str(run_dir), "--quiet",
                          "--set", "hyperparameters.sleep_seconds=0")
     assert resumed.code == 0, resumed.stderr
     straight, after = reference_runs.weights(2), final_weights(run_dir)
@@ -157,6 +157,7 @@ EXPECTED = {
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_a_silent_rank_is_named_and_fails_the_job_within_the_timeout(tmp_path, fault):
     cfg = tiny_config(tmp_path, **FAULTS[fault], **{
@@ -185,7 +186,7 @@ def test_a_silent_rank_is_named_and_fails_the_job_within_the_timeout(tmp_path, f
 def test_a_nan_loss_fails_naming_its_rank_or_is_skipped_on_every_rank(tmp_path):
     cfg = tiny_config(tmp_path, **{"hyperparameters.nan_at_batch": 13, "min_checkpoint_period": {"batches": 6},
                                    "checkpoint_storage.save_trial_latest": 1})
-    failed = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "fail"), "--quiet")
+    failed = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "fail"), "--quiet")
     assert failed.code == 1, failed.stderr
     assert ("worker rank 1 failed: NonFiniteError: the loss became non-finite (nan or inf) on rank 1 at batch 13; "
             "stopped at the report at batch 16") in failed.stderr
@@ -193,7 +194,7 @@ def test_a_nan_loss_fails_naming_its_rank_or_is_skipped_on_every_rank(tmp_path):
     assert sorted(p.name for p in ckpts.iterdir()) == ["12", "latest"]  # no checkpoint with nan weights
     assert all(torch.isfinite(t).all() for t in final_weights(tmp_path / "fail").values())
 
-    skipped = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "skip"), "--quiet", "--slots", "1",
+    skipped = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "skip"), "--quiet", "--slots", "1",
                          "--set", "optimizations.on_nonfinite=skip", "--set", "hyperparameters.crash_rank=0")
     assert skipped.code == 0, skipped.stderr
     summary = json.loads((tmp_path / "skip" / "summary.json").read_text())
@@ -252,11 +253,11 @@ def test_a_failed_run_gets_one_advice_and_a_finished_one_is_never_rewritten(tmp_
     cfg = tiny_config(tmp_path, **{"hyperparameters.crash_at_batch": 2, "hyperparameters.crash_rank": 0,
                                    "max_length": {"batches": 8}, "resources.slots_per_trial": 1})
     run_dir = tmp_path / "r"
-    failed = dtrain_cli("run", str(cfg), "--run-dir", str(run_dir), "--quiet")
+    failed = cli_in_process("run", str(cfg), "--run-dir", str(run_dir), "--quiet")
     assert failed.code == 1
     advice = f"resume with: dtrain run {cfg} --resume {run_dir} (no checkpoint was written yet: it starts over"
     assert advice in failed.stderr, failed.stderr
-    followed = dtrain_cli("run", str(cfg), "--resume", str(run_dir), "--quiet",
+    followed = cli_in_process("run", str(cfg), "--resume", str(run_dir), "--quiet",
                           "--set", "hyperparameters.crash_at_batch=null")  # the advice works
     assert followed.code == 0, followed.stderr
 
@@ -267,7 +268,7 @@ def test_a_failed_run_gets_one_advice_and_a_finished_one_is_never_rewritten(tmp_
     assert len(again.stdout.splitlines()) == 1 and "--set max_length.batches=16" in again.stdout
     assert {name: (run_dir / name).read_bytes() for name in RESULTS} == before
 
-    longer = dtrain_cli("run", str(cfg), "--resume", str(run_dir), "--quiet", "--set", "max_length.batches=12")
+    longer = cli_in_process("run", str(cfg), "--resume", str(run_dir), "--quiet", "--set", "max_length.batches=12")
     assert longer.code == 0, longer.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["batches"] == 12 and summary["resumed_at_batch"] == 8  # which part its figures cover
@@ -295,9 +296,9 @@ def test_launch_names_the_scripts_exception_and_line_and_stops_cleanly(tmp_path)
 def test_resume_on_another_slot_count_matches_an_uninterrupted_run(tmp_path, reference_runs, before, after):
     cfg = tiny_config(tmp_path, **{"max_length": {"batches": 12}})
     run_dir = tmp_path / "r"
-    first = dtrain_cli("run", str(cfg), "--run-dir", str(run_dir), "--quiet", "--slots", str(before))
+    first = cli_in_process("run", str(cfg), "--run-dir", str(run_dir), "--quiet", "--slots", str(before))
     assert first.code == 0, first.stderr
-    resumed = dtrain_cli("run", str(cfg), "--resume", str(run_dir), "--quiet", "--slots", str(after),
+    resumed = cli_in_process("run", str(cfg), "--resume", str(run_dir), "--quiet", "--slots", str(after),
                          "--set", "max_length.batches=24")
     assert resumed.code == 0, resumed.stderr
     straight, after_resume = reference_runs.weights(after), final_weights(run_dir)

@@ -18,7 +18,7 @@ def _weights(run_dir):
 
 
 def _run(tmp_path, name, cfg, *args, ok=True):
-    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / name), "--quiet", *args)
+    result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / name), "--quiet", *args)
     if ok:
         assert result.code == 0, result.stderr
     return result
@@ -70,7 +70,7 @@ def test_crash_fails_fast_and_resume_is_exact(tmp_path, strategy, straight_runs)
     crashed = _run(tmp_path, "crashed", cfg, "--slots", str(SLOTS[strategy]), ok=False)
     assert crashed.code == 1 and "worker rank 1 failed" in crashed.stderr, crashed.stderr
     assert time.monotonic() - start < 60  # a dead rank stops the job, no hang
-    resumed = dtrain_cli("run", str(cfg), "--resume", str(tmp_path / "crashed"), "--quiet", "--slots",
+    resumed = cli_in_process("run", str(cfg), "--resume", str(tmp_path / "crashed"), "--quiet", "--slots",
                          str(SLOTS[strategy]), "--set", "hyperparameters.die_at_batch=null")
     assert resumed.code == 0, resumed.stderr
     a, b = _weights(straight_runs(strategy)), _weights(tmp_path / "crashed")

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import dtrain_cli, tiny_config
+from helpers import cli_in_process, tiny_config
 from trials.tiny import TinyTrial, synthetic  # noqa: F401  (importable on its own)
 
 
@@ -16,7 +16,7 @@ def _final_weights(run_dir):
 def _run(tmp_path, name, *args, **overrides):
     cfg = tiny_config(tmp_path, **overrides)
     run_dir = tmp_path / name
-    result = dtrain_cli("run", str(cfg), "--run-dir", str(run_dir), "--quiet", *args)
+    result = cli_in_process("run", str(cfg), "--run-dir", str(run_dir), "--quiet", *args)
     assert result.code == 0, result.stderr
     return run_dir, result
 

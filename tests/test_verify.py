@@ -16,6 +16,7 @@ PLANTED = {
 
 
 @pytest.mark.slow
+@pytest.mark.timing
 @pytest.mark.parametrize("case", list(PLANTED))
 def test_verify_measures_the_recommended_change(tmp_path, case):
     entrypoint, hparams, factor = PLANTED[case]
@@ -23,7 +24,7 @@ def test_verify_measures_the_recommended_change(tmp_path, case):
     cfg = tiny_config(tmp_path, entrypoint=entrypoint, hyperparameters=hparams, max_length={"batches": 40},
                       scheduling_unit=40)
     run = tmp_path / "r"
-    result = dtrain_cli("run", str(cfg), "--run-dir", str(run), "--quiet")
+    result = cli_in_process("run", str(cfg), "--run-dir", str(run), "--quiet")
     assert result.code == 0, result.stderr
     diagnosis = json.loads(cli_in_process("doctor", str(run), "--json").stdout)
     if factor is not None:
