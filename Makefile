@@ -21,7 +21,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests bench examples
-	$(BIN)/python -m pytest -q
+	# Two pytest processes share the 2 cores (a tiny run leaves a core idle half its time: imports, the
+	# report); tests that compare speeds or deadlines run afterwards, alone.
+	$(BIN)/python -m pytest -q -n 2 -m "not timing"
+	$(BIN)/python -m pytest -q -m timing
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
