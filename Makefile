@@ -22,8 +22,9 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests bench examples
 	# Two pytest processes share the 2 cores (a tiny run leaves a core idle half its time: imports, the
-	# report); tests that compare speeds or deadlines run afterwards, alone.
-	$(BIN)/python -m pytest -q -n 2 -m "not timing"
+	# report); whole files go to one process, so a module's shared reference runs are trained once
+	# (--dist loadfile). Tests that compare speeds or deadlines run afterwards, alone.
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not timing"
 	$(BIN)/python -m pytest -q -m timing
 
 test-quick: $(STAMP)
