@@ -19,11 +19,11 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/dtrain run examples/digits/experiment.yaml --slots $(SLOTS)
 
+# Two pytest processes (pytest-xdist); whole files go to one process, so a module's shared reference runs
+# are trained once (--dist loadfile). Tests that compare speeds or deadlines (marker `timing`) run
+# afterwards, alone, so the other process's load cannot skew them.
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests bench examples
-	# Two pytest processes share the 2 cores (a tiny run leaves a core idle half its time: imports, the
-	# report); whole files go to one process, so a module's shared reference runs are trained once
-	# (--dist loadfile). Tests that compare speeds or deadlines run afterwards, alone.
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not timing"
 	$(BIN)/python -m pytest -q -m timing
 
