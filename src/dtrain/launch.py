@@ -25,7 +25,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from dtrain import cpu, watchdog
+from dtrain import cpu, forkstart, watchdog
 from dtrain.culprit import read_statuses
 from dtrain.failures import Failure, read_reports, root_cause
 from dtrain.join import JoinError, NodeLaunch
@@ -53,12 +53,16 @@ class LaunchOptions:
 def _quiet_agent(debug: bool) -> None:
     # The agent logs every failure at ERROR with a long banner; dtrain prints the root cause instead.
     level = logging.INFO if debug else logging.CRITICAL
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run"):
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run",
+                 "torch.multiprocessing"):  # forked workers: the agent's process context logs there
         logging.getLogger(name).setLevel(level)
 
 
-def launch(command: list[str], options: LaunchOptions) -> Failure | None:
+def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) -> Failure | None:
     """Run ``command`` (a Python module or script and its args) on ``options.slots`` local workers.
+
+    dtrain's own worker (a :class:`~dtrain.forkstart.WorkerModule`) is forked from this process where
+    that is safe, which spares each worker torch's imports; anything else starts as a new interpreter.
 
     Returns None on success, else the first (root-cause) failure; raises :class:`~dtrain.supervise.Stopped`
     when a signal stopped the run.
@@ -90,8 +94,17 @@ def launch(command: list[str], options: LaunchOptions) -> Failure | None:
         rdzv = dict(min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, run_id=nodes.run_id,
                     rdzv_backend=nodes.rdzv_backend, rdzv_endpoint=nodes.rdzv_endpoint,
                     rdzv_configs=dict(nodes.rdzv_configs), local_addr=nodes.local_addr)
+    fork = isinstance(command, forkstart.WorkerModule) and forkstart.can_fork(threads)
+    if isinstance(command, forkstart.WorkerModule):
+        if fork:
+            forkstart.preload(command)
+        entrypoint: Any = forkstart.ForkedMain(command) if fork else sys.executable
+        argv = list(command.argv) if fork else command.command
+    else:
+        entrypoint, argv = sys.executable, command
     config = LaunchConfig(
         nproc_per_node=options.slots,
+        start_method="fork" if fork else "spawn",  # (only function entrypoints have a start method)
         max_restarts=options.max_restarts,
         monitor_interval=0.1,
         logs_specs=logs_specs,
@@ -106,7 +119,8 @@ def launch(command: list[str], options: LaunchOptions) -> Failure | None:
         try:
             with Supervisor(options.grace_seconds, options.clean_stop, status_dir) as supervisor:
                 try:
-                    elastic_launch(config, sys.executable)(*command)
+                    with forkstart.forking() if fork else contextlib.nullcontext():
+                        elastic_launch(config, entrypoint)(*argv)
                 except ChildFailedError as exc:
                     if supervisor.signum is None:
                         return _root_cause(exc, status_dir)

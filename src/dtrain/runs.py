@@ -37,6 +37,7 @@ from dtrain.config import ExperimentConfig, dump_config, load_config
 from dtrain.dist import ClusterEnv, read_cluster_env, read_env, resolve_backend
 from dtrain.errors import UserError
 from dtrain.failures import Failure, read_reports
+from dtrain.forkstart import WorkerModule
 from dtrain.join import join
 from dtrain.launch import LaunchOptions, launch
 from dtrain.precision import check_precision
@@ -420,7 +421,7 @@ def execute(plan: RunPlan, quiet: bool, debug: bool, threads: int | None = None)
     options = LaunchOptions(slots=slots, max_restarts=plan.config.max_restarts, run_dir=plan.run_dir, debug=debug,
                             nodes=plan.nodes, clean_stop=True,
                             grace_seconds=plan.config.resources.preemption_grace_seconds, threads=threads)
-    return launch(["-u", "-m", "dtrain.worker", *args], options)
+    return launch(WorkerModule("dtrain.worker", tuple(args)), options)
 
 
 def _train_in_place(args: list[str], plan: RunPlan) -> Failure | None:

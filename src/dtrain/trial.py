@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 from abc import ABC, abstractmethod
@@ -46,11 +47,27 @@ PIP_NAMES = {"sklearn": "scikit-learn", "cv2": "opencv-python", "PIL": "pillow",
              "skimage": "scikit-image", "bs4": "beautifulsoup4", "attr": "attrs", "google.protobuf": "protobuf"}
 
 
+def _import_fresh(module_name: str, code_dir: str) -> None:
+    """Make the next import of ``module_name`` read its file now, from ``code_dir`` first.
+
+    One process can load several trials: ``--verify`` and bench runs, a test suite, and every worker
+    forked from a launcher (:mod:`dtrain.forkstart`) inherits the launcher's modules. A module of the same
+    name imported earlier may come from another folder, or from the file before it was edited.
+    """
+    with contextlib.suppress(ValueError):
+        sys.path.remove(code_dir)
+    sys.path.insert(0, code_dir)
+    top = module_name.split(".")[0]
+    if top != "dtrain":  # dtrain's own modules stay: the running code is made of them
+        for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+            del sys.modules[name]
+    importlib.invalidate_caches()
+
+
 def load_trial_class(entrypoint: str, code_dir: str) -> type[PyTorchTrial]:
     """Import ``module:Class`` from ``code_dir`` and check that it is a PyTorchTrial."""
     module_name, _, class_name = entrypoint.partition(":")
-    if code_dir not in sys.path:
-        sys.path.insert(0, code_dir)
+    _import_fresh(module_name, code_dir)
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

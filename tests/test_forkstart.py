@@ -1,0 +1,72 @@
+"""Workers forked from the launcher: when it is safe, what a forked worker looks like, and that it trains
+exactly as a worker started as a new interpreter does."""
+
+import os
+import signal
+import sys
+
+import pytest
+import torch
+from helpers import cli_in_process, final_weights, tiny_config
+
+from dtrain import forkstart
+from dtrain.trial import load_trial_class
+
+
+def test_fork_only_with_one_thread_per_worker_on_a_cpu_build(monkeypatch):
+    monkeypatch.delenv(forkstart.START_ENV, raising=False)
+    cpu_build = not torch.backends.cuda.is_built()
+    assert forkstart.can_fork(1) is cpu_build
+    assert forkstart.can_fork(2) is False  # GNU OpenMP's pool does not survive a fork
+    monkeypatch.setenv(forkstart.START_ENV, "exec")
+    assert forkstart.can_fork(1) is False
+
+
+def test_a_forked_child_has_its_own_session_default_signals_and_real_streams():
+    read, write = os.pipe()
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        with forkstart.forking():
+            pid = os.fork()
+        if pid == 0:  # the child: report, then leave without running pytest's teardown
+            try:
+                facts = [os.getsid(0) == os.getpid(),
+                         signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+                         signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+                         sys.stdout is sys.__stdout__ and sys.stderr is sys.__stderr__]
+                os.write(write, "".join("1" if f else "0" for f in facts).encode())
+            finally:
+                os._exit(0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    assert os.read(read, 16) == b"1111" and status == 0
+    os.close(read)
+    # Outside forking(), a fork (a DataLoader's worker, say) is left as it is.
+    if (pid := os.fork()) == 0:
+        os._exit(0 if os.getsid(0) != os.getpid() else 1)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+@pytest.mark.slow
+def test_forked_and_exec_started_workers_train_the_same_weights(tmp_path, reference_runs, monkeypatch):
+    monkeypatch.setenv(forkstart.START_ENV, "exec")  # cli_in_process restores the environment after the run
+    result = cli_in_process("run", str(tiny_config(tmp_path)), "--slots", "2", "--run-dir", str(tmp_path / "r"),
+                            "--quiet")
+    assert result.code == 0, result.stderr
+    forked, execd = reference_runs.weights(2), final_weights(tmp_path / "r")
+    assert forked.keys() == execd.keys()
+    assert all(torch.equal(forked[k], execd[k]) for k in forked)
+
+
+def test_a_trial_module_is_read_again_from_its_own_folder(tmp_path):
+    # One process loads several trials (a test suite, --verify, forked workers): same name, other file.
+    for name, value in (("one", 1), ("two", 2), ("two", 30)):  # 30: another size, whatever the clock
+        folder = tmp_path / name
+        folder.mkdir(exist_ok=True)
+        (folder / "samename_trial.py").write_text(
+            "from dtrain import PyTorchTrial\n\n"
+            f"class T(PyTorchTrial):\n    version = {value}\n    def train_batch(self, *a):\n        return {{}}\n")
+        trial = load_trial_class("samename_trial:T", str(folder))
+        assert trial.version == value
