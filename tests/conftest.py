@@ -1,7 +1,13 @@
-"""Run-wide fixtures: reference runs that several test modules compare with are trained once."""
+"""Run-wide settings and fixtures: one thread per rank; reference runs that several test modules compare
+with are trained once."""
 
+import os
 import sys
 from pathlib import Path
+
+# One torch thread per rank (the tests' rule), also for 1-slot runs and before anything imports torch: the
+# launcher then forks its workers (dtrain.forkstart) instead of starting interpreters that import torch.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest
 

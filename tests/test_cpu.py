@@ -27,6 +27,9 @@ def test_user_setting_is_respected_by_run_and_overridden_by_bench(two_cores, mon
     assert cpu.for_run(1) == (2, None)
     threads, warning = cpu.for_run(2)
     assert threads == 2 and "oversubscribe" in warning
+    monkeypatch.setattr(cpu, "USER_THREADS", "1")
+    assert cpu.for_run(4) == (1, None)  # more slots than cores: dtrain would not choose fewer threads either
+    monkeypatch.setattr(cpu, "USER_THREADS", "2")
     threads, reason = cpu.for_bench(2)
     assert threads == 1 and "OMP_NUM_THREADS=2 overridden" in reason
     assert cpu.for_bench(1) == (2, None)  # the user's value is the rule's: nothing to override

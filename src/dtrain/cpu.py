@@ -95,7 +95,8 @@ def for_run(local_slots: int) -> tuple[int, str | None]:
     mine = user_threads()
     if mine is None:
         return rule(local_slots)
-    if mine * local_slots > cores():
+    # One thread per slot is the floor: more slots than cores oversubscribe whatever the setting says.
+    if mine > 1 and mine * local_slots > cores():
         return mine, (f"OMP_NUM_THREADS={mine} x {local_slots} slot(s) = {mine * local_slots} threads on "
                       f"{cores()} core(s): they oversubscribe the cores (unset it to let dtrain choose)")
     return mine, None

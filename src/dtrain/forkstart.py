@@ -63,9 +63,15 @@ def can_fork(threads: int) -> bool:
     return threads == 1
 
 
+def preload_torch() -> None:
+    """Import what torch itself would import in each worker: DDP's constructor reaches into
+    ``torch._dynamo`` (about 1.5 s per process)."""
+    importlib.import_module("torch._dynamo")
+
+
 def preload(worker: WorkerModule) -> None:
     """Import, once in the launcher, what every worker would import: the forks inherit it."""
-    importlib.import_module("torch._dynamo")  # DDP's constructor imports it: about 1.5 s per process
+    preload_torch()
     importlib.import_module(worker.module)
 
 
