@@ -7,7 +7,7 @@ import matplotlib.image
 import pytest
 from helpers import dtrain_cli, tiny_config
 
-pytestmark = [pytest.mark.slow, pytest.mark.timing]
+pytestmark = pytest.mark.slow
 
 
 def test_bench_synthetic_one_and_two_slots(tmp_path):
@@ -31,6 +31,7 @@ def test_bench_synthetic_one_and_two_slots(tmp_path):
     assert "speed-up" in result.stdout and "weak eff." in result.stdout
 
 
+@pytest.mark.timing
 @pytest.mark.skipif(os.environ.get("DTRAIN_TIMING_TESTS") != "1",
                     reason="a timing comparison, meaningful only on a quiet machine: DTRAIN_TIMING_TESTS=1 runs it "
                            "(under load the measured 2-slot speed-up spread 0.12-0.58 across rounds)")

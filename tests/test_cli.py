@@ -56,9 +56,9 @@ def test_unwritable_run_dir(tmp_path):
 @pytest.mark.slow
 def test_existing_run_is_not_overwritten(tmp_path):
     cfg = tiny_config(tmp_path, **{"max_length": {"batches": 2}})
-    assert dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet", "--slots", "1").code == 0
+    assert cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet", "--slots", "1").code == 0
     before = (tmp_path / "r" / "metrics.jsonl").read_text()
-    _assert_one_line_error(dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r")), "already holds a run")
+    _assert_one_line_error(cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "r")), "already holds a run")
     assert (tmp_path / "r" / "metrics.jsonl").read_text() == before
 
 
@@ -80,7 +80,7 @@ def test_launch_runs_your_own_loop_and_resumes(tmp_path):
     result = dtrain_cli("launch", "--slots", "2", str(script), "--epochs", "3", "--checkpoint-dir", str(ckpt))
     assert result.code == 0, result.stderr
     assert "epoch 0:" not in result.stdout and "epoch 2: loss" in result.stdout
-    _assert_one_line_error(dtrain_cli("launch", "--slots", "2", str(tmp_path / "nope.py")), "does not exist")
+    _assert_one_line_error(cli_in_process("launch", "--slots", "2", str(tmp_path / "nope.py")), "does not exist")
 
 
 # ------------------------------------------------------------------------------ rough edges (issue 16)

@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from helpers import ROOT, cli_in_process, dtrain_cli, run_ranks, tiny_config
+from helpers import ROOT, cli_in_process, run_ranks, tiny_config
 from torch import nn
 
 DIGITS = ROOT / "examples" / "digits" / "experiment.yaml"
@@ -178,8 +178,7 @@ def test_compare_table_and_plot(tmp_path):
 
     cfg = tiny_config(tmp_path)
     out = tmp_path / "cmp"
-    result = dtrain_cli("compare", str(cfg), "--strategies", "ddp,fsdp", "--steps", "10", "--out", str(out),
-                        timeout=180)
+    result = cli_in_process("compare", str(cfg), "--strategies", "ddp,fsdp", "--steps", "10", "--out", str(out))
     assert result.code == 0, result.stderr
     rows = json.loads((out / "compare.json").read_text())
     assert [r["strategy"] for r in rows] == ["ddp", "fsdp"]

@@ -5,7 +5,7 @@ import shutil
 
 import pytest
 import yaml
-from helpers import TRIALS, cli_in_process, dtrain_cli, tiny_config
+from helpers import TRIALS, cli_in_process, tiny_config
 
 PLANTED = {
     # Each record sleeps 2 ms (a slow disk): 32 ms per 16-record slot batch, next to ~1 ms of compute.
@@ -30,7 +30,7 @@ def test_verify_measures_the_recommended_change(tmp_path, case):
     if factor is not None:
         assert diagnosis["top_factor"] == factor
     first = diagnosis["recommendations"][0]
-    verified = dtrain_cli("doctor", str(run), "--verify", "--steps", "40", "--top", "1", "--json", timeout=300)
+    verified = cli_in_process("doctor", str(run), "--verify", "--steps", "40", "--top", "1", "--json")
     assert verified.code == 0, verified.stderr
     doc = json.loads(verified.stdout)
     rows = {r["action"]: r for r in doc["verified"]}
