@@ -70,3 +70,25 @@ def test_a_trial_module_is_read_again_from_its_own_folder(tmp_path):
             f"class T(PyTorchTrial):\n    version = {value}\n    def train_batch(self, *a):\n        return {{}}\n")
         trial = load_trial_class("samename_trial:T", str(folder))
         assert trial.version == value
+
+
+def test_a_forked_child_does_not_keep_the_run_directory_locked(tmp_path):
+    from dtrain.runlock import lock_run_dir
+
+    lock = lock_run_dir(tmp_path)
+    read, write = os.pipe()
+    if (pid := os.fork()) == 0:  # a worker that lives on
+        os.write(write, b"x")
+        signal.pause()
+        os._exit(0)
+    os.close(write)
+    try:
+        assert os.read(read, 1) == b"x"
+        # The launcher dies (its descriptor closes, nothing unlocks): the lock must be free at once, which it
+        # is only if the child closed its inherited copy at fork.
+        lock.forget()
+        lock_run_dir(tmp_path).release()
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(read)

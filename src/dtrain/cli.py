@@ -7,10 +7,13 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from dtrain.errors import UserError
 from dtrain.supervise import Stopped, terminate_as_stop  # light: no torch
+
+if TYPE_CHECKING:
+    from dtrain.runs import RunPlan
 
 PROG = "dtrain"
 
@@ -232,6 +235,17 @@ def cmd_run(args: argparse.Namespace) -> int:
     except resume.AlreadyFinished as done:
         print(f"{PROG}: {done}")
         return 0
+    try:
+        return _run_planned(plan, args)
+    finally:  # at once, not when the plan is collected: a process can run again (bench, --verify, the API)
+        if plan.lock is not None:
+            plan.lock.release()
+
+
+def _run_planned(plan: RunPlan, args: argparse.Namespace) -> int:
+    """Train what ``plan`` says, then print its summary or its one-line failure; the exit code."""
+    from dtrain import resume, runs
+
     if plan.chief and not args.quiet:  # quiet: the one closing line names it
         print(f"{PROG}: run directory {plan.run_dir}", flush=True)
     start, started = time.perf_counter(), time.time()

@@ -2,8 +2,8 @@
 
 The kernel releases a flock when the last descriptor on it closes, so a launcher that dies by any signal
 (SIGKILL included) never leaves the directory locked; a stale lock file is harmless. Workers do not hold
-it (``subprocess`` closes inherited descriptors), so it is free as soon as the launcher is gone, and its
-workers die with it (:func:`dtrain.watchdog.die_with_launcher`).
+it (``subprocess`` closes inherited descriptors; a forked child closes its copy at once), so it is free as
+soon as the launcher is gone, and its workers die with it (:func:`dtrain.watchdog.die_with_launcher`).
 """
 
 from __future__ import annotations
@@ -13,12 +13,24 @@ import fcntl
 import os
 import socket
 import time
+import weakref
 from pathlib import Path
 from typing import IO
 
 from dtrain.errors import UserError
 
 LOCK_NAME = ".lock"
+
+# Locks this process holds; a forked child (a worker, a DataLoader's) closes its copies of their files.
+_HELD: weakref.WeakSet[RunLock] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    for lock in list(_HELD):
+        lock.forget()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class RunLock:
@@ -27,6 +39,13 @@ class RunLock:
     def __init__(self, run_dir: Path, handle: IO[str]) -> None:
         self.run_dir = run_dir
         self._handle: IO[str] | None = handle
+
+    def forget(self) -> None:
+        """Close this process's descriptor without unlocking: the lock stays with its other holders."""
+        if self._handle is not None:
+            with contextlib.suppress(OSError):
+                self._handle.close()  # close(2) drops this copy only; flock(LOCK_UN) would unlock for all
+            self._handle = None
 
     def release(self) -> None:
         if self._handle is not None:
@@ -58,4 +77,6 @@ def lock_run_dir(run_dir: Path) -> RunLock:
     handle.truncate()
     handle.write(f"pid {os.getpid()} on host {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     handle.flush()
-    return RunLock(run_dir, handle)
+    lock = RunLock(run_dir, handle)
+    _HELD.add(lock)
+    return lock
