@@ -128,9 +128,10 @@ def cli_in_process(*args: str, cwd: Path | None = None) -> CliResult:
     For bad input and generators, which never start a worker, and for runs whose test does not signal or
     kill the launcher, nor reads what the workers print: a subprocess would pay torch's and matplotlib's
     imports again (a tiny run: about 6.6 s in a fresh process, 1.9 s once they are loaded), and the workers
-    forked from this process (dtrain.forkstart) inherit them too. The launcher's changes to the environment and signal handlers are undone afterwards,
-    so one run cannot leak its thread count or status folder into the next test. A hang is still bounded:
-    the run's collective timeout and watchdog, then pytest-timeout.
+    forked from this process (dtrain.forkstart) inherit them too. The launcher's changes to the environment
+    and signal handlers are undone afterwards, so one run cannot leak its thread count or status folder
+    into the next test. A hang is still bounded: the run's collective timeout and watchdog, then
+    pytest-timeout.
     """
     import contextlib
     import io
