@@ -31,6 +31,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -61,6 +62,17 @@ def can_fork(threads: int) -> bool:
     if torch.backends.cuda.is_built() or getattr(torch.version, "hip", None):
         return False
     return threads == 1
+
+
+def how_to_start(command: list[str] | WorkerModule, threads: int) -> tuple[bool, Any, list[str]]:
+    """(fork?, the agent's entrypoint, its arguments) for ``command``: dtrain's own worker forked where
+    :func:`can_fork` allows (its imports done here first), else a new interpreter running ``command``."""
+    if not isinstance(command, WorkerModule):
+        return False, sys.executable, command
+    if not can_fork(threads):
+        return False, sys.executable, command.command
+    preload(command)
+    return True, ForkedMain(command), list(command.argv)
 
 
 def preload_torch() -> None:

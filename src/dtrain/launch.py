@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -94,14 +93,7 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
         rdzv = dict(min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, run_id=nodes.run_id,
                     rdzv_backend=nodes.rdzv_backend, rdzv_endpoint=nodes.rdzv_endpoint,
                     rdzv_configs=dict(nodes.rdzv_configs), local_addr=nodes.local_addr)
-    fork = isinstance(command, forkstart.WorkerModule) and forkstart.can_fork(threads)
-    if isinstance(command, forkstart.WorkerModule):
-        if fork:
-            forkstart.preload(command)
-        entrypoint: Any = forkstart.ForkedMain(command) if fork else sys.executable
-        argv = list(command.argv) if fork else command.command
-    else:
-        entrypoint, argv = sys.executable, command
+    fork, entrypoint, argv = forkstart.how_to_start(command, threads)
     config = LaunchConfig(
         nproc_per_node=options.slots,
         start_method="fork" if fork else "spawn",  # (only function entrypoints have a start method)
