@@ -1,20 +1,24 @@
 """What dtrain costs per step next to a hand-written DDP loop, measured side by side.
 
-    .venv/bin/python bench/overhead.py [--models mlp-0.1m,mlp-1m] [--rounds 5] [--steps 600] [--slots 2]
-    .venv/bin/python bench/overhead.py --models gpt --slots 1 --steps 200      # on a GPU
+    .venv/bin/python bench/overhead.py [--models mlp-0.1m,mlp-1m] [--rounds 15] [--window 300] [--slots 2]
+    .venv/bin/python bench/overhead.py --models gpt --slots 1 --window 50      # on a GPU
 
-Three ways to train the same model on the same data, each a fresh job of ``--slots`` workers started by
-torch's elastic agent (``torch.distributed.run``), 1 CPU thread per worker (``OMP_NUM_THREADS=1``):
+Three ways to train the same model on the same data, each a job of ``--slots`` workers started by torch's
+elastic agent (``torch.distributed.run``), 1 CPU thread per worker (``OMP_NUM_THREADS=1``):
 
 * ``raw``: a plain DDP loop (DistributedSampler, DataLoader, ``loss.backward()``, ``opt.step()``);
 * ``own``: the same loop through ``dtrain.init()`` (``ctx.setup``, ``ctx.loader``, ``ctx.backward``,
   ``ctx.step_optimizer``);
 * ``trial``: a ``PyTorchTrial`` run by dtrain's trainer, profiling on (the default), reports every 100 steps.
 
-Each job times steps ``warmup`` to ``steps - 1`` from the start of one step to the start of another (so
-everything between steps counts), device-synchronized at both ends on CUDA. Modes alternate within each
-round (raw, own, trial, raw, ...) so that drift on a shared machine hits all alike; the table gives each
-mode's median steps/s and the median of its per-round ratios to raw. Goal: >= 0.98 everywhere.
+The three jobs run at the same time but take turns: after ``--warmup`` steps each job trains in windows of
+``--window`` steps, and a window only starts when the driver says it is that job's turn (the others wait
+between two steps, idle). A window is timed from the start of its first step to the start of the next
+window's, device-synchronized at both ends on CUDA, so everything between steps counts. Each round runs
+one window of every mode back to back (the order rotates), so a ratio compares windows a few seconds
+apart: on a shared machine whose speed drifts by +/-15% from one minute to the next, fresh jobs per mode
+(this script's first design) could not resolve a few percent. The table gives each mode's median steps/s
+and the median of its per-round ratios to raw. Goal: >= 0.98 everywhere.
 """
 
 from __future__ import annotations
@@ -40,25 +44,48 @@ MODES = ("raw", "own", "trial")
 # ------------------------------------------------------------------------------------ in a worker
 
 
-class Window:
-    """Start-of-step stamps of step ``warmup`` and of the last step; device-synchronized on CUDA."""
+class Turns:
+    """This job's timed windows: after ``warmup`` steps, ``rounds`` windows of ``window`` steps, each
+    started only on the driver's word (file ``go-<mode>-<k>`` in ``folder``); rank 0 answers with the
+    window's steps/s (file ``done-<mode>-<k>``). Every rank says when it is warmed up (``ready-<mode>-<rank>``)
+    and, after the last window, waits for ``go-<mode>-<rounds>`` to finish its run."""
 
-    def __init__(self, warmup: int, steps: int, device: torch.device) -> None:
-        self.warmup, self.steps, self.device = warmup, steps, device
-        self.start = self.end = 0.0
+    POLL_SECONDS = 0.005
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, rank: int) -> None:
+        self.folder, self.mode = Path(args.turns), args.mode
+        self.warmup, self.window, self.rounds = args.warmup, args.window, args.rounds
+        self.device, self.rank = device, rank
+        self.start = 0.0
+
+    @property
+    def steps(self) -> int:
+        """Steps the job trains: warm-up, the windows, and one more step that ends the last window."""
+        return self.warmup + self.rounds * self.window + 1
 
     def at(self, step: int) -> None:
-        if step in (self.warmup, self.steps - 1):
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            now = time.perf_counter()
-            if step == self.warmup:
-                self.start = now
-            else:
-                self.end = now
+        """Call at the start of every step."""
+        if step < self.warmup or (step - self.warmup) % self.window:
+            return
+        k = (step - self.warmup) // self.window
+        if k > 0:
+            speed = self.window / (self._now() - self.start)
+            if self.rank == 0:
+                part = self.folder / f".done-{self.mode}-{k - 1}"
+                part.write_text(json.dumps(speed))
+                part.rename(self.folder / f"done-{self.mode}-{k - 1}")  # the driver never reads half a file
+        if k == 0:  # warmed up: the driver starts round 0 once every rank of every job is here
+            (self.folder / f"ready-{self.mode}-{self.rank}").touch()
+        # After the last window too: no job's end of run (checkpoint, report) may overlap a timed window.
+        go = self.folder / f"go-{self.mode}-{k}"
+        while not go.exists():
+            time.sleep(self.POLL_SECONDS)
+        self.start = self._now()
 
-    def steps_per_second(self) -> float:
-        return (self.steps - 1 - self.warmup) / (self.end - self.start)
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
 
 def _batches(loader: Any, sampler: Any) -> Any:
@@ -69,7 +96,7 @@ def _batches(loader: Any, sampler: Any) -> Any:
         epoch += 1
 
 
-def run_raw(args: argparse.Namespace) -> float:
+def run_raw(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from models import loss_of, workload
     from torch.nn.parallel import DistributedDataParallel
@@ -88,19 +115,18 @@ def run_raw(args: argparse.Namespace) -> float:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     sampler = DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
     loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True, pin_memory=cuda)
-    window = Window(args.warmup, args.steps, device)
-    for step, (x, y) in zip(range(args.steps), _batches(loader, sampler), strict=False):
-        window.at(step)
+    turns = Turns(args, device, rank)
+    for step, (x, y) in zip(range(turns.steps), _batches(loader, sampler), strict=False):
+        turns.at(step)
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         loss = loss_of(kind, ddp(x), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
     dist.destroy_process_group()
-    return window.steps_per_second() if rank == 0 else 0.0
 
 
-def run_own(args: argparse.Namespace) -> float:
+def run_own(args: argparse.Namespace) -> None:
     from models import loss_of, workload
 
     import dtrain
@@ -109,29 +135,27 @@ def run_own(args: argparse.Namespace) -> float:
     model, data, kind = workload(args.model)
     model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
     loader = ctx.loader(data, batch_size=args.batch)
-    window = Window(args.warmup, args.steps, ctx.device)
+    turns = Turns(args, ctx.device, ctx.rank)
     epoch, step = 0, 0
-    while step < args.steps:
+    while step < turns.steps:
         ctx.set_epoch(epoch)
         for x, y in loader:
-            if step == args.steps:
+            if step == turns.steps:
                 break
-            window.at(step)
+            turns.at(step)
             loss = loss_of(kind, model(ctx.to_device(x)), ctx.to_device(y))
             ctx.backward(loss)
             ctx.step_optimizer(opt)
             step += 1
         epoch += 1
-    rank = ctx.rank
     ctx.close()
-    return window.steps_per_second() if rank == 0 else 0.0
 
 
 def make_trial_class() -> type:
     import dtrain
 
     class BenchTrial(dtrain.PyTorchTrial):
-        """The same model and loop as a Trial; times its own window from inside ``train_batch``."""
+        """The same model and loop as a Trial; takes its turns from inside ``train_batch``."""
 
         def __init__(self, context: dtrain.TrialContext) -> None:
             super().__init__(context)
@@ -141,8 +165,7 @@ def make_trial_class() -> type:
             model, self.data, self.kind = workload(hp["model"])
             self.model = context.wrap_model(model)
             self.opt = context.wrap_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9))
-            self.window = Window(hp["warmup"], hp["steps"], context.device)
-            self.out = Path(hp["out"])
+            self.turns = Turns(argparse.Namespace(**hp["turns"]), context.device, context.rank)
 
         def build_training_data(self) -> Any:
             return self.data
@@ -150,13 +173,11 @@ def make_trial_class() -> type:
         def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
             from models import loss_of
 
-            self.window.at(batch_idx)
+            self.turns.at(batch_idx)
             x, y = batch
             loss = loss_of(self.kind, self.model(x), y)
             self.context.backward(loss)
             self.context.step_optimizer(self.opt)
-            if batch_idx == self.window.steps - 1 and self.context.rank == 0:
-                self.out.write_text(json.dumps({"steps_per_second": self.window.steps_per_second()}))
             return {"loss": loss}
 
     return BenchTrial
@@ -165,77 +186,107 @@ def make_trial_class() -> type:
 BenchTrial = make_trial_class() if os.environ.get("DTRAIN_BENCH_TRIAL") else None
 
 
-def run_trial_mode(args: argparse.Namespace, out: Path) -> float:
+def run_trial_mode(args: argparse.Namespace) -> None:
     from dtrain.config import config_from_dict
     from dtrain.trainer import run_trial
 
-    run_dir = out.parent / f"run-{out.stem}"  # the same folder on every rank
+    run_dir = Path(args.turns) / "trial-run"  # the same folder on every rank
     run_dir.mkdir(parents=True, exist_ok=True)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    turns = {k: getattr(args, k) for k in ("turns", "mode", "warmup", "window", "rounds")}
     config = config_from_dict({
         "name": "overhead", "entrypoint": "overhead:BenchTrial", "code_dir": str(HERE),
-        "hyperparameters": {"global_batch_size": args.batch * world, "model": args.model, "warmup": args.warmup,
-                            "steps": args.steps, "out": str(out)},
-        "resources": {"slots_per_trial": world}, "max_length": {"batches": args.steps},
+        "hyperparameters": {"global_batch_size": args.batch * world, "model": args.model, "turns": turns},
+        "resources": {"slots_per_trial": world}, "max_length": {"batches": Turns(args, torch.device("cpu"), 0).steps},
         "checkpoint_storage": {"path": "checkpoints"},
     })
     run_trial(config, run_dir, None, quiet=True)
-    return json.loads(out.read_text())["steps_per_second"] if int(os.environ["RANK"]) == 0 else 0.0
 
 
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    out = Path(args.result)
-    if args.mode == "trial":
-        value = run_trial_mode(args, out.with_suffix(".trial.json"))
-    else:
-        value = (run_raw if args.mode == "raw" else run_own)(args)
-    if int(os.environ["RANK"]) == 0:
-        out.write_text(json.dumps({"steps_per_second": value}))
+    {"raw": run_raw, "own": run_own, "trial": run_trial_mode}[args.mode](args)
 
 
 # ------------------------------------------------------------------------------------------ driver
 
 
-def launch(mode: str, model: str, args: argparse.Namespace, tmp: Path, i: int) -> float:
-    result = tmp / f"{model}-{mode}-{i}.json"
+def start(mode: str, model: str, args: argparse.Namespace, turns: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_BENCH_TRIAL": "1", "PYTHONPATH": str(HERE)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.slots),
-           str(Path(__file__)), "--worker", "--mode", mode, "--model", model, "--steps", str(args.steps),
-           "--warmup", str(args.warmup), "--batch", str(args.batch), "--result", str(result)]
-    subprocess.run(cmd, check=True, env=env, cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   timeout=900)
-    return float(json.loads(result.read_text())["steps_per_second"])
+           str(Path(__file__)), "--worker", "--mode", mode, "--model", model, "--turns", str(turns),
+           "--warmup", str(args.warmup), "--window", str(args.window), "--rounds", str(args.rounds),
+           "--batch", str(args.batch)]
+    log = (turns / f"{mode}.log").open("w")
+    return subprocess.Popen(cmd, env=env, cwd=turns, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(path: Path, jobs: dict[str, subprocess.Popen], turns: Path, timeout: float = 900.0) -> float | None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        for mode, job in jobs.items():
+            if job.poll() not in (None, 0):
+                raise SystemExit(f"the {mode} job failed (exit {job.returncode}):\n"
+                                 + (turns / f"{mode}.log").read_text()[-3000:])
+        if time.monotonic() > deadline:
+            raise SystemExit(f"no {path.name} after {timeout:.0f}s")
+        time.sleep(0.005)
+    text = path.read_text()
+    return float(json.loads(text)) if text else None
+
+
+def measure(model: str, args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
+    """Every mode's steps/s in each round, its windows taking turns with the other modes'."""
+    turns = tmp / model
+    turns.mkdir()
+    jobs = {mode: start(mode, model, args, turns) for mode in MODES}
+    runs: dict[str, list[float]] = {m: [] for m in MODES}
+    try:
+        for mode in MODES:
+            for rank in range(args.slots):
+                wait_for(turns / f"ready-{mode}-{rank}", jobs, turns)
+        for k in range(args.rounds):
+            for mode in MODES[k % len(MODES):] + MODES[:k % len(MODES)]:
+                (turns / f"go-{mode}-{k}").touch()
+                runs[mode].append(float(wait_for(turns / f"done-{mode}-{k}", jobs, turns) or 0.0))
+            print(f"  {model} round {k}: " + ", ".join(f"{m} {runs[m][-1]:.1f}" for m in MODES) + " steps/s",
+                  flush=True)
+        for mode, job in jobs.items():
+            (turns / f"go-{mode}-{args.rounds}").touch()  # the runs may end now
+            if job.wait(timeout=300) != 0:
+                raise SystemExit(f"the {mode} job failed at its end:\n" + (turns / f"{mode}.log").read_text()[-3000:])
+    finally:
+        for job in jobs.values():
+            if job.poll() is None:
+                os.killpg(job.pid, 9)
+                job.wait()
+    return runs
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp-0.1m,mlp-1m")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--rounds", type=int, default=15, help="timed windows per mode")
+    parser.add_argument("--window", type=int, default=300, help="steps per timed window")
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--batch", type=int, default=32, help="per slot")
     parser.add_argument("--slots", type=int, default=2)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--turns", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores"
-    print(f"dtrain overhead: {args.slots} slot(s) x 1 thread, batch {args.batch}/slot, steps {args.warmup}.."
-          f"{args.steps - 1} timed, {args.rounds} rounds, {device}, torch {torch.__version__}", flush=True)
+    print(f"dtrain overhead: {args.slots} slot(s) x 1 thread, batch {args.batch}/slot, {args.rounds} rounds of "
+          f"{args.window}-step windows per mode (after {args.warmup} warm-up steps), {device}, torch "
+          f"{torch.__version__}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
-            runs: dict[str, list[float]] = {m: [] for m in MODES}
-            for i in range(args.rounds):
-                for mode in MODES:
-                    runs[mode].append(launch(mode, model, args, Path(tmp), i))
-                print(f"  {model} round {i}: " + ", ".join(f"{m} {runs[m][-1]:.1f}" for m in MODES) + " steps/s",
-                      flush=True)
+            runs = measure(model, args, Path(tmp))
             for mode in MODES:
                 ratios = [a / b for a, b in zip(runs[mode], runs["raw"], strict=True)]
                 rows.append((model, mode, statistics.median(runs[mode]), statistics.median(ratios),

@@ -221,8 +221,9 @@ class DistributedContext:
         before = STATUS.phase
         STATUS.enter("backward (gradient all-reduce)" if self.sync_gradients and not self.strategy.exchanges_in_step
                      else "backward")
-        with self.timer.backward():
-            loss.backward(**kwargs)
+        self.timer.backward_begin()
+        loss.backward(**kwargs)
+        self.timer.backward_end()
         STATUS.enter(before)
 
     @contextlib.contextmanager
@@ -231,10 +232,12 @@ class DistributedContext:
         either exchanging gradients or only accumulating them locally."""
         self.sync_gradients = sync
         self.timer.exchanging = sync  # only exchanging steps tell how late each rank arrives
+        if sync:
+            yield
+            return
         with contextlib.ExitStack() as stack:
-            if not sync:
-                for model in self.models:
-                    stack.enter_context(self.strategy.no_sync(model))
+            for model in self.models:
+                stack.enter_context(self.strategy.no_sync(model))
             yield
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None = None) -> None:
@@ -247,35 +250,65 @@ class DistributedContext:
             self._check_pending_applied()
         self.optimizer_steps += 1
         self.nonfinite_skipped = False
-        timer, strategy, precision = self.timer, self.strategy, self.precision
-        comm = "comm_exposed" if strategy.exchanges_in_step else "optimizer"
-        skip = False
         before = STATUS.phase
-        if precision.scaler is not None and strategy.exchanges_in_step:
-            # Unscale before the exchange, so that servers and averagers see true gradients.
-            with timer.phase("optimizer", before="other"):
-                skip = precision.unscale_and_check(optimizer, strategy.dp_group)
-        STATUS.enter("gradient exchange" if strategy.exchanges_in_step else "optimizer step")
-        with timer.phase(comm, before="other"):
-            strategy.exchange_gradients(optimizer)
-        STATUS.enter("optimizer step")
-        with timer.phase("optimizer", before="other"):
-            if precision.scaler is not None and not strategy.exchanges_in_step:
-                skip = precision.unscale_and_check(optimizer, strategy.dp_group)
-            if self.skip_nonfinite and precision.scaler is None and not strategy.has_server_ranks:
-                skip = self._skip_nonfinite(optimizer)
-            if clip_grad_norm is not None:
-                params = [p for g in optimizer.param_groups for p in g["params"]]
-                torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-            if not skip:
-                strategy.step(optimizer)
-            precision.update()
-        STATUS.enter("weight sync" if strategy.exchanges_in_step else "optimizer step")
-        with timer.phase(comm, before="other"):
-            strategy.after_step(optimizer)  # before zero_grad: torch's averager skips grad-less params
-        with timer.phase("optimizer", before="other"):
-            optimizer.zero_grad(set_to_none=True)
+        # Phase edges are plain laps, not context managers: this runs every step, and a few microseconds
+        # count on small, fast steps (an exception ends the run, so an unfinished step's timing is moot).
+        self.timer.lap("other")  # train_batch's own code since backward
+        if self.strategy.exchanges_in_step:
+            self._exchange_and_update(optimizer, clip_grad_norm)
+        else:
+            STATUS.enter("optimizer step")
+            self._update(optimizer, clip_grad_norm)
+            self.timer.lap("optimizer")
         STATUS.enter(before)
+
+    def _exchange_and_update(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None) -> None:
+        """For strategies that communicate around the update (parameter server, local SGD, explicit
+        all-reduce): each exchange is timed as exposed communication."""
+        timer, strategy, precision = self.timer, self.strategy, self.precision
+        skip = False
+        if precision.scaler is not None:
+            # Unscale before the exchange, so that servers and averagers see true gradients.
+            skip = precision.unscale_and_check(optimizer, strategy.dp_group)
+            timer.lap("optimizer")
+        STATUS.enter("gradient exchange")
+        strategy.exchange_gradients(optimizer)
+        timer.lap("comm_exposed")
+        STATUS.enter("optimizer step")
+        if self.skip_nonfinite and precision.scaler is None and not strategy.has_server_ranks:
+            skip = self._skip_nonfinite(optimizer)
+        self._apply(optimizer, clip_grad_norm, skip)
+        timer.lap("optimizer")
+        STATUS.enter("weight sync")
+        strategy.after_step(optimizer)  # before zero_grad: torch's averager skips grad-less params
+        timer.lap("comm_exposed")
+        optimizer.zero_grad(set_to_none=True)
+        timer.lap("optimizer")
+
+    def _local_skip(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether to skip this update (gradients already exchanged in backward): overflow or non-finite."""
+        if self.precision.scaler is not None:
+            return self.precision.unscale_and_check(optimizer, self.strategy.dp_group)
+        if self.skip_nonfinite and not self.strategy.has_server_ranks:
+            return self._skip_nonfinite(optimizer)
+        return False
+
+    def _update(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None) -> None:
+        """The update of a strategy whose gradients were exchanged in backward (its hooks still called)."""
+        strategy = self.strategy
+        strategy.exchange_gradients(optimizer)
+        self._apply(optimizer, clip_grad_norm, self._local_skip(optimizer))
+        strategy.after_step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+
+    def _apply(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None, skip: bool) -> None:
+        """Clip, step unless skipped, and let the loss scaler adapt."""
+        if clip_grad_norm is not None:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        if not skip:
+            self.strategy.step(optimizer)
+        self.precision.update()
 
     def _skip_nonfinite(self, optimizer: torch.optim.Optimizer) -> bool:
         """``on_nonfinite: skip``: the same verdict on every rank; fail after too many skips in a row."""

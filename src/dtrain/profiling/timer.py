@@ -10,10 +10,11 @@ Phases of a step, on every rank:
 * ``other``        everything else in ``train_batch``
 
 A step is a sequence of edges, each saying "the time since the previous edge belongs to phase P". On
-CPU an edge is a ``perf_counter`` reading and the step is resolved when it ends. On CUDA an edge is an
-event on the stream (:mod:`dtrain.profiling.clock`): no synchronization happens inside a step, the
-window's events are resolved at once by :meth:`StepTimer.flush` (at every report, and every
-``FLUSH_EVERY`` steps at most), which is the only place the profiler waits for the device.
+CPU an edge is a ``perf_counter`` reading; on CUDA it is an event on the stream
+(:mod:`dtrain.profiling.clock`), so no synchronization happens inside a step. Either way a step only
+appends its edges to two flat lists; they are resolved in batches by :meth:`StepTimer.flush` (at every
+report, and every ``FLUSH_EVERY`` steps at most), which is the only place the profiler waits for the
+device, and where the arithmetic of a window's steps is done at once, off the step's path.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from dtrain.profiling.stragglers import STEP_COLUMN, LagSampler
 COMM_FIELDS = ("comm_busy", "comm_bytes", "comm_buckets")
 _INDEX = {p: i for i, p in enumerate(PHASES)}
 _BACKWARD, _EXPOSED, _OTHER = _INDEX["backward"], _INDEX["comm_exposed"], _INDEX["other"]
-# Steps whose CUDA events are kept before they are read back (one synchronization per this many steps
+# Steps whose edges are kept before they are resolved (on CUDA, one synchronization per this many steps
 # at most, when reports are rarer).
 FLUSH_EVERY = 64
 
@@ -55,7 +56,7 @@ class StepTimer:
         self.steps = 0  # every step, warm-up included
         self.profiled_steps = 0
         self.profiled_seconds = 0.0
-        self.last_step_seconds = 0.0
+        self._last_step = 0.0
         self._in_step = False
         # Whether the current step exchanges gradients (False while aggregating: the context sets it);
         # only exchanging steps are offered to the straggler sampler, as only they have a collective.
@@ -97,30 +98,37 @@ class StepTimer:
 
     @contextmanager
     def backward(self) -> Iterator[None]:
-        """Time ``loss.backward()``: after the last gradient was computed, backward only waits for
-        communication (``comm_exposed``); the rest is backward compute (with DDP's own bookkeeping)."""
+        """Time ``loss.backward()`` (see :meth:`backward_begin`)."""
+        self.backward_begin()
+        yield
+        self.backward_end()
+
+    def backward_begin(self) -> None:
+        """Before ``loss.backward()``: the time since the previous edge was forward.
+
+        After the last gradient was computed, backward only waits for communication (``comm_exposed``);
+        the rest is backward compute (with DDP's own bookkeeping). Begin/end calls rather than a context
+        manager: the trainer's step is on the hot path."""
         self.lap("forward")
+        self.recorder.grad_ready_seen = False
+
+    def backward_end(self) -> None:
+        """After ``loss.backward()`` returned."""
         if not self._in_step:
-            yield
             return
-        start_index = len(self._stamp) - 1
+        end = self.clock.stamp()
         recorder = self.recorder
-        recorder.grad_ready_seen = False
-        try:
-            yield
-        finally:
-            end = self.clock.stamp()
-            if recorder.launches and not self.clock.deferred:
-                # Per-bucket stamps (a Python comm hook, CPU): waiting = in-flight time after the last launch.
-                start = self._stamp[start_index]
-                exposed = recorder.busy_seconds(lo=max(start, recorder.launches[-1]), hi=end)
-                self._edge(_BACKWARD, end - exposed)
-                self._edge(_EXPOSED, end)
-            elif recorder.grad_ready_seen:
-                self._edge(_BACKWARD, recorder.grad_ready)
-                self._edge(_EXPOSED, end)
-            else:
-                self._edge(_BACKWARD, end)
+        if recorder.launches and not self.clock.deferred:
+            # Per-bucket stamps (a Python comm hook, CPU): waiting = in-flight time after the last launch.
+            start = self._stamp[-1]  # the forward edge: no edge is added while backward runs
+            exposed = recorder.busy_seconds(lo=max(start, recorder.launches[-1]), hi=end)
+            self._edge(_BACKWARD, end - exposed)
+            self._edge(_EXPOSED, end)
+        elif recorder.grad_ready_seen:
+            self._edge(_BACKWARD, recorder.grad_ready)
+            self._edge(_EXPOSED, end)
+        else:
+            self._edge(_BACKWARD, end)
 
     def end_step(self) -> None:
         if not self._in_step:
@@ -135,7 +143,7 @@ class StepTimer:
         first = self._step_first
         self._steps.append((first, len(self._phase) - first, profiled, rec.busy_seconds(), float(rec.bytes),
                             float(len(rec.launches)), self.exchanging))
-        if not self.clock.deferred or len(self._steps) >= FLUSH_EVERY:
+        if len(self._steps) >= FLUSH_EVERY:
             self.flush()
 
     # ------------------------------------------------------------------------------ resolving
@@ -147,20 +155,19 @@ class StepTimer:
         if clock.deferred:
             clock.synchronize()
         seconds = clock.seconds
-        phases, stamps, window = self._phase, self._stamp, self.window
+        phases, stamps = self._phase, self._stamp
         lag, samples = self.lag, self.lag.buffer
+        sums = [0.0] * len(PHASES)  # by phase index: one dict update per phase per flush, not per edge
         for first, count, profiled, busy, nbytes, buckets, exchanging in self._steps:
             step = seconds(stamps[first], stamps[first + count - 1])
-            self.last_step_seconds = step
+            self._last_step = step
             if not profiled:
                 continue
             # A sampled step's phases also go to the straggler buffer (offset base), in place.
             base = lag.slot() if exchanging else -1
             for i in range(first + 1, first + count):
                 part = seconds(stamps[i - 1], stamps[i])
-                name = PHASES[phases[i]]
-                self.totals[name] += part
-                window[name] += part
+                sums[phases[i]] += part
                 if base >= 0:
                     samples[base + phases[i]] += part
             if base >= 0:
@@ -171,10 +178,19 @@ class StepTimer:
             self.totals["comm_busy"] += busy
             self.totals["comm_bytes"] += nbytes
             self.totals["comm_buckets"] += buckets
+        for name, value in zip(PHASES, sums, strict=True):
+            self.totals[name] += value
+            self.window[name] += value
         self._steps.clear()
         phases.clear()
         stamps.clear()
         clock.recycle()
+
+    @property
+    def last_step_seconds(self) -> float:
+        """The latest step's length (resolves pending steps: on CUDA, one synchronization)."""
+        self.flush()
+        return self._last_step
 
     def per_step(self) -> dict[str, float]:
         """Mean per profiled step: seconds for each phase and ``step``, bytes and buckets for comm."""
