@@ -8,6 +8,8 @@ from pathlib import Path
 # One torch thread per rank (the tests' rule), also for 1-slot runs and before anything imports torch: the
 # launcher then forks its workers (dtrain.forkstart) instead of starting interpreters that import torch.
 os.environ["OMP_NUM_THREADS"] = "1"
+# report.html costs about a second of matplotlib per run; tests of the page turn it back on (report_page).
+os.environ["DTRAIN_REPORT"] = "0"
 
 import pytest
 
@@ -40,3 +42,9 @@ class ReferenceRuns:
 @pytest.fixture(scope="session")
 def reference_runs(tmp_path_factory):
     return ReferenceRuns(tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture
+def report_page(monkeypatch):
+    """Runs in this test write report.html at their end, as they do outside the test suite."""
+    monkeypatch.setenv("DTRAIN_REPORT", "1")

@@ -149,7 +149,7 @@ def test_report_rebuilds_the_page_and_prints_the_time_table(tmp_path):
 
 
 @pytest.mark.slow
-def test_quiet_run_ends_in_one_line_and_warns_once(tmp_path):
+def test_quiet_run_ends_in_one_line_and_warns_once(tmp_path, report_page):
     # 15 records on 2 slots: the remainder warning, from the launcher only (workers stay silent about it).
     cfg = tiny_config(tmp_path, **{"hyperparameters.global_batch_size": 15, "max_length": {"batches": 2}})
     result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet", "--debug")

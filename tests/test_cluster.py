@@ -172,7 +172,7 @@ def test_slurm_script_runs_on_two_hosts(tmp_path):
         except subprocess.TimeoutExpired:
             hosts.destroy()
             raise AssertionError("the sbatch script did not finish in 90s") from None
-        logs = [log.read_text() if log.exists() else "(no log)" for log in (tmp_path / f"task{i}.log" for i in range(2))]
+        logs = [p.read_text() if p.exists() else "(no log)" for p in (tmp_path / f"task{i}.log" for i in range(2))]
         assert proc.returncode == 0, (out, logs)
     run_dir = tmp_path / "runs" / "tiny-4242"
     assert "dtrain: done" in "".join(logs), logs

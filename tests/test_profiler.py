@@ -116,7 +116,6 @@ def test_phases_add_up_and_exposed_never_exceeds_busy(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timing
 def test_profiling_off_still_measures_throughput_honestly(tmp_path):
     cfg = tiny_config(tmp_path, **{"max_length": {"batches": 10}, "profiling.enabled": False})
     result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")

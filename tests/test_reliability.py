@@ -156,8 +156,9 @@ EXPECTED = {
 }
 
 
+# Not in the timing tier: the deadline below is set by timers (collective timeout, status age), with slack
+# far above what load adds; the jobs mostly wait, so they cost the parallel part little.
 @pytest.mark.slow
-@pytest.mark.timing
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_a_silent_rank_is_named_and_fails_the_job_within_the_timeout(tmp_path, fault):
     cfg = tiny_config(tmp_path, **FAULTS[fault], **{
@@ -249,7 +250,7 @@ RESULTS = ("summary.json", "profile.json", "report.html", "metrics.jsonl")
 
 
 @pytest.mark.slow
-def test_a_failed_run_gets_one_advice_and_a_finished_one_is_never_rewritten(tmp_path):
+def test_a_failed_run_gets_one_advice_and_a_finished_one_is_never_rewritten(tmp_path, report_page):
     cfg = tiny_config(tmp_path, **{"hyperparameters.crash_at_batch": 2, "hyperparameters.crash_rank": 0,
                                    "max_length": {"batches": 8}, "resources.slots_per_trial": 1})
     run_dir = tmp_path / "r"

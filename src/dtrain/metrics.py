@@ -26,7 +26,7 @@ def _checked(name: str, value: Any) -> torch.Tensor | float:
         if value.device.type == "cpu":
             # Already in host memory: reading it waits for nothing, and a Python float sum costs less than
             # a tensor kernel per metric per step (the same float64 sum either way).
-            return float(value)
+            return float(value.detach())
         return value.detach().reshape(())
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
@@ -37,8 +37,9 @@ class MeanAccumulator:
     """Weighted running sums of scalar metrics: ``sum(value * weight)`` and ``sum(weight)`` per key.
 
     Tensor metrics on an accelerator are summed on their own device, in float64, in place: adding one costs
-    no host sync and, after the first step of a report window, no allocation (CPU tensors are read at once). They become Python floats only when a
-    report reads them (:meth:`local_means`, :meth:`global_means`, :meth:`state_dict`).
+    no host sync and, after the first step of a report window, no allocation (CPU tensors are read at
+    once). They become Python floats only when a report reads them (:meth:`local_means`,
+    :meth:`global_means`, :meth:`state_dict`).
     """
 
     def __init__(self) -> None:

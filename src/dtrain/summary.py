@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,10 @@ def print_profile(run_dir: Path) -> None:
 
 
 def _write_report(run_dir: Path) -> Path | None:
+    # Drawing the page's charts costs about a second of CPU (matplotlib): batch use (CI, a test suite,
+    # scripted sweeps) may leave it to a later `dtrain report RUN_DIR`.
+    if os.environ.get("DTRAIN_REPORT", "1") == "0":
+        return None
     try:
         from dtrain.report import write_report
     except ImportError:  # pragma: no cover - report module is optional at this point
