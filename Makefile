@@ -20,12 +20,12 @@ demo: $(STAMP)
 	$(BIN)/dtrain run examples/digits/experiment.yaml --slots $(SLOTS)
 
 # Two pytest processes (pytest-xdist); whole files go to one process, so a module's shared reference runs
-# are trained once (--dist loadfile). Tests that compare speeds or deadlines (marker `timing`) run
-# afterwards, alone, so the other process's load cannot skew them.
+# are trained once (--dist loadfile). Deadlines and the doctor's planted bottlenecks run here too: their
+# margins hold under this load (measured). The one speed comparison (marker `timing`) needs a quiet
+# machine and is left out: `DTRAIN_TIMING_TESTS=1 .venv/bin/python -m pytest -m timing` runs it alone.
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests bench examples
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not timing"
-	$(BIN)/python -m pytest -q -m timing
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

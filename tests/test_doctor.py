@@ -33,7 +33,6 @@ def _planted_run(tmp_path, case):
 
 
 @pytest.mark.slow
-@pytest.mark.timing
 @pytest.mark.parametrize("case", list(PLANTED))
 def test_planted_bottleneck_is_named(tmp_path, case):
     expected = _planted_run(tmp_path, case)

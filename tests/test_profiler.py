@@ -86,7 +86,6 @@ def test_busy_time_is_the_union_of_intervals():
 
 
 @pytest.mark.slow
-@pytest.mark.timing
 def test_phases_add_up_and_exposed_never_exceeds_busy(tmp_path):
     cfg = tiny_config(tmp_path, **{"max_length": {"batches": 60}, "hyperparameters.train_size": 1024})
     result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")

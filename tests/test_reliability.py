@@ -156,8 +156,8 @@ EXPECTED = {
 }
 
 
-# Not in the timing tier: the deadline below is set by timers (collective timeout, status age), with slack
-# far above what load adds; the jobs mostly wait, so they cost the parallel part little.
+# The deadline below is set by timers (collective timeout, status age), with slack far above what the
+# suite's own load adds; the jobs mostly wait, so they cost the other tests little.
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", sorted(FAULTS))
 def test_a_silent_rank_is_named_and_fails_the_job_within_the_timeout(tmp_path, fault):

@@ -16,7 +16,6 @@ PLANTED = {
 
 
 @pytest.mark.slow
-@pytest.mark.timing
 @pytest.mark.parametrize("case", list(PLANTED))
 def test_verify_measures_the_recommended_change(tmp_path, case):
     entrypoint, hparams, factor = PLANTED[case]
