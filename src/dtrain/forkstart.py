@@ -24,6 +24,7 @@ A fork is not safe, and workers are started as new interpreters as before, when:
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import os
 import signal
@@ -110,6 +111,11 @@ def _make_worker_process() -> None:
     if not _forking:
         return
     _forking = False
+    # Everything inherited from the launcher (torch, its modules, a test runner's heap) lives as long as
+    # the worker: frozen, the worker's collections skip it (the Python docs' advice for fork without
+    # exec). Measured: the gc.collect() before leaving the process group took 0.26 s per forked worker
+    # of a tiny run started from a test process, and it copied every page it touched.
+    gc.freeze()
     os.setsid()
     for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
