@@ -22,6 +22,10 @@ ERROR_FILE = "error.rank{rank}.json"
 SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
              "connectFullMesh")
 _AGENT_KILL = {-15, 143}  # SIGTERM: the agent stopping the survivors
+# How long a rank that only saw a peer's connection close waits before exiting. torch's agent reports one
+# failed worker per poll (every 0.1 s) when workers are forked: the peer that died first (os._exit, the
+# OOM killer: no report of its own) must be the one it sees, not this echo of it.
+ECHO_EXIT_DELAY_SECONDS = 0.5
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,12 @@ class ErrorReport:
 
     @property
     def secondary(self) -> bool:
-        return any(p in self.message for p in SECONDARY)
+        return is_secondary(self.message)
+
+
+def is_secondary(message: str) -> bool:
+    """Whether an error only echoes a peer's failure (its connection closed)."""
+    return any(p in message for p in SECONDARY)
 
 
 def write_report(folder: Path, rank: int, exc: BaseException, user_error: bool, exit_code: int,

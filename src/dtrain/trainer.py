@@ -40,18 +40,21 @@ def run_trial(config: ExperimentConfig, run_dir: Path, resume_from: Path | None,
     """Build the trial on this slot, restore if asked, train to ``max_length``; returns the summary."""
     seed_everything(config.seed)  # identical initial weights on every slot (and DDP broadcasts rank 0's)
     context = TrialContext(config)
-    try:
-        trial = load_trial_class(config.entrypoint, config.code_dir)(context)
-        # Stochastic layers (dropout) must differ between slots, as they would between samples of one batch.
-        seed_everything(config.seed + 7919 * context.rank)
-        trainer = Trainer(context, trial, config, run_dir, quiet)
-        if resume_from is not None:
-            trainer.restore(resume_from)
-        elif trainer.writer is not None:
-            truncate_metrics(trainer.writer.path, 0)  # a run started over in place: its old records go
-        return trainer.fit()
-    finally:
-        context.close()  # after the trial and its wrapped models are gone
+    trial = load_trial_class(config.entrypoint, config.code_dir)(context)
+    # Stochastic layers (dropout) must differ between slots, as they would between samples of one batch.
+    seed_everything(config.seed + 7919 * context.rank)
+    trainer = Trainer(context, trial, config, run_dir, quiet)
+    if resume_from is not None:
+        trainer.restore(resume_from)
+    elif trainer.writer is not None:
+        truncate_metrics(trainer.writer.path, 0)  # a run started over in place: its old records go
+    summary = trainer.fit()
+    # Not on failure: leaving the process group closes this rank's connections, and its peers would fail
+    # ("connection reset") and be reported before this rank had written why it failed. A failing worker
+    # writes its report first, then exits, which closes them (dtrain.worker).
+    del trainer, trial
+    context.close()  # after the trial and its wrapped models are gone
+    return summary
 
 
 def _crossed(period: int | None, previous: int, now: int) -> bool:

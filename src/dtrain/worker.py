@@ -6,13 +6,14 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 
 from dtrain import checkpoint, watchdog
 from dtrain.config import load_config
 from dtrain.dist import DistEnv, read_env
 from dtrain.errors import UserError
-from dtrain.failures import write_report
+from dtrain.failures import ECHO_EXIT_DELAY_SECONDS, is_secondary, write_report
 from dtrain.nonfinite import NonFiniteError
 from dtrain.trainer import run_trial
 
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         nonfinite = isinstance(exc, NonFiniteError)
         write_report(logs, env.rank, exc, user_error=False, exit_code=1, where="" if nonfinite else None,
                      blame=exc.rank if nonfinite else None)
+        if is_secondary(str(exc)):
+            time.sleep(ECHO_EXIT_DELAY_SECONDS)
         sys.exit(1)
 
 
