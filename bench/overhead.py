@@ -18,7 +18,10 @@ window's, device-synchronized at both ends on CUDA, so everything between steps 
 one window of every mode back to back (the order rotates), so a ratio compares windows a few seconds
 apart: on a shared machine whose speed drifts by +/-15% from one minute to the next, fresh jobs per mode
 (this script's first design) could not resolve a few percent. The table gives each mode's median steps/s
-and the median of its per-round ratios to raw. Goal: >= 0.98 everywhere.
+and the median of its per-round ratios to raw, and rank 0's CPU time per step (``time.process_time``, all
+its threads) with the median per-round ratio raw/mode: the work a mode adds, without the waiting. Goal:
+>= 0.98 everywhere. On the 2-core test machine rounds still spread by +/-20%: read the medians of a long
+run (``--rounds 40``), and compare runs only side by side.
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ class Turns:
         self.folder, self.mode = Path(args.turns), args.mode
         self.warmup, self.window, self.rounds = args.warmup, args.window, args.rounds
         self.device, self.rank = device, rank
-        self.start = 0.0
+        self.start = self.cpu_start = 0.0
 
     @property
     def steps(self) -> int:
@@ -70,9 +73,10 @@ class Turns:
         k = (step - self.warmup) // self.window
         if k > 0:
             speed = self.window / (self._now() - self.start)
+            cpu_ms = 1e3 * (time.process_time() - self.cpu_start) / self.window
             if self.rank == 0:
                 part = self.folder / f".done-{self.mode}-{k - 1}"
-                part.write_text(json.dumps(speed))
+                part.write_text(json.dumps({"steps_per_second": speed, "cpu_ms_per_step": cpu_ms}))
                 part.rename(self.folder / f"done-{self.mode}-{k - 1}")  # the driver never reads half a file
         if k == 0:  # warmed up: the driver starts round 0 once every rank of every job is here
             (self.folder / f"ready-{self.mode}-{self.rank}").touch()
@@ -81,6 +85,7 @@ class Turns:
         while not go.exists():
             time.sleep(self.POLL_SECONDS)
         self.start = self._now()
+        self.cpu_start = time.process_time()
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -221,7 +226,7 @@ def start(mode: str, model: str, args: argparse.Namespace, turns: Path) -> subpr
     return subprocess.Popen(cmd, env=env, cwd=turns, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def wait_for(path: Path, jobs: dict[str, subprocess.Popen], turns: Path, timeout: float = 900.0) -> float | None:
+def wait_for(path: Path, jobs: dict[str, subprocess.Popen], turns: Path, timeout: float = 900.0) -> Any:
     deadline = time.monotonic() + timeout
     while not path.exists():
         for mode, job in jobs.items():
@@ -232,15 +237,16 @@ def wait_for(path: Path, jobs: dict[str, subprocess.Popen], turns: Path, timeout
             raise SystemExit(f"no {path.name} after {timeout:.0f}s")
         time.sleep(0.005)
     text = path.read_text()
-    return float(json.loads(text)) if text else None
+    return json.loads(text) if text else None
 
 
-def measure(model: str, args: argparse.Namespace, tmp: Path) -> dict[str, list[float]]:
-    """Every mode's steps/s in each round, its windows taking turns with the other modes'."""
+def measure(model: str, args: argparse.Namespace, tmp: Path) -> dict[str, list[dict[str, float]]]:
+    """Every mode's window figures in each round (rank 0's steps/s and CPU ms per step), its windows taking
+    turns with the other modes'."""
     turns = tmp / model
     turns.mkdir()
     jobs = {mode: start(mode, model, args, turns) for mode in MODES}
-    runs: dict[str, list[float]] = {m: [] for m in MODES}
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
     try:
         for mode in MODES:
             for rank in range(args.slots):
@@ -248,9 +254,10 @@ def measure(model: str, args: argparse.Namespace, tmp: Path) -> dict[str, list[f
         for k in range(args.rounds):
             for mode in MODES[k % len(MODES):] + MODES[:k % len(MODES)]:
                 (turns / f"go-{mode}-{k}").touch()
-                runs[mode].append(float(wait_for(turns / f"done-{mode}-{k}", jobs, turns) or 0.0))
-            print(f"  {model} round {k}: " + ", ".join(f"{m} {runs[m][-1]:.1f}" for m in MODES) + " steps/s",
-                  flush=True)
+                runs[mode].append(wait_for(turns / f"done-{mode}-{k}", jobs, turns))
+            print(f"  {model} round {k}: " + ", ".join(
+                f"{m} {runs[m][-1]['steps_per_second']:.1f} ({runs[m][-1]['cpu_ms_per_step']:.3f} CPU ms)"
+                for m in MODES) + " steps/s", flush=True)
         for mode, job in jobs.items():
             (turns / f"go-{mode}-{args.rounds}").touch()  # the runs may end now
             if job.wait(timeout=300) != 0:
@@ -261,6 +268,21 @@ def measure(model: str, args: argparse.Namespace, tmp: Path) -> dict[str, list[f
                 os.killpg(job.pid, 9)
                 job.wait()
     return runs
+
+
+def summarize(model: str, runs: dict[str, list[dict[str, float]]]) -> list[tuple[Any, ...]]:
+    """Per mode: median steps/s, median of the per-round speed ratios to raw (and their range), median CPU
+    ms per step, and the median of raw's CPU per step over the mode's (the work ratio: what the mode adds,
+    free of the waiting and of the machine's speed changes that wall time carries)."""
+    rows = []
+    for mode in MODES:
+        mine, raw = runs[mode], runs["raw"]
+        speed = [a["steps_per_second"] / b["steps_per_second"] for a, b in zip(mine, raw, strict=True)]
+        work = [b["cpu_ms_per_step"] / a["cpu_ms_per_step"] for a, b in zip(mine, raw, strict=True)]
+        rows.append((model, mode, statistics.median(r["steps_per_second"] for r in mine), statistics.median(speed),
+                     min(speed), max(speed), statistics.median(r["cpu_ms_per_step"] for r in mine),
+                     statistics.median(work)))
+    return rows
 
 
 def main() -> None:
@@ -286,16 +308,12 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
-            runs = measure(model, args, Path(tmp))
-            for mode in MODES:
-                ratios = [a / b for a, b in zip(runs[mode], runs["raw"], strict=True)]
-                rows.append((model, mode, statistics.median(runs[mode]), statistics.median(ratios),
-                             min(ratios), max(ratios)))
-    print(f"\n| model | mode | steps/s (median of {args.rounds}) | ratio to raw (median) | min-max |")
-    print("|---|---|---|---|---|")
-    for model, mode, sps, ratio, lo, hi in rows:
-        print(f"| {model} | {mode} | {sps:.1f} | {ratio:.3f} | {lo:.3f}-{hi:.3f} |")
-
+            rows += summarize(model, measure(model, args, Path(tmp)))
+    print(f"\n| model | mode | steps/s (median of {args.rounds}) | speed ratio to raw (median) | min-max "
+          "| CPU ms/step, rank 0 | work ratio (raw CPU / mode CPU) |")
+    print("|---|---|---|---|---|---|---|")
+    for model, mode, sps, ratio, lo, hi, cpu, work in rows:
+        print(f"| {model} | {mode} | {sps:.1f} | {ratio:.3f} | {lo:.3f}-{hi:.3f} | {cpu:.3f} | {work:.3f} |")
 
 if __name__ == "__main__":
     main()
