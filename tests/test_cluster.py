@@ -131,7 +131,7 @@ def test_slurm_script_is_valid_bash(tmp_path):
     script = result.stdout
     assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=1",
-                 "#SBATCH --time=00:10:00", 'scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1',
+                 "#SBATCH --time=00:10:00", 'scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p',
                  "srun --nodes=2 --ntasks-per-node=1"):
         assert line in script, line
     assert "--nnodes 2 --rdzv-backend c10d" in script and '--master "$MASTER_ADDR:$MASTER_PORT"' in script

@@ -174,7 +174,9 @@ def sbatch_script(config: ExperimentConfig, config_path: str, lay: Layout, dtrai
         "set -euo pipefail",
         "# The master is the first node of the allocation, at the address Slurm itself reaches it by (its",
         "# NodeAddr: node names need not resolve); every task computes the same port from the job id.",
-        'FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        # sed reads the whole list: `head -n 1` would exit early, and on a long node list (more than one
+        # buffer of names) scontrol's next write would die of SIGPIPE, which pipefail makes fatal.
+        'FIRST_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         'MASTER_ADDR=$(scontrol show node "$FIRST_NODE" | sed -n \'s/.* NodeAddr=\\([^ ]*\\).*/\\1/p\')',
         'MASTER_ADDR=${MASTER_ADDR:-$FIRST_NODE}',
         "MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}",
