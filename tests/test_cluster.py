@@ -137,6 +137,23 @@ def test_slurm_script_is_valid_bash(tmp_path):
     assert "--nnodes 2 --rdzv-backend c10d" in script and '--master "$MASTER_ADDR:$MASTER_PORT"' in script
 
 
+def test_slurm_script_finds_the_first_node_of_a_long_list(tmp_path):
+    """A long allocation: scontrol writes its names in pieces; reading only the first must not kill the
+    script (with pipefail, a reader that exits early makes scontrol's next write fail with SIGPIPE)."""
+    result = cli_in_process("slurm", str(tiny_config(tmp_path)), "--nodes", "2")
+    assert result.code == 0, result.stderr
+    first_node = next(ln for ln in result.stdout.splitlines() if ln.startswith("FIRST_NODE="))
+    (tmp_path / "scontrol").write_text(
+        "#!/usr/bin/env python3\nimport sys, time\nfor i in range(20000):\n"
+        "    sys.stdout.write(f'node{i:05d}\\n')\n"
+        "    if i % 500 == 0:\n        sys.stdout.flush(); time.sleep(0.001)\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_NODELIST": "node[00000-19999]"}
+    out = subprocess.run(["bash", "-c", f'set -euo pipefail\n{first_node}\necho "$FIRST_NODE"'], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout == "node00000\n", (out.returncode, out.stdout, out.stderr)
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(testhosts.unavailable_reason() is not None, reason=f"test hosts: {testhosts.unavailable_reason()}")
 def test_slurm_script_runs_on_two_hosts(tmp_path):
