@@ -43,11 +43,12 @@ def _timer(times, deferred, warmup=0):
 def _one_step(t, grad_ready=None):
     t.start_step()            # 0
     t.lap("data")             # 1
-    with t.backward():        # forward until 3
-        if grad_ready is not None:
-            t.recorder.grad_ready, t.recorder.grad_ready_seen = grad_ready, True
-    with t.phase("optimizer", before="other"):
-        pass
+    t.backward_begin()        # forward until 3
+    if grad_ready is not None:
+        t.recorder.grad_ready, t.recorder.grad_ready_seen = grad_ready, True
+    t.backward_end()
+    t.lap("other")            # as ctx.step_optimizer: train_batch's own code, then the update
+    t.lap("optimizer")
     t.end_step()
 
 

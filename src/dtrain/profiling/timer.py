@@ -19,8 +19,6 @@ device, and where the arithmetic of a window's steps is done at once, off the st
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -86,22 +84,6 @@ class StepTimer:
         """Charge the time since the previous edge to ``phase``."""
         if self._in_step:  # own loops (dtrain.init) need not mark steps: then nothing is timed
             self._edge(_INDEX[phase])
-
-    @contextmanager
-    def phase(self, name: str, before: str = "forward") -> Iterator[None]:
-        """Time a block as ``name``; the gap since the last edge goes to ``before``."""
-        self.lap(before)
-        try:
-            yield
-        finally:
-            self.lap(name)
-
-    @contextmanager
-    def backward(self) -> Iterator[None]:
-        """Time ``loss.backward()`` (see :meth:`backward_begin`)."""
-        self.backward_begin()
-        yield
-        self.backward_end()
 
     def backward_begin(self) -> None:
         """Before ``loss.backward()``: the time since the previous edge was forward.
