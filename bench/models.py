@@ -10,12 +10,13 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-MLP_SIZES = {"mlp-0.1m": (64, 256, 256), "mlp-1m": (256, 1024, 768)}
+MLP_SIZES = {"mlp-0.1m": (64, 256, 256), "mlp-1m": (256, 1024, 768), "mlp-tiny": (8, 8, 8)}
 CLASSES = 10
 
 
 def mlp(name: str) -> nn.Module:
-    """``mlp-0.1m`` (~0.09M parameters) or ``mlp-1m`` (~1.06M)."""
+    """``mlp-0.1m`` (~0.09M parameters), ``mlp-1m`` (~1.06M), or ``mlp-tiny`` (234: a step is almost only
+    Python and the data loader, so a mode's fixed cost per step shows most)."""
     inputs, h1, h2 = MLP_SIZES[name]
     return nn.Sequential(nn.Linear(inputs, h1), nn.ReLU(), nn.Linear(h1, h2), nn.ReLU(), nn.Linear(h2, CLASSES))
 

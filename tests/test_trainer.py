@@ -51,3 +51,19 @@ def test_run_directory_layout_and_validation_is_exact(tmp_path):
     assert abs(records[-1]["metrics"]["mse"] - expected) < 1e-6
     assert (run_dir / "config.yaml").exists() and (run_dir / "logs" / "rank1.log").exists()
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_train_batch_metrics_are_checked_with_a_one_line_error():
+    from dtrain.errors import UserError
+    from dtrain.metrics import MeanAccumulator, checked_metrics
+
+    checked = checked_metrics({"loss": torch.tensor(0.25, requires_grad=True), "acc": 1})
+    assert checked == {"loss": 0.25, "acc": 1.0}  # CPU tensors read once, on the host
+    acc = MeanAccumulator()
+    acc.add_checked(checked)
+    acc.add({"loss": 0.75, "acc": 0.0})
+    assert acc.local_means() == {"loss": 0.5, "acc": 0.5}
+    for bad, words in ((None, "returned a NoneType"), ({"loss": torch.ones(2)}, r"shape \(2,\)"),
+                       ({"loss": "low"}, "is a str")):
+        with pytest.raises(UserError, match=words):
+            checked_metrics(bad)

@@ -13,7 +13,7 @@ import logging
 import random
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -37,6 +37,27 @@ from dtrain.watchdog import STATUS
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=nn.Module)
+_NOTHING = contextlib.nullcontext()  # reusable: holds no state
+
+
+class _NoSync:
+    """Every model's ``strategy.no_sync`` entered together (on ``__enter__``, not on creation)."""
+
+    __slots__ = ("models", "stack", "strategy")
+
+    def __init__(self, strategy: SyncStrategy, models: list[nn.Module]) -> None:
+        self.strategy, self.models, self.stack = strategy, models, contextlib.ExitStack()
+
+    def __enter__(self) -> None:
+        try:
+            for model in self.models:
+                self.stack.enter_context(self.strategy.no_sync(model))
+        except BaseException:
+            self.stack.close()  # leave none of them entered
+            raise
+
+    def __exit__(self, *exc: object) -> bool | None:
+        return self.stack.__exit__(*exc)  # type: ignore[arg-type]
 Split = Literal["train", "eval"]
 _warned_shuffle = False  # the deprecated ``shuffle=`` of ctx.loader warns once per process
 
@@ -226,19 +247,15 @@ class DistributedContext:
         self.timer.backward_end()
         STATUS.enter(before)
 
-    @contextlib.contextmanager
-    def gradient_sync(self, sync: bool) -> Iterator[None]:
+    def gradient_sync(self, sync: bool) -> contextlib.AbstractContextManager[Any]:
         """Run one batch (forward *and* backward: DDP decides in forward whether backward communicates)
-        either exchanging gradients or only accumulating them locally."""
+        either exchanging gradients or only accumulating them locally: ``with ctx.gradient_sync(False):``.
+
+        A plain method rather than a generator context manager: the trainer enters it every step, and an
+        exchanging step (the usual case) needs nothing entered, so it gets one shared null context."""
         self.sync_gradients = sync
         self.timer.exchanging = sync  # only exchanging steps tell how late each rank arrives
-        if sync:
-            yield
-            return
-        with contextlib.ExitStack() as stack:
-            for model in self.models:
-                stack.enter_context(self.strategy.no_sync(model))
-            yield
+        return _NOTHING if sync else _NoSync(self.strategy, self.models)
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None = None) -> None:
         """Optional gradient clipping, ``optimizer.step()`` and ``zero_grad``: only on the last batch of an

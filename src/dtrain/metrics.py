@@ -33,6 +33,15 @@ def _checked(name: str, value: Any) -> torch.Tensor | float:
     raise UserError(f"metric {name!r} is a {type(value).__name__}; return a number or a scalar tensor")
 
 
+def checked_metrics(metrics: Mapping[str, Any]) -> dict[str, torch.Tensor | float]:
+    """A step's metrics checked once (see :func:`_checked`), for both the non-finite watch and the
+    accumulator: the trainer reads a CPU loss on the host once per step, not once per consumer."""
+    if not isinstance(metrics, Mapping):
+        raise UserError(f"train_batch returned a {type(metrics).__name__}; return a dict of scalar metrics, "
+                        "e.g. {'loss': loss}")
+    return {name: _checked(name, value) for name, value in metrics.items()}
+
+
 class MeanAccumulator:
     """Weighted running sums of scalar metrics: ``sum(value * weight)`` and ``sum(weight)`` per key.
 
@@ -47,8 +56,11 @@ class MeanAccumulator:
         self.weight = 0.0
 
     def add(self, metrics: Mapping[str, Any], weight: float = 1.0) -> None:
+        self.add_checked(checked_metrics(metrics), weight)
+
+    def add_checked(self, metrics: Mapping[str, torch.Tensor | float], weight: float = 1.0) -> None:
+        """:meth:`add` for metrics already through :func:`checked_metrics`."""
         for name, value in metrics.items():
-            value = _checked(name, value)
             total = self.sums.get(name)
             if isinstance(value, torch.Tensor):
                 if not isinstance(total, torch.Tensor):

@@ -16,7 +16,7 @@ from dtrain import data
 from dtrain.config import ExperimentConfig
 from dtrain.context import TrialContext
 from dtrain.dist import all_hostnames
-from dtrain.metrics import MeanAccumulator, MetricsWriter, truncate_metrics
+from dtrain.metrics import MeanAccumulator, MetricsWriter, checked_metrics, truncate_metrics
 from dtrain.nonfinite import NonFiniteWatch
 from dtrain.profiling.clock import synchronized_now
 from dtrain.profiling.figures import build_profile, collect_rank_figures, run_facts
@@ -194,11 +194,12 @@ class Trainer:
         STATUS.enter("train_batch")
         metrics = self.trial.train_batch(batch, epoch, self.batches)
         timer.end_step()
+        metrics = checked_metrics(metrics)  # once: the watch and the accumulator share it
         self.nonfinite.observe(metrics, self.batches)
         if self.ctx.nonfinite_skipped:  # on_nonfinite: skip; the update was not applied on any rank
             self.nonfinite_skips += 1
         else:
-            self.train_metrics.add(metrics)  # stays on the device until the next report
+            self.train_metrics.add_checked(metrics)  # stays on the device until the next report
         self.batches += 1
         self._window_steps += 1
         self.progress.advance(self.batches)

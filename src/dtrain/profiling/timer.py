@@ -123,8 +123,11 @@ class StepTimer:
         profiled = self.steps > self.warmup_steps
         rec = self.recorder
         first = self._step_first
-        self._steps.append((first, len(self._phase) - first, profiled, rec.busy_seconds(), float(rec.bytes),
-                            float(len(rec.launches)), self.exchanging))
+        if rec.launches:
+            self._steps.append((first, len(self._phase) - first, profiled, rec.busy_seconds(), float(rec.bytes),
+                                float(len(rec.launches)), self.exchanging))
+        else:  # no timed collective in this step (one slot, DDP's native timers, accumulating steps)
+            self._steps.append((first, len(self._phase) - first, profiled, 0.0, 0.0, 0.0, self.exchanging))
         if len(self._steps) >= FLUSH_EVERY:
             self.flush()
 
