@@ -54,11 +54,11 @@ class NonFiniteWatch:
 
     def observe(self, metrics: Any, batch: int) -> None:
         value = _watched(metrics)
-        if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+        if isinstance(value, torch.Tensor) and value.is_cpu:
             # A CPU tensor's value is already in host memory: reading it waits for no device. Measured on
             # the 0.1M-parameter MLP (1.6 ms steps, 1 slot): 71 us per step for the four kernels below,
             # about 8% of the step, against a few microseconds for this read.
-            value = float(value.detach())
+            value = value.item()  # no device to wait for
         if isinstance(value, torch.Tensor):
             value = value.detach()
             if self._first is None or self._first.device != value.device:

@@ -139,19 +139,24 @@ class StepTimer:
         clock = self.clock
         if clock.deferred:
             clock.synchronize()
-        seconds = clock.seconds
-        phases, stamps = self._phase, self._stamp
+            stamps: list[Any] = [0.0] * len(self._stamp)  # events as seconds since the first: then one
+            first_event = self._stamp[0]                  # subtraction per edge, as for host stamps
+            for i, event in enumerate(self._stamp):
+                stamps[i] = clock.seconds(first_event, event)
+        else:
+            stamps = self._stamp  # perf_counter floats already
+        phases = self._phase
         lag, samples = self.lag, self.lag.buffer
         sums = [0.0] * len(PHASES)  # by phase index: one dict update per phase per flush, not per edge
         for first, count, profiled, busy, nbytes, buckets, exchanging in self._steps:
-            step = seconds(stamps[first], stamps[first + count - 1])
+            step = stamps[first + count - 1] - stamps[first]
             self._last_step = step
             if not profiled:
                 continue
             # A sampled step's phases also go to the straggler buffer (offset base), in place.
             base = lag.slot() if exchanging else -1
             for i in range(first + 1, first + count):
-                part = seconds(stamps[i - 1], stamps[i])
+                part = stamps[i] - stamps[i - 1]
                 sums[phases[i]] += part
                 if base >= 0:
                     samples[base + phases[i]] += part
@@ -168,7 +173,7 @@ class StepTimer:
             self.window[name] += value
         self._steps.clear()
         phases.clear()
-        stamps.clear()
+        self._stamp.clear()
         clock.recycle()
 
     @property
