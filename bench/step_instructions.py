@@ -1,0 +1,167 @@
+"""dtrain's fixed cost per step in CPU instructions: a count that the machine's speed does not move.
+
+    .venv/bin/python bench/step_instructions.py [--model mlp-tiny] [--steps 300,1300]
+
+Timing a few percent on a shared 2-core machine is noise-bound (bench/overhead.py's rounds spread by
++/-20%); the number of instructions a step executes is not. This runs the same 1-slot training three ways
+(``raw``: a plain loop; ``own``: through ``dtrain.init()``; ``trial``: a PyTorchTrial under dtrain's
+trainer, profiling on) under valgrind's cachegrind (``--cache-sim=no``: instruction counts only), each at
+two step counts, and prints the difference divided by the extra steps: instructions per step, start-up
+and end of run cancelled out. Needs ``valgrind`` (``apt-get install valgrind``); about 2 minutes per run
+(6 runs). On one slot there is no communication: what remains is the work each mode does around the
+model's own forward, backward and update, i.e. its fixed cost per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+MODES = ("raw", "own", "trial")
+BATCH = 32
+
+
+def _trial_class() -> type:
+    import dtrain
+
+    class StepTrial(dtrain.PyTorchTrial):
+        def __init__(self, context: dtrain.TrialContext) -> None:
+            super().__init__(context)
+            from models import workload
+
+            model, self.data, self.kind = workload(context.get_hparams()["model"])
+            self.model = context.wrap_model(model)
+            self.opt = context.wrap_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9))
+
+        def build_training_data(self) -> Any:
+            return self.data
+
+        def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
+            from models import loss_of
+
+            x, y = batch
+            loss = loss_of(self.kind, self.model(x), y)
+            self.context.backward(loss)
+            self.context.step_optimizer(self.opt)
+            return {"loss": loss}
+
+    return StepTrial
+
+
+StepTrial = _trial_class() if os.environ.get("DTRAIN_BENCH_TRIAL") else None
+
+
+def run_raw(model_name: str, steps: int) -> None:
+    from models import loss_of, workload
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    model, data, kind = workload(model_name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
+    step = 0
+    while step < steps:
+        for x, y in loader:
+            if step == steps:
+                break
+            loss = loss_of(kind, model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            step += 1
+
+
+def run_own(model_name: str, steps: int) -> None:
+    from models import loss_of, workload
+
+    import dtrain
+
+    ctx = dtrain.init(seed=0)
+    model, data, kind = workload(model_name)
+    model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9))
+    loader = ctx.loader(data, batch_size=BATCH)
+    step, epoch = 0, 0
+    while step < steps:
+        ctx.set_epoch(epoch)
+        for x, y in loader:
+            if step == steps:
+                break
+            loss = loss_of(kind, model(ctx.to_device(x)), ctx.to_device(y))
+            ctx.backward(loss)
+            ctx.step_optimizer(opt)
+            step += 1
+        epoch += 1
+    ctx.close()
+
+
+def run_trial(model_name: str, steps: int) -> None:
+    from dtrain.config import config_from_dict
+    from dtrain.trainer import run_trial as train
+
+    config = config_from_dict({
+        "name": "step-instructions", "entrypoint": "step_instructions:StepTrial", "code_dir": str(HERE),
+        "hyperparameters": {"global_batch_size": BATCH, "model": model_name},
+        "resources": {"slots_per_trial": 1}, "max_length": {"batches": steps},
+        "checkpoint_storage": {"path": "checkpoints"},
+    })
+    with tempfile.TemporaryDirectory() as run_dir:
+        train(config, Path(run_dir), None, quiet=True)
+
+
+def instructions(mode: str, model: str, steps: int, port: int) -> int:
+    """Instructions executed by one whole run (cachegrind's ``I refs``)."""
+    # The caller's PYTHONPATH is kept after this folder: e.g. an older checkout's src, to compare commits.
+    path = os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_BENCH_TRIAL": "1", "DTRAIN_REPORT": "0",
+           "PYTHONPATH": path, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={tmp}/out",
+               sys.executable, str(Path(__file__)), "--worker", mode, "--model", model, "--steps", str(steps)]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
+    if done.returncode != 0 or found is None:
+        raise SystemExit(f"{mode} ({steps} steps) failed:\n{done.stderr[-3000:]}")
+    return int(found.group(1).replace(",", ""))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="mlp-tiny")
+    parser.add_argument("--steps", default="300,1300", help="the two step counts (their difference counts)")
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        torch.set_num_threads(1)
+        {"raw": run_raw, "own": run_own, "trial": run_trial}[args.worker](args.model, int(args.steps))
+        return
+    if shutil.which("valgrind") is None:
+        raise SystemExit("valgrind not found: apt-get install valgrind")
+    short, long = (int(s) for s in args.steps.split(","))
+    print(f"instructions per step, {args.model}, 1 slot, batch {BATCH}, torch {torch.__version__} "
+          f"(cachegrind, runs of {short} and {long} steps)", flush=True)
+    per_step = {}
+    for i, mode in enumerate(args.modes.split(",")):
+        counts = [instructions(mode, args.model, steps, 29600 + 2 * i + j) for j, steps in enumerate((short, long))]
+        per_step[mode] = (counts[1] - counts[0]) / (long - short)
+        print(f"  {mode}: {counts[0]:,} and {counts[1]:,} instructions", flush=True)
+    base = per_step.get("raw")
+    print("\n| mode | instructions per step | vs raw |\n|---|---|---|")
+    for mode, count in per_step.items():
+        print(f"| {mode} | {count:,.0f} | {count / base:.3f} |" if base else f"| {mode} | {count:,.0f} | |")
+
+
+if __name__ == "__main__":
+    main()
