@@ -58,6 +58,8 @@ class _NoSync:
 
     def __exit__(self, *exc: object) -> bool | None:
         return self.stack.__exit__(*exc)  # type: ignore[arg-type]
+
+
 Split = Literal["train", "eval"]
 _warned_shuffle = False  # the deprecated ``shuffle=`` of ctx.loader warns once per process
 
