@@ -158,33 +158,19 @@ def run_own(args: argparse.Namespace) -> None:
 
 
 def make_trial_class() -> type:
+    from trials.workload import WorkloadTrial
+
     import dtrain
 
-    class BenchTrial(dtrain.PyTorchTrial):
-        """The same model and loop as a Trial; takes its turns from inside ``train_batch``."""
+    class BenchTrial(WorkloadTrial):
+        """The bench's workload as a Trial; takes its turns from inside ``train_batch``."""
 
         def __init__(self, context: dtrain.TrialContext) -> None:
             super().__init__(context)
-            from models import workload
+            self.turns = Turns(argparse.Namespace(**context.get_hparams()["turns"]), context.device, context.rank)
 
-            hp = context.get_hparams()
-            model, self.data, self.kind = workload(hp["model"])
-            self.model = context.wrap_model(model)
-            self.opt = context.wrap_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9))
-            self.turns = Turns(argparse.Namespace(**hp["turns"]), context.device, context.rank)
-
-        def build_training_data(self) -> Any:
-            return self.data
-
-        def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
-            from models import loss_of
-
+        def before_step(self, batch_idx: int) -> None:
             self.turns.at(batch_idx)
-            x, y = batch
-            loss = loss_of(self.kind, self.model(x), y)
-            self.context.backward(loss)
-            self.context.step_optimizer(self.opt)
-            return {"loss": loss}
 
     return BenchTrial
 

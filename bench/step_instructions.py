@@ -22,7 +22,6 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -30,36 +29,6 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 MODES = ("raw", "own", "trial")
 BATCH = 32
-
-
-def _trial_class() -> type:
-    import dtrain
-
-    class StepTrial(dtrain.PyTorchTrial):
-        def __init__(self, context: dtrain.TrialContext) -> None:
-            super().__init__(context)
-            from models import workload
-
-            model, self.data, self.kind = workload(context.get_hparams()["model"])
-            self.model = context.wrap_model(model)
-            self.opt = context.wrap_optimizer(torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9))
-
-        def build_training_data(self) -> Any:
-            return self.data
-
-        def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
-            from models import loss_of
-
-            x, y = batch
-            loss = loss_of(self.kind, self.model(x), y)
-            self.context.backward(loss)
-            self.context.step_optimizer(self.opt)
-            return {"loss": loss}
-
-    return StepTrial
-
-
-StepTrial = _trial_class() if os.environ.get("DTRAIN_BENCH_TRIAL") else None
 
 
 def run_raw(model_name: str, steps: int) -> None:
@@ -110,7 +79,7 @@ def run_trial(model_name: str, steps: int) -> None:
     from dtrain.trainer import run_trial as train
 
     config = config_from_dict({
-        "name": "step-instructions", "entrypoint": "step_instructions:StepTrial", "code_dir": str(HERE),
+        "name": "step-instructions", "entrypoint": "trials.workload:WorkloadTrial", "code_dir": str(HERE),
         "hyperparameters": {"global_batch_size": BATCH, "model": model_name},
         "resources": {"slots_per_trial": 1}, "max_length": {"batches": steps},
         "checkpoint_storage": {"path": "checkpoints"},
@@ -123,7 +92,7 @@ def instructions(mode: str, model: str, steps: int, port: int) -> int:
     """Instructions executed by one whole run (cachegrind's ``I refs``)."""
     # The caller's PYTHONPATH is kept after this folder: e.g. an older checkout's src, to compare commits.
     path = os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_BENCH_TRIAL": "1", "DTRAIN_REPORT": "0",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_REPORT": "0",
            "PYTHONPATH": path, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     with tempfile.TemporaryDirectory() as tmp:
