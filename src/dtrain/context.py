@@ -13,7 +13,7 @@ import logging
 import random
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -40,24 +40,13 @@ M = TypeVar("M", bound=nn.Module)
 _NOTHING = contextlib.nullcontext()  # reusable: holds no state
 
 
-class _NoSync:
-    """Every model's ``strategy.no_sync`` entered together (on ``__enter__``, not on creation)."""
-
-    __slots__ = ("models", "stack", "strategy")
-
-    def __init__(self, strategy: SyncStrategy, models: list[nn.Module]) -> None:
-        self.strategy, self.models, self.stack = strategy, models, contextlib.ExitStack()
-
-    def __enter__(self) -> None:
-        try:
-            for model in self.models:
-                self.stack.enter_context(self.strategy.no_sync(model))
-        except BaseException:
-            self.stack.close()  # leave none of them entered
-            raise
-
-    def __exit__(self, *exc: object) -> bool | None:
-        return self.stack.__exit__(*exc)  # type: ignore[arg-type]
+@contextlib.contextmanager
+def _no_sync(strategy: SyncStrategy, models: list[nn.Module]) -> Iterator[None]:
+    """Every model's ``strategy.no_sync`` entered together (only on accumulating steps)."""
+    with contextlib.ExitStack() as stack:
+        for model in models:
+            stack.enter_context(strategy.no_sync(model))
+        yield
 
 
 Split = Literal["train", "eval"]
@@ -257,7 +246,7 @@ class DistributedContext:
         exchanging step (the usual case) needs nothing entered, so it gets one shared null context."""
         self.sync_gradients = sync
         self.timer.exchanging = sync  # only exchanging steps tell how late each rank arrives
-        return _NOTHING if sync else _NoSync(self.strategy, self.models)
+        return _NOTHING if sync else _no_sync(self.strategy, self.models)
 
     def step_optimizer(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None = None) -> None:
         """Optional gradient clipping, ``optimizer.step()`` and ``zero_grad``: only on the last batch of an
