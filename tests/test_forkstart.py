@@ -4,6 +4,7 @@ exactly as a worker started as a new interpreter does."""
 import os
 import signal
 import sys
+import time
 
 import pytest
 import torch
@@ -47,6 +48,29 @@ def test_a_forked_child_has_its_own_session_default_signals_and_real_streams():
     if (pid := os.fork()) == 0:
         os._exit(0 if os.getsid(0) != os.getpid() else 1)
     assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_a_forked_child_stopped_before_its_main_leaves_its_stack(capfd):
+    """The agent stops a child stuck at startup with SIGTERM: its log (fd 2) must say where it was."""
+    read, write = os.pipe()
+    with forkstart.forking():
+        pid = os.fork()
+    if pid == 0:
+        try:
+            def stuck_before_the_worker_main() -> None:
+                os.write(write, b"1")
+                time.sleep(60)
+
+            stuck_before_the_worker_main()
+        finally:
+            os._exit(0)
+    os.close(write)
+    assert os.read(read, 1) == b"1"  # the child is in the function now
+    os.close(read)
+    os.kill(pid, signal.SIGTERM)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM  # still stopped by the signal
+    assert "in stuck_before_the_worker_main" in capfd.readouterr().err
 
 
 @pytest.mark.slow

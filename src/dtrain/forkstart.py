@@ -24,6 +24,7 @@ A fork is not safe, and workers are started as new interpreters as before, when:
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import gc
 import importlib
 import os
@@ -125,6 +126,12 @@ def _make_worker_process() -> None:
         for stream in (sys.stdout, sys.stderr):  # as ``python -u`` would: a line reaches the log at once
             with contextlib.suppress(AttributeError, ValueError):
                 stream.reconfigure(line_buffering=True)
+    # Until the worker installs its own stop handlers, the agent's SIGTERM (it stops the survivors of a
+    # failed rank) first writes every thread's Python stack to the rank's log (fd 2, where the agent
+    # points it): a child stuck before it started, on something inherited from the launcher's threads at
+    # fork, then says where. Seen once in the suite: rank 1 of a 2-slot run wrote nothing, and rank 0
+    # timed out at startup waiting for it.
+    faulthandler.register(signal.SIGTERM, file=2, all_threads=True, chain=True)
 
 
 os.register_at_fork(after_in_child=_make_worker_process)
