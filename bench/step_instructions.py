@@ -1,6 +1,6 @@
 """dtrain's fixed cost per step in CPU instructions: a count that the machine's speed does not move.
 
-    .venv/bin/python bench/step_instructions.py [--model mlp-tiny] [--steps 300,1300]
+    .venv/bin/python bench/step_instructions.py [--model mlp-tiny] [--steps 300,1300] [--slots 1]
 
 Timing a few percent on a shared 2-core machine is noise-bound (bench/overhead.py's rounds spread by
 +/-20%); the number of instructions a step executes is not. This runs the same 1-slot training three ways
@@ -9,7 +9,10 @@ trainer, profiling on) under valgrind's cachegrind (``--cache-sim=no``: instruct
 two step counts, and prints the difference divided by the extra steps: instructions per step, start-up
 and end of run cancelled out. Needs ``valgrind`` (``apt-get install valgrind``); about 2 minutes per run
 (6 runs). On one slot there is no communication: what remains is the work each mode does around the
-model's own forward, backward and update, i.e. its fixed cost per step.
+model's own forward, backward and update, i.e. its fixed cost per step. With ``--slots 2`` every rank runs
+under cachegrind (Gloo, the raw loop with DDP and a DistributedSampler) and rank 0's count is reported:
+what a mode adds where gradients are exchanged (comm timing, reports' collectives, stop votes). Waiting
+for the peer blocks in the kernel, so it adds no instructions; Gloo's own work is in every mode alike.
 """
 
 from __future__ import annotations
@@ -32,15 +35,25 @@ BATCH = 32
 
 
 def run_raw(model_name: str, steps: int) -> None:
+    import torch.distributed as dist
     from models import loss_of, workload
-    from torch.utils.data import DataLoader
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler
 
+    world = int(os.environ["WORLD_SIZE"])
     torch.manual_seed(0)
     model, data, kind = workload(model_name)
+    sampler = None
+    if world > 1:
+        dist.init_process_group("gloo")
+        model = DistributedDataParallel(model)
+        sampler = DistributedSampler(data, shuffle=True, seed=0, drop_last=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    loader = DataLoader(data, batch_size=BATCH, shuffle=True, drop_last=True)
-    step = 0
+    loader = DataLoader(data, batch_size=BATCH, shuffle=sampler is None, sampler=sampler, drop_last=True)
+    step, epoch = 0, 0
     while step < steps:
+        if sampler is not None:
+            sampler.set_epoch(epoch)
         for x, y in loader:
             if step == steps:
                 break
@@ -49,6 +62,9 @@ def run_raw(model_name: str, steps: int) -> None:
             loss.backward()
             opt.step()
             step += 1
+        epoch += 1
+    if world > 1:
+        dist.destroy_process_group()
 
 
 def run_own(model_name: str, steps: int) -> None:
@@ -78,30 +94,43 @@ def run_trial(model_name: str, steps: int) -> None:
     from dtrain.config import config_from_dict
     from dtrain.trainer import run_trial as train
 
+    world = int(os.environ["WORLD_SIZE"])
     config = config_from_dict({
         "name": "step-instructions", "entrypoint": "trials.workload:WorkloadTrial", "code_dir": str(HERE),
-        "hyperparameters": {"global_batch_size": BATCH, "model": model_name},
-        "resources": {"slots_per_trial": 1}, "max_length": {"batches": steps},
+        "hyperparameters": {"global_batch_size": BATCH * world, "model": model_name},
+        "resources": {"slots_per_trial": world}, "max_length": {"batches": steps},
         "checkpoint_storage": {"path": "checkpoints"},
     })
-    with tempfile.TemporaryDirectory() as run_dir:
-        train(config, Path(run_dir), None, quiet=True)
+    # Every rank writes into the same folder (the driver's, like a launcher's run directory).
+    train(config, Path(os.environ["STEP_INSTRUCTIONS_RUN"]), None, quiet=True)
 
 
-def instructions(mode: str, model: str, steps: int, port: int) -> int:
-    """Instructions executed by one whole run (cachegrind's ``I refs``)."""
+def instructions(mode: str, model: str, steps: int, slots: int, port: int) -> int:
+    """Instructions executed by rank 0's whole run (cachegrind's ``I refs``); every rank runs under it."""
     # The caller's PYTHONPATH is kept after this folder: e.g. an older checkout's src, to compare commits.
     path = os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_REPORT": "0",
-           "PYTHONPATH": path, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={tmp}/out",
-               sys.executable, str(Path(__file__)), "--worker", mode, "--model", model, "--steps", str(steps)]
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
-    found = re.search(r"I\s+refs:\s+([\d,]+)", done.stderr)
-    if done.returncode != 0 or found is None:
-        raise SystemExit(f"{mode} ({steps} steps) failed:\n{done.stderr[-3000:]}")
+        base = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_REPORT": "0", "PYTHONPATH": path,
+                "WORLD_SIZE": str(slots), "LOCAL_WORLD_SIZE": str(slots), "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port), "STEP_INSTRUCTIONS_RUN": tmp}
+        ranks = []
+        for rank in range(slots):
+            cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={tmp}/out-{rank}",
+                   sys.executable, str(Path(__file__)), "--worker", mode, "--model", model, "--steps", str(steps)]
+            env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            log = open(f"{tmp}/log-{rank}", "w+")  # noqa: SIM115 (closed below, after the wait)
+            ranks.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log, text=True), log))
+        outputs = []
+        for proc, log in ranks:
+            code = proc.wait()
+            log.seek(0)
+            outputs.append((code, log.read()))
+            log.close()
+    code, text = outputs[0]
+    found = re.search(r"I\s+refs:\s+([\d,]+)", text)
+    failed = [out for c, out in outputs if c != 0]
+    if failed or found is None:
+        raise SystemExit(f"{mode} ({steps} steps) failed:\n{(failed or [text])[0][-3000:]}")
     return int(found.group(1).replace(",", ""))
 
 
@@ -110,6 +139,7 @@ def main() -> None:
     parser.add_argument("--model", default="mlp-tiny")
     parser.add_argument("--steps", default="300,1300", help="the two step counts (their difference counts)")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--slots", type=int, default=1, choices=(1, 2), help="ranks (Gloo); rank 0 is counted")
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -119,11 +149,12 @@ def main() -> None:
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind not found: apt-get install valgrind")
     short, long = (int(s) for s in args.steps.split(","))
-    print(f"instructions per step, {args.model}, 1 slot, batch {BATCH}, torch {torch.__version__} "
-          f"(cachegrind, runs of {short} and {long} steps)", flush=True)
+    print(f"instructions per step, {args.model}, {args.slots} slot(s), rank 0, batch {BATCH} per slot, "
+          f"torch {torch.__version__} (cachegrind, runs of {short} and {long} steps)", flush=True)
     per_step = {}
     for i, mode in enumerate(args.modes.split(",")):
-        counts = [instructions(mode, args.model, steps, 29600 + 2 * i + j) for j, steps in enumerate((short, long))]
+        counts = [instructions(mode, args.model, steps, args.slots, 29600 + 2 * i + j)
+                  for j, steps in enumerate((short, long))]
         per_step[mode] = (counts[1] - counts[0]) / (long - short)
         print(f"  {mode}: {counts[0]:,} and {counts[1]:,} instructions", flush=True)
     base = per_step.get("raw")

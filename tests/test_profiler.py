@@ -34,9 +34,7 @@ class ScriptedClock:
 def _timer(times, deferred, warmup=0):
     import torch
 
-    t = StepTimer(torch.device("cpu"), enabled=True, warmup_steps=warmup)
-    t.clock = ScriptedClock(times, deferred)
-    t.recorder.clock = t.clock
+    t = StepTimer(torch.device("cpu"), enabled=True, warmup_steps=warmup, clock=ScriptedClock(times, deferred))
     return t
 
 

@@ -34,9 +34,11 @@ class NonFiniteError(RuntimeError):
 
 def _watched(metrics: Any) -> Any:
     """The value to watch: ``loss`` when the trial reports one, else its first metric."""
+    if type(metrics) is dict and "loss" in metrics:
+        return metrics["loss"]
     if not isinstance(metrics, dict) or not metrics:
         return None
-    return metrics["loss"] if "loss" in metrics else metrics[sorted(metrics)[0]]
+    return metrics[sorted(metrics)[0]]
 
 
 class NonFiniteWatch:
@@ -54,6 +56,10 @@ class NonFiniteWatch:
 
     def observe(self, metrics: Any, batch: int) -> None:
         value = _watched(metrics)
+        if type(value) is float:  # the usual case on CPU: a loss already read by metrics.checked_metrics
+            if not math.isfinite(value) and self._host_first == NEVER:
+                self._host_first = batch
+            return
         if isinstance(value, torch.Tensor) and value.is_cpu:
             # A CPU tensor's value is already in host memory: reading it waits for no device. Measured on
             # the 0.1M-parameter MLP (1.6 ms steps, 1 slot): 71 us per step for the four kernels below,

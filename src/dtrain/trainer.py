@@ -57,11 +57,6 @@ def run_trial(config: ExperimentConfig, run_dir: Path, resume_from: Path | None,
     return summary
 
 
-def _crossed(period: int | None, previous: int, now: int) -> bool:
-    """A multiple of ``period`` lies in (previous, now]."""
-    return bool(period) and now // period > previous // period  # type: ignore[operator]
-
-
 class Trainer:
     def __init__(self, context: TrialContext, trial: PyTorchTrial, config: ExperimentConfig, run_dir: Path,
                  quiet: bool) -> None:
@@ -115,12 +110,14 @@ class Trainer:
         gradients are not saved), when a period boundary was crossed since the previous exchange.
         Every rank derives the same schedule, so a parameter server's servers keep step with the workers.
         """
-        k = self.ctx.aggregation_frequency
+        k, total = self.ctx.aggregation_frequency, self.total_batches
+        val_every, ckpt_every = self.val_every, self.ckpt_every
         previous = self.batches
-        for b in range(self.batches + 1, self.total_batches + 1):
-            sync = b % k == 0 or b == self.total_batches
-            validate = sync and _crossed(self.val_every, previous, b)
-            ckpt = sync and _crossed(self.ckpt_every, previous, b)
+        for b in range(self.batches + 1, total + 1):
+            sync = b % k == 0 or b == total
+            # A period boundary (a multiple of the period) lies in (previous exchange, b].
+            validate = sync and bool(val_every) and b // val_every > previous // val_every  # type: ignore[operator]
+            ckpt = sync and bool(ckpt_every) and b // ckpt_every > previous // ckpt_every  # type: ignore[operator]
             previous = b if sync else previous
             yield b, sync, validate, ckpt
 
@@ -141,13 +138,21 @@ class Trainer:
         last_val = last_ckpt = -1
         # Where every rank agrees to stop on a signal (see dtrain.stopping); no per-step cost.
         vote = StopVote(not strategy.has_server_ranks, self.batches, self.ctx.aggregation_frequency, self.ctx.backend)
+        # Every batch exchanges gradients without aggregation: say so once, not through a context per step.
+        every_batch_syncs = self.ctx.aggregation_frequency == 1
+        if every_batch_syncs:
+            self.ctx.gradient_sync(True)
+        unit, total, tuner = self.config.scheduling_unit, self.total_batches, self.tuner
         self._open_window()
         for b, sync, validate, ckpt in self.schedule():
-            with self.ctx.gradient_sync(sync):
+            if every_batch_syncs:
                 self._train_step()
-            if sync and self.tuner is not None and self.tuner.active:
+            else:
+                with self.ctx.gradient_sync(sync):
+                    self._train_step()
+            if sync and tuner is not None and tuner.active:
                 self._tune_fusion()
-            if b % self.config.scheduling_unit == 0 or b == self.total_batches:
+            if b % unit == 0 or b == total:
                 self._report_training()
             if validate or ckpt:
                 strategy.refresh()
@@ -157,7 +162,7 @@ class Trainer:
             if ckpt:
                 self._checkpoint()
                 last_ckpt = b
-            if vote.due(b, sync) and b < self.total_batches and vote.vote(b):
+            if sync and b >= vote.next_at and b < total and vote.vote(b):  # a vote batch (inline: every step)
                 return self._stop(last_ckpt)
         self._close_window()
         strategy.refresh()

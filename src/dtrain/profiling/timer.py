@@ -30,7 +30,7 @@ from dtrain.profiling.stragglers import STEP_COLUMN, LagSampler
 
 COMM_FIELDS = ("comm_busy", "comm_bytes", "comm_buckets")
 _INDEX = {p: i for i, p in enumerate(PHASES)}
-_BACKWARD, _EXPOSED, _OTHER = _INDEX["backward"], _INDEX["comm_exposed"], _INDEX["other"]
+_FORWARD, _BACKWARD, _EXPOSED, _OTHER = _INDEX["forward"], _INDEX["backward"], _INDEX["comm_exposed"], _INDEX["other"]
 # Steps whose edges are kept before they are resolved (on CUDA, one synchronization per this many steps
 # at most, when reports are rarer).
 FLUSH_EVERY = 64
@@ -43,10 +43,10 @@ class StepTimer:
     costs (DDP's first-iteration bucket rebuild, allocator warm-up, autotuning kernels).
     """
 
-    def __init__(self, device: torch.device, enabled: bool = True, warmup_steps: int = 3) -> None:
+    def __init__(self, device: torch.device, enabled: bool = True, warmup_steps: int = 3, clock: Any = None) -> None:
         self.enabled = enabled
         self.warmup_steps = warmup_steps
-        self.clock = clock_for(device)
+        self.clock = clock if clock is not None else clock_for(device)  # tests script one
         self.recorder = CommRecorder(self.clock)
         self.totals: dict[str, float] = dict.fromkeys(PHASES + COMM_FIELDS, 0.0)
         self.window: dict[str, float] = dict.fromkeys(PHASES, 0.0)
@@ -66,24 +66,34 @@ class StepTimer:
         self._stamp: list[Any] = []
         self._steps: list[tuple[int, int, bool, float, float, float, bool]] = []
         self._step_first = 0
+        # An edge is two appends and a clock read, done in place by its caller (no helper call): a step
+        # has seven, and on small CPU steps each Python call shows (bench/step_instructions.py).
+        # The lists are only ever cleared in place, so these bound methods stay valid.
+        self._add_phase = self._phase.append
+        self._add_stamp = self._stamp.append
+        self._now = self.clock.stamp
 
     # ---------------------------------------------------------------------------------- edges
-    def _edge(self, phase: int, stamp: Any = None) -> None:
-        self._phase.append(phase)
-        self._stamp.append(self.clock.stamp() if stamp is None else stamp)
+    def _edge(self, phase: int, stamp: Any) -> None:
+        self._add_phase(phase)
+        self._add_stamp(stamp)
 
     def start_step(self) -> None:
         if not self.enabled:
             return
         self._in_step = True
         self._step_first = len(self._phase)
-        self.recorder.reset()
-        self._edge(-1)
+        rec = self.recorder
+        if rec.grad_ready_seen or rec.launches or rec.completions:  # most CPU steps leave nothing to reset
+            rec.reset()
+        self._add_phase(-1)
+        self._add_stamp(self._now())
 
     def lap(self, phase: str) -> None:
         """Charge the time since the previous edge to ``phase``."""
         if self._in_step:  # own loops (dtrain.init) need not mark steps: then nothing is timed
-            self._edge(_INDEX[phase])
+            self._add_phase(_INDEX[phase])
+            self._add_stamp(self._now())
 
     def backward_begin(self) -> None:
         """Before ``loss.backward()``: the time since the previous edge was forward.
@@ -91,14 +101,16 @@ class StepTimer:
         After the last gradient was computed, backward only waits for communication (``comm_exposed``);
         the rest is backward compute (with DDP's own bookkeeping). Begin/end calls rather than a context
         manager: the trainer's step is on the hot path."""
-        self.lap("forward")
+        if self._in_step:
+            self._add_phase(_FORWARD)
+            self._add_stamp(self._now())
         self.recorder.grad_ready_seen = False
 
     def backward_end(self) -> None:
         """After ``loss.backward()`` returned."""
         if not self._in_step:
             return
-        end = self.clock.stamp()
+        end = self._now()
         recorder = self.recorder
         if recorder.launches and not self.clock.deferred:
             # Per-bucket stamps (a Python comm hook, CPU): waiting = in-flight time after the last launch.
@@ -118,7 +130,8 @@ class StepTimer:
                 self.steps += 1
             return
         self._in_step = False
-        self._edge(_OTHER)
+        self._add_phase(_OTHER)
+        self._add_stamp(self._now())
         self.steps += 1
         profiled = self.steps > self.warmup_steps
         rec = self.recorder
@@ -148,26 +161,42 @@ class StepTimer:
         phases = self._phase
         lag, samples = self.lag, self.lag.buffer
         sums = [0.0] * len(PHASES)  # by phase index: one dict update per phase per flush, not per edge
+        # Window figures in locals, written back once: this loop runs for every step of the run.
+        profiled_steps, profiled_seconds, busy_sum, bytes_sum, buckets_sum = 0, 0.0, 0.0, 0.0, 0.0
+        step = self._last_step
         for first, count, profiled, busy, nbytes, buckets, exchanging in self._steps:
-            step = stamps[first + count - 1] - stamps[first]
-            self._last_step = step
+            end = first + count
+            start = previous = stamps[first]
+            step = stamps[end - 1] - start
             if not profiled:
                 continue
             # A sampled step's phases also go to the straggler buffer (offset base), in place.
             base = lag.slot() if exchanging else -1
-            for i in range(first + 1, first + count):
-                part = stamps[i] - stamps[i - 1]
-                sums[phases[i]] += part
-                if base >= 0:
-                    samples[base + phases[i]] += part
-            if base >= 0:
+            if base < 0:
+                for i in range(first + 1, end):
+                    now = stamps[i]
+                    sums[phases[i]] += now - previous
+                    previous = now
+            else:
+                for i in range(first + 1, end):
+                    now = stamps[i]
+                    sums[phases[i]] += now - previous
+                    samples[base + phases[i]] += now - previous
+                    previous = now
                 samples[base + STEP_COLUMN] = step
-            self.profiled_steps += 1
-            self.profiled_seconds += step
-            self.window_steps += 1
-            self.totals["comm_busy"] += busy
-            self.totals["comm_bytes"] += nbytes
-            self.totals["comm_buckets"] += buckets
+            profiled_steps += 1
+            profiled_seconds += step
+            busy_sum += busy
+            bytes_sum += nbytes
+            buckets_sum += buckets
+        self._last_step = step
+        self.profiled_steps += profiled_steps
+        self.profiled_seconds += profiled_seconds
+        self.window_steps += profiled_steps
+        totals = self.totals
+        totals["comm_busy"] += busy_sum
+        totals["comm_bytes"] += bytes_sum
+        totals["comm_buckets"] += buckets_sum
         for name, value in zip(PHASES, sums, strict=True):
             self.totals[name] += value
             self.window[name] += value
