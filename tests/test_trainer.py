@@ -53,6 +53,24 @@ def test_run_directory_layout_and_validation_is_exact(tmp_path):
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
+def test_tensorboard_reads_every_scalar_of_a_report(tmp_path):
+    """A report's scalars are written as one event: TensorBoard must still see one series per tag."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dtrain.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path)
+    writer.write("training", 100, 0, {"loss": 0.5, "acc": 0.25}, samples_per_second=10.0)
+    writer.scalars("time_ms", {"forward": 1.5, "backward": 3.0}, 100)
+    writer.write("training", 200, 0, {"loss": 0.25, "acc": 0.5})
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()  # before close: each report is flushed as it is written
+    assert sorted(events.Tags()["scalars"]) == ["time_ms/backward", "time_ms/forward", "training/acc", "training/loss"]
+    assert [(e.step, e.value) for e in events.Scalars("training/loss")] == [(100, 0.5), (200, 0.25)]
+    assert [(e.step, e.value) for e in events.Scalars("time_ms/backward")] == [(100, 3.0)]
+    writer.close()
+
+
 def test_train_batch_metrics_are_checked_with_a_one_line_error():
     from dtrain.errors import UserError
     from dtrain.metrics import MeanAccumulator, checked_metrics

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
+import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -125,26 +128,59 @@ class MetricsWriter:
     """Chief-only sink: one JSON object per report in ``metrics.jsonl`` plus TensorBoard scalars."""
 
     def __init__(self, run_dir: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # heavy import, chief only
-
         self.path = run_dir / "metrics.jsonl"
         self._file = self.path.open("a", buffering=1)
-        self._tb = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
+        self._tb = EventFile(run_dir / "tensorboard")
 
     def write(self, kind: str, batches: int, epoch: int, metrics: Mapping[str, float], **extra: Any) -> None:
         record = {"kind": kind, "batches": batches, "epoch": epoch, "metrics": _finite(metrics), **extra}
         self._file.write(json.dumps(record) + "\n")
-        for name, value in metrics.items():
-            self._tb.add_scalar(f"{kind}/{name}", value, global_step=batches)
+        self.scalars(kind, metrics, batches)
 
     def scalars(self, prefix: str, values: Mapping[str, float], batches: int) -> None:
-        """TensorBoard only (e.g. the step-time breakdown)."""
-        for name, value in values.items():
-            self._tb.add_scalar(f"{prefix}/{name}", value, global_step=batches)
+        """TensorBoard only (e.g. the step-time breakdown): tags ``prefix/name``."""
+        self._tb.scalars({f"{prefix}/{name}": value for name, value in values.items()}, batches)
 
     def close(self) -> None:
         self._file.close()
         self._tb.close()
+
+
+class EventFile:
+    """A TensorBoard event file written in the calling thread, a report's scalars as one event.
+
+    Why not ``SummaryWriter.add_scalar``: every call hands one event to the event writer's thread, which
+    wakes, takes the GIL from the training loop and computes a pure-Python CRC; measured ~100 us of the
+    loop's time per scalar here, about 1 ms per report of 9 scalars. Written here, with TensorBoard's own
+    record framing and protos, a report costs one serialization and one CRC in line, and is flushed at
+    once (visible to a live TensorBoard, and kept if the run dies).
+    """
+
+    def __init__(self, folder: Path) -> None:
+        from tensorboard.compat.proto import event_pb2, summary_pb2  # heavy imports, chief only
+        from tensorboard.summary.writer.record_writer import RecordWriter
+
+        self._event, self._summary = event_pb2.Event, summary_pb2.Summary
+        folder.mkdir(parents=True, exist_ok=True)
+        # TensorBoard's own naming: it finds event files by the "tfevents" in their names.
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.0"
+        self._records = RecordWriter(open(folder / name, "wb"))  # noqa: SIM115 (closed by close())
+        self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def scalars(self, values: Mapping[str, float], step: int) -> None:
+        """One event holding every ``tag: value`` (TensorBoard reads each tag as its own series)."""
+        if not values:
+            return
+        summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=float(value))
+                                       for tag, value in values.items()])
+        self._write(self._event(wall_time=time.time(), step=step, summary=summary))
+
+    def _write(self, event: Any) -> None:
+        self._records.write(event.SerializeToString())
+        self._records.flush()
+
+    def close(self) -> None:
+        self._records.close()
 
 
 def _finite(metrics: Mapping[str, float]) -> dict[str, float | None]:
