@@ -6,6 +6,7 @@ whatever the number of metrics.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -146,6 +147,9 @@ class MetricsWriter:
         self._tb.close()
 
 
+_FILES = itertools.count()
+
+
 class EventFile:
     """A TensorBoard event file written in the calling thread, a report's scalars as one event.
 
@@ -163,7 +167,8 @@ class EventFile:
         self._event, self._summary = event_pb2.Event, summary_pb2.Summary
         folder.mkdir(parents=True, exist_ok=True)
         # TensorBoard's own naming: it finds event files by the "tfevents" in their names.
-        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.0"
+        # The counter keeps two writers of one process in one second apart (in-process runs, searches).
+        name = f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}.{os.getpid()}.{next(_FILES)}"
         self._records = RecordWriter(open(folder / name, "wb"))  # noqa: SIM115 (closed by close())
         self._write(self._event(wall_time=time.time(), file_version="brain.Event:2"))
 
