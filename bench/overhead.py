@@ -190,7 +190,7 @@ def run_trial_mode(args: argparse.Namespace) -> None:
         "name": "overhead", "entrypoint": "overhead:BenchTrial", "code_dir": str(HERE),
         "hyperparameters": {"global_batch_size": args.batch * world, "model": args.model, "turns": turns},
         "resources": {"slots_per_trial": world}, "max_length": {"batches": Turns(args, torch.device("cpu"), 0).steps},
-        "checkpoint_storage": {"path": "checkpoints"},
+        "checkpoint_storage": {"path": "checkpoints"}, **json.loads(args.trial_config),
     })
     run_trial(config, run_dir, None, quiet=True)
 
@@ -208,7 +208,7 @@ def start(mode: str, model: str, args: argparse.Namespace, turns: Path) -> subpr
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.slots),
            str(Path(__file__)), "--worker", "--mode", mode, "--model", model, "--turns", str(turns),
            "--warmup", str(args.warmup), "--window", str(args.window), "--rounds", str(args.rounds),
-           "--batch", str(args.batch)]
+           "--batch", str(args.batch), "--trial-config", args.trial_config]
     log = (turns / f"{mode}.log").open("w")
     return subprocess.Popen(cmd, env=env, cwd=turns, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -280,6 +280,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--batch", type=int, default=32, help="per slot")
     parser.add_argument("--slots", type=int, default=2)
+    parser.add_argument("--trial-config", default="{}",
+                        help='JSON merged into the Trial\'s config, e.g. \'{"profiling": {"enabled": false}}\'')
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)

@@ -18,6 +18,7 @@ for the peer blocks in the kernel, so it adds no instructions; Gloo's own work i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -90,7 +91,7 @@ def run_own(model_name: str, steps: int) -> None:
     ctx.close()
 
 
-def run_trial(model_name: str, steps: int) -> None:
+def run_trial(model_name: str, steps: int, trial_config: str = "{}") -> None:
     from dtrain.config import config_from_dict
     from dtrain.trainer import run_trial as train
 
@@ -99,13 +100,13 @@ def run_trial(model_name: str, steps: int) -> None:
         "name": "step-instructions", "entrypoint": "trials.workload:WorkloadTrial", "code_dir": str(HERE),
         "hyperparameters": {"global_batch_size": BATCH * world, "model": model_name},
         "resources": {"slots_per_trial": world}, "max_length": {"batches": steps},
-        "checkpoint_storage": {"path": "checkpoints"},
+        "checkpoint_storage": {"path": "checkpoints"}, **json.loads(trial_config),
     })
     # Every rank writes into the same folder (the driver's, like a launcher's run directory).
     train(config, Path(os.environ["STEP_INSTRUCTIONS_RUN"]), None, quiet=True)
 
 
-def instructions(mode: str, model: str, steps: int, slots: int, port: int) -> int:
+def instructions(mode: str, model: str, steps: int, slots: int, port: int, trial_config: str = "{}") -> int:
     """Instructions executed by rank 0's whole run (cachegrind's ``I refs``); every rank runs under it."""
     # The caller's PYTHONPATH is kept after this folder: e.g. an older checkout's src, to compare commits.
     path = os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))
@@ -116,7 +117,8 @@ def instructions(mode: str, model: str, steps: int, slots: int, port: int) -> in
         ranks = []
         for rank in range(slots):
             cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={tmp}/out-{rank}",
-                   sys.executable, str(Path(__file__)), "--worker", mode, "--model", model, "--steps", str(steps)]
+                   sys.executable, str(Path(__file__)), "--worker", mode, "--model", model, "--steps", str(steps),
+                   "--trial-config", trial_config]
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             log = open(f"{tmp}/log-{rank}", "w+")  # noqa: SIM115 (closed below, after the wait)
             ranks.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log, text=True), log))
@@ -140,11 +142,16 @@ def main() -> None:
     parser.add_argument("--steps", default="300,1300", help="the two step counts (their difference counts)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--slots", type=int, default=1, choices=(1, 2), help="ranks (Gloo); rank 0 is counted")
+    parser.add_argument("--trial-config", default="{}",
+                        help='JSON merged into the Trial\'s config, e.g. \'{"profiling": {"enabled": false}}\'')
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         torch.set_num_threads(1)
-        {"raw": run_raw, "own": run_own, "trial": run_trial}[args.worker](args.model, int(args.steps))
+        if args.worker == "trial":
+            run_trial(args.model, int(args.steps), args.trial_config)
+        else:
+            {"raw": run_raw, "own": run_own}[args.worker](args.model, int(args.steps))
         return
     if shutil.which("valgrind") is None:
         raise SystemExit("valgrind not found: apt-get install valgrind")
@@ -153,7 +160,7 @@ def main() -> None:
           f"torch {torch.__version__} (cachegrind, runs of {short} and {long} steps)", flush=True)
     per_step = {}
     for i, mode in enumerate(args.modes.split(",")):
-        counts = [instructions(mode, args.model, steps, args.slots, 29600 + 2 * i + j)
+        counts = [instructions(mode, args.model, steps, args.slots, 29600 + 2 * i + j, args.trial_config)
                   for j, steps in enumerate((short, long))]
         per_step[mode] = (counts[1] - counts[0]) / (long - short)
         print(f"  {mode}: {counts[0]:,} and {counts[1]:,} instructions", flush=True)
