@@ -3,6 +3,7 @@
     .venv/bin/python bench/overhead.py [--models mlp-0.1m,mlp-1m] [--rounds 15] [--window 300] [--slots 2]
     .venv/bin/python bench/overhead.py --models gpt --slots 1 --window 50      # on a GPU
     .venv/bin/python bench/overhead.py --models mlp-tiny --slots 1 --window 1000  # the fixed cost per step
+    .venv/bin/python bench/overhead.py --trial-config '{"profiling": {"enabled": false}}'  # a Trial variant
 
 Three ways to train the same model on the same data, each a job of ``--slots`` workers started by torch's
 elastic agent (``torch.distributed.run``), 1 CPU thread per worker (``OMP_NUM_THREADS=1``):
