@@ -106,8 +106,10 @@ def run_trial(model_name: str, steps: int, trial_config: str = "{}") -> None:
     train(config, Path(os.environ["STEP_INSTRUCTIONS_RUN"]), None, quiet=True)
 
 
-def instructions(mode: str, model: str, steps: int, slots: int, port: int, trial_config: str = "{}") -> int:
-    """Instructions executed by rank 0's whole run (cachegrind's ``I refs``); every rank runs under it."""
+def instructions(mode: str, model: str, steps: int, slots: int, port: int, trial_config: str = "{}",
+                 native_peers: bool = False) -> int:
+    """Instructions executed by rank 0's whole run (cachegrind's ``I refs``); every rank runs under it
+    unless ``native_peers`` (then only rank 0: faster, and rank 0's count is the same)."""
     # The caller's PYTHONPATH is kept after this folder: e.g. an older checkout's src, to compare commits.
     path = os.pathsep.join(filter(None, (str(HERE), os.environ.get("PYTHONPATH"))))
     with tempfile.TemporaryDirectory() as tmp:
@@ -116,9 +118,9 @@ def instructions(mode: str, model: str, steps: int, slots: int, port: int, trial
                 "MASTER_PORT": str(port), "STEP_INSTRUCTIONS_RUN": tmp}
         ranks = []
         for rank in range(slots):
-            cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={tmp}/out-{rank}",
-                   sys.executable, str(Path(__file__)), "--worker", mode, "--model", model, "--steps", str(steps),
-                   "--trial-config", trial_config]
+            valgrind = ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={tmp}/out-{rank}"]
+            cmd = [*(valgrind if rank == 0 or not native_peers else []), sys.executable, str(Path(__file__)),
+                   "--worker", mode, "--model", model, "--steps", str(steps), "--trial-config", trial_config]
             env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank)}
             log = open(f"{tmp}/log-{rank}", "w+")  # noqa: SIM115 (closed below, after the wait)
             ranks.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=log, text=True), log))
@@ -142,6 +144,7 @@ def main() -> None:
     parser.add_argument("--steps", default="300,1300", help="the two step counts (their difference counts)")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--slots", type=int, default=1, choices=(1, 2), help="ranks (Gloo); rank 0 is counted")
+    parser.add_argument("--native-peers", action="store_true", help="ranks other than 0 run without valgrind")
     parser.add_argument("--trial-config", default="{}",
                         help='JSON merged into the Trial\'s config, e.g. \'{"profiling": {"enabled": false}}\'')
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
@@ -160,7 +163,8 @@ def main() -> None:
           f"torch {torch.__version__} (cachegrind, runs of {short} and {long} steps)", flush=True)
     per_step = {}
     for i, mode in enumerate(args.modes.split(",")):
-        counts = [instructions(mode, args.model, steps, args.slots, 29600 + 2 * i + j, args.trial_config)
+        counts = [instructions(mode, args.model, steps, args.slots, 29600 + 2 * i + j, args.trial_config,
+                               args.native_peers)
                   for j, steps in enumerate((short, long))]
         per_step[mode] = (counts[1] - counts[0]) / (long - short)
         print(f"  {mode}: {counts[0]:,} and {counts[1]:,} instructions", flush=True)
