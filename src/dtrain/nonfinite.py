@@ -56,7 +56,7 @@ class NonFiniteWatch:
 
     def observe(self, metrics: Any, batch: int) -> None:
         value = _watched(metrics)
-        if type(value) is float:  # the usual case on CPU: a loss already read by metrics.checked_metrics
+        if type(value) is float:  # the usual case on CPU (a loss read by metrics.checked_metrics): checked first
             if not math.isfinite(value) and self._host_first == NEVER:
                 self._host_first = batch
             return

@@ -38,7 +38,6 @@ class StopVote:
         self.enabled = enabled
         self.k = max(1, group_size)
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        # The next vote batch: the step loop votes at the first exchanging batch >= next_at.
         self.next_at = start_batch + self.k if enabled else sys.maxsize
         self._last = (start_batch, time.monotonic())
         self._buf = torch.zeros(2, dtype=torch.int64)
@@ -46,6 +45,9 @@ class StopVote:
         if enabled and self.world > 1 and backend != "gloo":
             # A collective on every rank, in the same order: each builds the Trainer at the same point.
             self.group = dist.new_group(backend="gloo")
+
+    def due(self, batch: int, sync: bool) -> bool:
+        return sync and batch >= self.next_at
 
     def vote(self, batch: int) -> bool:
         """Collective: True when any rank was asked to stop (then every rank stops after ``batch``)."""

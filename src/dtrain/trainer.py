@@ -57,6 +57,11 @@ def run_trial(config: ExperimentConfig, run_dir: Path, resume_from: Path | None,
     return summary
 
 
+def _crossed(period: int | None, previous: int, now: int) -> bool:
+    """A multiple of ``period`` lies in (previous, now]."""
+    return bool(period) and now // period > previous // period  # type: ignore[operator]
+
+
 class Trainer:
     def __init__(self, context: TrialContext, trial: PyTorchTrial, config: ExperimentConfig, run_dir: Path,
                  quiet: bool) -> None:
@@ -111,13 +116,11 @@ class Trainer:
         Every rank derives the same schedule, so a parameter server's servers keep step with the workers.
         """
         k, total = self.ctx.aggregation_frequency, self.total_batches
-        val_every, ckpt_every = self.val_every, self.ckpt_every
         previous = self.batches
         for b in range(self.batches + 1, total + 1):
             sync = b % k == 0 or b == total
-            # A period boundary (a multiple of the period) lies in (previous exchange, b].
-            validate = sync and bool(val_every) and b // val_every > previous // val_every  # type: ignore[operator]
-            ckpt = sync and bool(ckpt_every) and b // ckpt_every > previous // ckpt_every  # type: ignore[operator]
+            validate = sync and _crossed(self.val_every, previous, b)
+            ckpt = sync and _crossed(self.ckpt_every, previous, b)
             previous = b if sync else previous
             yield b, sync, validate, ckpt
 
@@ -162,7 +165,7 @@ class Trainer:
             if ckpt:
                 self._checkpoint()
                 last_ckpt = b
-            if sync and b >= vote.next_at and b < total and vote.vote(b):  # a vote batch (inline: every step)
+            if vote.due(b, sync) and b < total and vote.vote(b):
                 return self._stop(last_ckpt)
         self._close_window()
         strategy.refresh()

@@ -172,17 +172,13 @@ class StepTimer:
                 continue
             # A sampled step's phases also go to the straggler buffer (offset base), in place.
             base = lag.slot() if exchanging else -1
-            if base < 0:
-                for i in range(first + 1, end):
-                    now = stamps[i]
-                    sums[phases[i]] += now - previous
-                    previous = now
-            else:
-                for i in range(first + 1, end):
-                    now = stamps[i]
-                    sums[phases[i]] += now - previous
+            for i in range(first + 1, end):
+                now = stamps[i]
+                sums[phases[i]] += now - previous
+                if base >= 0:
                     samples[base + phases[i]] += now - previous
-                    previous = now
+                previous = now
+            if base >= 0:
                 samples[base + STEP_COLUMN] = step
             profiled_steps += 1
             profiled_seconds += step
