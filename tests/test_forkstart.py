@@ -4,6 +4,7 @@ exactly as a worker started as a new interpreter does."""
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -34,7 +35,9 @@ def test_a_forked_child_has_its_own_session_default_signals_and_real_streams():
                 facts = [os.getsid(0) == os.getpid(),
                          signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                          signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-                         sys.stdout is sys.__stdout__ and sys.stderr is sys.__stderr__]
+                         sys.stdout.fileno() == 1 and sys.stderr.fileno() == 2,
+                         sys.stdout.line_buffering and sys.stderr.line_buffering,
+                         sys.stdout is not sys.__stdout__]  # fresh objects, not the launcher's
                 os.write(write, "".join("1" if f else "0" for f in facts).encode())
             finally:
                 os._exit(0)
@@ -42,12 +45,51 @@ def test_a_forked_child_has_its_own_session_default_signals_and_real_streams():
         signal.signal(signal.SIGTERM, previous)
     os.close(write)
     _, status = os.waitpid(pid, 0)
-    assert os.read(read, 16) == b"1111" and status == 0
+    assert os.read(read, 16) == b"111111" and status == 0
     os.close(read)
     # Outside forking(), a fork (a DataLoader's worker, say) is left as it is.
     if (pid := os.fork()) == 0:
         os._exit(0 if os.getsid(0) != os.getpid() else 1)
     assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_a_child_forked_while_another_thread_writes_to_a_stream_can_still_print(monkeypatch, tmp_path):
+    """The stream's lock may be held by the writing thread at the fork; the child must not wait for it."""
+    sink = open(tmp_path / "sink", "w")  # noqa: SIM115 (closed below)
+    monkeypatch.setattr(sys, "__stdout__", sink)  # the launcher's stream a thread of it writes to
+    monkeypatch.setattr(sys, "stdout", sink)
+    writing = threading.Event()
+
+    def write_on() -> None:
+        while not writing.is_set():
+            sink.write("x" * 200 + "\n")
+            sink.flush()
+
+    writer = threading.Thread(target=write_on, daemon=True)
+    writer.start()
+    hung = 0
+    try:
+        for _ in range(20):  # with the launcher's own stream object, nearly every child hung
+            with forkstart.forking():
+                pid = os.fork()
+            if pid == 0:
+                try:
+                    print("started", flush=True)
+                finally:
+                    os._exit(0)
+            deadline = time.monotonic() + 10
+            while os.waitpid(pid, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    hung += 1
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    break
+                time.sleep(0.01)
+    finally:
+        writing.set()
+        writer.join()
+        sink.close()
+    assert hung == 0
 
 
 def test_a_forked_child_stopped_before_its_main_leaves_its_stack(capfd):

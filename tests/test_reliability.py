@@ -310,6 +310,41 @@ def test_resume_on_another_slot_count_matches_an_uninterrupted_run(tmp_path, ref
     assert "this model has no layer that draws from them (no dropout)" in log  # precisely what differs
 
 
+def test_a_rank_that_never_started_is_named():
+    """Seen in the suite: a forked rank stuck before its first line; the others timed out in startup."""
+    from dtrain.culprit import Status, explain_timeout
+
+    store = "DistStoreError: wait timeout after 30000ms, keys: /dtrain/attempt_0/0//cpu//0/3"
+    now = 1000.0
+    started = {r: Status(r, "h0", 10 + r, None, "startup", now - 31, now - 0.2, "127.0.0.1") for r in range(3)}
+    rank, line = explain_timeout(0, store, now, {0, 1, 2}, started, world_size=4)
+    assert rank == 3 and line == ("rank 3 never started: it published no status, so it was stuck or dead before "
+                                  "its first step (if stuck, its log ends with its stack); rank 0 waited in startup "
+                                  "and timed out after 30 s (resources.collective_timeout_seconds)")
+    # Ranks on other nodes (world size unknown to this launcher): the waiter, as before.
+    assert explain_timeout(0, store, now, {0, 1, 2}, started)[0] == 0
+
+
+def test_a_forked_process_starts_its_own_status_clock():
+    from dtrain.watchdog import STATUS
+
+    read, write = os.pipe()
+    STATUS.enter("train_batch", 5)
+    STATUS.since -= 1000  # the launcher imported dtrain long ago
+    try:
+        if (pid := os.fork()) == 0:
+            try:
+                os.write(write, f"{STATUS.phase} {STATUS.batch} {time.time() - STATUS.since < 5}".encode())
+            finally:
+                os._exit(0)
+    finally:
+        STATUS.__init__()  # this process's as it was at import
+    os.close(write)
+    os.waitpid(pid, 0)
+    assert os.read(read, 64) == b"startup None True"
+    os.close(read)
+
+
 def test_the_culprit_from_statuses_hung_frozen_or_a_lost_link():
     from dtrain.culprit import Status, explain_timeout, is_timeout
 

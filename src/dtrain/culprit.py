@@ -94,10 +94,11 @@ def _timeout_seconds(message: str) -> str:
 
 
 def explain_timeout(waiter: int, message: str, at: float, timed_out: set[int],
-                    statuses: dict[int, Status]) -> tuple[int, str]:
+                    statuses: dict[int, Status], world_size: int | None = None) -> tuple[int, str]:
     """(the rank to blame, one line) for a collective that timed out on ``waiter`` at time ``at``.
 
-    ``timed_out``: every rank that reported a timeout (they all waited for someone).
+    ``timed_out``: every rank that reported a timeout (they all waited for someone). ``world_size``, where
+    the caller knows every rank: a rank that never published a status is named.
     """
     mine = statuses.get(waiter)
     waited = (f"rank {waiter} waited in {mine.where()}" if mine is not None else f"rank {waiter} waited") + \
@@ -108,6 +109,10 @@ def explain_timeout(waiter: int, message: str, at: float, timed_out: set[int],
         if len(hosts) > 1:
             return waiter, (f"ranks on hosts {', '.join(hosts)} all timed out waiting for each other: the network "
                             f"between these hosts is down or blocked (a cut link, a firewall); {waited}")
+        silent = [r for r in range(world_size or 0) if r not in statuses]
+        if silent:
+            return silent[0], (f"rank {silent[0]} never started: it published no status, so it was stuck or dead "
+                               f"before its first step (if stuck, its log ends with its stack); {waited}")
         return waiter, f"{waited}; no other rank published where it was (it may have died before starting)"
     frozen = [s for s in others if at - s.time > STALE_SECONDS]
     # A frozen rank first (it cannot answer at all), else the one that has been in its phase longest.

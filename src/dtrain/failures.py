@@ -102,11 +102,12 @@ def read_reports(folder: Path | None, own_ranks: set[int] | None = None) -> list
 
 
 def root_cause(failures: dict[int, Any], reports: list[ErrorReport],
-               statuses: dict[int, Status] | None = None) -> Failure | None:
+               statuses: dict[int, Status] | None = None, world_size: int | None = None) -> Failure | None:
     """The failure to show, from the agent's per-rank ``failures`` (exit codes), the reports and the ranks'
     last ``statuses``: bad input first, then the earliest genuine error, then a collective that timed out
     (blaming the rank it waited for, see :mod:`dtrain.culprit`), then a rank that died without a word
-    (killed, os._exit), and only then the peers' "connection closed" echoes. None: nothing to go on."""
+    (killed, os._exit), and only then the peers' "connection closed" echoes. None: nothing to go on.
+    ``world_size``: every rank is this launcher's (one node), so one that never started can be named."""
     statuses = statuses or {}
     user = [r for r in reports if r.user_error]
     if user:
@@ -117,7 +118,8 @@ def root_cause(failures: dict[int, Any], reports: list[ErrorReport],
         return min(primary, key=lambda r: r.time).failure()
     if timeouts:
         first = min(timeouts, key=lambda r: r.time)
-        rank, line = explain_timeout(first.rank, first.message, first.time, {r.rank for r in timeouts}, statuses)
+        rank, line = explain_timeout(first.rank, first.message, first.time, {r.rank for r in timeouts}, statuses,
+                                     world_size)
         return Failure(rank, 1, line, user_error=False, standalone=True)
     reported = {r.rank for r in reports}
     for rank, failure in sorted(failures.items()):

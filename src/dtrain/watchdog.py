@@ -95,6 +95,9 @@ class StopRequest:
 
 STATUS = RankStatus()
 STOP = StopRequest()
+# A forked process (a worker forked from the launcher) starts in its own "startup": without this, its
+# status would say it had been starting up since the launcher imported this module.
+os.register_at_fork(after_in_child=STATUS.__init__)
 
 
 class Watchdog(threading.Thread):
