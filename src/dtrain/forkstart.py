@@ -8,8 +8,9 @@ and only decides when a fork is safe and makes the child look like a freshly sta
 
 * a session of its own (as the agent gives an exec'd worker), so that a stop signals its process group;
 * the signal handlers a new interpreter has, not the launcher's supervisor's;
-* standard streams on the process's file descriptors, even where the launcher's Python streams were
-  replaced (a notebook, a test capturing output): the agent redirects a rank's output by descriptor;
+* new standard stream objects on the process's file descriptors, even where the launcher's Python
+  streams were replaced (a notebook, a test capturing output): the agent redirects a rank's output by
+  descriptor, and a launcher's stream may have been locked by one of its threads at the fork;
 * exactly as many torch threads as ``OMP_NUM_THREADS`` says, which the inherited runtime no longer reads.
 
 A fork is not safe, and workers are started as new interpreters as before, when:
