@@ -21,7 +21,9 @@ one window of every mode back to back (the order rotates), so a ratio compares w
 apart: on a shared machine whose speed drifts by +/-15% from one minute to the next, fresh jobs per mode
 (this script's first design) could not resolve a few percent. The table gives each mode's median steps/s
 and the median of its per-round ratios to raw, and rank 0's CPU time per step (``time.process_time``, all
-its threads) with the median per-round ratio raw/mode: the work a mode adds, without the waiting. Goal:
+its threads) with the median per-round ratio raw/mode: the work a mode adds, without the waiting; a second
+table splits that CPU time into user and kernel time and counts page faults and context switches per
+step (``getrusage``), which instruction counts (bench/step_instructions.py) do not see. Goal:
 >= 0.98 everywhere. On the 2-core test machine rounds still spread by +/-20%: read the medians of a long
 run (``--rounds 40``), and compare runs only side by side.
 """
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -62,6 +65,8 @@ class Turns:
         self.warmup, self.window, self.rounds = args.warmup, args.window, args.rounds
         self.device, self.rank = device, rank
         self.start = self.cpu_start = 0.0
+        self.usage_start = resource.getrusage(resource.RUSAGE_SELF)
+        self.main_start = resource.getrusage(resource.RUSAGE_THREAD)  # the training loop's thread
 
     @property
     def steps(self) -> int:
@@ -76,9 +81,10 @@ class Turns:
         if k > 0:
             speed = self.window / (self._now() - self.start)
             cpu_ms = 1e3 * (time.process_time() - self.cpu_start) / self.window
+            usage = self._usage_per_step()
             if self.rank == 0:
                 part = self.folder / f".done-{self.mode}-{k - 1}"
-                part.write_text(json.dumps({"steps_per_second": speed, "cpu_ms_per_step": cpu_ms}))
+                part.write_text(json.dumps({"steps_per_second": speed, "cpu_ms_per_step": cpu_ms, **usage}))
                 part.rename(self.folder / f"done-{self.mode}-{k - 1}")  # the driver never reads half a file
         if k == 0:  # warmed up: the driver starts round 0 once every rank of every job is here
             (self.folder / f"ready-{self.mode}-{self.rank}").touch()
@@ -88,6 +94,21 @@ class Turns:
             time.sleep(self.POLL_SECONDS)
         self.start = self._now()
         self.cpu_start = time.process_time()
+        self.usage_start = resource.getrusage(resource.RUSAGE_SELF)
+        self.main_start = resource.getrusage(resource.RUSAGE_THREAD)
+
+    def _usage_per_step(self) -> dict[str, float]:
+        """The window's CPU per step split by thread and mode (``getrusage``): the training loop's thread in
+        user and kernel mode, every other thread (Gloo's, DataLoader's) together; and the process's page
+        faults and voluntary context switches. Kernel time and faults are work instruction counts miss."""
+        now, then = resource.getrusage(resource.RUSAGE_SELF), self.usage_start
+        main, main_then = resource.getrusage(resource.RUSAGE_THREAD), self.main_start
+        main_user, main_sys = main.ru_utime - main_then.ru_utime, main.ru_stime - main_then.ru_stime
+        every = now.ru_utime + now.ru_stime - then.ru_utime - then.ru_stime
+        return {"main_user_ms": 1e3 * main_user / self.window, "main_sys_ms": 1e3 * main_sys / self.window,
+                "other_threads_ms": 1e3 * (every - main_user - main_sys) / self.window,
+                "minor_faults": (now.ru_minflt - then.ru_minflt) / self.window,
+                "voluntary_switches": (now.ru_nvcsw - then.ru_nvcsw) / self.window}
 
     def _now(self) -> float:
         if self.device.type == "cuda":
@@ -273,6 +294,14 @@ def summarize(model: str, runs: dict[str, list[dict[str, float]]]) -> list[tuple
     return rows
 
 
+USAGE = ("main_user_ms", "main_sys_ms", "other_threads_ms", "minor_faults", "voluntary_switches")
+
+
+def usage_rows(model: str, runs: dict[str, list[dict[str, float]]]) -> list[tuple[Any, ...]]:
+    """Per mode: the medians over rounds of rank 0's figures per step (:meth:`Turns._usage_per_step`)."""
+    return [(model, mode, *(statistics.median(r[key] for r in runs[mode]) for key in USAGE)) for mode in MODES]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="mlp-0.1m,mlp-1m")
@@ -295,15 +324,23 @@ def main() -> None:
     print(f"dtrain overhead: {args.slots} slot(s) x 1 thread, batch {args.batch}/slot, {args.rounds} rounds of "
           f"{args.window}-step windows per mode (after {args.warmup} warm-up steps), {device}, torch "
           f"{torch.__version__}", flush=True)
-    rows = []
+    rows, usage = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
-            rows += summarize(model, measure(model, args, Path(tmp)))
+            runs = measure(model, args, Path(tmp))
+            rows += summarize(model, runs)
+            usage += usage_rows(model, runs)
     print(f"\n| model | mode | steps/s (median of {args.rounds}) | speed ratio to raw (median) | min-max "
           "| CPU ms/step, rank 0 | work ratio (raw CPU / mode CPU) |")
     print("|---|---|---|---|---|---|---|")
     for model, mode, sps, ratio, lo, hi, cpu, work in rows:
         print(f"| {model} | {mode} | {sps:.1f} | {ratio:.3f} | {lo:.3f}-{hi:.3f} | {cpu:.3f} | {work:.3f} |")
+    print("\nRank 0 per step (medians over rounds; getrusage): CPU ms of the loop's thread, user and kernel, and "
+          "of all other threads; the process's page faults and voluntary context switches\n\n| model | mode | "
+          "loop user ms | loop kernel ms | other threads ms | minor page faults | voluntary switches |")
+    print("|---|---|---|---|---|---|---|")
+    for model, mode, user, kernel, other, faults, switches in usage:
+        print(f"| {model} | {mode} | {user:.3f} | {kernel:.3f} | {other:.3f} | {faults:.2f} | {switches:.2f} |")
 
 if __name__ == "__main__":
     main()
