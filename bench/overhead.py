@@ -47,6 +47,9 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 MODES = ("raw", "own", "trial")
+# A second, independent raw DDP job (``--control``): its ratio to raw is the bench's own noise floor, i.e. how
+# far two identical jobs (fresh processes, their own memory layout) land apart on this machine.
+CONTROL = "raw-again"
 
 
 # ------------------------------------------------------------------------------------ in a worker
@@ -219,7 +222,11 @@ def run_trial_mode(args: argparse.Namespace) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    {"raw": run_raw, "own": run_own, "trial": run_trial_mode}[args.mode](args)
+    {"raw": run_raw, CONTROL: run_raw, "own": run_own, "trial": run_trial_mode}[args.mode](args)
+
+
+def modes_of(args: argparse.Namespace) -> tuple[str, ...]:
+    return (*MODES, CONTROL) if args.control else MODES
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -249,24 +256,24 @@ def wait_for(path: Path, jobs: dict[str, subprocess.Popen], turns: Path, timeout
     return json.loads(text) if text else None
 
 
-def measure(model: str, args: argparse.Namespace, tmp: Path) -> dict[str, list[dict[str, float]]]:
+def measure(model: str, args: argparse.Namespace, turns: Path) -> dict[str, list[dict[str, float]]]:
     """Every mode's window figures in each round (rank 0's steps/s and CPU ms per step), its windows taking
     turns with the other modes'."""
-    turns = tmp / model
     turns.mkdir()
-    jobs = {mode: start(mode, model, args, turns) for mode in MODES}
-    runs: dict[str, list[dict[str, float]]] = {m: [] for m in MODES}
+    modes = modes_of(args)
+    jobs = {mode: start(mode, model, args, turns) for mode in modes}
+    runs: dict[str, list[dict[str, float]]] = {m: [] for m in modes}
     try:
-        for mode in MODES:
+        for mode in modes:
             for rank in range(args.slots):
                 wait_for(turns / f"ready-{mode}-{rank}", jobs, turns)
         for k in range(args.rounds):
-            for mode in MODES[k % len(MODES):] + MODES[:k % len(MODES)]:
+            for mode in modes[k % len(modes):] + modes[:k % len(modes)]:
                 (turns / f"go-{mode}-{k}").touch()
                 runs[mode].append(wait_for(turns / f"done-{mode}-{k}", jobs, turns))
             print(f"  {model} round {k}: " + ", ".join(
                 f"{m} {runs[m][-1]['steps_per_second']:.1f} ({runs[m][-1]['cpu_ms_per_step']:.3f} CPU ms)"
-                for m in MODES) + " steps/s", flush=True)
+                for m in modes) + " steps/s", flush=True)
         for mode, job in jobs.items():
             (turns / f"go-{mode}-{args.rounds}").touch()  # the runs may end now
             if job.wait(timeout=300) != 0:
@@ -284,7 +291,7 @@ def summarize(model: str, runs: dict[str, list[dict[str, float]]]) -> list[tuple
     ms per step, and the median of raw's CPU per step over the mode's (the work ratio: what the mode adds,
     free of the waiting and of the machine's speed changes that wall time carries)."""
     rows = []
-    for mode in MODES:
+    for mode in runs:
         mine, raw = runs[mode], runs["raw"]
         speed = [a["steps_per_second"] / b["steps_per_second"] for a, b in zip(mine, raw, strict=True)]
         work = [b["cpu_ms_per_step"] / a["cpu_ms_per_step"] for a, b in zip(mine, raw, strict=True)]
@@ -299,7 +306,20 @@ USAGE = ("main_user_ms", "main_sys_ms", "other_threads_ms", "minor_faults", "vol
 
 def usage_rows(model: str, runs: dict[str, list[dict[str, float]]]) -> list[tuple[Any, ...]]:
     """Per mode: the medians over rounds of rank 0's figures per step (:meth:`Turns._usage_per_step`)."""
-    return [(model, mode, *(statistics.median(r[key] for r in runs[mode]) for key in USAGE)) for mode in MODES]
+    return [(model, mode, *(statistics.median(r[key] for r in runs[mode]) for key in USAGE)) for mode in runs]
+
+
+def over_launches(per_launch: list[list[tuple[Any, ...]]]) -> list[tuple[Any, ...]]:
+    """:func:`summarize`'s rows of several launches as one row per mode: the medians over launches, and
+    the range of the launches' median speed ratios (not of single rounds)."""
+    rows = []
+    for same_mode in zip(*per_launch, strict=True):
+        model, mode = same_mode[0][:2]
+        ratios = [row[3] for row in same_mode]
+        rows.append((model, mode, statistics.median(row[2] for row in same_mode), statistics.median(ratios),
+                     min(ratios), max(ratios), statistics.median(row[6] for row in same_mode),
+                     statistics.median(row[7] for row in same_mode)))
+    return rows
 
 
 def main() -> None:
@@ -313,7 +333,11 @@ def main() -> None:
     parser.add_argument("--trial-config", default="{}",
                         help='JSON merged into the Trial\'s config, e.g. \'{"profiling": {"enabled": false}}\'')
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)
+    parser.add_argument("--launches", type=int, default=1,
+                        help="fresh jobs per mode, one after another; the table gives medians over launches")
+    parser.add_argument("--control", action="store_true",
+                        help=f"also run a second raw DDP job ({CONTROL}): the ratio two identical jobs show")
+    parser.add_argument("--mode", choices=(*MODES, CONTROL), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--turns", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -327,11 +351,20 @@ def main() -> None:
     rows, usage = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models.split(","):
-            runs = measure(model, args, Path(tmp))
-            rows += summarize(model, runs)
-            usage += usage_rows(model, runs)
-    print(f"\n| model | mode | steps/s (median of {args.rounds}) | speed ratio to raw (median) | min-max "
-          "| CPU ms/step, rank 0 | work ratio (raw CPU / mode CPU) |")
+            launches, usages = [], []
+            for launch in range(args.launches):
+                runs = measure(model, args, Path(tmp) / f"{model}-{launch}")
+                launches.append(summarize(model, runs))
+                usages.append(usage_rows(model, runs))
+                if args.launches > 1:
+                    print(f"  {model} launch {launch}: " + ", ".join(f"{row[1]} {row[3]:.3f}" for row in launches[-1])
+                          + " (median speed ratio to raw)", flush=True)
+            rows += over_launches(launches)
+            usage += [(*same[0][:2], *(statistics.median(col) for col in list(zip(*same, strict=True))[2:]))
+                      for same in zip(*usages, strict=True)]
+    spread = "min-max of launches" if args.launches > 1 else "min-max of rounds"
+    print(f"\n| model | mode | steps/s (median of {args.rounds} rounds x {args.launches} launch(es)) | speed ratio to "
+          f"raw (median) | {spread} | CPU ms/step, rank 0 | work ratio (raw CPU / mode CPU) |")
     print("|---|---|---|---|---|---|---|")
     for model, mode, sps, ratio, lo, hi, cpu, work in rows:
         print(f"| {model} | {mode} | {sps:.1f} | {ratio:.3f} | {lo:.3f}-{hi:.3f} | {cpu:.3f} | {work:.3f} |")
