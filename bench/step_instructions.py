@@ -11,8 +11,11 @@ and end of run cancelled out. Needs ``valgrind`` (``apt-get install valgrind``);
 (6 runs). On one slot there is no communication: what remains is the work each mode does around the
 model's own forward, backward and update, i.e. its fixed cost per step. With ``--slots 2`` every rank runs
 under cachegrind (Gloo, the raw loop with DDP and a DistributedSampler) and rank 0's count is reported:
-what a mode adds where gradients are exchanged (comm timing, reports' collectives, stop votes). Waiting
-for the peer blocks in the kernel, so it adds no instructions; Gloo's own work is in every mode alike.
+what a mode adds where gradients are exchanged (comm timing, reports' collectives). Waiting for the peer
+blocks in the kernel, so it adds no instructions; Gloo's own work is in every mode alike. The Trial's stop
+votes are left out: they follow wall time, so under valgrind they would come every step instead of every
+~0.5 s. Instructions are not time: two identical jobs of the same code can run a few percent apart
+(``bench/overhead.py --control``), a difference a count does not see.
 """
 
 from __future__ import annotations
@@ -92,9 +95,14 @@ def run_own(model_name: str, steps: int) -> None:
 
 
 def run_trial(model_name: str, steps: int, trial_config: str = "{}") -> None:
+    import dtrain.stopping
     from dtrain.config import config_from_dict
     from dtrain.trainer import run_trial as train
 
+    # Stop votes come every TARGET_SECONDS of wall time: on a real run every few hundred steps, under
+    # valgrind (hundreds of times slower) every step, which would count a vote per step (on one slot,
+    # 0.1M MLP: 62,861 instructions per step with the votes' former tensor indexing). Left out of the count.
+    dtrain.stopping.TARGET_SECONDS = 1e9
     world = int(os.environ["WORLD_SIZE"])
     config = config_from_dict({
         "name": "step-instructions", "entrypoint": "trials.workload:WorkloadTrial", "code_dir": str(HERE),

@@ -85,3 +85,31 @@ def test_train_batch_metrics_are_checked_with_a_one_line_error():
                        ({"loss": "low"}, "is a str")):
         with pytest.raises(UserError, match=words):
             checked_metrics(bad)
+
+
+def _reference_schedule(start, total, k, val_every, ckpt_every):
+    """The rule as documented: exchange at the end of each group of k and at the end; validate or checkpoint
+    at an exchange when a multiple of the period lies after the previous exchange."""
+    previous = start
+    for b in range(start + 1, total + 1):
+        sync = b % k == 0 or b == total
+        def crossed(period, b=b, previous=previous):
+            return bool(period) and b // period > previous // period
+        yield b, sync, sync and crossed(val_every), sync and crossed(ckpt_every)
+        previous = b if sync else previous
+
+
+def test_the_schedule_validates_and_checkpoints_at_the_first_exchange_past_each_period():
+    from types import SimpleNamespace
+
+    from dtrain.trainer import Trainer
+
+    for k in (1, 2, 3):
+        for val_every in (None, 1, 3, 7):
+            for ckpt_every in (None, 2, 5):
+                for start in (0, 4, 5):
+                    for total in (12, 13):
+                        trainer = SimpleNamespace(ctx=SimpleNamespace(aggregation_frequency=k), total_batches=total,
+                                                  batches=start, val_every=val_every, ckpt_every=ckpt_every)
+                        expected = list(_reference_schedule(start, total, k, val_every, ckpt_every))
+                        assert list(Trainer.schedule(trainer)) == expected, (k, val_every, ckpt_every, start)

@@ -209,6 +209,13 @@ class DeviceFeeder:
         if self._stream is not None:
             self._next = self._copy_next()
 
+    def fetcher(self) -> Callable[[], Any]:
+        """The cheapest callable returning the next batch: on CPU the iterator's own ``__next__``, so a
+        step spends no frame of ours on handing a batch over; on an accelerator :meth:`__next__`."""
+        if self._on_cpu and self._iterator is not None:
+            return self._iterator.__next__
+        return self.__next__
+
     def __next__(self) -> Any:
         if self._iterator is None:
             raise StopIteration

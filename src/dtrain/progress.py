@@ -22,6 +22,7 @@ class ProgressReporter:
             )
             self._task = self._bar.add_task("train", total=total_batches, completed=start, info="")
             self._bar.start()
+        self.has_bar = self._bar is not None  # an attribute, not a property: the step loop reads it every step
 
     def advance(self, batches: int) -> None:
         if self._bar is not None:

