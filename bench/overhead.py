@@ -4,6 +4,7 @@
     .venv/bin/python bench/overhead.py --models gpt --slots 1 --window 50      # on a GPU
     .venv/bin/python bench/overhead.py --models mlp-tiny --slots 1 --window 1000  # the fixed cost per step
     .venv/bin/python bench/overhead.py --trial-config '{"profiling": {"enabled": false}}'  # a Trial variant
+    .venv/bin/python bench/overhead.py --models mlp-0.1m --rounds 10 --launches 12 --control  # resolve ~1%
 
 Three ways to train the same model on the same data, each a job of ``--slots`` workers started by torch's
 elastic agent (``torch.distributed.run``), 1 CPU thread per worker (``OMP_NUM_THREADS=1``):
@@ -22,10 +23,12 @@ apart: on a shared machine whose speed drifts by +/-15% from one minute to the n
 (this script's first design) could not resolve a few percent. The table gives each mode's median steps/s
 and the median of its per-round ratios to raw, and rank 0's CPU time per step (``time.process_time``, all
 its threads) with the median per-round ratio raw/mode: the work a mode adds, without the waiting; a second
-table splits that CPU time into user and kernel time and counts page faults and context switches per
-step (``getrusage``), which instruction counts (bench/step_instructions.py) do not see. Goal:
->= 0.98 everywhere. On the 2-core test machine rounds still spread by +/-20%: read the medians of a long
-run (``--rounds 40``), and compare runs only side by side.
+table splits that CPU time by thread (the loop's thread in user and kernel mode, all others) and counts
+page faults and context switches per step (``getrusage``), which instruction counts
+(bench/step_instructions.py) do not see. Goal: >= 0.98 everywhere. On the 2-core test machine rounds
+spread by +/-20%, and two identical jobs (``--control``) land a few percent apart for a whole launch,
+however many rounds it has: to resolve ~1%, take medians over many fresh launches (``--launches 12`` or
+more) and compare only runs made side by side.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 MODES = ("raw", "own", "trial")
 # A second, independent raw DDP job (``--control``): its ratio to raw is the bench's own noise floor, i.e. how
-# far two identical jobs (fresh processes, their own memory layout) land apart on this machine.
+# far two identical jobs (fresh processes of the same code) land apart on this machine.
 CONTROL = "raw-again"
 
 
