@@ -314,7 +314,10 @@ def usage_rows(model: str, runs: dict[str, list[dict[str, float]]]) -> list[tupl
 
 def over_launches(per_launch: list[list[tuple[Any, ...]]]) -> list[tuple[Any, ...]]:
     """:func:`summarize`'s rows of several launches as one row per mode: the medians over launches, and
-    the range of the launches' median speed ratios (not of single rounds)."""
+    the range of the launches' median speed ratios (not of single rounds). One launch: its own rows, with
+    the range of its rounds."""
+    if len(per_launch) == 1:
+        return per_launch[0]
     rows = []
     for same_mode in zip(*per_launch, strict=True):
         model, mode = same_mode[0][:2]
@@ -323,6 +326,12 @@ def over_launches(per_launch: list[list[tuple[Any, ...]]]) -> list[tuple[Any, ..
                      min(ratios), max(ratios), statistics.median(row[6] for row in same_mode),
                      statistics.median(row[7] for row in same_mode)))
     return rows
+
+
+def usage_over_launches(per_launch: list[list[tuple[Any, ...]]]) -> list[tuple[Any, ...]]:
+    """:func:`usage_rows` of several launches as one row per mode: each figure's median over launches."""
+    return [(*same_mode[0][:2], *(statistics.median(column) for column in list(zip(*same_mode, strict=True))[2:]))
+            for same_mode in zip(*per_launch, strict=True)]
 
 
 def main() -> None:
@@ -363,16 +372,16 @@ def main() -> None:
                     print(f"  {model} launch {launch}: " + ", ".join(f"{row[1]} {row[3]:.3f}" for row in launches[-1])
                           + " (median speed ratio to raw)", flush=True)
             rows += over_launches(launches)
-            usage += [(*same[0][:2], *(statistics.median(col) for col in list(zip(*same, strict=True))[2:]))
-                      for same in zip(*usages, strict=True)]
+            usage += usage_over_launches(usages)
     spread = "min-max of launches" if args.launches > 1 else "min-max of rounds"
     print(f"\n| model | mode | steps/s (median of {args.rounds} rounds x {args.launches} launch(es)) | speed ratio to "
           f"raw (median) | {spread} | CPU ms/step, rank 0 | work ratio (raw CPU / mode CPU) |")
     print("|---|---|---|---|---|---|---|")
     for model, mode, sps, ratio, lo, hi, cpu, work in rows:
         print(f"| {model} | {mode} | {sps:.1f} | {ratio:.3f} | {lo:.3f}-{hi:.3f} | {cpu:.3f} | {work:.3f} |")
-    print("\nRank 0 per step (medians over rounds; getrusage): CPU ms of the loop's thread, user and kernel, and "
-          "of all other threads; the process's page faults and voluntary context switches\n\n| model | mode | "
+    print("\nRank 0 per step (medians over rounds, then over launches; getrusage): CPU ms of the loop's thread, "
+          "user and kernel, and of all other threads; the process's page faults and voluntary context switches"
+          "\n\n| model | mode | "
           "loop user ms | loop kernel ms | other threads ms | minor page faults | voluntary switches |")
     print("|---|---|---|---|---|---|---|")
     for model, mode, user, kernel, other, faults, switches in usage:
