@@ -1,4 +1,4 @@
-"""Stop votes on one rank (in-process; the two-rank agreement is tests/test_reliability.py's SIGTERM test)."""
+"""Stop votes on one rank (in-process: cast at one batch, read one aggregation group later; the two-rank agreement is tests/test_reliability.py's SIGTERM test)."""
 
 from __future__ import annotations
 
@@ -28,12 +28,25 @@ def test_votes_come_every_target_seconds_on_aggregation_boundaries_and_carry_a_s
     assert vote.next_at == 4 and not vote.due(3, sync=False) and not vote.due(4, sync=False)
     assert vote.due(4, sync=True)
     clock[0] += 4 * 0.001  # 1 ms per batch: the next vote ~TARGET_SECONDS later, on a multiple of 4
-    assert vote.vote(4) is False
-    distance = vote.next_at - 4
+    assert vote.vote(4) is False  # cast at 4; its result is read one group later
+    assert vote.next_at == 8 and vote.vote(8) is False
+    distance = vote.next_at - 4  # counted from the cast
     assert distance % 4 == 0 and abs(distance * 0.001 - TARGET_SECONDS) <= 4 * 0.001
     no_stop_request.requested = True
-    clock[0] += distance * 0.001
-    assert vote.vote(vote.next_at) is True
+    cast = vote.next_at
+    clock[0] += (cast - 4) * 0.001
+    assert vote.vote(cast) is False  # the request travels with this vote...
+    no_stop_request.requested = False  # (a later change of the flag is not part of it)
+    assert vote.next_at == cast + 4 and vote.vote(cast + 4) is True  # ...and stops every rank one group later
+
+
+def test_a_vote_in_flight_when_the_loop_ends_is_settled(clock, no_stop_request):
+    vote = StopVote(enabled=True, start_batch=0, group_size=1, backend="gloo")
+    assert vote.vote(1) is False
+    vote.settle()
+    assert vote.next_at == 2 and vote.vote(2) is False  # a fresh cast, not a read of the settled one
+    vote.settle()
+    vote.settle()  # nothing in flight: nothing to do
 
 
 def test_a_disabled_vote_is_never_due(no_stop_request):

@@ -1,12 +1,15 @@
 """Agreeing on where to stop: every rank must stop after the same batch, or a checkpoint mixes steps.
 
 A stop request reaches each rank on its own (:data:`dtrain.watchdog.STOP`, set by a signal), at a
-different moment. The ranks agree with one tiny all-reduce (two int64 on the CPU, MAX) at *vote*
-batches that every rank derives identically: the vote carries the flag and each rank's proposal for the
-next vote's distance, so votes come about every :data:`TARGET_SECONDS` of training whatever the step
-time, and the agreed distance is the smallest proposal. Between votes a rank reads no flag and syncs
-nothing: on CPU the vote costs ~0.1 ms per half second; on GPU it is a host-side collective (a Gloo group
-beside NCCL), which never waits for the device.
+different moment. The ranks agree with one tiny all-reduce (two int64 on the CPU, MAX) that every rank
+casts at the same *vote* batch: it carries the flag and each rank's proposal for the next vote's
+distance, so votes come about every :data:`TARGET_SECONDS` of training whatever the step time, and the
+agreed distance is the smallest proposal. The all-reduce is asynchronous: it is cast at one batch and
+its result read one aggregation group later, where every rank stops if any asked to. A blocking one
+would hold each rank until the slower one arrived (~0.7-1 ms on the 2-core test machine, where Gloo's
+threads must also be scheduled); in flight, it costs the step loop only its launch. Between votes a
+rank reads no flag and syncs nothing. On GPU it is a host-side collective (a Gloo group beside NCCL),
+which never waits for the device.
 
 Votes fall on batches that end an aggregation group (where a checkpoint can be written). Strategies with
 server ranks (the parameter server) do not vote: their servers do not run the step loop, so such a run
@@ -19,6 +22,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +36,11 @@ STOPPED_FILE = "stopped.json"
 
 
 class StopVote:
-    """When to vote and the vote itself; identical on every rank that runs the step loop."""
+    """When to vote and the vote itself; identical on every rank that runs the step loop.
+
+    :meth:`due` batches alternate between casting a vote and reading the one cast a group earlier;
+    :meth:`settle` waits for a vote still in flight when the loop ends.
+    """
 
     def __init__(self, enabled: bool, start_batch: int, group_size: int, backend: str) -> None:
         self.enabled = enabled
@@ -44,6 +52,8 @@ class StopVote:
         # The same memory as numpy: a vote's four reads and writes cost ~0.3 us this way against ~9 us through
         # torch's indexing (2-core test machine); the all-reduce still runs on the tensor.
         self._values = self._buf.numpy()
+        # The vote in flight: (its all-reduce, or None on one rank; the batch it was cast at).
+        self._pending: tuple[Any, int] | None = None
         self.group = None
         if enabled and self.world > 1 and backend != "gloo":
             # A collective on every rank, in the same order: each builds the Trainer at the same point.
@@ -53,7 +63,14 @@ class StopVote:
         return sync and batch >= self.next_at
 
     def vote(self, batch: int) -> bool:
-        """Collective: True when any rank was asked to stop (then every rank stops after ``batch``)."""
+        """Collective, at a :meth:`due` batch: True when every rank must stop after ``batch`` (some rank was
+        asked to stop). Casts a vote, or reads the one cast an aggregation group earlier."""
+        if self._pending is not None:
+            return self._read(batch)
+        self._cast(batch)
+        return False
+
+    def _cast(self, batch: int) -> None:
         last_batch, last_time = self._last
         now = time.monotonic()
         per_batch = (now - last_time) / max(1, batch - last_batch)
@@ -61,13 +78,34 @@ class StopVote:
         values = self._values
         values[0] = int(STOP.requested)
         values[1] = -proposal  # MAX of the negatives: the smallest proposal
+        work = None
         if self.world > 1:
-            with STATUS.during("stop vote"):
-                dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group)
+            work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending = (work, batch)
+        self._last = (batch, now)
+        self.next_at = batch + self.k  # the result is read where the next aggregation group ends
+
+    def _read(self, batch: int) -> bool:
+        cast_at = self._wait()
+        values = self._values
         interval = -int(values[1])
-        self.next_at = batch + -(-interval // self.k) * self.k
-        self._last = (batch, time.monotonic())
+        # The agreed distance counts from the cast; at least one group on from this read.
+        self.next_at = max(batch + self.k, cast_at + -(-interval // self.k) * self.k)
         return bool(values[0])
+
+    def _wait(self) -> int:
+        """Wait for the vote in flight (usually long done); the batch it was cast at."""
+        work, cast_at = self._pending  # type: ignore[misc]
+        self._pending = None
+        if work is not None:
+            with STATUS.during("stop vote"):
+                work.wait()
+        return cast_at
+
+    def settle(self) -> None:
+        """The loop ended with a vote in flight: complete it (every rank cast it) before other collectives."""
+        if self._pending is not None:
+            self._wait()
 
 
 def write_stopped(logs: Path, batch: int) -> None:
