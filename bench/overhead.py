@@ -157,6 +157,7 @@ def run_raw(args: argparse.Namespace) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+    dist.barrier()  # neither rank closes its connections while the other may still use them
     dist.destroy_process_group()
 
 
@@ -280,7 +281,10 @@ def measure(model: str, args: argparse.Namespace, turns: Path) -> dict[str, list
         for mode, job in jobs.items():
             (turns / f"go-{mode}-{args.rounds}").touch()  # the runs may end now
             if job.wait(timeout=300) != 0:
-                raise SystemExit(f"the {mode} job failed at its end:\n" + (turns / f"{mode}.log").read_text()[-3000:])
+                # Every window was measured already; seen twice in a session: Gloo aborting in a raw job's
+                # destroy_process_group ("terminate called without an active exception").
+                print(f"  warning: the {mode} job failed after its last window (exit {job.returncode}); its "
+                      f"windows stand. Its log's end:\n" + (turns / f"{mode}.log").read_text()[-600:], flush=True)
     finally:
         for job in jobs.values():
             if job.poll() is None:

@@ -1,4 +1,6 @@
-"""Stop votes on one rank (in-process: cast at one batch, read one aggregation group later; the two-rank agreement is tests/test_reliability.py's SIGTERM test)."""
+"""Stop votes on one rank, in-process: cast at one batch, read one aggregation group later.
+
+The two-rank agreement is tests/test_reliability.py's SIGTERM test."""
 
 from __future__ import annotations
 
