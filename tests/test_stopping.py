@@ -54,3 +54,37 @@ def test_a_vote_in_flight_when_the_loop_ends_is_settled(clock, no_stop_request):
 def test_a_disabled_vote_is_never_due(no_stop_request):
     vote = StopVote(enabled=False, start_batch=0, group_size=1, backend="gloo")
     assert not vote.due(10**9, sync=True)
+
+
+class _Work:
+    """A stand-in for an all-reduce in flight: counts waits, and delivers the other rank's values on wait."""
+
+    def __init__(self, buf, others):
+        self.buf, self.others, self.waits = buf, others, 0
+
+    def wait(self):
+        self.waits += 1
+        self.buf.copy_(self.buf.maximum(self.others))  # MAX with the other rank's flag and -proposal
+
+
+def test_the_all_reduce_is_waited_for_only_where_its_result_is_read_or_the_loop_ends(clock, no_stop_request,
+                                                                                 monkeypatch):
+    import torch
+
+    works = []
+
+    def all_reduce(buf, op, group, async_op):
+        assert async_op  # never blocks where it is cast
+        works.append(_Work(buf, torch.tensor([1, -3])))  # the other rank asks to stop and proposes 3 batches
+        return works[-1]
+
+    monkeypatch.setattr(stopping.dist, "all_reduce", all_reduce)
+    vote = StopVote(enabled=True, start_batch=0, group_size=1, backend="gloo")
+    vote.world = 2
+    clock[0] += 0.001
+    assert vote.vote(1) is False and works[0].waits == 0  # cast: nothing waited for
+    assert vote.vote(2) is True and works[0].waits == 1  # read: the other rank's request stops this one too
+    assert vote.next_at == 4  # the smallest proposal (3), counted from the cast at 1
+    assert vote.vote(4) is False and works[1].waits == 0
+    vote.settle()
+    assert works[1].waits == 1
