@@ -1,7 +1,8 @@
 """Metric reduction across slots and the run's metric sinks (metrics.jsonl, TensorBoard).
 
 Reductions pack every metric of a report into one tensor so that a report costs one all-reduce,
-whatever the number of metrics.
+whatever the number of metrics; the trainer's reports launch it and read it one step later
+(:class:`SumInFlight`).
 """
 
 from __future__ import annotations
@@ -113,18 +114,49 @@ class MeanAccumulator:
         """
         if not (dist.is_initialized() and dist.get_world_size(group) > 1):
             return self.local_means()
+        names, values = self.packed()
+        inflight = SumInFlight(values, group)
+        return means_of(names, inflight.wait(), inflight.world)
+
+    def packed(self) -> tuple[list[str], list[torch.Tensor | float]]:
+        """The metric names (sorted) and ``[name count, weight, sum per name]``, to be summed over ranks
+        (by :class:`SumInFlight`) and read back by :func:`means_of`."""
         names = sorted(self.sums)
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-        head = torch.tensor([float(len(names)), self.weight], dtype=torch.float64, device=device)
-        sums = [torch.as_tensor(self.sums[n], dtype=torch.float64).to(device or "cpu").reshape(1) for n in names]
-        packed = torch.cat([head, *sums])  # one all-reduce per report, whatever the number of metrics
-        dist.all_reduce(packed, group=group)
-        values = packed.cpu().tolist()
-        world = dist.get_world_size(group)
-        if values[0] != len(names) * world:
-            raise RuntimeError(f"ranks reported different metric names (this rank: {names}); report the same keys")
-        total_weight = values[1]
-        return {n: values[2 + i] / total_weight for i, n in enumerate(names)} if total_weight else {}
+        return names, [float(len(names)), self.weight, *(self.sums[n] for n in names)]
+
+
+def means_of(names: list[str], summed: list[float], world: int) -> dict[str, float]:
+    """The global means from :meth:`MeanAccumulator.packed` summed over ``world`` ranks (its first
+    ``len(names) + 2`` values; what follows belongs to the caller)."""
+    if summed[0] != len(names) * world:
+        raise RuntimeError(f"ranks reported different metric names (this rank: {names}); report the same keys")
+    total_weight = summed[1]
+    return {n: summed[2 + i] / total_weight for i, n in enumerate(names)} if total_weight else {}
+
+
+class SumInFlight:
+    """An asynchronous all-reduce (sum) of a few scalars, packed into one tensor: one collective
+    whatever their number. Launched where they are known, read by :meth:`wait` where they are needed,
+    so that the loop goes on meanwhile instead of waiting for the slowest rank (the trainer's reports).
+    Without a process group of more than one rank, the values are this rank's own."""
+
+    __slots__ = ("_packed", "_work", "world")
+
+    def __init__(self, values: list[torch.Tensor | float], group: Any = None) -> None:
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1  # the ranks summed over
+        distributed = self.world > 1
+        # NCCL reduces CUDA tensors only; Gloo (and one process) takes them on the host.
+        cuda = distributed and dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self._packed = torch.cat([torch.as_tensor(v, dtype=torch.float64).to(device).reshape(1) for v in values])
+        self._work = dist.all_reduce(self._packed, group=group, async_op=True) if distributed else None
+
+    def wait(self) -> list[float]:
+        """The sums over every rank (blocks until the all-reduce is done; at once if it already is)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._packed.cpu().tolist()
 
 
 class MetricsWriter:

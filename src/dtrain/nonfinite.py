@@ -1,9 +1,11 @@
 """Non-finite losses and gradients (``optimizations.on_nonfinite``), seen alike on every rank.
 
 ``fail`` (the default) costs no host sync per step: each rank keeps, on its device, the first batch where
-its loss was not finite (:class:`NonFiniteWatch`, three tiny kernels per step). The ranks compare those
-with one all-reduce (MIN) where the loop syncs anyway: at each report and before each checkpoint, so a
-checkpoint with non-finite weights is never written, and the error names the first rank and batch.
+its loss was not finite (:class:`NonFiniteWatch`, a few tiny kernels per step; none for a CPU loss, read as
+a float). The ranks compare those where the loop syncs anyway: at each report, a "seen one" flag travels
+in the report's own all-reduce, and only when it is set does a second all-reduce (MIN) find the first rank
+and batch; before each checkpoint, that MIN at once, so a checkpoint with non-finite weights is never
+written. The error names the first rank and batch.
 
 ``skip`` must decide at the very step, identically on every rank, whether to apply the update: the
 gradients' norm is checked after they were exchanged. Where the strategy leaves them identical on every
@@ -79,6 +81,14 @@ class NonFiniteWatch:
             torch.minimum(self._first, scratch, out=self._first)
         elif isinstance(value, (int, float)) and not math.isfinite(value) and self._host_first == NEVER:
             self._host_first = batch
+
+    def seen(self) -> torch.Tensor | float:
+        """1 if this rank saw a non-finite loss, else 0; on the watched value's device (no sync). Summed
+        over the ranks with a report's metrics: only when the sum is not 0 does :meth:`first` ask which."""
+        seen = float(self._host_first != NEVER)
+        if self._first is None:
+            return seen
+        return (self._first < NEVER).to(torch.float64) + seen
 
     def first(self) -> tuple[int, int] | None:
         """Collective over the training ranks: (rank, batch) of the first non-finite loss, or None."""
