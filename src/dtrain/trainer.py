@@ -272,8 +272,8 @@ class Trainer:
 
         Why not at once: a blocking all-reduce holds every rank until the slowest arrives. One all-reduce
         carries the metric sums and the non-finite flag (there were two). Per report on the 2-core test
-        machine, 2 slots, 0.1M MLP, counting the next step's slowdown: 3.1 ms with two blocking all-reduces,
-        2.4 with one, 1.9 with one read a step later (docs/benchmarks.md)."""
+        machine, 2 slots, 0.1M MLP, counting the next step's slowdown: 2.6-3.6 ms with two blocking
+        all-reduces, 1.8-2.4 ms now (bench/report_cost.py, docs/benchmarks.md item 9)."""
         speed = self._close_window()
         averaged = self.config.optimizations.average_training_metrics
         names, values = self.train_metrics.packed() if averaged else ([], [])
