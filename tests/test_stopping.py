@@ -1,10 +1,14 @@
-"""Stop votes on one rank, in-process: cast at one batch, read one aggregation group later.
+"""Stop votes on one rank, in-process: cast at one batch, read one aggregation group later; and a stop
+request that rides on a report's all-reduce (two ranks).
 
-The two-rank agreement is tests/test_reliability.py's SIGTERM test."""
+The two-rank agreement through a signal is tests/test_reliability.py's SIGTERM test."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
+from helpers import TRIALS, run_ranks, tiny_config
 
 from dtrain import stopping
 from dtrain.stopping import TARGET_SECONDS, StopVote
@@ -88,3 +92,70 @@ def test_the_all_reduce_is_waited_for_only_where_its_result_is_read_or_the_loop_
     assert vote.vote(4) is False and works[1].waits == 0
     vote.settle()
     assert works[1].waits == 1
+
+
+def test_a_report_carries_the_flag_and_puts_the_next_vote_off(clock, no_stop_request):
+    vote = StopVote(enabled=True, start_batch=0, group_size=2, backend="gloo")
+    assert vote.ride(1) == 0.0 and vote.next_at == 2  # no distance agreed yet: nothing to put off
+    clock[0] += 2 * 0.01  # 10 ms per batch: votes ~50 batches apart
+    assert vote.vote(2) is False and vote.ride(3) == 0.0 and vote.next_at == 4  # a vote in flight keeps its read
+    assert vote.vote(4) is False and vote.next_at == 52  # 50 batches from the cast at 2
+    no_stop_request.requested = True
+    assert vote.ride(40) == 1.0 and vote.next_at == 90  # the report at 40 voted: the next vote 50 from there
+    assert vote.ride(41) == 1.0 and vote.next_at == 91
+
+
+def test_a_stop_heard_through_a_report_stops_at_the_next_group_end(clock, no_stop_request, monkeypatch):
+    import torch
+
+    works = []
+
+    def all_reduce(buf, op, group, async_op):
+        works.append(_Work(buf, torch.tensor([0, -100])))
+        return works[-1]
+
+    monkeypatch.setattr(stopping.dist, "all_reduce", all_reduce)
+    vote = StopVote(enabled=True, start_batch=0, group_size=2, backend="gloo")
+    vote.world = 2
+    assert vote.vote(2) is False  # cast, in flight
+    vote.heard()  # a report read at batch 3 said some rank asked to stop
+    assert not vote.due(3, sync=False) and vote.due(4, sync=True)
+    assert vote.ride(3) == 0.0 and vote.due(4, sync=True)  # a later report cannot put the stop off
+    assert vote.vote(4) is True and works[0].waits == 1  # the vote in flight is settled first
+    assert vote.vote(6) is True
+
+
+STOPPER = """
+from tiny import TinyTrial
+
+from dtrain.watchdog import STOP
+
+
+class Stopper(TinyTrial):
+    def train_batch(self, batch, epoch_idx, batch_idx):
+        if batch_idx == 5 and self.context.rank == 1:
+            STOP.requested = True  # what the launcher's SIGUSR1 does; rank 0 is never asked
+        return super().train_batch(batch, epoch_idx, batch_idx)
+"""
+
+
+def _train_until_stopped(rank, world, folder):
+    from dtrain.config import load_config
+    from dtrain.trainer import run_trial
+
+    # After the first vote (cast at batch 1, read at 2), the next would come ~10^5 batches later: only a
+    # report can carry rank 1's request.
+    stopping.TARGET_SECONDS = 1e9
+    return run_trial(load_config(folder / "experiment.yaml"), folder / "run", None, quiet=True)
+
+
+@pytest.mark.slow
+def test_ranks_stop_together_on_a_request_carried_by_a_report(tmp_path):
+    shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
+    (tmp_path / "stopper.py").write_text(STOPPER)
+    tiny_config(tmp_path, entrypoint="stopper:Stopper", scheduling_unit=8, **{"hyperparameters.val_size": 0})
+    (tmp_path / "run" / "logs").mkdir(parents=True)  # the launcher's, where the chief records the stop
+    results = run_ranks(_train_until_stopped, world_size=2, timeout=90, args=(tmp_path,))
+    # Asked at batch index 5 on rank 1; the report cast after batch 8 carries it, read after batch 9.
+    assert results == [{"stopped_at": 9}, {"stopped_at": 9}]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "9"

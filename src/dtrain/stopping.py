@@ -11,6 +11,15 @@ threads must also be scheduled); in flight, it costs the step loop only its laun
 rank reads no flag and syncs nothing. On GPU it is a host-side collective (a Gloo group beside NCCL),
 which never waits for the device.
 
+A training report's all-reduce (:class:`dtrain.metrics.SumInFlight`, summed over the same ranks) also
+carries each rank's flag (:meth:`StopVote.ride`): when reports come more often than votes would, the
+votes are put off and the ranks agree through the reports alone, so the loop launches no collective of
+its own for stopping. Every in-flight all-reduce slows the step it overlaps (~1 ms on the 2-core test
+machine, where Gloo's threads share the cores with the loop), so one collective fewer per ~0.5 s counts
+on small steps. A flag heard through a report (:meth:`StopVote.heard`) stops every rank at the first
+batch that ends an aggregation group from the one where the report was read, which is the same batch on
+every rank.
+
 Votes fall on batches that end an aggregation group (where a checkpoint can be written). Strategies with
 server ranks (the parameter server) do not vote: their servers do not run the step loop, so such a run
 is stopped by the launcher's grace deadline and resumes from its last periodic checkpoint.
@@ -54,6 +63,10 @@ class StopVote:
         self._values = self._buf.numpy()
         # The vote in flight: (its all-reduce, or None on one rank; the batch it was cast at).
         self._pending: tuple[Any, int] | None = None
+        # The agreed distance between votes, in batches (0 until the first vote is read): a report that
+        # carries the flag puts the next vote off by as much. The same on every rank, as reports are.
+        self._interval = 0
+        self._heard = False  # a report said some rank asked to stop
         self.group = None
         if enabled and self.world > 1 and backend != "gloo":
             # A collective on every rank, in the same order: each builds the Trainer at the same point.
@@ -64,11 +77,29 @@ class StopVote:
 
     def vote(self, batch: int) -> bool:
         """Collective, at a :meth:`due` batch: True when every rank must stop after ``batch`` (some rank was
-        asked to stop). Casts a vote, or reads the one cast an aggregation group earlier."""
+        asked to stop). Casts a vote, or reads the one cast an aggregation group earlier; after
+        :meth:`heard`, settles any vote in flight and says stop."""
+        if self._heard:
+            self.settle()
+            return True
         if self._pending is not None:
             return self._read(batch)
         self._cast(batch)
         return False
+
+    def ride(self, batch: int) -> float:
+        """This rank's flag (1.0: asked to stop) for a report's all-reduce cast at ``batch`` on every rank;
+        the next vote is put off by the agreed distance from there (not while a vote is in flight: its
+        read is already scheduled)."""
+        if self._pending is None and not self._heard:
+            self.next_at = max(self.next_at, batch + self._interval)
+        return float(STOP.requested)
+
+    def heard(self) -> None:
+        """A report's flags summed to more than 0: every rank stops at its next :meth:`due` batch (the next
+        end of an aggregation group), as every rank reads that report at the same batch."""
+        self._heard = True
+        self.next_at = 0
 
     def _cast(self, batch: int) -> None:
         last_batch, last_time = self._last
@@ -89,8 +120,9 @@ class StopVote:
         cast_at = self._wait()
         values = self._values
         interval = -int(values[1])
+        self._interval = -(-interval // self.k) * self.k
         # The agreed distance counts from the cast; at least one group on from this read.
-        self.next_at = max(batch + self.k, cast_at + -(-interval // self.k) * self.k)
+        self.next_at = max(batch + self.k, cast_at + self._interval)
         return bool(values[0])
 
     def _wait(self) -> int:

@@ -71,7 +71,8 @@ class _Report(NamedTuple):
     window: dict[str, float]
     names: list[str]  # the metrics summed in ``inflight`` (average_training_metrics), else none
     local: dict[str, float]  # the chief's own means (average_training_metrics off)
-    inflight: SumInFlight | None
+    inflight: SumInFlight | None  # last come the non-finite flag (on_nonfinite: fail), then the stop flag
+    carries_stop: bool
 
 
 class Trainer:
@@ -113,6 +114,7 @@ class Trainer:
         self.fail_nonfinite = config.optimizations.on_nonfinite == "fail"
         self.nonfinite_skips = 0
         self._report: _Report | None = None  # a report whose all-reduce is in flight, read one step later
+        self.vote: StopVote | None = None  # set when the loop starts (see dtrain.stopping)
         self._group_start = 0.0
         self.writer = MetricsWriter(run_dir) if context.is_chief else None
         self.progress = ProgressReporter(self.total_batches, 0, context.is_chief, quiet)
@@ -160,7 +162,8 @@ class Trainer:
             return {"role": "server", "wall_seconds": synchronized_now(self.ctx.device) - start}
         last_val = last_ckpt = -1
         # Where every rank agrees to stop on a signal (see dtrain.stopping): an asynchronous all-reduce every ~0.5 s.
-        vote = StopVote(not strategy.has_server_ranks, self.batches, self.ctx.aggregation_frequency, self.ctx.backend)
+        vote = self.vote = StopVote(not strategy.has_server_ranks, self.batches, self.ctx.aggregation_frequency,
+                                    self.ctx.backend)
         # Every batch exchanges gradients without aggregation: say so once, not through a context per step.
         every_batch_syncs = self.ctx.aggregation_frequency == 1
         if every_batch_syncs:
@@ -280,10 +283,14 @@ class Trainer:
         local = self.train_metrics.local_means() if self.ctx.is_chief and not averaged else {}
         if self.fail_nonfinite:
             values.append(self.nonfinite.seen())
+        vote = self.vote
+        carries_stop = vote is not None and vote.enabled
+        if vote is not None and carries_stop:  # the stop vote rides along (dtrain.stopping)
+            values.append(vote.ride(self.batches))
         inflight = SumInFlight(values, self.ctx.strategy.dp_group) if values else None
         self.train_metrics.reset()
         window = self.ctx.timer.take_window()  # on CUDA: the window's events are read back here
-        self._report = _Report(self.batches, speed, window, names, local, inflight)
+        self._report = _Report(self.batches, speed, window, names, local, inflight, carries_stop)
         self._open_window()
 
     def _read_report(self) -> None:
@@ -294,6 +301,8 @@ class Trainer:
             return
         STATUS.enter("metric all-reduce", report.batches - 1)
         summed = report.inflight.wait() if report.inflight is not None else []
+        if report.carries_stop and summed.pop() > 0 and self.vote is not None:
+            self.vote.heard()  # some rank was asked to stop: every rank stops at the next group's end
         if self.fail_nonfinite and summed.pop() > 0:  # some rank saw one: which, and where, costs one more
             self.nonfinite.fail_if_any(report.batches, "at the report")
         means = report.local
