@@ -94,15 +94,40 @@ def test_the_all_reduce_is_waited_for_only_where_its_result_is_read_or_the_loop_
     assert works[1].waits == 1
 
 
-def test_a_report_carries_the_flag_and_puts_the_next_vote_off(clock, no_stop_request):
+def test_a_report_carries_the_flag_and_a_proposal_and_moves_the_next_vote(clock, no_stop_request):
     vote = StopVote(enabled=True, start_batch=0, group_size=2, backend="gloo")
-    assert vote.ride(1) == 0.0 and vote.next_at == 2  # no distance agreed yet: nothing to put off
-    clock[0] += 2 * 0.01  # 10 ms per batch: votes ~50 batches apart
-    assert vote.vote(2) is False and vote.ride(3) == 0.0 and vote.next_at == 4  # a vote in flight keeps its read
-    assert vote.vote(4) is False and vote.next_at == 52  # 50 batches from the cast at 2
+    # Times in powers of two, exact in binary: 1/128 s per batch, so votes 64 batches apart.
+    clock[0] += 10 / 128
+    assert vote.ride(10) == [0.0, 64.0]
+    vote.carried(10, flags=0.0, proposals=64.0 + 32.0, world=2)  # read after batch 11: the mean, from the report
+    assert vote.next_at == 58
+    clock[0] += 10 / 16  # the steps slowed down to 1/16 s: the next report brings the vote sooner
+    assert vote.ride(20) == [0.0, 8.0]
+    vote.carried(20, 0.0, 7.0 + 7.0, 2)
+    assert vote.next_at == 28  # 7 batches, in whole aggregation groups
+    assert vote.vote(28) is False and vote.next_at == 30  # cast: its read is due one group later...
+    vote.carried(29, 0.0, 200.0, 2)
+    assert vote.next_at == 30  # ...and a report read meanwhile leaves it there
     no_stop_request.requested = True
-    assert vote.ride(40) == 1.0 and vote.next_at == 90  # the report at 40 voted: the next vote 50 from there
-    assert vote.ride(41) == 1.0 and vote.next_at == 91
+    clock[0] += 2 / 16
+    assert vote.ride(30) == [1.0, 8.0]  # a report at the batch where the vote is read
+
+
+def test_a_vote_cast_at_a_reports_batch_proposes_what_the_report_did(clock, no_stop_request, monkeypatch):
+    import torch
+
+    casts = []
+
+    def all_reduce(buf, op, group, async_op):
+        casts.append(buf.clone())
+        return _Work(buf, torch.tensor([0, -(10**9)]))
+
+    monkeypatch.setattr(stopping.dist, "all_reduce", all_reduce)
+    vote = StopVote(enabled=True, start_batch=0, group_size=1, backend="gloo")
+    vote.world = 2
+    clock[0] += 1 / 64
+    assert vote.ride(1) == [0.0, 32.0]
+    assert vote.vote(1) is False and casts[0].tolist() == [0, -32]  # no time passed since the report
 
 
 def test_a_stop_heard_through_a_report_stops_at_the_next_group_end(clock, no_stop_request, monkeypatch):
@@ -118,9 +143,10 @@ def test_a_stop_heard_through_a_report_stops_at_the_next_group_end(clock, no_sto
     vote = StopVote(enabled=True, start_batch=0, group_size=2, backend="gloo")
     vote.world = 2
     assert vote.vote(2) is False  # cast, in flight
-    vote.heard()  # a report read at batch 3 said some rank asked to stop
+    vote.carried(2, flags=1.0, proposals=0.0, world=2)  # a report read at batch 3: some rank asked to stop
     assert not vote.due(3, sync=False) and vote.due(4, sync=True)
-    assert vote.ride(3) == 0.0 and vote.due(4, sync=True)  # a later report cannot put the stop off
+    vote.carried(3, 0.0, 10.0**6, 2)
+    assert vote.due(4, sync=True)  # a later report cannot put the stop off
     assert vote.vote(4) is True and works[0].waits == 1  # the vote in flight is settled first
     assert vote.vote(6) is True
 

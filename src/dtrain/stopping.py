@@ -11,14 +11,15 @@ threads must also be scheduled); in flight, it costs the step loop only its laun
 rank reads no flag and syncs nothing. On GPU it is a host-side collective (a Gloo group beside NCCL),
 which never waits for the device.
 
-A training report's all-reduce (:class:`dtrain.metrics.SumInFlight`, summed over the same ranks) also
-carries each rank's flag (:meth:`StopVote.ride`): when reports come more often than votes would, the
-votes are put off and the ranks agree through the reports alone, so the loop launches no collective of
-its own for stopping. Every in-flight all-reduce slows the step it overlaps (~1 ms on the 2-core test
-machine, where Gloo's threads share the cores with the loop), so one collective fewer per ~0.5 s counts
-on small steps. A flag heard through a report (:meth:`StopVote.heard`) stops every rank at the first
-batch that ends an aggregation group from the one where the report was read, which is the same batch on
-every rank.
+A training report's all-reduce (:class:`dtrain.metrics.SumInFlight`, a SUM over the same ranks) also
+carries each rank's flag and proposal (:meth:`StopVote.ride`); where it is read, the next vote moves to
+the mean proposal's distance from the report (:meth:`StopVote.carried`). So when reports come more often
+than every ~0.5 s, no vote is cast and the loop launches no collective of its own for stopping; when
+steps slow down, the next report's proposals bring the votes back. Every in-flight all-reduce slows the
+step it overlaps (~1 ms on the 2-core test machine, where Gloo's threads share the cores with the loop),
+so one collective fewer per ~0.5 s counts on small steps. A flag heard through a report stops every rank
+at the first batch that ends an aggregation group from the one where the report was read, which is the
+same batch on every rank.
 
 Votes fall on batches that end an aggregation group (where a checkpoint can be written). Strategies with
 server ranks (the parameter server) do not vote: their servers do not run the step loop, so such a run
@@ -63,9 +64,7 @@ class StopVote:
         self._values = self._buf.numpy()
         # The vote in flight: (its all-reduce, or None on one rank; the batch it was cast at).
         self._pending: tuple[Any, int] | None = None
-        # The agreed distance between votes, in batches (0 until the first vote is read): a report that
-        # carries the flag puts the next vote off by as much. The same on every rank, as reports are.
-        self._interval = 0
+        self._proposed = MAX_INTERVAL  # this rank's latest proposal (for a report at a vote's batch)
         self._heard = False  # a report said some rank asked to stop
         self.group = None
         if enabled and self.world > 1 and backend != "gloo":
@@ -87,42 +86,57 @@ class StopVote:
         self._cast(batch)
         return False
 
-    def ride(self, batch: int) -> float:
-        """This rank's flag (1.0: asked to stop) for a report's all-reduce cast at ``batch`` on every rank;
-        the next vote is put off by the agreed distance from there (not while a vote is in flight: its
-        read is already scheduled)."""
-        if self._pending is None and not self._heard:
-            self.next_at = max(self.next_at, batch + self._interval)
-        return float(STOP.requested)
+    def ride(self, batch: int) -> list[float]:
+        """This rank's flag (1.0: asked to stop) and proposed distance to the next vote, to be summed over
+        the ranks by a report's all-reduce cast at ``batch``; its result goes to :meth:`carried`."""
+        return [float(STOP.requested), float(self._proposal(batch))]
+
+    def carried(self, cast_at: int, flags: float, proposals: float, world: int) -> None:
+        """A report cast at ``cast_at`` was read (at the same batch on every rank) with these sums of
+        :meth:`ride`'s values: stop if any rank asked (:meth:`heard`), else put the next vote at the mean
+        proposal's distance from the report, later or sooner (not while a vote is in flight: its read is
+        already scheduled)."""
+        if flags > 0:
+            self.heard()
+        elif self._pending is None and not self._heard:
+            self.next_at = cast_at + self._rounded(int(proposals / max(1, world)))
 
     def heard(self) -> None:
-        """A report's flags summed to more than 0: every rank stops at its next :meth:`due` batch (the next
-        end of an aggregation group), as every rank reads that report at the same batch."""
+        """Some rank asked to stop: every rank stops at its next :meth:`due` batch (the next end of an
+        aggregation group), as every rank reads the report that said so at the same batch."""
         self._heard = True
         self.next_at = 0
 
-    def _cast(self, batch: int) -> None:
+    def _proposal(self, batch: int) -> int:
+        """How many batches make ~TARGET_SECONDS at this rank's pace since the previous cast or report."""
         last_batch, last_time = self._last
+        if batch == last_batch:  # a report and a vote cast at the same batch: no new time to go by
+            return self._proposed
         now = time.monotonic()
-        per_batch = (now - last_time) / max(1, batch - last_batch)
-        proposal = MAX_INTERVAL if per_batch <= 0 else max(1, min(MAX_INTERVAL, int(TARGET_SECONDS / per_batch)))
+        per_batch = (now - last_time) / (batch - last_batch)
+        self._last = (batch, now)
+        self._proposed = MAX_INTERVAL if per_batch <= 0 else max(1, min(MAX_INTERVAL, int(TARGET_SECONDS / per_batch)))
+        return self._proposed
+
+    def _rounded(self, interval: int) -> int:
+        """A distance in whole aggregation groups (votes fall where groups end)."""
+        return -(-interval // self.k) * self.k
+
+    def _cast(self, batch: int) -> None:
         values = self._values
+        values[1] = -self._proposal(batch)  # MAX of the negatives: the smallest proposal
         values[0] = int(STOP.requested)
-        values[1] = -proposal  # MAX of the negatives: the smallest proposal
         work = None
         if self.world > 1:
             work = dist.all_reduce(self._buf, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         self._pending = (work, batch)
-        self._last = (batch, now)
         self.next_at = batch + self.k  # the result is read where the next aggregation group ends
 
     def _read(self, batch: int) -> bool:
         cast_at = self._wait()
         values = self._values
-        interval = -int(values[1])
-        self._interval = -(-interval // self.k) * self.k
         # The agreed distance counts from the cast; at least one group on from this read.
-        self.next_at = max(batch + self.k, cast_at + self._interval)
+        self.next_at = max(batch + self.k, cast_at + self._rounded(-int(values[1])))
         return bool(values[0])
 
     def _wait(self) -> int:

@@ -71,7 +71,8 @@ class _Report(NamedTuple):
     window: dict[str, float]
     names: list[str]  # the metrics summed in ``inflight`` (average_training_metrics), else none
     local: dict[str, float]  # the chief's own means (average_training_metrics off)
-    inflight: SumInFlight | None  # last come the non-finite flag (on_nonfinite: fail), then the stop flag
+    # Last come the non-finite flag (on_nonfinite: fail), then the stop vote's flag and proposal.
+    inflight: SumInFlight | None
     carries_stop: bool
 
 
@@ -286,7 +287,7 @@ class Trainer:
         vote = self.vote
         carries_stop = vote is not None and vote.enabled
         if vote is not None and carries_stop:  # the stop vote rides along (dtrain.stopping)
-            values.append(vote.ride(self.batches))
+            values += vote.ride(self.batches)
         inflight = SumInFlight(values, self.ctx.strategy.dp_group) if values else None
         self.train_metrics.reset()
         window = self.ctx.timer.take_window()  # on CUDA: the window's events are read back here
@@ -301,8 +302,9 @@ class Trainer:
             return
         STATUS.enter("metric all-reduce", report.batches - 1)
         summed = report.inflight.wait() if report.inflight is not None else []
-        if report.carries_stop and summed.pop() > 0 and self.vote is not None:
-            self.vote.heard()  # some rank was asked to stop: every rank stops at the next group's end
+        if report.carries_stop and self.vote is not None and report.inflight is not None:
+            proposals, flags = summed.pop(), summed.pop()
+            self.vote.carried(report.batches, flags, proposals, report.inflight.world)
         if self.fail_nonfinite and summed.pop() > 0:  # some rank saw one: which, and where, costs one more
             self.nonfinite.fail_if_any(report.batches, "at the report")
         means = report.local
