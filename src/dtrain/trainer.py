@@ -285,7 +285,9 @@ class Trainer:
         if self.fail_nonfinite:
             values.append(self.nonfinite.seen())
         vote = self.vote
-        carries_stop = vote is not None and vote.enabled
+        # Only where the report's all-reduce spans every rank that votes (a parameter server's workers'
+        # group does not, but its runs do not vote).
+        carries_stop = vote is not None and vote.enabled and self.ctx.strategy.dp_group is None
         if vote is not None and carries_stop:  # the stop vote rides along (dtrain.stopping)
             values += vote.ride(self.batches)
         inflight = SumInFlight(values, self.ctx.strategy.dp_group) if values else None
