@@ -162,7 +162,8 @@ class Trainer:
             all_hostnames()  # the workers' end-of-run collective over every rank
             return {"role": "server", "wall_seconds": synchronized_now(self.ctx.device) - start}
         last_val = last_ckpt = -1
-        # Where every rank agrees to stop on a signal (see dtrain.stopping): an asynchronous all-reduce every ~0.5 s.
+        # Where every rank agrees to stop on a signal (see dtrain.stopping): an asynchronous all-reduce every
+        # ~0.5 s, cast only where the training reports (which carry the flag too) come less often.
         vote = self.vote = StopVote(not strategy.has_server_ranks, self.batches, self.ctx.aggregation_frequency,
                                     self.ctx.backend)
         # Every batch exchanges gradients without aggregation: say so once, not through a context per step.
