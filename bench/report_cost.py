@@ -8,8 +8,11 @@ the slots, checks for non-finite losses and writes metrics.jsonl and TensorBoard
 its own time plus whatever it leaves to the next step (an all-reduce still in flight, ranks pulled out of
 step). Both are timed here on every rank, around the trainer's own methods, in one run of the bench's
 Trial: the report, the read of its all-reduce where there is one (dtrain at 74aa8a3 and later), and the
-step after each report against the median step. Per report: report + read + (mean step after a report -
-mean step). Timing one run's parts side by side avoids bench/overhead.py's launch-to-launch spread.
+step after each all-reduce against the other steps. Since the commit that holds reports back for the next
+stop vote's batch, a report sends its all-reduce only now and then (``_send``), and one read writes every
+report it carried: the reads and the slower steps are spread over the reports. Per report: report + reads
+/ reports + (mean step after a send - mean step) x sends / reports. Timing one run's parts side by side
+avoids bench/overhead.py's launch-to-launch spread.
 """
 
 from __future__ import annotations
@@ -50,10 +53,20 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     reports: list[float] = []
     reads: list[float] = []
+    sends: list[int] = []  # the batches at which an all-reduce was launched
     steps: list[tuple[int, float]] = []
     cls = trainer.Trainer
     cls._report_training = timed(reports, cls._report_training)
-    if hasattr(cls, "_read_report"):  # a report read one step later: only reads of a pending one count
+    if hasattr(cls, "_read_sent"):  # reports held back, sent now and then, read one step later
+        send = cls._send
+
+        def recorded_send(self: Any) -> None:
+            sends.append(self.batches)
+            send(self)
+
+        cls._send = recorded_send
+        cls._read_sent = timed(reads, cls._read_sent, only_if=lambda t: t._sent is not None)
+    elif hasattr(cls, "_read_report"):  # every report sent, read one step later
         cls._read_report = timed(reads, cls._read_report, only_if=lambda t: t._report is not None)
     step = cls._train_step
 
@@ -72,13 +85,15 @@ def worker(args: argparse.Namespace) -> None:
     })
     trainer.run_trial(config, Path(args.run_dir), None, quiet=True)
     warm = args.unit  # the first report window carries one-off costs
-    after = [s for b, s in steps if b > warm and b % args.unit == 1]
-    others = [s for b, s in steps if b > warm and b % args.unit not in (0, 1)]
-    figures = {"rank": int(os.environ["RANK"]), "reports": len(reports),
-               "report_ms": 1e3 * statistics.mean(reports), "read_ms": 1e3 * statistics.mean(reads) if reads else 0.0,
-               "step_ms": 1e3 * statistics.mean(others), "step_after_report_ms": 1e3 * statistics.mean(after)}
+    sent = set(sends) if sends else {b for b, _ in steps if b % args.unit == 0}  # older trainers: every report
+    after = [s for b, s in steps if b > warm and b - 1 in sent]
+    others = [s for b, s in steps if b > warm and b - 1 not in sent and b % args.unit]
+    n_reports = len(reports)
+    figures = {"rank": int(os.environ["RANK"]), "reports": n_reports, "sends": len(sent),
+               "report_ms": 1e3 * statistics.mean(reports), "read_ms": 1e3 * sum(reads) / n_reports,
+               "step_ms": 1e3 * statistics.mean(others), "step_after_send_ms": 1e3 * statistics.mean(after)}
     figures["per_report_ms"] = (figures["report_ms"] + figures["read_ms"]
-                                + figures["step_after_report_ms"] - figures["step_ms"])
+                                + (figures["step_after_send_ms"] - figures["step_ms"]) * len(sent) / n_reports)
     print("FIGURES " + json.dumps(figures), flush=True)
 
 
@@ -106,11 +121,11 @@ def main() -> None:
     if out.returncode != 0 or not rows:
         raise SystemExit(f"the run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
     print(f"{args.model}, {args.slots} slots, a report every {args.unit} batches; ms, means over the run")
-    print("| rank | reports | report | read | step | step after a report | per report |")
-    print("|---|---|---|---|---|---|---|")
+    print("| rank | reports | all-reduces | report | reads per report | step | step after an all-reduce | per report |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['rank']} | {r['reports']} | {r['report_ms']:.3f} | {r['read_ms']:.3f} | {r['step_ms']:.3f} "
-              f"| {r['step_after_report_ms']:.3f} | **{r['per_report_ms']:.3f}** |")
+        print(f"| {r['rank']} | {r['reports']} | {r['sends']} | {r['report_ms']:.3f} | {r['read_ms']:.3f} "
+              f"| {r['step_ms']:.3f} | {r['step_after_send_ms']:.3f} | **{r['per_report_ms']:.3f}** |")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ The two-rank agreement through a signal is tests/test_reliability.py's SIGTERM t
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -99,6 +100,7 @@ def test_a_report_carries_the_flag_and_a_proposal_and_moves_the_next_vote(clock,
     # Times in powers of two, exact in binary: 1/128 s per batch, so votes 64 batches apart.
     clock[0] += 10 / 128
     assert vote.ride(10) == [0.0, 64.0]
+    assert not vote.due(11, sync=True)  # no vote while the report's all-reduce is in flight
     vote.carried(10, flags=0.0, proposals=64.0 + 32.0, world=2)  # read after batch 11: the mean, from the report
     assert vote.next_at == 58
     clock[0] += 10 / 16  # the steps slowed down to 1/16 s: the next report brings the vote sooner
@@ -169,19 +171,22 @@ def _train_until_stopped(rank, world, folder):
     from dtrain.config import load_config
     from dtrain.trainer import run_trial
 
-    # After the first vote (cast at batch 1, read at 2), the next would come ~10^5 batches later: only a
-    # report can carry rank 1's request.
-    stopping.TARGET_SECONDS = 1e9
+    # Every rank proposes votes 20 batches apart: the first vote, cast at batch 1 and read at 2, puts the
+    # next at 21, so no vote is cast before it and only a report can carry rank 1's request.
+    stopping.StopVote._proposal = lambda self, batch: 20
     return run_trial(load_config(folder / "experiment.yaml"), folder / "run", None, quiet=True)
 
 
 @pytest.mark.slow
-def test_ranks_stop_together_on_a_request_carried_by_a_report(tmp_path):
+def test_ranks_stop_together_on_a_request_carried_by_held_back_reports(tmp_path):
     shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
     (tmp_path / "stopper.py").write_text(STOPPER)
     tiny_config(tmp_path, entrypoint="stopper:Stopper", scheduling_unit=8, **{"hyperparameters.val_size": 0})
     (tmp_path / "run" / "logs").mkdir(parents=True)  # the launcher's, where the chief records the stop
     results = run_ranks(_train_until_stopped, world_size=2, timeout=90, args=(tmp_path,))
-    # Asked at batch index 5 on rank 1; the report cast after batch 8 carries it, read after batch 9.
-    assert results == [{"stopped_at": 9}, {"stopped_at": 9}]
-    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "9"
+    # Asked at batch index 5 on rank 1. The report after batch 8 is held back (the next, at 16, still comes
+    # before the vote at 21); the one after batch 16 sends both and carries the request, read after 17.
+    assert results == [{"stopped_at": 17}, {"stopped_at": 17}]
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "17"
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["batches"] for r in records if r["kind"] == "training"] == [8, 16]  # the held one too, in order

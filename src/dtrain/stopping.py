@@ -13,13 +13,14 @@ which never waits for the device.
 
 A training report's all-reduce (:class:`dtrain.metrics.SumInFlight`, a SUM over the same ranks) also
 carries each rank's flag and proposal (:meth:`StopVote.ride`); where it is read, the next vote moves to
-the mean proposal's distance from the report (:meth:`StopVote.carried`). So when reports come more often
-than every ~0.5 s, no vote is cast and the loop launches no collective of its own for stopping; when
-steps slow down, the next report's proposals bring the votes back. Every in-flight all-reduce slows the
-step it overlaps (~1 ms on the 2-core test machine, where Gloo's threads share the cores with the loop),
-so one collective fewer per ~0.5 s counts on small steps. A flag heard through a report stops every rank
-at the first batch that ends an aggregation group from the one where the report was read, which is the
-same batch on every rank.
+the mean proposal's distance from the report (:meth:`StopVote.carried`). Where reports come more often
+than every ~0.5 s, the trainer holds them back and sends them together with the last report before the
+next vote's batch (:meth:`dtrain.trainer.Trainer._report_training`): then no vote is cast, and the loop
+launches one collective per ~0.5 s for reports and stopping together; when steps slow down, the next
+report's proposals bring the votes back. Every in-flight all-reduce slows the step it overlaps (~1 ms on
+the 2-core test machine, where Gloo's threads share the cores with the loop), so one collective fewer
+counts on small steps. A flag heard through a report stops every rank at the first batch that ends an
+aggregation group from the one where the report was read, which is the same batch on every rank.
 
 Votes fall on batches that end an aggregation group (where a checkpoint can be written). Strategies with
 server ranks (the parameter server) do not vote: their servers do not run the step loop, so such a run
@@ -88,7 +89,10 @@ class StopVote:
 
     def ride(self, batch: int) -> list[float]:
         """This rank's flag (1.0: asked to stop) and proposed distance to the next vote, to be summed over
-        the ranks by a report's all-reduce cast at ``batch``; its result goes to :meth:`carried`."""
+        the ranks by a report's all-reduce cast at ``batch``; its result goes to :meth:`carried`, which
+        places the next vote (none is cast meanwhile: this one is in flight)."""
+        if self._pending is None and not self._heard:
+            self.next_at = sys.maxsize
         return [float(STOP.requested), float(self._proposal(batch))]
 
     def carried(self, cast_at: int, flags: float, proposals: float, world: int) -> None:

@@ -64,16 +64,27 @@ def _next_boundary(period: int | None, after: int) -> int:
 
 
 class _Report(NamedTuple):
-    """A training report whose all-reduce is in flight (see :meth:`Trainer._report_training`)."""
+    """A closed report window, this rank's figures (see :meth:`Trainer._report_training`)."""
 
     batches: int
     speed: float
     window: dict[str, float]
-    names: list[str]  # the metrics summed in ``inflight`` (average_training_metrics), else none
+    names: list[str]  # the metrics summed over the ranks (average_training_metrics), else none
+    values: list[Any]  # this rank's packed sums of those metrics (MeanAccumulator.packed)
     local: dict[str, float]  # the chief's own means (average_training_metrics off)
-    # Last come the non-finite flag (on_nonfinite: fail), then the stop vote's flag and proposal.
+
+
+class _Sent(NamedTuple):
+    """Reports whose one all-reduce is in flight: their sums, then the non-finite flag (on_nonfinite: fail),
+    then the stop vote's flag and proposal (when ``carries_stop``)."""
+
+    reports: list[_Report]
     inflight: SumInFlight | None
     carries_stop: bool
+
+
+# Reports held back for one all-reduce at most (a bound on its size where reports come very often).
+MAX_HELD_REPORTS = 256
 
 
 class Trainer:
@@ -114,7 +125,9 @@ class Trainer:
         self.nonfinite = NonFiniteWatch(context.device, context.strategy.dp_group)
         self.fail_nonfinite = config.optimizations.on_nonfinite == "fail"
         self.nonfinite_skips = 0
-        self._report: _Report | None = None  # a report whose all-reduce is in flight, read one step later
+        self._held: list[_Report] = []  # closed reports not sent yet (see _report_training)
+        self._sent: _Sent | None = None  # reports whose all-reduce is in flight, read one step later
+        self._bunch = False  # whether reports may be held back: set when the loop starts
         self.vote: StopVote | None = None  # set when the loop starts (see dtrain.stopping)
         self._group_start = 0.0
         self.writer = MetricsWriter(run_dir) if context.is_chief else None
@@ -166,6 +179,10 @@ class Trainer:
         # ~0.5 s, cast only where the training reports (which carry the flag too) come less often.
         vote = self.vote = StopVote(not strategy.has_server_ranks, self.batches, self.ctx.aggregation_frequency,
                                     self.ctx.backend)
+        # Reports carry the vote only where their all-reduce spans every rank that votes (a parameter server's
+        # workers' group does not, but its runs do not vote); only then are they held back for it.
+        self._carries_stop = vote.enabled and strategy.dp_group is None
+        self._bunch = self._carries_stop and vote.world > 1
         # Every batch exchanges gradients without aggregation: say so once, not through a context per step.
         every_batch_syncs = self.ctx.aggregation_frequency == 1
         if every_batch_syncs:
@@ -178,8 +195,8 @@ class Trainer:
             else:
                 with self.ctx.gradient_sync(sync):
                     self._train_step()
-            if self._report is not None:  # the previous batch's report: its all-reduce had a step to finish
-                self._read_report()
+            if self._sent is not None:  # the previous batch's reports: their all-reduce had a step to finish
+                self._read_sent()
             if sync and tuner is not None and tuner.active:
                 self._tune_fusion()
             if b % unit == 0 or b == total:
@@ -273,51 +290,75 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ reporting
     def _report_training(self) -> None:
-        """Close the report window and launch its all-reduce; :meth:`_read_report` writes it a step later.
+        """Close the report window; send the reports held so far in one all-reduce, or hold this one back.
 
-        Why not at once: a blocking all-reduce holds every rank until the slowest arrives. One all-reduce
-        carries the metric sums and the non-finite flag (there were two). Per report on the 2-core test
-        machine, 2 slots, 0.1M MLP, counting the next step's slowdown: 2.6-3.6 ms with two blocking
-        all-reduces, 1.8-2.4 ms now (bench/report_cost.py, docs/benchmarks.md item 9)."""
+        Sent reports are read, and written, a step later (:meth:`_read_sent`): a blocking all-reduce
+        would hold every rank until the slowest arrived. Held back: where reports come more often than the
+        stop vote's ~0.5 s (:mod:`dtrain.stopping`), a report waits for the one after it, up to the last
+        report before the vote falls due, which sends them all and carries the vote. Each all-reduce in
+        flight slows the step it overlaps; per report on the 2-core test machine (2 slots, 0.1M MLP, a
+        report every 100 steps) the all-reduce cost ~1.2 ms of ~1.4 (bench/report_cost.py,
+        docs/benchmarks.md item 11). Held reports reach metrics.jsonl and TensorBoard at most ~0.5 s late;
+        validation, checkpoints, a stop and the end send and write them first (:meth:`_read_report`)."""
         speed = self._close_window()
         averaged = self.config.optimizations.average_training_metrics
         names, values = self.train_metrics.packed() if averaged else ([], [])
         local = self.train_metrics.local_means() if self.ctx.is_chief and not averaged else {}
-        if self.fail_nonfinite:
-            values.append(self.nonfinite.seen())
-        vote = self.vote
-        # Only where the report's all-reduce spans every rank that votes (a parameter server's workers'
-        # group does not, but its runs do not vote).
-        carries_stop = vote is not None and vote.enabled and self.ctx.strategy.dp_group is None
-        if vote is not None and carries_stop:  # the stop vote rides along (dtrain.stopping)
-            values += vote.ride(self.batches)
-        inflight = SumInFlight(values, self.ctx.strategy.dp_group) if values else None
         self.train_metrics.reset()
         window = self.ctx.timer.take_window()  # on CUDA: the window's events are read back here
-        self._report = _Report(self.batches, speed, window, names, local, inflight, carries_stop)
+        self._held.append(_Report(self.batches, speed, window, names, values, local))
         self._open_window()
+        vote = self.vote
+        # Every rank decides alike: the schedule and the vote's next batch are the same on every rank.
+        hold = (self._bunch and vote is not None and len(self._held) < MAX_HELD_REPORTS
+                and self.batches + self.config.scheduling_unit <= min(vote.next_at, self.total_batches))
+        if not hold:
+            self._send()
+
+    def _send(self) -> None:
+        """One all-reduce for the held reports, the non-finite flag and the stop vote (read by :meth:`_read_sent`)."""
+        reports, self._held = self._held, []
+        values = [v for report in reports for v in report.values]
+        if self.fail_nonfinite:
+            values.append(self.nonfinite.seen())
+        if self._carries_stop and self.vote is not None:  # the stop vote rides along (dtrain.stopping)
+            values += self.vote.ride(self.batches)
+        inflight = SumInFlight(values, self.ctx.strategy.dp_group) if values else None
+        self._sent = _Sent(reports, inflight, self._carries_stop)
 
     def _read_report(self) -> None:
-        """Write the report launched by :meth:`_report_training` (fail first if a loss was non-finite);
-        also called before anything that must follow it: validation, checkpoints, the end."""
-        report, self._report = self._report, None
-        if report is None:
+        """Send any held reports and write every report (fail first if a loss was non-finite); called
+        before anything that must follow them: validation, checkpoints, a stop, the end."""
+        self._read_sent()
+        if self._held:
+            self._send()
+            self._read_sent()
+
+    def _read_sent(self) -> None:
+        """Write the reports whose all-reduce is in flight (waiting for it, usually long done)."""
+        sent, self._sent = self._sent, None
+        if sent is None:
             return
-        STATUS.enter("metric all-reduce", report.batches - 1)
-        summed = report.inflight.wait() if report.inflight is not None else []
-        if report.carries_stop and self.vote is not None and report.inflight is not None:
+        last = sent.reports[-1].batches
+        STATUS.enter("metric all-reduce", last - 1)
+        summed = sent.inflight.wait() if sent.inflight is not None else []
+        if sent.carries_stop and self.vote is not None and sent.inflight is not None:
             proposals, flags = summed.pop(), summed.pop()
-            self.vote.carried(report.batches, flags, proposals, report.inflight.world)
+            self.vote.carried(last, flags, proposals, sent.inflight.world)
         if self.fail_nonfinite and summed.pop() > 0:  # some rank saw one: which, and where, costs one more
-            self.nonfinite.fail_if_any(report.batches, "at the report")
-        means = report.local
-        if report.inflight is not None and self.config.optimizations.average_training_metrics:
-            means = means_of(report.names, summed, report.inflight.world)
-        if self.writer is not None:
-            epoch = (report.batches - 1) // self.batches_per_epoch
-            self.writer.write("training", report.batches, epoch, means, samples_per_second=report.speed)
-            self.writer.scalars("time_ms", {k: 1000 * v for k, v in report.window.items()}, report.batches)
-            self.progress.report("training", report.batches, epoch, means, report.speed)
+            self.nonfinite.fail_if_any(last, "at the report")
+        world = sent.inflight.world if sent.inflight is not None else 1
+        at = 0
+        for report in sent.reports:
+            means = report.local
+            if report.values:  # average_training_metrics: this report's slice of the sums
+                means = means_of(report.names, summed[at:at + len(report.values)], world)
+                at += len(report.values)
+            if self.writer is not None:
+                epoch = (report.batches - 1) // self.batches_per_epoch
+                self.writer.write("training", report.batches, epoch, means, samples_per_second=report.speed)
+                self.writer.scalars("time_ms", {k: 1000 * v for k, v in report.window.items()}, report.batches)
+                self.progress.report("training", report.batches, epoch, means, report.speed)
 
     def _validate(self) -> None:
         self._read_report()  # the training record comes first
