@@ -75,9 +75,10 @@ class _Report(NamedTuple):
 
 
 class _Sent(NamedTuple):
-    """Reports whose one all-reduce is in flight: their sums, then the non-finite flag (on_nonfinite: fail),
-    then the stop vote's flag and proposal (when ``carries_stop``)."""
+    """Reports whose one all-reduce, cast at batch ``cast_at``, is in flight: their sums, then the
+    non-finite flag (on_nonfinite: fail), then the stop vote's flag and proposal (when ``carries_stop``)."""
 
+    cast_at: int
     reports: list[_Report]
     inflight: SumInFlight | None
     carries_stop: bool
@@ -127,7 +128,7 @@ class Trainer:
         self.nonfinite_skips = 0
         self._held: list[_Report] = []  # closed reports not sent yet (see _report_training)
         self._sent: _Sent | None = None  # reports whose all-reduce is in flight, read one step later
-        self._bunch = False  # whether reports may be held back: set when the loop starts
+        self._carries_stop = self._bunch = False  # whether reports carry the stop vote, and wait for it: see fit
         self.vote: StopVote | None = None  # set when the loop starts (see dtrain.stopping)
         self._group_start = 0.0
         self.writer = MetricsWriter(run_dir) if context.is_chief else None
@@ -296,8 +297,8 @@ class Trainer:
         would hold every rank until the slowest arrived. Held back: where reports come more often than the
         stop vote's ~0.5 s (:mod:`dtrain.stopping`), a report waits for the one after it, up to the last
         report before the vote falls due, which sends them all and carries the vote. Each all-reduce in
-        flight slows the step it overlaps; per report on the 2-core test machine (2 slots, 0.1M MLP, a
-        report every 100 steps) the all-reduce cost ~1.2 ms of ~1.4 (bench/report_cost.py,
+        flight slows the step it overlaps: on the 2-core test machine (2 slots, 0.1M MLP, a report every
+        100 steps) a report cost 1.1-1.7 ms, and 0.2-0.4 ms without its all-reduce (bench/report_cost.py,
         docs/benchmarks.md item 11). Held reports reach metrics.jsonl and TensorBoard at most ~0.5 s late;
         validation, checkpoints, a stop and the end send and write them first (:meth:`_read_report`)."""
         speed = self._close_window()
@@ -324,7 +325,7 @@ class Trainer:
         if self._carries_stop and self.vote is not None:  # the stop vote rides along (dtrain.stopping)
             values += self.vote.ride(self.batches)
         inflight = SumInFlight(values, self.ctx.strategy.dp_group) if values else None
-        self._sent = _Sent(reports, inflight, self._carries_stop)
+        self._sent = _Sent(self.batches, reports, inflight, self._carries_stop)
 
     def _read_report(self) -> None:
         """Send any held reports and write every report (fail first if a loss was non-finite); called
@@ -339,14 +340,13 @@ class Trainer:
         sent, self._sent = self._sent, None
         if sent is None:
             return
-        last = sent.reports[-1].batches
-        STATUS.enter("metric all-reduce", last - 1)
+        STATUS.enter("metric all-reduce", sent.cast_at - 1)
         summed = sent.inflight.wait() if sent.inflight is not None else []
         if sent.carries_stop and self.vote is not None and sent.inflight is not None:
             proposals, flags = summed.pop(), summed.pop()
-            self.vote.carried(last, flags, proposals, sent.inflight.world)
+            self.vote.carried(sent.cast_at, flags, proposals, sent.inflight.world)
         if self.fail_nonfinite and summed.pop() > 0:  # some rank saw one: which, and where, costs one more
-            self.nonfinite.fail_if_any(last, "at the report")
+            self.nonfinite.fail_if_any(sent.cast_at, "at the report")
         world = sent.inflight.world if sent.inflight is not None else 1
         at = 0
         for report in sent.reports:
