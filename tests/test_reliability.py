@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -189,8 +190,11 @@ def test_a_nan_loss_fails_naming_its_rank_or_is_skipped_on_every_rank(tmp_path):
                                    "checkpoint_storage.save_trial_latest": 1})
     failed = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "fail"), "--quiet")
     assert failed.code == 1, failed.stderr
-    assert ("worker rank 1 failed: NonFiniteError: the loss became non-finite (nan or inf) on rank 1 at batch 13; "
-            "stopped at the report at batch 16") in failed.stderr
+    # Found where the ranks next compare notes: the report after batch 16, or, where that report was held
+    # back for the next stop vote (dtrain.trainer), the checkpoint after batch 18.
+    assert re.search("worker rank 1 failed: NonFiniteError: the loss became non-finite \\(nan or inf\\) on rank 1 "
+                     "at batch 13; stopped (at the report at batch 16|before the checkpoint at batch 18)",
+                     failed.stderr), failed.stderr
     ckpts = tmp_path / "fail" / "checkpoints"
     assert sorted(p.name for p in ckpts.iterdir()) == ["12", "latest"]  # no checkpoint with nan weights
     assert all(torch.isfinite(t).all() for t in final_weights(tmp_path / "fail").values())

@@ -327,15 +327,15 @@ class Trainer:
         inflight = SumInFlight(values, self.ctx.strategy.dp_group) if values else None
         self._sent = _Sent(self.batches, reports, inflight, self._carries_stop)
 
-    def _read_report(self) -> None:
-        """Send any held reports and write every report (fail first if a loss was non-finite); called
-        before anything that must follow them: validation, checkpoints, a stop, the end."""
-        self._read_sent()
+    def _read_report(self, when: str = "at the report") -> None:
+        """Send any held reports and write every report (fail first, saying ``when``, if a loss was
+        non-finite); called before anything that must follow them: validation, checkpoints, a stop, the end."""
+        self._read_sent(when)
         if self._held:
             self._send()
-            self._read_sent()
+            self._read_sent(when)
 
-    def _read_sent(self) -> None:
+    def _read_sent(self, when: str = "at the report") -> None:
         """Write the reports whose all-reduce is in flight (waiting for it, usually long done)."""
         sent, self._sent = self._sent, None
         if sent is None:
@@ -346,7 +346,7 @@ class Trainer:
             proposals, flags = summed.pop(), summed.pop()
             self.vote.carried(sent.cast_at, flags, proposals, sent.inflight.world)
         if self.fail_nonfinite and summed.pop() > 0:  # some rank saw one: which, and where, costs one more
-            self.nonfinite.fail_if_any(sent.cast_at, "at the report")
+            self.nonfinite.fail_if_any(sent.cast_at, when)
         world = sent.inflight.world if sent.inflight is not None else 1
         at = 0
         for report in sent.reports:
@@ -361,7 +361,7 @@ class Trainer:
                 self.progress.report("training", report.batches, epoch, means, report.speed)
 
     def _validate(self) -> None:
-        self._read_report()  # the training record comes first
+        self._read_report("before validation")  # the training record comes first
         if self.val_loader is None:
             return
         STATUS.enter("validation")
@@ -391,7 +391,7 @@ class Trainer:
 
     # --------------------------------------------------------------------------------- checkpoints
     def _checkpoint(self) -> None:
-        self._read_report()  # written before the checkpoint: a resume from it does not redo its batches
+        self._read_report("before the checkpoint")  # written first: a resume from it does not redo its batches
         STATUS.enter("checkpoint")
         if self.fail_nonfinite and not self.ctx.strategy.is_server:
             self.nonfinite.fail_if_any(self.batches, "before the checkpoint")
