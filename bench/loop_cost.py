@@ -3,7 +3,7 @@
     .venv/bin/python bench/loop_cost.py [--steps 100000] [--repeats 3]
 
 The trainer runs a Trial whose ``train_batch`` only returns a constant CPU loss, and its next batch is a
-constant (the loader is not what is measured: ``Trainer._next_batch`` is replaced in this process), so
+constant (the loader is not what is measured: ``DeviceFeeder.fetcher`` is replaced in this process), so
 what remains per step is dtrain's own work: the schedule, the rank status, the step profiler's phase
 edges and their resolution, the metric check and accumulation, the non-finite watch, and, every
 ``scheduling_unit`` steps, a report (metrics.jsonl, TensorBoard, the step breakdown). Each variant runs
@@ -34,6 +34,10 @@ VARIANTS = {
     "reports off": {"scheduling_unit": 10**9},
     "profiling and reports off": {"profiling": {"enabled": False}, "scheduling_unit": 10**9},
 }
+
+
+def _no_batch() -> None:
+    return None
 
 
 def trainer_seconds_per_step(steps: int, extra: dict[str, Any]) -> float:
@@ -72,7 +76,8 @@ def main() -> None:
     torch.set_num_threads(1)
     from dtrain import trainer
 
-    trainer.Trainer._next_batch = lambda self: None  # type: ignore[method-assign]  # the loop, not the loader
+    # The loop, not the loader: every batch is None (the trainer takes its batches from the feeder's fetcher).
+    trainer.data.DeviceFeeder.fetcher = lambda self: _no_batch  # type: ignore[method-assign]
     times: dict[str, list[float]] = {name: [] for name in [*VARIANTS, "bare Python loop"]}
     for _ in range(args.repeats):
         for name, extra in VARIANTS.items():
