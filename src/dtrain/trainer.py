@@ -76,12 +76,11 @@ class _Report(NamedTuple):
 
 class _Sent(NamedTuple):
     """Reports whose one all-reduce, cast at batch ``cast_at``, is in flight: their sums, then the
-    non-finite flag (on_nonfinite: fail), then the stop vote's flag and proposal (when ``carries_stop``)."""
+    non-finite flag (on_nonfinite: fail), then the stop vote's flag and proposal (where reports carry it)."""
 
     cast_at: int
     reports: list[_Report]
     inflight: SumInFlight | None
-    carries_stop: bool
 
 
 # Reports held back for one all-reduce at most (a bound on its size where reports come very often).
@@ -128,7 +127,7 @@ class Trainer:
         self.nonfinite_skips = 0
         self._held: list[_Report] = []  # closed reports not sent yet (see _report_training)
         self._sent: _Sent | None = None  # reports whose all-reduce is in flight, read one step later
-        self._carries_stop = self._bunch = False  # whether reports carry the stop vote, and wait for it: see fit
+        self._carries_stop = False  # whether reports carry the stop vote (and may wait for it): set in fit
         self.vote: StopVote | None = None  # set when the loop starts (see dtrain.stopping)
         self._group_start = 0.0
         self.writer = MetricsWriter(run_dir) if context.is_chief else None
@@ -181,9 +180,8 @@ class Trainer:
         vote = self.vote = StopVote(not strategy.has_server_ranks, self.batches, self.ctx.aggregation_frequency,
                                     self.ctx.backend)
         # Reports carry the vote only where their all-reduce spans every rank that votes (a parameter server's
-        # workers' group does not, but its runs do not vote); only then are they held back for it.
+        # workers' group does not, but its runs do not vote); only then, on several ranks, are they held back.
         self._carries_stop = vote.enabled and strategy.dp_group is None
-        self._bunch = self._carries_stop and vote.world > 1
         # Every batch exchanges gradients without aggregation: say so once, not through a context per step.
         every_batch_syncs = self.ctx.aggregation_frequency == 1
         if every_batch_syncs:
@@ -311,7 +309,7 @@ class Trainer:
         self._open_window()
         vote = self.vote
         # Every rank decides alike: the schedule and the vote's next batch are the same on every rank.
-        hold = (self._bunch and vote is not None and len(self._held) < MAX_HELD_REPORTS
+        hold = (self._carries_stop and vote is not None and vote.world > 1 and len(self._held) < MAX_HELD_REPORTS
                 and self.batches + self.config.scheduling_unit <= min(vote.next_at, self.total_batches))
         if not hold:
             self._send()
@@ -325,7 +323,7 @@ class Trainer:
         if self._carries_stop and self.vote is not None:  # the stop vote rides along (dtrain.stopping)
             values += self.vote.ride(self.batches)
         inflight = SumInFlight(values, self.ctx.strategy.dp_group) if values else None
-        self._sent = _Sent(self.batches, reports, inflight, self._carries_stop)
+        self._sent = _Sent(self.batches, reports, inflight)
 
     def _read_report(self, when: str = "at the report") -> None:
         """Send any held reports and write every report (fail first, saying ``when``, if a loss was
@@ -342,7 +340,7 @@ class Trainer:
             return
         STATUS.enter("metric all-reduce", sent.cast_at - 1)
         summed = sent.inflight.wait() if sent.inflight is not None else []
-        if sent.carries_stop and self.vote is not None and sent.inflight is not None:
+        if self._carries_stop and self.vote is not None and sent.inflight is not None:
             proposals, flags = summed.pop(), summed.pop()
             self.vote.carried(sent.cast_at, flags, proposals, sent.inflight.world)
         if self.fail_nonfinite and summed.pop() > 0:  # some rank saw one: which, and where, costs one more
