@@ -43,6 +43,7 @@ def test_wrong_type_names_path_value_and_expectation(tmp_path):
     ("backend", "mpi", "'auto', 'gloo' or 'nccl'"),
     ("optimizations.gradient_compression", "zip", "'none', 'fp16', 'bf16' or 'powersgd'"),
     ("optimizations.auto_tune_candidates_mb", [], "auto_tune_candidates_mb must be a non-empty list"),
+    ("profiling.sample_every", 0, "profiling.sample_every: got 0 (int); expected a value greater than or equal to 1"),
 ])
 def test_invalid_values(tmp_path, key, value, fragment):
     with pytest.raises(ConfigError) as info:

@@ -57,7 +57,7 @@ def test_edges_become_phases_and_resolve_once_per_window(deferred):
     t = _timer(times, deferred)
     _one_step(t, grad_ready=7.0)
     # A step only appends its edges (host or CUDA-style clock): nothing is resolved, nothing waited for.
-    assert t.clock.synchronized == 0 and t.profiled_steps == 0 and t.steps == 1
+    assert t.clock.synchronized == 0 and t.timed_steps == 0 and t.steps == 1
     _one_step(t, grad_ready=7.0)
     step = t.per_step()  # resolves what is pending: the only synchronization
     assert t.clock.synchronized == (1 if deferred else 0)
@@ -74,6 +74,77 @@ def test_steps_resolve_every_window(monkeypatch, deferred):
         _one_step(t)
     assert t.clock.synchronized == (2 if deferred else 0) and t.profiled_steps == 3 and t.steps == 4
     assert t.last_step_seconds == 6.0
+
+
+class StepClock:
+    """Host-style clock whose edges are ``edge`` seconds apart; the test sets ``edge`` per step."""
+
+    deferred = False
+
+    def __init__(self):
+        self.t, self.edge = 0.0, 1.0
+
+    def stamp(self):
+        self.t += self.edge
+        return self.t
+
+    def seconds(self, start, end):
+        return end - start
+
+    def synchronize(self):
+        pass
+
+    def recycle(self):
+        pass
+
+
+def _sampled_run(steps, sample_every, warmup=3):
+    """A timer over ``steps`` steps whose edges are 1..7 s apart (by step); which steps it timed."""
+    import torch
+
+    clock = StepClock()
+    t = StepTimer(torch.device("cpu"), warmup_steps=warmup, clock=clock, sample_every=sample_every)
+    timed = []
+    for i in range(steps):
+        clock.edge = 1.0 + i % 7
+        t.start_step()
+        timed.append(t._in_step)
+        t.lap("data")
+        t.backward_begin()
+        t.backward_end()
+        t.lap("other")
+        t.lap("optimizer")
+        t.end_step()
+    return t, timed
+
+
+def test_sampling_times_few_steps_and_stays_unbiased():
+    steps, k, warmup = 20_000, 4, 3
+    t, timed = _sampled_run(steps, k, warmup)
+    dense = timer_module.DENSE_STEPS
+    # Every step up to the dense limit, then about one in k.
+    assert all(timed[:warmup + dense]) and t.steps == steps
+    step = t.per_step()  # resolves the pending steps
+    expected_timed = dense + (steps - warmup - dense) / k
+    assert abs(t.timed_steps - expected_timed) < 0.05 * expected_timed
+    assert sum(timed) == t.timed_steps + warmup
+    # Each timed step weighs k: the figures still stand for every profiled step, and their mean is the true
+    # one (edges 1..7 s apart by step: mean step 6 x 4 s), not the mean of a biased subset.
+    assert abs(t.profiled_steps - (steps - warmup)) < 0.05 * steps
+    assert step["step"] == pytest.approx(6 * 4.0, rel=0.03)
+    assert step["data"] == pytest.approx(4.0, rel=0.03)
+    assert sum(step[p] for p in PHASES) == pytest.approx(step["step"])
+
+
+def test_every_rank_samples_the_same_steps():
+    # Ranks run the same steps: their timers must time the same ones (straggler samples align by index).
+    assert _sampled_run(3_000, 4)[1] == _sampled_run(3_000, 4)[1]
+
+
+def test_sample_every_one_times_every_step():
+    t, timed = _sampled_run(500, 1)
+    t.per_step()
+    assert all(timed) and t.timed_steps == t.profiled_steps == 500 - 3
 
 
 def test_busy_time_is_the_union_of_intervals():

@@ -108,6 +108,9 @@ class Profiling(_Strict):
     enabled: bool = True
     # First steps carry one-off costs (DDP's bucket rebuild, allocator warm-up): timed, not profiled.
     warmup_steps: int = Field(default=3, ge=0, le=MAX_STEPS)
+    # After 200 profiled steps, time one step in this many (random, the same on every rank; each weighs as
+    # many steps in the figures). 1 times every step.
+    sample_every: int = Field(default=4, ge=1, le=1_000_000)
 
 
 class PowerSGDOptions(_Strict):

@@ -66,7 +66,8 @@ class DistributedContext:
         ddist.init_process_group(self.env, self.backend, timeout_seconds)
         self.seed = seed
         self.precision = Precision(precision, self.device)
-        self.timer = StepTimer(self.device, enabled=profile, warmup_steps=warmup_steps)
+        self.timer = StepTimer(self.device, enabled=profile, warmup_steps=warmup_steps,
+                               sample_every=config.profiling.sample_every if config is not None else 1)
         opts = config.optimizations if config is not None else None
         self.aggregation_frequency = opts.aggregation_frequency if opts is not None else 1
         self.average_aggregated_gradients = opts.average_aggregated_gradients if opts is not None else True

@@ -25,8 +25,8 @@ class CommRecorder:
     """Launch/completion times and bytes of the current step's collectives, and when the step's last
     gradient was computed (the point after which backward only waits for communication)."""
 
-    __slots__ = ("_bytes_pending", "bytes", "clock", "completions", "grad_ready", "grad_ready_seen", "launches",
-                 "native")
+    __slots__ = ("_bytes_pending", "armed", "bytes", "clock", "completions", "grad_ready", "grad_ready_seen",
+                 "launches", "native")
     enabled = True
 
     def __init__(self, clock: Any = None) -> None:
@@ -37,10 +37,12 @@ class CommRecorder:
         self.completions: list[float] = []
         self.bytes = 0
         self._bytes_pending = 0
-        # A clock stamp (float on CPU, CUDA event on GPU) set by autograd hooks on the parameters that
-        # backward reaches last; ``grad_ready_seen`` tells whether it belongs to the current step.
+        # A clock stamp (float on CPU, CUDA event on GPU) set by an autograd hook when backward has computed the
+        # gradient of the model's first parameter (backward reaches it last); ``grad_ready_seen`` tells whether
+        # it belongs to the current step. Only timed steps stamp (the step timer sets ``armed``).
         self.grad_ready: Any = None
         self.grad_ready_seen = False
+        self.armed = False
         # With DDP's own timers: a callable returning their averages (busy seconds, bytes, buckets).
         self.native: Any = None
 
@@ -68,7 +70,9 @@ class CommRecorder:
 
     # -------------------------------------------------------------------------- step edges
     def mark_grad_ready(self, *_: Any) -> None:
-        """Autograd hook: a gradient of one of the last-computed parameters is ready."""
+        """Autograd hook: the model's first parameter has its gradient (on a timed step: stamp it)."""
+        if not self.armed:
+            return
         if self.clock.deferred:
             # Re-recording one event per step: the latest hook wins, as autograd runs them in order.
             if not self.grad_ready_seen:
@@ -149,8 +153,12 @@ class DDPTiming:
     ``native``: read DDP's C++ reducer timers (busy time, bucket sizes; sampled iterations, averaged)
     instead of a Python comm hook, which would complete a Python future on Gloo's thread for every
     bucket: several percent of a 2 ms step (bench/profiler_overhead.py). Private torch API (stable since
-    1.9): on failure, fall back to the hook. Either way the last gradient is stamped by autograd hooks on
-    the model's first parameters (backward computes them last): the rest of ``backward()`` is waiting.
+    1.9): on failure, fall back to the hook. Either way the last gradient is stamped, on timed steps, by an
+    autograd hook on the model's first parameter (backward computes it last): the rest of ``backward()`` is
+    waiting. One parameter, not several: a hook costs a call into Python at every step, timed or not (once
+    registered, it cannot be skipped), and on the 2-core test machine four of them cost a 0.1M-parameter
+    MLP's Trial ~1% (docs/benchmarks.md item 12). For a ``Linear`` the weight (first) is accumulated after
+    the bias; a tied input embedding, after its last use.
     """
 
     def __init__(self, recorder: CommRecorder, native: bool) -> None:
@@ -175,10 +183,11 @@ class DDPTiming:
 
     def _stamp_last_gradient(self, model: nn.Module) -> None:
         if id(model) in self._stamped:
-            return  # a rebuilt DDP around the same module: hooks are already there
+            return  # a rebuilt DDP around the same module: hooked already
         self._stamped.add(id(model))
-        for param in [p for p in model.parameters() if p.requires_grad][:4]:
-            param.register_post_accumulate_grad_hook(self.recorder.mark_grad_ready)
+        first = next((p for p in model.parameters() if p.requires_grad), None)
+        if first is not None:
+            first.register_post_accumulate_grad_hook(self.recorder.mark_grad_ready)
 
     def stats(self) -> dict[str, float] | None:
         """DDP's averages over its sampled iterations, summed over the live DDPs; None before any."""

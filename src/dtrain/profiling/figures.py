@@ -185,7 +185,7 @@ def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
     ctx, config, timer = trainer.ctx, trainer.config, trainer.ctx.timer
     gbs, o = trainer.global_batch, config.optimizations
     all_steps = trainer.steps * gbs / trainer.train_seconds if trainer.train_seconds > 0 else 0.0
-    steady = timer.profiled_steps * gbs / timer.profiled_seconds if timer.profiled_seconds > 0 else 0.0
+    steady = timer.profiled_weight * gbs / timer.profiled_seconds if timer.profiled_seconds > 0 else 0.0
     facts = {
         "slots": ctx.strategy.dp_world,
         "strategy": ctx.strategy.name,
@@ -213,6 +213,7 @@ def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
         "profiling": timer.enabled,
         "steps": trainer.steps,
         "profiled_steps": timer.profiled_steps,
+        "timed_steps": timer.timed_steps,
         "samples_per_second": steady if timer.enabled and steady > 0 else all_steps,
         "samples_per_second_all_steps": all_steps,
         "train_seconds": trainer.train_seconds,

@@ -15,10 +15,21 @@ CPU an edge is a ``perf_counter`` reading; on CUDA it is an event on the stream
 appends its edges to two flat lists; they are resolved in batches by :meth:`StepTimer.flush` (at every
 report, and every ``FLUSH_EVERY`` steps at most), which is the only place the profiler waits for the
 device, and where the arithmetic of a window's steps is done at once, off the step's path.
+
+Sampling: every step is timed until :data:`DENSE_STEPS` steps are profiled (a short run has them all);
+after that, one step in ``sample_every`` on average, drawn at random (geometric gaps from a fixed seed:
+every rank times the same steps, and a periodic event such as a report every 100 steps is not always in or
+always out of the sample). Each timed step is weighted by the steps it stands for, so the means estimate
+those of every profiled step; ``profiled_steps`` counts the steps after the warm-up, ``timed_steps`` those
+timed. What sampling saves is less the edges (on the 2-core test machine, timing every step or one in four
+made no measurable difference to the 0.1M MLP's Trial, docs/benchmarks.md item 12) than what a timed step
+needs besides them: on CUDA seven events, and the last-gradient stamp (an event too).
 """
 
 from __future__ import annotations
 
+import math
+import random
 from typing import Any
 
 import torch
@@ -34,25 +45,41 @@ _FORWARD, _BACKWARD, _EXPOSED, _OTHER = _INDEX["forward"], _INDEX["backward"], _
 # Steps whose edges are kept before they are resolved (on CUDA, one synchronization per this many steps
 # at most, when reports are rarer).
 FLUSH_EVERY = 64
+# Profiled steps timed one by one before sampling starts; the sampler's seed (the same on every rank).
+DENSE_STEPS = 200
+SAMPLE_SEED = 20261124
 
 
 class StepTimer:
     """Accumulates seconds per phase over the steps of a run, on one rank.
 
     The first ``warmup_steps`` are counted but left out of the phase statistics: they include one-off
-    costs (DDP's first-iteration bucket rebuild, allocator warm-up, autotuning kernels).
+    costs (DDP's first-iteration bucket rebuild, allocator warm-up, autotuning kernels). After
+    :data:`DENSE_STEPS` profiled steps, one in ``sample_every`` is timed (see the module's doc).
     """
 
-    def __init__(self, device: torch.device, enabled: bool = True, warmup_steps: int = 3, clock: Any = None) -> None:
+    def __init__(self, device: torch.device, enabled: bool = True, warmup_steps: int = 3, clock: Any = None,
+                 sample_every: int = 1) -> None:
+        if sample_every < 1:
+            raise ValueError(f"sample_every must be >= 1, got {sample_every}")
         self.enabled = enabled
         self.warmup_steps = warmup_steps
+        self.sample_every = sample_every
+        self._rng = random.Random(SAMPLE_SEED)
+        # log(1 - 1/k): a geometric gap of untimed steps is log(U) / this; 0 means every step is timed.
+        self._log_miss = math.log(1.0 - 1.0 / sample_every) if sample_every > 1 else 0.0
+        self._skip = 0  # untimed steps before the next timed one
+        self._dense_until = warmup_steps + DENSE_STEPS  # steps (warm-up included) timed one by one
         self.clock = clock if clock is not None else clock_for(device)  # tests script one
         self.recorder = CommRecorder(self.clock)
         self.totals: dict[str, float] = dict.fromkeys(PHASES + COMM_FIELDS, 0.0)
         self.window: dict[str, float] = dict.fromkeys(PHASES, 0.0)
-        self.window_steps = 0
+        self.window_weight = 0
         self.steps = 0  # every step, warm-up included
-        self.profiled_steps = 0
+        self.profiled_steps = 0  # steps after the warm-up: those the statistics stand for
+        self.timed_steps = 0  # profiled steps actually timed
+        # Over the timed steps, each weighted by the steps it stands for: their weights, and seconds.
+        self.profiled_weight = 0
         self.profiled_seconds = 0.0
         self._last_step = 0.0
         self._in_step = False
@@ -61,10 +88,10 @@ class StepTimer:
         self.exchanging = True
         self.lag = LagSampler()
         # Edges of the steps not resolved yet: phase index (-1 opens a step) and stamp, flat; per step,
-        # (first edge, edge count, profiled?, comm busy seconds, comm bytes, comm buckets, exchanging?).
+        # (first edge, edge count, weight (0: warm-up), comm busy seconds, comm bytes, comm buckets, exchanging?).
         self._phase: list[int] = []
         self._stamp: list[Any] = []
-        self._steps: list[tuple[int, int, bool, float, float, float, bool]] = []
+        self._steps: list[tuple[int, int, int, float, float, float, bool]] = []
         self._step_first = 0
         # An edge is two appends and a clock read, done in place by its caller (no helper call): a step
         # has seven, and on small CPU steps each Python call shows (bench/step_instructions.py).
@@ -81,11 +108,17 @@ class StepTimer:
     def start_step(self) -> None:
         if not self.enabled:
             return
-        self._in_step = True
-        self._step_first = len(self._phase)
         rec = self.recorder
         if rec.grad_ready_seen or rec.launches or rec.completions:  # most CPU steps leave nothing to reset
             rec.reset()
+        if self._skip:  # not sampled: counted by end_step, not timed (no edge, no clock read)
+            self._skip -= 1
+            return
+        if self._log_miss and self.steps + 1 >= self._dense_until:
+            self._skip = int(math.log(1.0 - self._rng.random()) / self._log_miss)
+        self._in_step = True
+        rec.armed = True  # this step's last gradient is stamped (untimed steps' hook returns at once)
+        self._step_first = len(self._phase)
         self._add_phase(-1)
         self._add_stamp(self._now())
 
@@ -125,22 +158,26 @@ class StepTimer:
             self._edge(_BACKWARD, end)
 
     def end_step(self) -> None:
-        if not self._in_step:
-            if not self.enabled:
-                self.steps += 1
+        self.steps += 1
+        if not self._in_step:  # profiling off, or a step left out of the sample
+            if self.enabled and self.steps > self.warmup_steps:
+                self.profiled_steps += 1
             return
         self._in_step = False
         self._add_phase(_OTHER)
         self._add_stamp(self._now())
-        self.steps += 1
-        profiled = self.steps > self.warmup_steps
         rec = self.recorder
+        rec.armed = False
+        if self.steps > self.warmup_steps:
+            self.profiled_steps += 1
+        # Weight: how many steps this one stands for (0: warm-up, timed but not in the statistics).
+        weight = 0 if self.steps <= self.warmup_steps else 1 if self.steps <= self._dense_until else self.sample_every
         first = self._step_first
         if rec.launches:
-            self._steps.append((first, len(self._phase) - first, profiled, rec.busy_seconds(), float(rec.bytes),
+            self._steps.append((first, len(self._phase) - first, weight, rec.busy_seconds(), float(rec.bytes),
                                 float(len(rec.launches)), self.exchanging))
         else:  # no timed collective in this step (one slot, DDP's native timers, accumulating steps)
-            self._steps.append((first, len(self._phase) - first, profiled, 0.0, 0.0, 0.0, self.exchanging))
+            self._steps.append((first, len(self._phase) - first, weight, 0.0, 0.0, 0.0, self.exchanging))
         if len(self._steps) >= FLUSH_EVERY:
             self.flush()
 
@@ -162,33 +199,35 @@ class StepTimer:
         lag, samples = self.lag, self.lag.buffer
         sums = [0.0] * len(PHASES)  # by phase index: one dict update per phase per flush, not per edge
         # Window figures in locals, written back once: this loop runs for every step of the run.
-        profiled_steps, profiled_seconds, busy_sum, bytes_sum, buckets_sum = 0, 0.0, 0.0, 0.0, 0.0
+        weights, timed_steps, profiled_seconds, busy_sum, bytes_sum, buckets_sum = 0, 0, 0.0, 0.0, 0.0, 0.0
         step = self._last_step
-        for first, count, profiled, busy, nbytes, buckets, exchanging in self._steps:
+        for first, count, weight, busy, nbytes, buckets, exchanging in self._steps:
             end = first + count
             start = previous = stamps[first]
             step = stamps[end - 1] - start
-            if not profiled:
+            if not weight:
                 continue
-            # A sampled step's phases also go to the straggler buffer (offset base), in place.
+            # A timed step's phases also go to the straggler buffer (offset base), unweighted, in place.
             base = lag.slot() if exchanging else -1
             for i in range(first + 1, end):
                 now = stamps[i]
-                sums[phases[i]] += now - previous
+                sums[phases[i]] += (now - previous) * weight
                 if base >= 0:
                     samples[base + phases[i]] += now - previous
                 previous = now
             if base >= 0:
                 samples[base + STEP_COLUMN] = step
-            profiled_steps += 1
-            profiled_seconds += step
-            busy_sum += busy
-            bytes_sum += nbytes
-            buckets_sum += buckets
+            timed_steps += 1
+            weights += weight
+            profiled_seconds += step * weight
+            busy_sum += busy * weight
+            bytes_sum += nbytes * weight
+            buckets_sum += buckets * weight
         self._last_step = step
-        self.profiled_steps += profiled_steps
+        self.timed_steps += timed_steps
+        self.profiled_weight += weights
         self.profiled_seconds += profiled_seconds
-        self.window_steps += profiled_steps
+        self.window_weight += weights
         totals = self.totals
         totals["comm_busy"] += busy_sum
         totals["comm_bytes"] += bytes_sum
@@ -203,14 +242,14 @@ class StepTimer:
 
     @property
     def last_step_seconds(self) -> float:
-        """The latest step's length (resolves pending steps: on CUDA, one synchronization)."""
+        """The latest timed step's length (resolves pending steps: on CUDA, one synchronization)."""
         self.flush()
         return self._last_step
 
     def per_step(self) -> dict[str, float]:
         """Mean per profiled step: seconds for each phase and ``step``, bytes and buckets for comm."""
         self.flush()
-        n = max(1, self.profiled_steps)
+        n = max(1, self.profiled_weight)  # a weighted mean: each timed step for the steps it stands for
         out = {key: value / n for key, value in self.totals.items()}
         out["step"] = self.profiled_seconds / n
         native = self.recorder.native() if self.recorder.native is not None else None
@@ -225,8 +264,8 @@ class StepTimer:
     def take_window(self) -> dict[str, float]:
         """Mean seconds per phase since the previous call (for periodic TensorBoard scalars)."""
         self.flush()
-        n = self.window_steps
+        n = self.window_weight
         out = {p: s / n for p, s in self.window.items()} if n else {}
         self.window = dict.fromkeys(PHASES, 0.0)
-        self.window_steps = 0
+        self.window_weight = 0
         return out
