@@ -155,9 +155,9 @@ class DDPTiming:
     bucket: several percent of a 2 ms step (bench/profiler_overhead.py). Private torch API (stable since
     1.9): on failure, fall back to the hook. Either way the last gradient is stamped, on timed steps, by an
     autograd hook on the model's first parameter (backward computes it last): the rest of ``backward()`` is
-    waiting. One parameter, not several: a hook costs a call into Python at every step, timed or not (once
-    registered, it cannot be skipped), and on the 2-core test machine four of them cost a 0.1M-parameter
-    MLP's Trial ~1% (docs/benchmarks.md item 12). For a ``Linear`` the weight (first) is accumulated after
+    waiting. One parameter, not several: a hook costs a call into Python at every step, timed or not (even
+    after its handle's ``remove()``, measured), and on the 2-core test machine four of them cost a
+    0.1M-parameter MLP's Trial ~1% (docs/benchmarks.md item 12). For a ``Linear`` the weight (first) is accumulated after
     the bias; a tied input embedding, after its last use.
     """
 
