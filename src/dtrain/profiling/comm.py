@@ -157,8 +157,8 @@ class DDPTiming:
     autograd hook on the model's first parameter (backward computes it last): the rest of ``backward()`` is
     waiting. One parameter, not several: a hook costs a call into Python at every step, timed or not (even
     after its handle's ``remove()``, measured), and on the 2-core test machine four of them cost a
-    0.1M-parameter MLP's Trial ~1% (docs/benchmarks.md item 12). For a ``Linear`` the weight (first) is accumulated after
-    the bias; a tied input embedding, after its last use.
+    0.1M-parameter MLP's Trial ~1% (docs/benchmarks.md item 12). For a ``Linear`` the weight (first) is
+    accumulated after the bias; a tied input embedding, after its last use.
     """
 
     def __init__(self, recorder: CommRecorder, native: bool) -> None:
