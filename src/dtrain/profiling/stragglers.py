@@ -12,9 +12,10 @@ rank's own durations, so this holds across machines whose clocks disagree.
 
 Sampling (:class:`LagSampler`) costs a few float additions into a preallocated buffer per sampled
 step, done where the timer resolves its steps (on CUDA once per window: no extra synchronization). Every
-exchanging step is sampled until the buffer is full; then every other sample is dropped and the stride
-doubles, so a run of any length keeps between half and all of ``capacity`` evenly spaced samples. Every
-rank samples the same steps (ranks run the same schedule), so sample k of every rank is the same step.
+timed exchanging step (the timer's own sample: :mod:`dtrain.profiling.timer`) is sampled until the buffer
+is full; then every other sample is dropped and the stride doubles, so a run of any length keeps between
+half and all of ``capacity`` evenly spaced samples. Every rank samples the same steps (ranks run the same
+schedule, and the timer draws the same ones), so sample k of every rank is the same step.
 
 At the end of the run the buffers travel in the one all_gather of the per-rank figures
 (:func:`dtrain.profiling.figures.gather_rank_stats`), and :func:`rank_figures` turns them into per-rank
