@@ -17,7 +17,9 @@ def time_cost_table(profile: dict[str, Any]) -> str:
     """Per-phase ms per step (min / mean / max across ranks) and share of the step, plus communication."""
     spread = profile["seconds_per_step"]
     step = spread["step"]["mean"]
-    table = Table(title=f"time cost per step ({profile['slots']} slot(s), {profile['profiled_steps']} steps profiled)")
+    profiled, timed = profile["profiled_steps"], profile.get("timed_steps", profile["profiled_steps"])
+    sampled = f", {timed} timed" if timed != profiled else ""  # profiling.sample_every
+    table = Table(title=f"time cost per step ({profile['slots']} slot(s), {profiled} steps profiled{sampled})")
     for col in ("phase", "min ms", "mean ms", "max ms", "share"):
         table.add_column(col, justify="left" if col == "phase" else "right")
     for phase in (*profile["phases"], "step"):
