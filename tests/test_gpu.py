@@ -38,7 +38,7 @@ def test_cuda_timing_adds_up_to_the_wall_time(tmp_path):
                                  "min_validation_period": None, "min_checkpoint_period": None,
                                  "scheduling_unit": 100})
     profile = json.loads((run / "profile.json").read_text())
-    # Every step (no warm-up here) times the mean step: sampled steps stand for the ones not timed.
+    # Every step (no warm-up here) at the mean step's length: timed or not, the mean stands for all of them.
     timed = profile["steps"] * profile["seconds_per_step"]["step"]["mean"]
     assert timed == pytest.approx(profile["train_seconds"], rel=0.03), (timed, profile["train_seconds"])
 
