@@ -76,7 +76,6 @@ class StepTimer:
         self.window: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.window_weight = 0
         self.steps = 0  # every step, warm-up included
-        self.profiled_steps = 0  # steps after the warm-up: those the statistics stand for
         self.timed_steps = 0  # profiled steps actually timed
         # Over the timed steps, each weighted by the steps it stands for: their weights, and seconds.
         self.profiled_weight = 0
@@ -160,16 +159,12 @@ class StepTimer:
     def end_step(self) -> None:
         self.steps += 1
         if not self._in_step:  # profiling off, or a step left out of the sample
-            if self.enabled and self.steps > self.warmup_steps:
-                self.profiled_steps += 1
             return
         self._in_step = False
         self._add_phase(_OTHER)
         self._add_stamp(self._now())
         rec = self.recorder
         rec.armed = False
-        if self.steps > self.warmup_steps:
-            self.profiled_steps += 1
         # Weight: how many steps this one stands for (0: warm-up, timed but not in the statistics).
         weight = 0 if self.steps <= self.warmup_steps else 1 if self.steps <= self._dense_until else self.sample_every
         first = self._step_first
@@ -239,6 +234,11 @@ class StepTimer:
         phases.clear()
         self._stamp.clear()
         clock.recycle()
+
+    @property
+    def profiled_steps(self) -> int:
+        """Steps after the warm-up: those the statistics stand for (timed or not)."""
+        return max(0, self.steps - self.warmup_steps) if self.enabled else 0
 
     @property
     def last_step_seconds(self) -> float:
