@@ -14,9 +14,9 @@ which never waits for the device.
 A training report's all-reduce (:class:`dtrain.metrics.SumInFlight`, a SUM over the same ranks) also
 carries each rank's flag and proposal (:meth:`StopVote.ride`); where it is read, the next vote moves to
 the mean proposal's distance from the report (:meth:`StopVote.carried`). Where reports come more often
-than every ~0.5 s, the trainer holds them back and sends them together with the last report before the
+than every ~2 s, the trainer holds them back and sends them together with the last report before the
 next vote's batch (:meth:`dtrain.trainer.Trainer._report_training`): then no vote is cast, and the loop
-launches one collective per ~0.5 s for reports and stopping together; when steps slow down, the next
+launches one collective per ~2 s for reports and stopping together; when steps slow down, the next
 report's proposals bring the votes back. Every in-flight all-reduce slows the step it overlaps (~1 ms on
 the 2-core test machine, where Gloo's threads share the cores with the loop), so one collective fewer
 counts on small steps. A flag heard through a report stops every rank at the first batch that ends an
@@ -40,7 +40,11 @@ import torch.distributed as dist
 
 from dtrain.watchdog import STATUS, STOP
 
-TARGET_SECONDS = 0.5
+# Votes ~2 s apart: a stop lands within ~2 s of the signal (well inside Kubernetes' 30 s grace), and the loop
+# launches one collective per ~2 s for stopping and reports together. At 0.5 s the 0.1M-MLP Trial of
+# bench/overhead.py ran 0.5 +/- 0.8% slower (16 launches, docs/benchmarks.md item 13): each collective in
+# flight slows the step it overlaps by ~1 ms on 2 cores, and at scale each one is a round of latency.
+TARGET_SECONDS = 2.0
 MAX_INTERVAL = 100_000
 # Written by the chief once the ranks stopped together and checkpointed: the launcher's proof of a clean stop.
 STOPPED_FILE = "stopped.json"

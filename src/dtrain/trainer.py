@@ -176,7 +176,7 @@ class Trainer:
             return {"role": "server", "wall_seconds": synchronized_now(self.ctx.device) - start}
         last_val = last_ckpt = -1
         # Where every rank agrees to stop on a signal (see dtrain.stopping): an asynchronous all-reduce every
-        # ~0.5 s, cast only where the training reports (which carry the flag too) come less often.
+        # ~2 s, cast only where the training reports (which carry the flag too) come less often.
         vote = self.vote = StopVote(not strategy.has_server_ranks, self.batches, self.ctx.aggregation_frequency,
                                     self.ctx.backend)
         # Reports carry the vote only where their all-reduce spans every rank that votes (a parameter server's
@@ -293,11 +293,11 @@ class Trainer:
 
         Sent reports are read, and written, a step later (:meth:`_read_sent`): a blocking all-reduce
         would hold every rank until the slowest arrived. Held back: where reports come more often than the
-        stop vote's ~0.5 s (:mod:`dtrain.stopping`), a report waits for the one after it, up to the last
+        stop vote's ~2 s (:mod:`dtrain.stopping`), a report waits for the one after it, up to the last
         report before the vote falls due, which sends them all and carries the vote. Each all-reduce in
         flight slows the step it overlaps: on the 2-core test machine (2 slots, 0.1M MLP, a report every
         100 steps) a report cost 1.1-1.7 ms, and 0.2-0.4 ms without its all-reduce (bench/report_cost.py,
-        docs/benchmarks.md item 11). Held reports reach metrics.jsonl and TensorBoard at most ~0.5 s late;
+        docs/benchmarks.md item 11). Held reports reach metrics.jsonl and TensorBoard at most ~2 s late;
         validation, checkpoints, a stop and the end send and write them first (:meth:`_read_report`)."""
         speed = self._close_window()
         averaged = self.config.optimizations.average_training_metrics
