@@ -14,7 +14,7 @@ under cachegrind (Gloo, the raw loop with DDP and a DistributedSampler) and rank
 what a mode adds where gradients are exchanged (comm timing, reports' collectives). Waiting for the peer
 blocks in the kernel, so it adds no instructions; Gloo's own work is in every mode alike. The Trial's stop
 votes are left out: they follow wall time, so under valgrind they would come every step instead of every
-~0.5 s. Instructions are not time: two identical jobs of the same code can run a few percent apart
+~2 s. Instructions are not time: two identical jobs of the same code can run a few percent apart
 (``bench/overhead.py --control``), a difference a count does not see.
 """
 

@@ -42,8 +42,9 @@ from dtrain.watchdog import STATUS, STOP
 
 # Votes ~2 s apart: a stop lands within ~2 s of the signal (well inside Kubernetes' 30 s grace), and the loop
 # launches one collective per ~2 s for stopping and reports together. At 0.5 s the 0.1M-MLP Trial of
-# bench/overhead.py ran 0.5 +/- 0.8% slower (16 launches, docs/benchmarks.md item 13): each collective in
-# flight slows the step it overlaps by ~1 ms on 2 cores, and at scale each one is a round of latency.
+# bench/overhead.py measured 0.5 +/- 0.8% slower (16 launches, within the noise; docs/benchmarks.md item 13),
+# the way the collective count points: each one in flight slows the step it overlaps by ~1 ms on 2 cores,
+# and across hosts each is a round of network latency.
 TARGET_SECONDS = 2.0
 MAX_INTERVAL = 100_000
 # Written by the chief once the ranks stopped together and checkpointed: the launcher's proof of a clean stop.
