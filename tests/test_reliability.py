@@ -329,23 +329,28 @@ def test_a_rank_that_never_started_is_named():
     assert explain_timeout(0, store, now, {0, 1, 2}, started)[0] == 0
 
 
-def test_a_forked_process_starts_its_own_status_clock():
+def test_a_forked_process_starts_its_own_status_clock_and_watchdog(monkeypatch):
+    from dtrain import watchdog
     from dtrain.watchdog import STATUS
 
     read, write = os.pipe()
     STATUS.enter("train_batch", 5)
     STATUS.since -= 1000  # the launcher imported dtrain long ago
+    # A watchdog in the forking process: its thread is not in the child, which must start its own.
+    monkeypatch.setattr(watchdog, "_WATCHDOG", object())
     try:
         if (pid := os.fork()) == 0:
             try:
-                os.write(write, f"{STATUS.phase} {STATUS.batch} {time.time() - STATUS.since < 5}".encode())
+                os.write(write, f"{STATUS.phase} {STATUS.batch} {time.time() - STATUS.since < 5} "
+                                f"{watchdog._WATCHDOG is None}".encode())
             finally:
                 os._exit(0)
     finally:
         STATUS.__init__()  # this process's as it was at import
     os.close(write)
     os.waitpid(pid, 0)
-    assert os.read(read, 64) == b"startup None True"
+    assert os.read(read, 64) == b"startup None True True"
+    assert watchdog._WATCHDOG is not None  # the parent's is untouched
     os.close(read)
 
 

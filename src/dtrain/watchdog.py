@@ -190,6 +190,16 @@ def _reset_in_child() -> None:
 _WATCHDOG: Watchdog | None = None
 
 
+def _forget_watchdog() -> None:
+    """In a forked child the watchdog's thread does not exist: a worker forked from a process that had one
+    must start its own (and a DataLoader worker must not publish the rank's status)."""
+    global _WATCHDOG
+    _WATCHDOG = None
+
+
+os.register_at_fork(after_in_child=_forget_watchdog)
+
+
 def start(status_dir: Path | None, rank: int, handle_signals: bool = True,
           master: tuple[str, int] | None = None) -> Watchdog:
     """Start this process's watchdog (once): call early in the worker's main thread. ``master``: the job's
