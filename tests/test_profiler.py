@@ -192,3 +192,48 @@ def test_profiling_off_still_measures_throughput_honestly(tmp_path):
     assert not (tmp_path / "r" / "profile.json").exists()
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())
     assert summary["samples_per_second"] == pytest.approx(10 * 16 / summary["train_seconds"], rel=1e-6)
+
+
+def test_the_last_gradient_is_stamped_where_ddp_says_backward_ends():
+    """A head defined before the body: the first parameter is not the last one backward reaches. The
+    guess (the first parameter) is stamped until DDP logs its gradients' order, then the true last one."""
+    import torch
+    from torch import nn
+
+    import dtrain
+    from dtrain.profiling.comm import DDPTiming
+
+    class HeadFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head, self.body = nn.Linear(8, 2), nn.Linear(4, 8)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.body(x)))
+
+    class Recording(CommRecorder):
+        __slots__ = ("seen",)
+
+        def mark_grad_ready(self, param):
+            self.seen.append(param)
+
+    ctx = dtrain.init(seed=0, quiet=True)
+    try:
+        module = HeadFirst()
+        ddp = nn.parallel.DistributedDataParallel(module)
+        timer = StepTimer(torch.device("cpu"), enabled=True, warmup_steps=0)
+        recorder = timer.recorder = Recording(timer.clock)
+        recorder.seen = []
+        DDPTiming(recorder, native=True).attach(ddp, module)
+        last_seen = []
+        for _ in range(4):
+            recorder.seen.clear()
+            timer.start_step()
+            ddp(torch.randn(3, 4)).sum().backward()
+            timer.end_step()
+            last_seen.append(recorder.seen[-1])
+        # Steps 1 and 2: the guess; DDP logs the order during its second forward, read after step 2.
+        assert last_seen == [module.head.weight, module.head.weight, module.body.weight, module.body.weight]
+        assert recorder.settle is None  # settled: no further look at DDP's data
+    finally:
+        ctx.close()

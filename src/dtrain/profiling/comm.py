@@ -26,7 +26,7 @@ class CommRecorder:
     gradient was computed (the point after which backward only waits for communication)."""
 
     __slots__ = ("_bytes_pending", "armed", "bytes", "clock", "completions", "grad_ready", "grad_ready_seen",
-                 "launches", "native")
+                 "launches", "native", "settle")
     enabled = True
 
     def __init__(self, clock: Any = None) -> None:
@@ -38,13 +38,16 @@ class CommRecorder:
         self.bytes = 0
         self._bytes_pending = 0
         # A clock stamp (float on CPU, CUDA event on GPU) set by an autograd hook when backward has computed the
-        # gradient of the model's first parameter (backward reaches it last); ``grad_ready_seen`` tells whether
-        # it belongs to the current step. Only timed steps stamp (the step timer sets ``armed``).
+        # gradient of the parameter it reaches last; ``grad_ready_seen`` tells whether it belongs to the
+        # current step. Only timed steps stamp (the step timer sets ``armed``).
         self.grad_ready: Any = None
         self.grad_ready_seen = False
         self.armed = False
         # With DDP's own timers: a callable returning their averages (busy seconds, bytes, buckets).
         self.native: Any = None
+        # Called by the step timer after each timed step while set (DDPTiming: until DDP has said which
+        # parameter's gradient is ready last); clears itself.
+        self.settle: Any = None
 
     # ---------------------------------------------------------------------------- exchanges
     def launch(self, nbytes: int) -> None:
@@ -70,7 +73,8 @@ class CommRecorder:
 
     # -------------------------------------------------------------------------- step edges
     def mark_grad_ready(self, *_: Any) -> None:
-        """Autograd hook: the model's first parameter has its gradient (on a timed step: stamp it)."""
+        """Autograd hook: backward has computed the last gradient (on a timed step: stamp it). Where two
+        parameters are hooked, the later call overwrites the earlier one's stamp."""
         if not self.armed:
             return
         if self.clock.deferred:
@@ -154,21 +158,30 @@ class DDPTiming:
     instead of a Python comm hook, which would complete a Python future on Gloo's thread for every
     bucket: several percent of a 2 ms step (bench/profiler_overhead.py). Private torch API (stable since
     1.9): on failure, fall back to the hook. Either way the last gradient is stamped, on timed steps, by an
-    autograd hook on the model's first parameter (backward computes it last): the rest of ``backward()`` is
-    waiting. One parameter, not several: a hook costs a call into Python at every step, timed or not (even
+    autograd hook on the parameter backward reaches last: the rest of ``backward()`` is waiting. At first
+    that is a guess, the model's first parameter (a ``Linear``'s weight is accumulated after its bias; a
+    tied input embedding after its last use). From DDP's second iteration on, DDP's logging data says in
+    which order gradients became ready (``prev_iteration_grad_ready_order_indices``); where the last one
+    is another parameter (a head defined before the body, say), it is hooked too, and being later, its
+    stamp is the one kept. Few hooks: a hook costs a call into Python at every step, timed or not (even
     after its handle's ``remove()``, measured), and on the 2-core test machine four of them cost a
-    0.1M-parameter MLP's Trial ~1% (docs/benchmarks.md item 12). For a ``Linear`` the weight (first) is
-    accumulated after the bias; a tied input embedding, after its last use.
+    0.1M-parameter MLP's Trial ~1% (docs/benchmarks.md item 12).
     """
 
     def __init__(self, recorder: CommRecorder, native: bool) -> None:
         self.recorder = recorder
         self.native = native
         self._ddps: list[Any] = []
-        self._stamped: set[int] = set()
+        self._hooked: set[int] = set()  # ids of the parameters holding a last-gradient hook
+        self._unsettled: list[Any] = []  # DDPs whose gradients' order is not known yet
+        self._tries = 0
 
     def attach(self, ddp: Any, model: nn.Module) -> None:
-        self._stamp_last_gradient(model)
+        first = next((p for p in model.parameters() if p.requires_grad), None)
+        if first is not None:
+            self._hook(first)
+            self._unsettled.append(ddp)
+            self.recorder.settle = self._settle
         if self.native:
             try:
                 ddp._set_ddp_runtime_logging_sample_rate(NATIVE_SAMPLE_RATE)
@@ -181,13 +194,25 @@ class DDPTiming:
         self._ddps = [*[d for d in self._ddps if d.module is not model], ddp]
         self.recorder.native = self.stats
 
-    def _stamp_last_gradient(self, model: nn.Module) -> None:
-        if id(model) in self._stamped:
-            return  # a rebuilt DDP around the same module: hooked already
-        self._stamped.add(id(model))
-        first = next((p for p in model.parameters() if p.requires_grad), None)
-        if first is not None:
-            first.register_post_accumulate_grad_hook(self.recorder.mark_grad_ready)
+    def _hook(self, param: nn.Parameter) -> None:
+        if id(param) not in self._hooked:  # a rebuilt DDP around the same module: hooked already
+            self._hooked.add(id(param))
+            param.register_post_accumulate_grad_hook(self.recorder.mark_grad_ready)
+
+    def _settle(self) -> None:
+        """After a timed step: hook the parameter each DDP saw ready last, once DDP has said which (its
+        order is logged from its second iteration); give up after :data:`SETTLE_TRIES` timed steps."""
+        self._tries += 1
+        waiting = []
+        for ddp in self._unsettled:
+            last = last_ready_parameter(ddp)
+            if last is None:
+                waiting.append(ddp)
+            else:
+                self._hook(last)
+        self._unsettled = waiting if self._tries < SETTLE_TRIES else []
+        if not self._unsettled:
+            self.recorder.settle = None
 
     def stats(self) -> dict[str, float] | None:
         """DDP's averages over its sampled iterations, summed over the live DDPs; None before any."""
@@ -202,3 +227,36 @@ class DDPTiming:
             totals["bytes"] += float(sum(sizes))
             totals["buckets"] += float(len(sizes))
         return totals if self._ddps else None
+
+
+# Timed steps to wait for DDP's gradient order before keeping the first-parameter guess.
+SETTLE_TRIES = 50
+
+
+def reducer_parameters(ddp: Any) -> list[nn.Parameter]:
+    """The parameters in the order DDP's reducer indexes them (as DDP builds that list: each module's own
+    parameters that require gradients and are not ignored, module by module, shared ones once)."""
+    ignored = getattr(ddp, "parameters_to_ignore", set())
+    seen: set[int] = set()
+    params = []
+    for module_name, module in ddp.module.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            # DDP's own key, also at the root (".weight"); it checks the same set.
+            if param.requires_grad and f"{module_name}.{name}" not in ignored and id(param) not in seen:
+                seen.add(id(param))
+                params.append(param)
+    return params
+
+
+def last_ready_parameter(ddp: Any) -> nn.Parameter | None:
+    """The parameter whose gradient DDP saw ready last in its previous iteration; None while DDP has not
+    logged that order (before its second iteration) or where this torch does not log it."""
+    try:
+        order = ddp._get_ddp_logging_data().get("prev_iteration_grad_ready_order_indices")
+    except (AttributeError, RuntimeError):
+        return None
+    indices = [int(i) for i in str(order or "").split(",") if i.strip()]
+    params = reducer_parameters(ddp)
+    if not indices or max(indices) >= len(params):
+        return None
+    return params[indices[-1]]

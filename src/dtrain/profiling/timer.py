@@ -165,6 +165,8 @@ class StepTimer:
         self._add_stamp(self._now())
         rec = self.recorder
         rec.armed = False
+        if rec.settle is not None:  # DDP says which gradient is ready last from its second step (DDPTiming)
+            rec.settle()
         # Weight: how many steps this one stands for (0: warm-up, timed but not in the statistics).
         weight = 0 if self.steps <= self.warmup_steps else 1 if self.steps <= self._dense_until else self.sample_every
         first = self._step_first
