@@ -19,7 +19,9 @@ def time_cost_table(profile: dict[str, Any]) -> str:
     step = spread["step"]["mean"]
     profiled, timed = profile["profiled_steps"], profile.get("timed_steps", profile["profiled_steps"])
     sampled = f", {timed} timed" if timed != profiled else ""  # profiling.sample_every
-    table = Table(title=f"time cost per step ({profile['slots']} slot(s), {profiled} steps profiled{sampled})")
+    # The counts go below the table: in the title they made it wrap on a narrow table.
+    table = Table(title=f"time cost per step ({profile['slots']} slot(s))",
+                  caption=f"{profiled} steps profiled{sampled}")
     for col in ("phase", "min ms", "mean ms", "max ms", "share"):
         table.add_column(col, justify="left" if col == "phase" else "right")
     for phase in (*profile["phases"], "step"):
