@@ -195,7 +195,7 @@ class DDPTiming:
         self.recorder.native = self.stats
 
     def _hook(self, param: nn.Parameter) -> None:
-        if id(param) not in self._hooked:  # a rebuilt DDP around the same module: hooked already
+        if id(param) not in self._hooked:  # the guess itself, or a rebuilt DDP around the same module: once
             self._hooked.add(id(param))
             param.register_post_accumulate_grad_hook(self.recorder.mark_grad_ready)
 
