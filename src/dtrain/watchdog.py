@@ -95,9 +95,6 @@ class StopRequest:
 
 STATUS = RankStatus()
 STOP = StopRequest()
-# A forked process (a worker forked from the launcher) starts in its own "startup": without this, its
-# status would say it had been starting up since the launcher imported this module.
-os.register_at_fork(after_in_child=STATUS.__init__)
 
 
 class Watchdog(threading.Thread):
@@ -190,14 +187,17 @@ def _reset_in_child() -> None:
 _WATCHDOG: Watchdog | None = None
 
 
-def _forget_watchdog() -> None:
-    """In a forked child the watchdog's thread does not exist: a worker forked from a process that had one
-    must start its own (and a DataLoader worker must not publish the rank's status)."""
+def _start_fresh_in_child() -> None:
+    """A forked process (a worker forked from the launcher) starts in its own "startup": else its status
+    would say it had been starting up since the launcher imported this module. And it has no watchdog:
+    the parent's thread is not in the child, so a worker starts its own (and a DataLoader worker, forked
+    from a rank, does not publish the rank's status)."""
     global _WATCHDOG
+    STATUS.__init__()
     _WATCHDOG = None
 
 
-os.register_at_fork(after_in_child=_forget_watchdog)
+os.register_at_fork(after_in_child=_start_fresh_in_child)
 
 
 def start(status_dir: Path | None, rank: int, handle_signals: bool = True,
