@@ -155,11 +155,17 @@ def _interrupt_when(proc: subprocess.Popen, ready: Path, timeout: float) -> tupl
 def test_asha_search_stops_early_and_resumes_after_ctrl_c(tmp_path):
     """One slot, two trials, rungs at 4 and 8 batches. Seed 3 draws lr 0.0 (the best) for trial 0 and 0.05
     for trial 1: trial 0 is promoted and continues from its checkpoint to 8 batches; trial 1 is interrupted
-    by Ctrl-C after its first checkpoint, continued by --resume, and stopped at the first rung."""
+    by Ctrl-C after its first checkpoint, continued by --resume, and stopped at the first rung.
+
+    Until the interrupt, trial 1 waits in its third batch for a stop request: the interrupt always finds it
+    mid-run, however loaded the machine is."""
+    hold = tmp_path / "hold"
+    hold.touch()
     cfg = search_config(tmp_path, {**ASHA, "max_trials": 2}, max_length={"batches": 8}, seed=3,
                         min_checkpoint_period={"batches": 1},
                         **{"hyperparameters.lr": {"type": "categorical", "vals": [0.0, 0.05]},
-                           "hyperparameters.sleep_rank": 0, "hyperparameters.sleep_seconds": 0.1})
+                           "hyperparameters.hold_at_batch": 2, "hyperparameters.hold_lr": 0.05,
+                           "hyperparameters.hold_file": str(hold)})
     out = tmp_path / "search"
     proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "search", str(cfg), "--slots", "1", "--out",
                              str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -176,6 +182,7 @@ def test_asha_search_stops_early_and_resumes_after_ctrl_c(tmp_path):
                    if json.loads(ln)["kind"] == "validation"]
     assert validations == [4, 8]  # rung 1 then the rest: trained once, not from scratch again
     before = (promoted / "metrics.jsonl").read_bytes()
+    hold.unlink()
 
     result = dtrain_cli("search", "--resume", str(out), timeout=120)
     assert result.code == 0, result.stdout + result.stderr

@@ -31,8 +31,21 @@ def no_stop_request():
     STOP.requested = False
 
 
-def test_votes_come_every_target_seconds_on_aggregation_boundaries_and_carry_a_stop_request(clock, no_stop_request):
-    vote = StopVote(enabled=True, start_batch=0, group_size=4, backend="gloo")
+def _two_ranks(vote: StopVote, monkeypatch, others=(0, -(10**9))) -> StopVote:
+    """The protocol as on two ranks, in-process: the other rank's flag and -proposal arrive on wait."""
+    import torch
+
+    def all_reduce(buf, op, group, async_op):
+        return _Work(buf, torch.tensor(others))
+
+    monkeypatch.setattr(stopping.dist, "all_reduce", all_reduce)
+    vote.world = 2
+    return vote
+
+
+def test_votes_come_every_target_seconds_on_aggregation_boundaries_and_carry_a_stop_request(clock, no_stop_request,
+                                                                                          monkeypatch):
+    vote = _two_ranks(StopVote(enabled=True, start_batch=0, group_size=4, backend="gloo"), monkeypatch)
     assert vote.next_at == 4 and not vote.due(3, sync=False) and not vote.due(4, sync=False)
     assert vote.due(4, sync=True)
     clock[0] += 4 * 0.001  # 1 ms per batch: the next vote ~TARGET_SECONDS later, on a multiple of 4
@@ -48,8 +61,8 @@ def test_votes_come_every_target_seconds_on_aggregation_boundaries_and_carry_a_s
     assert vote.next_at == cast + 4 and vote.vote(cast + 4) is True  # ...and stops every rank one group later
 
 
-def test_a_vote_in_flight_when_the_loop_ends_is_settled(clock, no_stop_request):
-    vote = StopVote(enabled=True, start_batch=0, group_size=1, backend="gloo")
+def test_a_vote_in_flight_when_the_loop_ends_is_settled(clock, no_stop_request, monkeypatch):
+    vote = _two_ranks(StopVote(enabled=True, start_batch=0, group_size=1, backend="gloo"), monkeypatch)
     assert vote.vote(1) is False
     vote.settle()
     assert vote.next_at == 2 and vote.vote(2) is False  # a fresh cast, not a read of the settled one
@@ -59,7 +72,16 @@ def test_a_vote_in_flight_when_the_loop_ends_is_settled(clock, no_stop_request):
 
 def test_a_disabled_vote_is_never_due(no_stop_request):
     vote = StopVote(enabled=False, start_batch=0, group_size=1, backend="gloo")
+    no_stop_request.requested = True
     assert not vote.due(10**9, sync=True)
+
+
+def test_a_single_rank_stops_at_the_first_group_end_after_the_request(no_stop_request):
+    vote = StopVote(enabled=True, start_batch=0, group_size=2, backend="gloo")
+    assert vote.due(2, sync=True) and vote.vote(2) is False  # the first scheduled look: no request yet
+    assert not vote.due(10**6, sync=True)  # no schedule alone: only a request makes a batch due
+    no_stop_request.requested = True
+    assert not vote.due(3, sync=False) and vote.due(4, sync=True) and vote.vote(4) is True
 
 
 class _Work:
@@ -96,8 +118,8 @@ def test_the_all_reduce_is_waited_for_only_where_its_result_is_read_or_the_loop_
     assert works[1].waits == 1
 
 
-def test_a_report_carries_the_flag_and_a_proposal_and_moves_the_next_vote(clock, no_stop_request):
-    vote = StopVote(enabled=True, start_batch=0, group_size=2, backend="gloo")
+def test_a_report_carries_the_flag_and_a_proposal_and_moves_the_next_vote(clock, no_stop_request, monkeypatch):
+    vote = _two_ranks(StopVote(enabled=True, start_batch=0, group_size=2, backend="gloo"), monkeypatch)
     # Times in powers of two, exact in binary: 1/128 s per batch, so votes 64 batches apart.
     clock[0] += 10 / 128
     assert vote.ride(10) == [0.0, 64.0]

@@ -22,6 +22,9 @@ the 2-core test machine, where Gloo's threads share the cores with the loop), so
 counts on small steps. A flag heard through a report stops every rank at the first batch that ends an
 aggregation group from the one where the report was read, which is the same batch on every rank.
 
+A run on one rank casts no vote: it reads its own flag at every batch that ends an aggregation group and
+stops there, so a signal lands within one group whatever the step time.
+
 Votes fall on batches that end an aggregation group (where a checkpoint can be written). Strategies with
 server ranks (the parameter server) do not vote: their servers do not run the step loop, so such a run
 is stopped by the launcher's grace deadline and resumes from its last periodic checkpoint.
@@ -78,12 +81,16 @@ class StopVote:
             self.group = dist.new_group(backend="gloo")
 
     def due(self, batch: int, sync: bool) -> bool:
-        return sync and batch >= self.next_at
+        # Alone, a rank needs nobody's agreement: it stops at the first group end after the request.
+        return sync and (batch >= self.next_at or (self.world == 1 and self.enabled and STOP.requested))
 
     def vote(self, batch: int) -> bool:
         """Collective, at a :meth:`due` batch: True when every rank must stop after ``batch`` (some rank was
         asked to stop). Casts a vote, or reads the one cast an aggregation group earlier; after
         :meth:`heard`, settles any vote in flight and says stop."""
+        if self.world == 1:  # nothing to agree on, and nothing to cast: see due()
+            self.next_at = sys.maxsize
+            return STOP.requested
         if self._heard:
             self.settle()
             return True

@@ -69,10 +69,25 @@ class TinyTrial(dtrain.PyTorchTrial):
             os._exit(17)
         if hp.get("sleep_rank") == rank and hp.get("sleep_at_batch") in (None, batch_idx):
             time.sleep(hp.get("sleep_seconds", 0.0))  # every batch, or only at sleep_at_batch
+        if hp.get("hold_at_batch") == batch_idx and hp.get("hold_lr", hp.get("lr")) == hp.get("lr"):
+            _hold_until_stop_requested(Path(hp["hold_file"]))
         if hp.get("freeze_at_batch") == batch_idx and hp.get("crash_rank", 1) == rank:
             os.kill(os.getpid(), signal.SIGSTOP)  # frozen, as by a debugger or `kill -STOP`
         if hp.get("kill_at_batch") == batch_idx and hp.get("crash_rank", 1) == rank:
             os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer does
+
+
+def _hold_until_stop_requested(while_exists: Path, limit: float = 120.0) -> None:
+    """While the test's file exists, wait (as a slow batch would) until the launcher asked this rank to stop:
+    the test's signal then always lands mid-run, however loaded the machine is; the test removes the file
+    before it resumes. Fails after ``limit`` seconds rather than hang."""
+    from dtrain.watchdog import STOP
+
+    deadline = time.monotonic() + limit
+    while while_exists.exists() and not STOP.requested:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"hold_at_batch: no stop request within {limit:.0f} s")
+        time.sleep(0.02)
 
 
 class NotATrial:
