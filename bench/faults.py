@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from dtrain import supervise
+from dtrain.launcher import supervise
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
@@ -217,7 +217,7 @@ class Campaign:
         time.sleep(random.uniform(0, 1.0))
         os.killpg(proc.pid, signal.SIGKILL)
         code, _ = _finish(proc, [s["pid"] for s in statuses.values()])
-        from dtrain import checkpoint
+        from dtrain.engine import checkpoint
 
         root = run_dir / "checkpoints"
         visible = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]

@@ -41,8 +41,8 @@ def _no_batch() -> None:
 
 
 def trainer_seconds_per_step(steps: int, extra: dict[str, Any]) -> float:
-    from dtrain import trainer
-    from dtrain.config import config_from_dict
+    from dtrain.config.schema import config_from_dict
+    from dtrain.engine import trainer
 
     config = config_from_dict({
         "name": "loop-cost", "entrypoint": "trials.constant:ConstantTrial", "code_dir": str(HERE),
@@ -74,7 +74,7 @@ def main() -> None:
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29871", "DTRAIN_REPORT": "0"})
     torch.set_num_threads(1)
-    from dtrain import trainer
+    from dtrain.engine import trainer
 
     # The loop, not the loader: every batch is None (the trainer takes its batches from the feeder's fetcher).
     trainer.data.DeviceFeeder.fetcher = lambda self: _no_batch  # type: ignore[method-assign]

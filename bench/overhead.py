@@ -208,8 +208,8 @@ BenchTrial = make_trial_class() if os.environ.get("DTRAIN_BENCH_TRIAL") else Non
 
 
 def run_trial_mode(args: argparse.Namespace) -> None:
-    from dtrain.config import config_from_dict
-    from dtrain.trainer import run_trial
+    from dtrain.config.schema import config_from_dict
+    from dtrain.engine.trainer import run_trial
 
     run_dir = Path(args.turns) / "trial-run"  # the same folder on every rank
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 """How well ``dtrain plan`` predicts: one measured run, predictions for 9 configurations, each measured.
 
 The measured run: examples/digits on 2 slots of one host. From it alone (plus the link's nominal rate
-for the throttled rows), ``dtrain.plan`` predicts samples/s for:
+for the throttled rows), ``dtrain.explain.plan`` predicts samples/s for:
 
 * 1, 2 and 3 slots on one host; 2 slots with ``aggregation_frequency: 4``; 2 slots with fp16 compression;
 * 2 test hosts x 1 slot (network namespaces, scripts/testhosts.py, each pinned to its own core):
@@ -119,7 +119,7 @@ def run_hosts(row: Row, steps: int, run_dir: Path) -> float:
 
 
 def predict(base: Path, row: Row) -> float:
-    from dtrain.plan import Case, Measured, parse_link, predict_step
+    from dtrain.explain.plan import Case, Measured, parse_link, predict_step
 
     m = Measured.from_run(base)
     link = parse_link(row.rate) if row.rate else parse_link("measured")

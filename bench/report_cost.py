@@ -47,8 +47,8 @@ def timed(record: list[float], method: Any, only_if: Any = None) -> Any:
 def worker(args: argparse.Namespace) -> None:
     import torch
 
-    from dtrain import trainer
-    from dtrain.config import config_from_dict
+    from dtrain.config.schema import config_from_dict
+    from dtrain.engine import trainer
 
     torch.set_num_threads(1)
     reports: list[float] = []

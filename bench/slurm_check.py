@@ -217,7 +217,7 @@ def _worker_cpus(job: str) -> set[str]:
     found = set()
     for pid in job_pids(job):
         with contextlib.suppress(OSError):
-            if b"dtrain.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"dtrain.engine.worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 status = Path(f"/proc/{pid}/status").read_text()
                 found.add(re.search(r"Cpus_allowed_list:\s*(\S+)", status).group(1))  # type: ignore[union-attr]
     return found

@@ -95,14 +95,14 @@ def run_own(model_name: str, steps: int) -> None:
 
 
 def run_trial(model_name: str, steps: int, trial_config: str = "{}") -> None:
-    import dtrain.stopping
-    from dtrain.config import config_from_dict
-    from dtrain.trainer import run_trial as train
+    import dtrain.engine.stopping
+    from dtrain.config.schema import config_from_dict
+    from dtrain.engine.trainer import run_trial as train
 
     # Stop votes come every TARGET_SECONDS of wall time: on a real run every few hundred steps, under
     # valgrind (hundreds of times slower) every step, which would count a vote per step (on one slot,
     # 0.1M MLP: 62,861 instructions per step with the votes' former tensor indexing). Left out of the count.
-    dtrain.stopping.TARGET_SECONDS = 1e9
+    dtrain.engine.stopping.TARGET_SECONDS = 1e9
     world = int(os.environ["WORLD_SIZE"])
     config = config_from_dict({
         "name": "step-instructions", "entrypoint": "trials.workload:WorkloadTrial", "code_dir": str(HERE),

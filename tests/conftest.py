@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 # One torch thread per rank (the tests' rule), also for 1-slot runs and before anything imports torch: the
-# launcher then forks its workers (dtrain.forkstart) instead of starting interpreters that import torch.
+# launcher then forks its workers (dtrain.launcher.forkstart) instead of starting interpreters that import torch.
 os.environ["OMP_NUM_THREADS"] = "1"
 # report.html costs about a second of matplotlib per run; tests of the page turn it back on (report_page).
 os.environ["DTRAIN_REPORT"] = "0"

@@ -53,7 +53,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout: float = 60.0
     Fails (and kills every rank) as soon as one rank raises or dies, or when ``timeout`` passes; the
     failing rank's traceback is re-raised in the test.
     """
-    from dtrain import forkstart
+    from dtrain.launcher import forkstart
 
     # Fork where dtrain's launcher would (a CPU build; each rank sets one thread above): the ranks inherit
     # this process's torch instead of importing it again (about 4 s of CPU per rank).
@@ -128,7 +128,7 @@ def cli_in_process(*args: str, cwd: Path | None = None) -> CliResult:
     For bad input and generators, which never start a worker, and for runs whose test does not signal or
     kill the launcher, nor reads what the workers print: a subprocess would pay torch's and matplotlib's
     imports again (a tiny run: about 6.6 s in a fresh process, 1.9 s once they are loaded), and the workers
-    forked from this process (dtrain.forkstart) inherit them too. The launcher's changes to the environment
+    forked from this process (dtrain.launcher.forkstart) inherit them too. The launcher's changes to the environment
     and signal handlers are undone afterwards, so one run cannot leak its thread count or status folder
     into the next test. A hang is still bounded: the run's collective timeout and watchdog, then
     pytest-timeout.

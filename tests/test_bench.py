@@ -40,7 +40,7 @@ def test_bench_and_doctor_agree_on_one_slot(tmp_path):
     measured in the same session (medians over rounds), on the digits example."""
     from helpers import ROOT
 
-    from dtrain.doctor import diagnose, load_profile
+    from dtrain.explain.doctor import diagnose, load_profile
 
     out = tmp_path / "bench"
     result = dtrain_cli("bench", str(ROOT / "examples" / "digits" / "experiment.yaml"), "--slots", "1,2",

@@ -12,10 +12,10 @@ import pytest
 import yaml
 from helpers import ROOT, cli_in_process, dtrain_cli, tiny_config
 
-from dtrain import runs
-from dtrain.config import load_config
+from dtrain.config.schema import load_config
 from dtrain.dist import expand_hostlist, expand_tasks_per_node, read_cluster_env, read_env
 from dtrain.errors import UserError
+from dtrain.launcher import runs
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import testhosts

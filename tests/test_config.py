@@ -3,8 +3,8 @@ import logging
 import pytest
 from helpers import tiny_config, write
 
-from dtrain.config import apply_override, load_config
-from dtrain.data import per_slot_batch_size
+from dtrain.config.schema import apply_override, load_config
+from dtrain.engine.data import per_slot_batch_size
 from dtrain.errors import ConfigError, DataError
 
 

@@ -7,7 +7,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dtrain
-from dtrain.data import ShardSampler
+from dtrain.engine.data import ShardSampler
 from dtrain.errors import UserError
 
 
@@ -80,7 +80,7 @@ def _rank0_only_save(ctx: dtrain.DistributedContext, rank: int, directory: str) 
     """The DDP tutorial's `if rank == 0: save()`, ported as is: rank 0 must learn it in seconds."""
     import time
 
-    from dtrain.rollcall import SaveMismatchError
+    from dtrain.engine.rollcall import SaveMismatchError
 
     model = nn.Linear(4, 2)
     model, opt = ctx.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -172,7 +172,7 @@ def test_load_before_or_after_setup_restores_the_same_state(tmp_path):
 
 
 def test_loader_options_split_and_the_deprecated_shuffle(recwarn):
-    import dtrain.context as context_module
+    import dtrain.engine.context as context_module
 
     ctx = dtrain.init(seed=0, quiet=True)
     try:
@@ -202,7 +202,7 @@ def test_loader_options_split_and_the_deprecated_shuffle(recwarn):
 def test_init_says_what_it_seeds_and_rank_streams_differ(capsys):
     import numpy as np
 
-    from dtrain.context import rank_seed
+    from dtrain.engine.context import rank_seed
 
     ctx = dtrain.init(seed=11)
     try:
@@ -237,7 +237,7 @@ class _Store:
 
 
 def test_roll_call_judges_by_epochs_only_on_ranks_that_train():
-    from dtrain.rollcall import RollCall, SaveMismatchError
+    from dtrain.engine.rollcall import RollCall, SaveMismatchError
 
     store = _Store()
     worker, server, other = (RollCall(r, 3, timeout_seconds=0.3, store=store) for r in range(3))

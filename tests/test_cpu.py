@@ -3,7 +3,7 @@ OMP_NUM_THREADS respected by run (with a warning when it oversubscribes) and ove
 
 import pytest
 
-from dtrain import cpu
+from dtrain.launcher import cpu
 
 
 @pytest.fixture

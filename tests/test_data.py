@@ -1,7 +1,7 @@
 import torch
 from torch.utils.data import TensorDataset
 
-from dtrain.data import ResumableDistributedSampler, ShardSampler, batches_per_epoch, train_loader
+from dtrain.engine.data import ResumableDistributedSampler, ShardSampler, batches_per_epoch, train_loader
 
 
 def _global_batches(n_records: int, world: int, per_slot: int, epoch: int = 0) -> list[list[int]]:
@@ -60,7 +60,7 @@ def test_train_drop_last_false_keeps_the_tail_in_step_on_every_rank():
 def test_loader_options_are_checked_in_one_line():
     import pytest
 
-    from dtrain.data import loader_options
+    from dtrain.engine.data import loader_options
     from dtrain.errors import DataError
 
     assert loader_options(num_workers=2, prefetch_factor=4, persistent_workers=True, timeout=5) == {

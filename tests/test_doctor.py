@@ -101,7 +101,7 @@ def _gpu_profile(precision="32-true", peak_gb=10.0, total_gb=80.0):
 
 
 def test_doctor_recommends_lower_precision_on_a_compute_bound_gpu():
-    from dtrain.doctor import diagnose
+    from dtrain.explain.doctor import diagnose
 
     diagnosis = diagnose(_gpu_profile())
     by_factor = {f["factor"]: f for f in diagnosis["factors"]}
@@ -117,7 +117,7 @@ def test_doctor_recommends_lower_precision_on_a_compute_bound_gpu():
 
 
 def test_batch_size_advice_is_bounded_by_gpu_memory():
-    from dtrain.doctor import diagnose
+    from dtrain.explain.doctor import diagnose
 
     roomy = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=10))["factors"]}
     assert roomy["batch_size"]["value"] == 64
@@ -128,7 +128,7 @@ def test_batch_size_advice_is_bounded_by_gpu_memory():
 
 
 def test_no_compression_advice_for_a_strategy_that_cannot_compress():
-    from dtrain.doctor import diagnose
+    from dtrain.explain.doctor import diagnose
 
     profile = _gpu_profile()
     profile["per_rank"][0]["seconds_per_step"]["comm_exposed"] = 0.05

@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import cli_in_process, final_weights, tiny_config
 
-from dtrain import forkstart
-from dtrain.trial import load_trial_class
+from dtrain.engine.trial import load_trial_class
+from dtrain.launcher import forkstart
 
 
 def test_fork_only_with_one_thread_per_worker_on_a_cpu_build(monkeypatch):
@@ -139,7 +139,7 @@ def test_a_trial_module_is_read_again_from_its_own_folder(tmp_path):
 
 
 def test_a_forked_child_does_not_keep_the_run_directory_locked(tmp_path):
-    from dtrain.runlock import lock_run_dir
+    from dtrain.launcher.runlock import lock_run_dir
 
     lock = lock_run_dir(tmp_path)
     read, write = os.pipe()

@@ -27,8 +27,10 @@ import pytest
 import yaml
 from helpers import ROOT, TRIALS, free_port
 
-from dtrain import cli, preflight, safeyaml
-from dtrain.config import MAX_NAME_CHARS, MAX_SEED, MAX_TIMEOUT_SECONDS, config_from_dict
+from dtrain import cli
+from dtrain.config import safeyaml
+from dtrain.config.schema import MAX_NAME_CHARS, MAX_SEED, MAX_TIMEOUT_SECONDS, config_from_dict
+from dtrain.launcher import preflight
 
 SEED = 20240611
 MUTATIONS = 330
@@ -383,7 +385,7 @@ ISSUE_CASES = [
 @pytest.fixture(scope="module")
 def imported() -> None:
     """torch and the trial are imported once per process, by whatever runs first: not the validator's time."""
-    import dtrain.runs  # noqa: F401
+    import dtrain.launcher.runs  # noqa: F401
 
 
 @pytest.mark.usefixtures("imported")

@@ -72,9 +72,9 @@ def test_no_host_sync_inside_a_step():
     """Steps of the trial loop under CUDA's sync debug mode: any synchronizing call raises."""
     from torch import nn
 
-    from dtrain.config import config_from_dict
-    from dtrain.context import TrialContext
-    from dtrain.metrics import MeanAccumulator
+    from dtrain.config.schema import config_from_dict
+    from dtrain.engine.context import TrialContext
+    from dtrain.engine.metrics import MeanAccumulator
 
     config = config_from_dict({"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
                                "max_length": {"batches": 1}, "backend": "nccl"})

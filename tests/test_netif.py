@@ -6,9 +6,9 @@ import socket
 
 import pytest
 
-from dtrain import netif
 from dtrain.errors import UserError
-from dtrain.netif import Interface, NodeInterfaces, choose_common
+from dtrain.launcher import netif
+from dtrain.launcher.netif import Interface, NodeInterfaces, choose_common
 
 
 def _node(label, *ifaces, route=None):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from helpers import run_ranks
 
-from dtrain.nonfinite import NonFiniteWatch
+from dtrain.engine.nonfinite import NonFiniteWatch
 
 
 @pytest.mark.parametrize("as_tensor", [True, False])
@@ -42,7 +42,7 @@ def _report_across_ranks(rank: int, world: int) -> dict:
     another collective (the next step's gradients), then read."""
     import torch.distributed as dist
 
-    from dtrain.metrics import MeanAccumulator, SumInFlight, means_of
+    from dtrain.engine.metrics import MeanAccumulator, SumInFlight, means_of
 
     dist.init_process_group("gloo")  # from the rank's environment (tests/helpers.py)
     acc, watch = MeanAccumulator(), NonFiniteWatch(torch.device("cpu"))

@@ -7,7 +7,7 @@ import torch
 from helpers import ROOT, cli_in_process, run_ranks, tiny_config
 from torch import nn
 
-from dtrain.config import config_from_dict
+from dtrain.config.schema import config_from_dict
 from dtrain.errors import ConfigError
 
 DIGITS = ROOT / "examples" / "digits" / "experiment.yaml"

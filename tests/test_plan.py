@@ -5,7 +5,7 @@ import json
 import pytest
 from helpers import cli_in_process
 
-from dtrain.plan import Case, Measured, parse_link, plan, predict_step
+from dtrain.explain.plan import Case, Measured, parse_link, plan, predict_step
 
 
 def _run_dir(tmp_path, slots=2, exposed=0.004, buckets=1):

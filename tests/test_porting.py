@@ -43,5 +43,5 @@ def test_ported_script_runs_under_dtrain_launch_torchrun_and_python(tmp_path):
     assert alone.code == 0, alone.stderr
     assert "epoch 1:" not in alone.stdout and "epoch 2: loss" in alone.stdout and "on 1 slot(s)" in alone.stdout
     # Resumed across slot counts: this model has no dropout, so nothing differs from an uninterrupted 1-slot
-    # run and the restore says so at INFO only (dtrain.state.TrainingState._log_layout_change), not on stderr.
+    # run and the restore says so at INFO only (dtrain.engine.state.TrainingState._log_layout_change), not on stderr.
     assert "Traceback" not in alone.stderr

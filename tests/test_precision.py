@@ -6,8 +6,9 @@ import torch
 from helpers import cli_in_process, final_weights, run_ranks, tiny_config
 from torch import nn
 
-from dtrain import cli, precision
-from dtrain.state import TrainingState
+from dtrain import cli
+from dtrain.engine import precision
+from dtrain.engine.state import TrainingState
 from dtrain.sync.ddp import DDPStrategy
 
 

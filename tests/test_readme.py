@@ -17,7 +17,7 @@ from helpers import ROOT
 from pydantic import BaseModel
 
 from dtrain.cli import build_parser
-from dtrain.config import ExperimentConfig
+from dtrain.config.schema import ExperimentConfig
 
 README = (ROOT / "README.md").read_text()
 # Placeholders the README uses in commands, and real values that stand for them.

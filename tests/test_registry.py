@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from helpers import TRIALS, run_ranks, tiny_config
 
-from dtrain.config import load_config
+from dtrain.config.schema import load_config
 from dtrain.errors import ConfigError
 from dtrain.sync import SyncStrategy, registry
 from dtrain.sync.base import broadcast_from_chief
@@ -39,7 +39,7 @@ class ToyStrategy(SyncStrategy):
 
 
 def _train_with_toy(rank, world, folder):
-    from dtrain.trainer import run_trial
+    from dtrain.engine.trainer import run_trial
 
     config = load_config(folder / "experiment.yaml")
     summary = run_trial(config, folder / "run", None, quiet=True)

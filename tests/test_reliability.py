@@ -191,7 +191,7 @@ def test_a_nan_loss_fails_naming_its_rank_or_is_skipped_on_every_rank(tmp_path):
     failed = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "fail"), "--quiet")
     assert failed.code == 1, failed.stderr
     # Found where the ranks next compare notes: the report after batch 16, or, where that report was held
-    # back for the next stop vote (dtrain.trainer), the checkpoint after batch 18.
+    # back for the next stop vote (dtrain.engine.trainer), the checkpoint after batch 18.
     assert re.search("worker rank 1 failed: NonFiniteError: the loss became non-finite \\(nan or inf\\) on rank 1 "
                      "at batch 13; stopped (at the report at batch 16|before the checkpoint at batch 18)",
                      failed.stderr), failed.stderr
@@ -217,7 +217,7 @@ def _fake_checkpoint(root: Path, batches: int, finite: bool = True) -> None:
 
 
 def test_rotation_keeps_the_newest_finite_checkpoint_and_prunes_atomically(tmp_path, monkeypatch):
-    from dtrain import checkpoint
+    from dtrain.engine import checkpoint
 
     for batches, finite in [(10, True), (20, True), (30, False), (40, False)]:
         _fake_checkpoint(tmp_path, batches, finite)
@@ -316,7 +316,7 @@ def test_resume_on_another_slot_count_matches_an_uninterrupted_run(tmp_path, ref
 
 def test_a_rank_that_never_started_is_named():
     """Seen in the suite: a forked rank stuck before its first line; the others timed out in startup."""
-    from dtrain.culprit import Status, explain_timeout
+    from dtrain.launcher.culprit import Status, explain_timeout
 
     store = "DistStoreError: wait timeout after 30000ms, keys: /dtrain/attempt_0/0//cpu//0/3"
     now = 1000.0
@@ -330,8 +330,8 @@ def test_a_rank_that_never_started_is_named():
 
 
 def test_a_forked_process_starts_its_own_status_clock_and_watchdog(monkeypatch):
-    from dtrain import watchdog
-    from dtrain.watchdog import STATUS
+    from dtrain.engine import watchdog
+    from dtrain.engine.watchdog import STATUS
 
     read, write = os.pipe()
     STATUS.enter("train_batch", 5)
@@ -355,7 +355,7 @@ def test_a_forked_process_starts_its_own_status_clock_and_watchdog(monkeypatch):
 
 
 def test_the_culprit_from_statuses_hung_frozen_or_a_lost_link():
-    from dtrain.culprit import Status, explain_timeout, is_timeout
+    from dtrain.launcher.culprit import Status, explain_timeout, is_timeout
 
     gloo = "RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 5000ms for recv operation"
     assert is_timeout(gloo) and not is_timeout("TimeoutError: my data server is slow")

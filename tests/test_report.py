@@ -23,9 +23,9 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
-from dtrain.doctor import diagnose, load_profile
 from dtrain.errors import UserError
-from dtrain.report import write_report
+from dtrain.explain.doctor import diagnose, load_profile
+from dtrain.explain.report import write_report
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
@@ -307,7 +307,7 @@ def _chromium(tmp_path, *args: str) -> str:
 
 def _digits_run(path: Path) -> Path:
     """A run directory whose config.yaml is the digits example's, resolved (66 lines, as a real run's)."""
-    from dtrain.config import dump_config, load_config
+    from dtrain.config.schema import dump_config, load_config
 
     run_dir = make_run(path, profile=_profile(), records=_records())
     dump_config(load_config(Path(__file__).parents[1] / "examples" / "digits" / "experiment.yaml"),

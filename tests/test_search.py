@@ -18,7 +18,7 @@ import yaml
 from helpers import ROOT, dtrain_cli, tiny_config
 
 from dtrain.cli import main
-from dtrain.config import load_config
+from dtrain.config.schema import load_config
 from dtrain.errors import ConfigError
 from dtrain.search.space import load_plan
 

@@ -11,9 +11,9 @@ import shutil
 import pytest
 from helpers import TRIALS, run_ranks, tiny_config
 
-from dtrain import stopping
-from dtrain.stopping import StopVote
-from dtrain.watchdog import STOP
+from dtrain.engine import stopping
+from dtrain.engine.stopping import StopVote
+from dtrain.engine.watchdog import STOP
 
 
 @pytest.fixture
@@ -179,7 +179,7 @@ def test_a_stop_heard_through_a_report_stops_at_the_next_group_end(clock, no_sto
 STOPPER = """
 from tiny import TinyTrial
 
-from dtrain.watchdog import STOP
+from dtrain.engine.watchdog import STOP
 
 
 class Stopper(TinyTrial):
@@ -191,8 +191,8 @@ class Stopper(TinyTrial):
 
 
 def _train_until_stopped(rank, world, folder):
-    from dtrain.config import load_config
-    from dtrain.trainer import run_trial
+    from dtrain.config.schema import load_config
+    from dtrain.engine.trainer import run_trial
 
     # Every rank proposes votes 20 batches apart: the first vote, cast at batch 1 and read at 2, puts the
     # next at 21, so no vote is cast before it and only a report can carry rank 1's request.

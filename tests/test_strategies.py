@@ -102,8 +102,8 @@ def test_local_sgd_converges(tmp_path):
 
 
 def _local_sgd_replicas(rank, world):
-    from dtrain.config import config_from_dict
-    from dtrain.context import TrialContext
+    from dtrain.config.schema import config_from_dict
+    from dtrain.engine.context import TrialContext
 
     cfg = config_from_dict({"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
                             "max_length": {"batches": 1}, "sync": {"strategy": "local_sgd",

@@ -57,7 +57,7 @@ def test_tensorboard_reads_every_scalar_of_a_report(tmp_path):
     """A report's scalars are written as one event: TensorBoard must still see one series per tag."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from dtrain.metrics import MetricsWriter
+    from dtrain.engine.metrics import MetricsWriter
 
     writer = MetricsWriter(tmp_path)
     writer.write("training", 100, 0, {"loss": 0.5, "acc": 0.25}, samples_per_second=10.0)
@@ -72,8 +72,8 @@ def test_tensorboard_reads_every_scalar_of_a_report(tmp_path):
 
 
 def test_train_batch_metrics_are_checked_with_a_one_line_error():
+    from dtrain.engine.metrics import MeanAccumulator, checked_metrics
     from dtrain.errors import UserError
-    from dtrain.metrics import MeanAccumulator, checked_metrics
 
     checked = checked_metrics({"loss": torch.tensor(0.25, requires_grad=True), "acc": 1})
     assert checked == {"loss": 0.25, "acc": 1.0}  # CPU tensors read once, on the host
@@ -102,7 +102,7 @@ def _reference_schedule(start, total, k, val_every, ckpt_every):
 def test_the_schedule_validates_and_checkpoints_at_the_first_exchange_past_each_period():
     from types import SimpleNamespace
 
-    from dtrain.trainer import Trainer
+    from dtrain.engine.trainer import Trainer
 
     for k in (1, 2, 3):
         for val_every in (None, 1, 3, 7):

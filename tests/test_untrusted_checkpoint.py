@@ -23,7 +23,8 @@ from helpers import tiny_config
 from torch import nn
 
 import dtrain
-from dtrain import checkpoint, cli
+from dtrain import cli
+from dtrain.engine import checkpoint
 from dtrain.errors import CheckpointError
 
 FILES = ["model.pt", "optimizer.pt", "trainer_state.pt", "rank0.pt"]

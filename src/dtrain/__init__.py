@@ -11,8 +11,8 @@ from typing import Any
 __all__ = ["DistributedContext", "PyTorchTrial", "TrialContext", "init"]
 __version__ = "0.1.0"
 
-_LAZY = {"DistributedContext": "dtrain.context", "TrialContext": "dtrain.context", "init": "dtrain.context",
-         "PyTorchTrial": "dtrain.trial"}
+_LAZY = {"DistributedContext": "dtrain.engine.context", "TrialContext": "dtrain.engine.context",
+         "init": "dtrain.engine.context", "PyTorchTrial": "dtrain.engine.trial"}
 
 
 def __getattr__(name: str) -> Any:

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from dtrain.errors import UserError
-from dtrain.supervise import Stopped, terminate_as_stop  # light: no torch
+from dtrain.launcher.supervise import Stopped, terminate_as_stop  # light: no torch
 
 if TYPE_CHECKING:
-    from dtrain.runs import RunPlan
+    from dtrain.launcher.runs import RunPlan
 
 PROG = "dtrain"
 
@@ -96,7 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
     report.add_argument("--quiet", action="store_true", help="print only the report's path")
 
-    from dtrain import cluster  # light: no torch
+    from dtrain.launcher import cluster  # light: no torch
 
     cluster.add_parsers(sub, _positive_int)  # dtrain k8s / dtrain slurm
 
@@ -142,13 +142,13 @@ def _positive_int(text: str, most: int | None = None) -> int:
 
 
 def _slot_count(text: str) -> int:
-    from dtrain.config import MAX_SLOTS  # the config's own bound, so flag and key agree
+    from dtrain.config.schema import MAX_SLOTS  # the config's own bound, so flag and key agree
 
     return _positive_int(text, MAX_SLOTS)
 
 
 def _step_count(text: str) -> int:
-    from dtrain.config import MAX_STEPS
+    from dtrain.config.schema import MAX_STEPS
 
     return _positive_int(text, MAX_STEPS)
 
@@ -192,7 +192,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "launch":
         return cmd_launch(args)
     if args.command in ("k8s", "slurm"):
-        from dtrain import cluster
+        from dtrain.launcher import cluster
 
         return cluster.cmd_k8s(args) if args.command == "k8s" else cluster.cmd_slurm(args)
     if args.command == "doctor":
@@ -204,15 +204,15 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "check":
         return cmd_check(args)
     if args.command == "compare":
-        from dtrain.compare import compare, parse_strategies
-        from dtrain.runs import NodeArgs
+        from dtrain.explain.compare import compare, parse_strategies
+        from dtrain.launcher.runs import NodeArgs
 
         overrides = [*args.overrides, *([f"resources.slots_per_trial={args.slots}"] if args.slots else [])]
         compare(args.config, parse_strategies(args.strategies), args.steps, args.out, overrides,
                 NodeArgs.from_args(args), args.debug)
         return 0
     if args.command == "bench":
-        from dtrain.bench import bench, parse_slots
+        from dtrain.explain.scaling import bench, parse_slots
 
         bench(args.config, parse_slots(args.slots), args.synthetic, args.steps, args.out, args.overrides, args.debug,
               args.repeats)
@@ -224,7 +224,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from dtrain import resume, runs  # keeps `dtrain --help` fast: torch is imported only when needed
+    from dtrain.launcher import resume, runs  # keeps `dtrain --help` fast: torch is imported only when needed
 
     overrides = list(args.overrides)
     if args.slots is not None:
@@ -244,7 +244,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _run_planned(plan: RunPlan, args: argparse.Namespace) -> int:
     """Train what ``plan`` says, then print its summary or its one-line failure; the exit code."""
-    from dtrain import resume, runs
+    from dtrain.launcher import resume, runs
 
     if plan.chief and not args.quiet:  # quiet: the one closing line names it
         print(f"{PROG}: run directory {plan.run_dir}", flush=True)
@@ -277,7 +277,7 @@ def _run_planned(plan: RunPlan, args: argparse.Namespace) -> int:
         print(f"{PROG}: full log: {plan.run_dir / 'logs' / f'rank{failure.rank}.log'}; "
               f"{resume.resume_advice(plan, args.config)}", file=sys.stderr)
         return 1
-    from dtrain.summary import print_run_summary
+    from dtrain.explain.summary import print_run_summary
 
     if plan.chief:  # one report per job, not one per node or worker
         print_run_summary(plan.run_dir, time.perf_counter() - start, quiet=args.quiet)
@@ -285,8 +285,8 @@ def _run_planned(plan: RunPlan, args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from dtrain.report import RUN_FILES, write_report
-    from dtrain.summary import print_profile
+    from dtrain.explain.report import RUN_FILES, write_report
+    from dtrain.explain.summary import print_profile
 
     run_dir: Path = args.run_dir
     if not run_dir.is_dir():
@@ -315,8 +315,8 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 def cmd_check(args: argparse.Namespace) -> int:
     """``dtrain check``: validate config and entrypoint as ``dtrain run`` would, print what a run would use."""
-    from dtrain import runs
-    from dtrain.safeyaml import dump
+    from dtrain.config.safeyaml import dump
+    from dtrain.launcher import runs
 
     overrides = [*args.overrides, *([f"resources.slots_per_trial={args.slots}"] if args.slots else [])]
     result = runs.check(args.config, overrides)
@@ -332,12 +332,12 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
-    from dtrain.doctor import diagnose, load_profile, render
-    from dtrain.summary import time_cost_table
+    from dtrain.explain.doctor import diagnose, load_profile, render
+    from dtrain.explain.summary import time_cost_table
 
     if args.verify:
-        from dtrain.verify import render as render_verify
-        from dtrain.verify import verify
+        from dtrain.explain.verify import render as render_verify
+        from dtrain.explain.verify import verify
 
         result = verify(args.run_dir, args.steps, args.repeats, args.top, debug=args.debug,
                         log=lambda line: print(line, file=sys.stderr, flush=True))
@@ -356,8 +356,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
-    from dtrain.bench import parse_slots
-    from dtrain.plan import parse_link, plan, plot, render
+    from dtrain.explain.plan import parse_link, plan, plot, render
+    from dtrain.explain.scaling import parse_slots
 
     doc = plan(args.run_dir, parse_slots(args.slots), args.nodes, parse_link(args.link))
     png = args.png or args.run_dir / "plan.png"
@@ -368,15 +368,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from dtrain.launch import LaunchOptions, launch
+    from dtrain.launcher.agent import LaunchOptions, launch
 
     script = Path(args.script)
     if not script.is_file():
         raise UserError(f"script {str(script)!r} does not exist; pass the path of a Python training script")
     if not 0 <= args.max_restarts <= 100:  # the same bound as the config's max_restarts
         raise UserError(f"--max-restarts must be from 0 to 100, got {args.max_restarts}")
-    # Through dtrain.script_main: the script's exceptions are reported, its workers die with this process.
-    failure = launch(["-u", "-m", "dtrain.script_main", str(script), *args.args],
+    # Through dtrain.engine.script_main: the script's exceptions are reported, its workers die with this process.
+    failure = launch(["-u", "-m", "dtrain.engine.script_main", str(script), *args.args],
                      LaunchOptions(slots=args.slots, max_restarts=args.max_restarts, debug=args.debug))
     if failure is not None:
         print(f"{PROG}: error: {failure.headline()}", file=sys.stderr)

@@ -81,7 +81,7 @@ def _hold_until_stop_requested(while_exists: Path, limit: float = 120.0) -> None
     """While the test's file exists, wait (as a slow batch would) until the launcher asked this rank to stop:
     the test's signal then always lands mid-run, however loaded the machine is; the test removes the file
     before it resumes. Fails after ``limit`` seconds rather than hang."""
-    from dtrain.watchdog import STOP
+    from dtrain.engine.watchdog import STOP
 
     deadline = time.monotonic() + limit
     while while_exists.exists() and not STOP.requested:

@@ -343,7 +343,7 @@ def run_search(config: Path | None, out: Path | None, resume: Path | None, slots
         progress.close()
         result = write_outputs(search.study, plan, out, time.perf_counter() - start)
     rows = trial_rows(search.study, plan, out)
-    from dtrain.render import as_text
+    from dtrain.explain.render import as_text
 
     print(as_text(trials_table(rows, plan, f"dtrain search: {plan.searcher.name}, {len(rows)} trial(s)"),
                   width=160), end="")

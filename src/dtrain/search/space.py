@@ -27,7 +27,7 @@ import numpy as np
 import optuna
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from dtrain.config import (
+from dtrain.config.schema import (
     HPARAM_TYPES,
     ExperimentConfig,
     SearcherConfig,

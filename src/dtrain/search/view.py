@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from dtrain.render import as_text, pyplot
+from dtrain.explain.render import as_text, pyplot
 from dtrain.search.space import SearchPlan
 
 # Optuna's trial states in Determined's words: a pruned trial is one ASHA stopped.
@@ -183,7 +183,7 @@ def plot(rows: list[dict[str, Any]], plan: SearchPlan, best: dict[str, Any] | No
 
 def render_html(result: dict[str, Any], rows: list[dict[str, Any]], plan: SearchPlan, best: dict[str, Any] | None,
                 png: bytes) -> str:
-    from dtrain.report import CSS  # the run report's look
+    from dtrain.explain.report import CSS  # the run report's look
 
     esc = html.escape
     names = list(plan.space.searched)

@@ -10,7 +10,7 @@ from dtrain.sync.base import Rebucketable, Serving, SyncStrategy
 if TYPE_CHECKING:
     import torch
 
-    from dtrain.config import ExperimentConfig
+    from dtrain.config.schema import ExperimentConfig
     from dtrain.profiling.comm import CommRecorder
 
 __all__ = ["Rebucketable", "Serving", "SyncStrategy", "build_strategy", "registry"]

@@ -20,7 +20,7 @@ from dtrain.sync.compression import COMPRESSORS, Compressor
 from dtrain.sync.registry import register
 
 if TYPE_CHECKING:
-    from dtrain.config import ExperimentConfig
+    from dtrain.config.schema import ExperimentConfig
 
 
 def fused_buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
@@ -87,7 +87,7 @@ class AllReduceStrategy(SyncStrategy):
     @classmethod
     def from_config(cls, config: ExperimentConfig | None, device: torch.device,
                     recorder: CommRecorder = NULL_RECORDER) -> AllReduceStrategy:
-        from dtrain.config import Optimizations
+        from dtrain.config.schema import Optimizations
 
         o = config.optimizations if config is not None else Optimizations()
         return cls(device, o.tensor_fusion_threshold, o.gradient_compression, recorder)

@@ -28,7 +28,7 @@ from torch import nn
 from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
 
 if TYPE_CHECKING:
-    from dtrain.config import ExperimentConfig
+    from dtrain.config.schema import ExperimentConfig
 
 
 class SyncStrategy(ABC):

@@ -25,7 +25,7 @@ from dtrain.sync.powersgd import PowerSGDState, powersgd_hook
 from dtrain.sync.registry import register
 
 if TYPE_CHECKING:
-    from dtrain.config import ExperimentConfig, PowerSGDOptions
+    from dtrain.config.schema import ExperimentConfig, PowerSGDOptions
     from dtrain.profiling.comm import DDPTiming
 
 # dtrain.init()'s bucket size: torch's default.
@@ -70,7 +70,7 @@ class DDPStrategy(SyncStrategy):
                  powersgd: PowerSGDOptions | None = None, recorder: CommRecorder = NULL_RECORDER,
                  rebuildable: bool = False, seed: int = 0) -> None:
         super().__init__(device, recorder)
-        from dtrain.config import PowerSGDOptions
+        from dtrain.config.schema import PowerSGDOptions
 
         self.bucket_cap_mb = bucket_cap_mb
         self.compression = compression

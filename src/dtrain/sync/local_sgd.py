@@ -17,7 +17,7 @@ from dtrain.sync.allreduce import AllReduceStrategy
 from dtrain.sync.registry import register
 
 if TYPE_CHECKING:
-    from dtrain.config import ExperimentConfig
+    from dtrain.config.schema import ExperimentConfig
 
 
 @register
@@ -38,7 +38,7 @@ class LocalSGDStrategy(AllReduceStrategy):
     @classmethod
     def from_config(cls, config: ExperimentConfig | None, device: torch.device,
                     recorder: CommRecorder = NULL_RECORDER) -> LocalSGDStrategy:
-        from dtrain.config import LocalSGDOptions, Optimizations
+        from dtrain.config.schema import LocalSGDOptions, Optimizations
 
         o = config.optimizations if config is not None else Optimizations()
         opts = config.sync.local_sgd if config is not None else LocalSGDOptions()

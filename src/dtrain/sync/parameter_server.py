@@ -36,7 +36,7 @@ from dtrain.sync.base import SyncStrategy, broadcast_from_chief
 from dtrain.sync.registry import register
 
 if TYPE_CHECKING:
-    from dtrain.config import ExperimentConfig, ParameterServerOptions
+    from dtrain.config.schema import ExperimentConfig, ParameterServerOptions
 
 PUSH, PULL = 1, 2
 
@@ -101,7 +101,7 @@ class ParameterServerStrategy(SyncStrategy):
     @classmethod
     def from_config(cls, config: ExperimentConfig | None, device: torch.device,
                     recorder: CommRecorder = NULL_RECORDER) -> ParameterServerStrategy:
-        from dtrain.config import ParameterServerOptions
+        from dtrain.config.schema import ParameterServerOptions
 
         return cls(device, config.sync.parameter_server if config is not None else ParameterServerOptions(), recorder)
 

@@ -1,0 +1,132 @@
+"""How a failing rank's cause reaches the launcher: the error-file protocol, both sides.
+
+A worker that fails writes ``logs/error.rank<r>.json`` (:func:`write_report`); the launcher reads every
+report (:func:`read_reports`) and names the root cause in one line (:func:`root_cause`). torch's own
+``@record`` keeps only a one-second timestamp, too coarse to tell the rank that failed first from the peers
+that failed because of it; these reports keep a precise time and the innermost frame.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dtrain.launcher.culprit import Status, describe_death, explain_timeout, is_timeout
+
+ERROR_FILE = "error.rank{rank}.json"
+# Errors a rank gets because *another* rank died: never the root cause when a better candidate exists.
+SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
+             "connectFullMesh")
+_AGENT_KILL = {-15, 143}  # SIGTERM: the agent stopping the survivors
+# How long a rank that only saw a peer's connection close waits before exiting. torch's agent reports one
+# failed worker per poll (every 0.1 s) when workers are forked: the peer that died first (os._exit, the
+# OOM killer: no report of its own) must be the one it sees, not this echo of it.
+ECHO_EXIT_DELAY_SECONDS = 0.5
+
+
+@dataclass(frozen=True)
+class Failure:
+    """The one failure the launcher shows."""
+
+    rank: int
+    exit_code: int
+    message: str
+    user_error: bool
+    # The message is a whole sentence about the job (it names the ranks itself), not one rank's error.
+    standalone: bool = False
+
+    def headline(self) -> str:
+        return self.message if self.standalone else f"worker rank {self.rank} failed: {self.message}"
+
+
+@dataclass(frozen=True)
+class ErrorReport:
+    """One rank's failure, as written to its error file."""
+
+    rank: int
+    message: str
+    where: str
+    time: float
+    user_error: bool
+    exit_code: int
+    # The rank the failure is about when it is not the reporting one (all ranks stop on a non-finite loss
+    # that appeared on one of them).
+    blame: int | None = None
+
+    def failure(self) -> Failure:
+        message = self.message + (f" (at {self.where})" if self.where else "")
+        return Failure(self.rank if self.blame is None else self.blame, self.exit_code, message, self.user_error)
+
+    @property
+    def secondary(self) -> bool:
+        return is_secondary(self.message)
+
+
+def is_secondary(message: str) -> bool:
+    """Whether an error only echoes a peer's failure (its connection closed)."""
+    return any(p in message for p in SECONDARY)
+
+
+def write_report(folder: Path, rank: int, exc: BaseException, user_error: bool, exit_code: int,
+                 where: str | None = None, blame: int | None = None) -> None:
+    """Worker side: leave this rank's failure for the launcher in ``folder`` (a run's logs/); ``where``
+    defaults to the innermost frame."""
+    if where is None:
+        frames = traceback.extract_tb(exc.__traceback__)
+        where = f"{frames[-1].filename}:{frames[-1].lineno} in {frames[-1].name}" if frames and not user_error else ""
+    report = ErrorReport(rank=rank, message=str(exc) if user_error else f"{type(exc).__name__}: {exc}", where=where,
+                         time=time.time(), user_error=user_error, exit_code=exit_code, blame=blame)
+    (folder / ERROR_FILE.format(rank=rank)).write_text(json.dumps(asdict(report)))
+
+
+def read_reports(folder: Path | None, own_ranks: set[int] | None = None) -> list[ErrorReport]:
+    """Launcher side: every rank's report in ``folder``; this node's own (``own_ranks``; None = all) are
+    consumed, so a later attempt or resume starts clean. On shared storage, other nodes' reports are left
+    for their own launchers to read."""
+    if folder is None:
+        return []
+    reports = []
+    for path in folder.glob(ERROR_FILE.format(rank="*")):
+        try:
+            report = ErrorReport(**json.loads(path.read_text()))
+        except (OSError, ValueError, TypeError):
+            continue
+        reports.append(report)
+        if own_ranks is None or report.rank in own_ranks:
+            path.unlink(missing_ok=True)
+    return reports
+
+
+def root_cause(failures: dict[int, Any], reports: list[ErrorReport],
+               statuses: dict[int, Status] | None = None, world_size: int | None = None) -> Failure | None:
+    """The failure to show, from the agent's per-rank ``failures`` (exit codes), the reports and the ranks'
+    last ``statuses``: bad input first, then the earliest genuine error, then a collective that timed out
+    (blaming the rank it waited for, see :mod:`dtrain.launcher.culprit`), then a rank that died without a word
+    (killed, os._exit), and only then the peers' "connection closed" echoes. None: nothing to go on.
+    ``world_size``: every rank is this launcher's (one node), so one that never started can be named."""
+    statuses = statuses or {}
+    user = [r for r in reports if r.user_error]
+    if user:
+        return min(user, key=lambda r: r.time).failure()
+    timeouts = [r for r in reports if not r.secondary and is_timeout(r.message)]
+    primary = [r for r in reports if not r.secondary and r not in timeouts]
+    if primary:
+        return min(primary, key=lambda r: r.time).failure()
+    if timeouts:
+        first = min(timeouts, key=lambda r: r.time)
+        rank, line = explain_timeout(first.rank, first.message, first.time, {r.rank for r in timeouts}, statuses,
+                                     world_size)
+        return Failure(rank, 1, line, user_error=False, standalone=True)
+    reported = {r.rank for r in reports}
+    for rank, failure in sorted(failures.items()):
+        if rank not in reported and failure.exitcode not in _AGENT_KILL:
+            how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
+                   else f"exited with code {failure.exitcode} without raising an exception")
+            return Failure(rank, 1, describe_death(rank, how, statuses), user_error=False)
+    if reports:
+        return min(reports, key=lambda r: r.time).failure()
+    return None

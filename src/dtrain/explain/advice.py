@@ -1,0 +1,177 @@
+"""Advice in the user's terms: what to check on a straggler's host, and what the machine can give.
+
+The doctor (:mod:`dtrain.explain.doctor`) decides *which* factor matters and how much; this module words the
+fix so that a person can act on it: the rank, its host, how late it arrives and what to look at there
+for the phase it is slow in.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# What slows one rank in each phase, and how to see it on that host (Linux tools that are always there
+# first, then the GPU's).
+CHECKS = {
+    "data": ("its input pipeline: a slower or remote disk there (iostat -x 1, a network filesystem), a cold "
+             "page cache, loader processes starved of CPU (top); more loader workers "
+             "(data_loader.num_workers) overlap loading with the step"),
+    "forward": ("other processes on its cores (top; ps -eo pcpu,comm --sort=-pcpu), CPU frequency or thermal "
+                "throttling (grep MHz /proc/cpuinfo), more torch threads than cores (OMP_NUM_THREADS), on a GPU "
+                "its clocks, temperature and other processes (nvidia-smi -q -d PERFORMANCE), and whether that "
+                "rank gets bigger inputs (uneven lengths)"),
+    "backward": ("gradient hooks or custom autograd functions doing extra work on that rank, other processes on "
+                 "its cores (top), CPU frequency or thermal throttling (grep MHz /proc/cpuinfo), on a GPU its "
+                 "clocks and temperature (nvidia-smi -q -d PERFORMANCE)"),
+    "optimizer": ("memory pressure there (free -m; vmstat 1 shows swapping), other processes on its cores "
+                  "(top), optimizer state on a slower device"),
+    "other": ("work in train_batch that only that rank does (rank-conditional logging, metrics, printing) and "
+              "other processes on its cores (top)"),
+}
+
+
+def straggler(profile: dict[str, Any], work: list[float]) -> dict[str, Any] | None:
+    """The rank everyone waits for, from ``profile.json``'s arrival lags (``stragglers``), else from the
+    per-rank work (older profiles). None with one slot."""
+    ranks = profile["per_rank"]
+    if len(ranks) < 2:
+        return None
+    lags = profile.get("stragglers") or {}
+    per_rank = lags.get("per_rank") or []
+    if per_rank:
+        chronic = lags.get("chronic_rank")
+        pick = chronic if chronic is not None else max(range(len(per_rank)),
+                                                       key=lambda i: per_rank[i]["lag_median_seconds"])
+        r = per_rank[pick]
+        return {"rank": pick, "host": r.get("host") or "?", "lag_seconds": r["lag_median_seconds"],
+                "lag_p90_seconds": r["lag_p90_seconds"], "last_fraction": r["last_fraction"],
+                "samples": int(lags.get("samples", 0)), "chronic": chronic is not None,
+                "phase": r["slow_phase"], "phase_excess_seconds": r["slow_phase_excess_seconds"], "measured": True}
+    slowest = max(range(len(work)), key=lambda i: work[i])
+    fastest = min(range(len(work)), key=lambda i: work[i])
+    phases = ("data", "forward", "backward", "optimizer", "other")
+    excess = {p: ranks[slowest]["seconds_per_step"][p] - min(r["seconds_per_step"][p] for r in ranks) for p in phases}
+    phase = max(phases, key=lambda p: excess[p])
+    return {"rank": slowest, "host": ranks[slowest].get("host") or "?", "lag_seconds": work[slowest] - work[fastest],
+            "lag_p90_seconds": None, "last_fraction": None, "samples": 0, "chronic": None, "phase": phase,
+            "phase_excess_seconds": excess[phase], "measured": False}
+
+
+def straggler_text(s: dict[str, Any], leave_out: str) -> str:
+    """One paragraph: who, where, how late, slow in what, what to check there, and the fallback."""
+    ms = 1e3 * s["lag_seconds"]
+    if s["measured"]:
+        how = (f"arrives {ms:.2f} ms late at the gradient all-reduce (median over {s['samples']} sampled steps; "
+               f"p90 {1e3 * s['lag_p90_seconds']:.2f} ms; last in {100 * s['last_fraction']:.0f}% of them)")
+        if not s["chronic"]:
+            how += ", though no rank is chronically last (ranks take turns: noise, or cores shared by all)"
+    else:
+        how = f"needs {ms:.2f} ms more work per step than the fastest rank"
+    return (f"rank {s['rank']} (host {s['host']}) {how}, slow in {s['phase']} "
+            f"(+{1e3 * s['phase_excess_seconds']:.2f} ms per step over the fastest rank); the other ranks wait for "
+            f"it. Check on {s['host']}: {CHECKS[s['phase']]}. If it cannot be fixed, leave it out ({leave_out})")
+
+
+def usable_cores(profile: dict[str, Any]) -> int | None:
+    """CPU cores the run's host offered (recorded by the run), or None for older profiles."""
+    cores = profile.get("cpu_cores")
+    return int(cores) if cores else None
+
+
+def local_slots(profile: dict[str, Any]) -> int:
+    """Slots per host (the run's ranks over its distinct host names)."""
+    hosts = len({r.get("host") for r in profile["per_rank"]}) or 1
+    return max(1, int(profile["slots"]) // hosts)
+
+
+# Loader processes per slot dtrain will advise at most (each is a process with its own dataset copy).
+MAX_ADVISED_WORKERS = 8
+
+
+def loader_plan(profile: dict[str, Any], data: float, step: float, cpu_work: float) -> dict[str, Any]:
+    """How many loader processes per slot to try and the step they predict, from what the machine has.
+
+    ``data`` is the wait for a batch per step, ``cpu_work`` the training process's own busy time per step.
+    With W loader processes a slot gets a batch every ``L / W`` seconds (``L``: seconds to load one, probed
+    after the run), hidden behind the rest of the step; but the loaders' CPU time (``L`` x the probed CPU
+    share) and the training threads' share the slot's cores, which bounds the step from below::
+
+        step(W) = max(step - data, L / W, (threads x cpu_work + cpu_share x L) / cores_per_slot)
+
+    So on 2 cores with 2 slots, CPU-bound loaders gain little (they take the training's core), while
+    loaders that mostly wait (disk, network) need no core and hide up to W batches of waiting.
+    """
+    current = int(profile.get("data_loader_workers", 0))
+    load = float(profile.get("data_load_seconds_per_batch") or 0.0) or data
+    share = profile.get("data_load_cpu_share")
+    cpu_share = float(share) if share is not None else 1.0  # not probed: assume loading needs a core
+    cores = usable_cores(profile)
+    per_slot = cores / local_slots(profile) if cores else None
+    threads = int(profile.get("threads_per_slot", 1))
+    rest = max(0.0, step - data)
+
+    def predicted(workers: int) -> float:
+        bound = max(rest, load / workers)
+        if per_slot is not None:
+            bound = max(bound, (threads * cpu_work + cpu_share * load) / per_slot)
+        return bound
+
+    limit = MAX_ADVISED_WORKERS
+    if cores:  # the preflight's own limit on loader processes per slot
+        from dtrain.launcher.preflight import PROCESSES_PER_CORE
+
+        limit = max(1, min(limit, PROCESSES_PER_CORE * cores // local_slots(profile)))
+    candidates = list(range(current + 1, max(current + 1, limit) + 1))
+    best = min(predicted(w) for w in candidates)
+    workers = next(w for w in candidates if predicted(w) <= best * 1.03)  # fewest processes within 3%
+    new_step = min(step, predicted(workers))
+    where = (f"{per_slot:g} core(s) per slot, {threads} torch thread(s) each" if per_slot is not None
+             else "cores per slot not recorded")
+    probed = (f"{1e3 * load:.2f} ms to load a batch, {100 * cpu_share:.0f}% of it on the CPU (probed after the run)"
+              if share is not None else f"{1e3 * load:.2f} ms to load a batch (CPU share not probed: assumed all)")
+    return {"workers": workers, "step_seconds": new_step,
+            "why": f"{probed}; {workers} loader process(es) per slot overlap it with the "
+                   f"{1e3 * rest:.2f} ms rest of the step, on {where}"}
+
+
+# Optimizers whose step is normalized by a running gradient scale: a k times bigger batch lowers the
+# gradient noise by sqrt(k), and the square-root rule keeps the update's noise scale (Hoffer et al. 2017,
+# Malladi et al. 2022); plain SGD (with momentum) takes the linear rule (Goyal et al. 2017).
+ADAPTIVE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "SparseAdam", "Adafactor")
+LR_NAMES = ("lr", "learning_rate")
+
+
+def batch_change(profile: dict[str, Any], new_gbs: int) -> dict[str, Any]:
+    """A bigger global batch in the user's terms: the learning-rate rule that keeps training equivalent
+    for the run's optimizer, the config changes (``--set`` form) that apply it, and a sentence."""
+    old = int(profile["global_batch_size"])
+    ratio = new_gbs / old
+    optimizer = str(profile.get("optimizer") or "")
+    adaptive = optimizer in ADAPTIVE
+    rule, factor = ("square-root", ratio ** 0.5) if adaptive else ("linear", ratio)
+    which = optimizer or "your optimizer"
+    lr = profile.get("lr_hyperparameter") or {}
+    sets: list[str] = []
+    if lr.get("name") and isinstance(lr.get("value"), (int, float)):
+        new_lr = float(lr["value"]) * factor
+        sets.append(f"hyperparameters.{lr['name']}={new_lr:.6g}")
+        lr_text = f"hyperparameters.{lr['name']}: {lr['value']:g} -> {new_lr:.6g}"
+    else:
+        lr_text = f"the learning rate x {factor:.3g}"
+    text = (f"global_batch_size {old} -> {new_gbs} ({ratio:g}x): with {which} use the {rule} rule, {lr_text} "
+            f"({'square root for Adam-like optimizers' if adaptive else 'linear for SGD'}), and warm up: ramp the "
+            f"learning rate from the old value to the new one over the first few epochs (e.g. "
+            f"torch.optim.lr_scheduler.LinearLR(opt, start_factor={1 / factor:.3g}, total_iters=<steps of ~5 "
+            "epochs>)) so the first big steps do not diverge")
+    return {"sets": sets, "rule": rule, "lr_factor": factor, "text": text}
+
+
+def growth(single: float, double: float) -> float:
+    """How much of the work grows with the batch: 0 (all per-step overhead) to 1 (all per-sample)."""
+    if single <= 0 or double <= 0:
+        return 1.0
+    return min(1.0, max(0.0, double / single - 1.0))
+
+
+def scaled(seconds: float, growth_share: float, factor: float) -> float:
+    """``seconds`` of work at the measured batch, at ``factor`` times that batch (linear in the batch)."""
+    return seconds * (1.0 + growth_share * (factor - 1.0))

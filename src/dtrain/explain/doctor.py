@@ -1,0 +1,367 @@
+"""The doctor: turns a run's measured step profile into ranked factors and concrete config changes.
+
+Model. A synchronous step on every rank is its data wait + its compute + its exposed communication, and
+all ranks finish a step together. From ``profile.json`` the step is split into parts that add up to it:
+
+* ``data_loading``   mean data wait
+* ``compute``        forward + backward compute of the fastest rank (the work every slot must do)
+* ``batch_size``     per-step fixed costs (optimizer step, bookkeeping) of the fastest rank: they do
+                     not grow with the batch, so a bigger batch amortizes them
+* ``communication``  exposed all-reduce time of the slowest rank (it waits least for peers), the part
+                     that moves bytes (bandwidth-bound)
+* ``sync_frequency`` the same exposed time's per-message part (buckets x measured one-float latency):
+                     a cost paid per synchronization, which only syncing less often removes
+* ``straggler``      the remainder: time ranks spend waiting for the slowest rank
+* ``precision``      on a GPU with tensor cores training in float32: the part of the compute that lower
+                     precision would save, from matmul throughput measured on that very device at the end
+                     of the run (``device_facts.matmul_tflops``); an upper bound, as if compute were all
+                     matmuls. Zero on CPU and when already in mixed precision.
+
+Each factor's action is predicted from the same numbers (e.g. aggregation_frequency k divides the
+communication and waiting by k). Predictions assume the other parts stay as measured.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from dtrain.errors import UserError
+from dtrain.explain import advice
+
+FACTORS = ("communication", "data_loading", "compute", "precision", "straggler", "batch_size", "sync_frequency")
+# Keep this share of the device's memory free when advising a bigger batch.
+MEMORY_HEADROOM = 0.9
+AGGREGATION_TO_TRY = 4
+
+
+def load_profile(run_dir: Path) -> dict[str, Any]:
+    """Read ``RUN_DIR/profile.json``; bad input is a one-line UserError."""
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a directory; pass a run directory made by 'dtrain run'")
+    if not (run_dir / "config.yaml").is_file():
+        raise UserError(f"{run_dir} is not a dtrain run (no config.yaml); pass a run directory made by 'dtrain run'")
+    path = run_dir / "profile.json"
+    if not path.is_file():
+        raise UserError(f"{run_dir} has no profile.json yet: the run has not finished (or ran with "
+                        "profiling.enabled: false); wait for it to end or re-run with profiling on")
+    try:
+        profile = json.loads(path.read_text())
+        _check(profile)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise UserError(f"{path} is empty or corrupt ({exc}); re-run the experiment to write a new one") from None
+    return profile
+
+
+def _check(profile: dict[str, Any]) -> None:
+    if not isinstance(profile, dict) or profile.get("schema_version") != 1:
+        raise ValueError("unknown schema_version")
+    for rank in profile["per_rank"]:
+        for phase in profile["phases"]:
+            if not math.isfinite(float(rank["seconds_per_step"][phase])):
+                raise ValueError(f"non-finite {phase}")
+    if not profile["per_rank"] or float(profile["seconds_per_step"]["step"]["mean"]) <= 0:
+        raise ValueError("no profiled steps")
+
+
+def _speedup(step: float, new_step: float, samples_factor: float = 1.0) -> float:
+    return samples_factor * step / new_step if new_step > 0 else float("inf")
+
+
+def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
+    """Ranked factors, recommendations and a verdict (the ``--json`` document)."""
+    ranks = [r["seconds_per_step"] for r in profile["per_rank"]]
+    slots = int(profile["slots"])
+    step = sum(r["step"] for r in ranks) / len(ranks)
+    # The wait every rank has: one rank's slower loader is that rank straggling, not slow data loading.
+    data = min(r["data"] for r in ranks)
+    work = [r["data"] + r["forward"] + r["backward"] + r["optimizer"] + r["other"] for r in ranks]
+    late = advice.straggler(profile, work)
+    # The rank the others wait for: the one that arrives last at the collectives (measured), else the one
+    # with the most work; its exposed time is pure communication (it waited for no one).
+    slowest = late["rank"] if late is not None else max(range(len(ranks)), key=lambda i: work[i])
+    fastest = min(range(len(ranks)), key=lambda i: work[i])
+    compute = ranks[fastest]["forward"] + ranks[fastest]["backward"]
+    fixed = ranks[fastest]["optimizer"] + ranks[fastest]["other"]
+    cpu_work = compute + fixed
+    comm = profile["comm"]
+    exposed = ranks[slowest]["comm_exposed"]
+    busy = float(comm["busy_seconds_per_step"])
+    per_message = min(1.0, comm["buckets_per_step"] * comm["latency_seconds"] / busy) if busy > 0 else 0.0
+    sync_part, bandwidth_part = exposed * per_message, exposed * (1 - per_message)
+    straggler = max(0.0, step - data - compute - fixed - exposed)
+    precision = _precision_gain(profile)
+    saved = compute * (1 - 1 / precision[1]) if precision is not None else 0.0
+    seconds = {"communication": bandwidth_part, "data_loading": data, "compute": compute - saved,
+               "precision": saved, "straggler": straggler, "batch_size": fixed, "sync_frequency": sync_part}
+
+    gbs = int(profile["global_batch_size"])
+    k = AGGREGATION_TO_TRY
+    waiting = exposed + straggler
+    factors = {
+        "communication": _communication_factor(profile, bandwidth_part, waiting, step, k, gbs),
+        "sync_frequency": _factor(
+            "optimizations.aggregation_frequency", k,
+            f"{comm['buckets_per_step']:.0f} all-reduce(s) per step at {1e3 * comm['latency_seconds']:.2f} ms "
+            f"latency each; exchanging gradients every {k} batches pays that once per {k} batches "
+            f"(effective batch {k * gbs})",
+            _speedup(step, step - waiting * (1 - 1 / k))),
+        "data_loading": _data_factor(profile, step, data, cpu_work),
+        "straggler": _straggler_factor(profile, late, step, straggler, data, compute, fixed, ranks[slowest],
+                                       cpu_work),
+        "batch_size": _batch_factor(profile, gbs, step, data, compute),
+        "precision": _precision_factor(profile, precision, step, saved),
+        "compute": _factor(
+            None, None,
+            "forward and backward compute: the useful work. A step dominated by it scales well; a faster "
+            "device or more slots are what make it faster", None),
+    }
+    ranked = sorted(FACTORS, key=lambda f: seconds[f], reverse=True)
+    table = [{"factor": f, "share": seconds[f] / step, "seconds_per_step": seconds[f], **factors[f]} for f in ranked]
+    recommendations = sorted(
+        ({"factor": f["factor"], "key": f["key"], "value": f["value"], "predicted_speedup": f["predicted_speedup"],
+          "action": f"{f['key']}: {f['value']}"} for f in table
+         if f["key"] is not None and f["predicted_speedup"] and f["predicted_speedup"] > 1.02 and f["share"] >= 0.05),
+        key=lambda r: r["predicted_speedup"], reverse=True)
+    scaling = _scaling(profile, slots, step, ranks, fixed)
+    if scaling["slower_than_one_slot"]:
+        recommendations.append({"factor": "scaling", "key": "resources.slots_per_trial", "value": 1,
+                                "predicted_speedup": scaling["estimated_one_slot_speedup"],
+                                "action": "resources.slots_per_trial: 1"})
+        recommendations.sort(key=lambda r: r["predicted_speedup"], reverse=True)
+    recommendations = _unique(recommendations)
+    top = ranked[0]
+    return {
+        "slots": slots,
+        "samples_per_second": profile["samples_per_second"],
+        "step_seconds": step,
+        "top_factor": top,
+        "verdict": _verdict(top, table[0], scaling, slots, profile),
+        "factors": table,
+        "recommendations": recommendations,
+        "scaling": scaling,
+    }
+
+
+def _straggler_factor(profile: dict[str, Any], late: dict[str, Any] | None, step: float, straggler: float,
+                      data: float, compute: float, fixed: float, slowest: dict[str, float],
+                      cpu_work: float) -> dict[str, Any]:
+    """Name the rank the others wait for (host, lag, slow phase) and what to check there. The config change
+    is the real fix where one exists (a slow loader: more loader workers); leaving the rank out is the
+    fallback, predicted with the remaining slots doing its share of the batch."""
+    slots = int(profile["slots"])
+    if late is None:
+        return _factor(None, None, "one slot: nothing to wait for", None)
+    fixed_speedup = _speedup(step, step - straggler)
+    # N-1 slots: each does N/(N-1) of the per-slot data and compute, communication and fixed costs stay.
+    # The same global batch: one slot fewer does N/(N-1) of the per-slot data and compute; fixed costs
+    # stay, and so does communication unless one slot is left (then there is none).
+    fewer = slots - 1
+    leave_out = _speedup(step, (data + compute) * slots / fewer + fixed + (slowest["comm_exposed"] if fewer > 1 else 0))
+    leave = ("resources.slots_per_trial", fewer, leave_out)
+    why = advice.straggler_text(late, f"resources.slots_per_trial: {fewer}")
+    if late["phase"] == "data" and late["chronic"] is not False:  # a loader fix only for a rank always late
+        workers = advice.loader_plan(profile, slowest["data"], step, cpu_work)["workers"]
+        return _factor("data_loader.num_workers", workers, why, fixed_speedup,
+                       alternative=leave, straggler={**late, "fixed_speedup": fixed_speedup})
+    return _factor("resources.slots_per_trial", fewer, why, leave_out,
+                   straggler={**late, "fixed_speedup": fixed_speedup})
+
+
+def _data_factor(profile: dict[str, Any], step: float, data: float, cpu_work: float) -> dict[str, Any]:
+    """More loader processes per slot, as many as the machine's cores and the probed load make worth it."""
+    plan = advice.loader_plan(profile, data, step, cpu_work)
+    return _factor("data_loader.num_workers", plan["workers"],
+                   f"slots wait {1e3 * data:.2f} ms per step for their next batch: {plan['why']} (dtrain bench "
+                   "--synthetic shows the ceiling)", _speedup(step, plan["step_seconds"]))
+
+
+def _communication_factor(profile: dict[str, Any], bandwidth_part: float, waiting: float, step: float, k: int,
+                          gbs: int) -> dict[str, Any]:
+    """Fewer bytes (fp16 compression, where the run's strategy can honour it: its capabilities are
+    recorded in the profile from the strategy registry) or fewer exchanges (aggregation)."""
+    comm = profile["comm"]
+    aggregate = ("optimizations.aggregation_frequency", k, _speedup(step, step - waiting * (1 - 1 / k)))
+    why = (f"exposed all-reduce moves {_mb(comm['bytes_per_step'])} per step at "
+           f"{_mb(comm['algbw_bytes_per_second'])}/s; aggregating {k} batches per exchange sends them a {k}th as "
+           f"often (effective batch {k * gbs})")
+    if "fp16" not in profile.get("strategy_compressions", ["fp16"]):
+        key, value, speedup = aggregate
+        return _factor(key, value, why + f"; sync.strategy {profile.get('strategy')} cannot compress gradients",
+                       speedup)
+    compress = ("optimizations.gradient_compression", "fp16", _speedup(step, step - bandwidth_part / 2))
+    return _best_of(compress, aggregate, why + "; fp16 compression halves the bytes")
+
+
+def _precision_gain(profile: dict[str, Any]) -> tuple[str, float] | None:
+    """(precision to try, measured matmul speed-up over the current one) on a tensor-core GPU, else None."""
+    facts = profile.get("device_facts") or {}
+    tflops = facts.get("matmul_tflops") or {}
+    current = {"32-true": "fp32", "tf32": "tf32"}.get(str(profile.get("precision", "32-true")))
+    if facts.get("type") != "cuda" or not facts.get("tensor_cores") or current is None or not tflops.get(current):
+        return None
+    best = max((("bf16-mixed", "bf16"), ("tf32", "tf32")), key=lambda c: tflops.get(c[1], 0.0))
+    if best[1] == current:
+        return None
+    gain = tflops.get(best[1], 0.0) / tflops[current]
+    return (best[0], gain) if gain > 1.05 else None
+
+
+def _precision_factor(profile: dict[str, Any], precision: tuple[str, float] | None, step: float,
+                      saved: float) -> dict[str, Any]:
+    if precision is None:
+        return _factor(None, None, "no lower precision measured faster here (CPU, no tensor cores, or already "
+                       "mixed precision)", None)
+    name, gain = precision
+    current = profile.get("precision", "32-true")
+    return _factor("precision", name,
+                   f"the step is trained in {current}; matmuls ran {gain:.1f}x faster in {name} on this "
+                   f"{(profile.get('device_facts') or {}).get('name', 'GPU')} (measured); compute shrinks by up "
+                   "to that factor (weights stay float32; bf16 needs no loss scaling)",
+                   _speedup(step, step - saved))
+
+
+def _batch_factor(profile: dict[str, Any], gbs: int, step: float, data: float, compute: float) -> dict[str, Any]:
+    """A bigger global batch, as big as the device's memory allows (GPU: peak memory vs the card's)."""
+    factor = 2.0
+    facts = profile.get("device_facts") or {}
+    peak = max((float(r.get("peak_memory_bytes", 0.0)) for r in profile["per_rank"]), default=0.0)
+    memory_note = ""
+    if facts.get("type") == "cuda" and peak > 0 and facts.get("total_memory_bytes"):
+        # Activations grow with the batch, weights and optimizer state do not: scaling the whole peak is
+        # the conservative bound.
+        room = MEMORY_HEADROOM * float(facts["total_memory_bytes"]) / peak
+        factor = min(factor, float(int(room * 4) / 4))
+        memory_note = f"; peak GPU memory {peak / 2**30:.1f} of {float(facts['total_memory_bytes']) / 2**30:.0f} GiB"
+    elif facts.get("type") != "cuda" and peak > 0 and profile.get("memory_total_bytes"):
+        # CPU: every slot on a host holds its peak RSS (libraries included, which do not grow: conservative).
+        total = float(profile["memory_total_bytes"])
+        room = MEMORY_HEADROOM * total / (peak * advice.local_slots(profile))
+        factor = min(factor, float(int(room * 4) / 4))
+        memory_note = (f"; peak RSS {peak / 2**30:.2f} GiB per slot x {advice.local_slots(profile)} on a "
+                       f"{total / 2**30:.0f} GiB host")
+    if factor < 1.25:
+        return _factor(None, None, f"a bigger batch would amortize fixed costs, but it does not fit{memory_note}",
+                       None)
+    new_gbs = int(gbs * factor)
+    return _factor(
+        "hyperparameters.global_batch_size", new_gbs,
+        "optimizer step and bookkeeping cost the same whatever the batch; a bigger batch spreads them "
+        f"(and communication) over more samples. {advice.batch_change(profile, new_gbs)['text']}{memory_note}",
+        # factor x the samples per step: data and compute grow with it, fixed costs and communication do not.
+        _speedup(step, step + (factor - 1) * (data + compute), samples_factor=new_gbs / gbs))
+
+
+def _factor(key: str | None, value: Any, why: str, speedup: float | None,
+            alternative: tuple[str, Any, float | None] | None = None,
+            straggler: dict[str, Any] | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"key": key, "value": value, "why": why, "predicted_speedup": speedup}
+    if alternative is not None:
+        out["alternative"] = {"key": alternative[0], "value": alternative[1], "predicted_speedup": alternative[2]}
+    if straggler is not None:
+        out["straggler"] = straggler
+    return out
+
+
+def _unique(recommendations: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per config change (two factors can point at the same one): the best-ranked is kept."""
+    seen: set[str] = set()
+    out = []
+    for rec in recommendations:
+        if rec["action"] not in seen:
+            seen.add(rec["action"])
+            out.append(rec)
+    return out
+
+
+def _best_of(first: tuple[str, Any, float], second: tuple[str, Any, float], why: str) -> dict[str, Any]:
+    """A factor with two candidate actions: the one predicted faster leads, the other is the alternative."""
+    lead, other = sorted((first, second), key=lambda a: a[2], reverse=True)
+    return _factor(lead[0], lead[1], why, lead[2], alternative=other)
+
+
+def _scaling(profile: dict[str, Any], slots: int, step: float, ranks: list[dict[str, float]],
+             fixed: float) -> dict[str, Any]:
+    """Estimate one slot doing the whole global batch: its data and compute at N x the per-slot batch, no
+    communication.
+
+    How work grows with the batch comes from the run's end-of-run probe (``batch_scaling``: the trial's
+    step at the per-slot batch and at twice it): a small model's step is mostly per-step overhead, which
+    N x the batch does not multiply. Without the probe, work is taken as proportional to the batch (the
+    pessimistic end for one slot). One slot is credited with no more threads than each slot had: with
+    ``dtrain.launcher.cpu``'s rule it gets more only on idle cores, where this estimate is conservative.
+    """
+    if slots == 1:
+        return {"estimated_one_slot_speedup": 1.0, "slower_than_one_slot": False, "estimated_scaling_efficiency": 1.0}
+    probe = profile.get("batch_scaling") or {}
+    work_growth = advice.growth(probe.get("work_seconds", 0.0), probe.get("work_double_seconds", 0.0))
+    load_growth = advice.growth(probe.get("load_seconds", 0.0), probe.get("load_double_seconds", 0.0))
+    fastest = min(ranks, key=lambda r: r["data"] + r["forward"] + r["backward"])
+    one_slot_step = (advice.scaled(fastest["data"], load_growth, slots)
+                     + advice.scaled(fastest["forward"] + fastest["backward"], work_growth, slots) + fixed)
+    speedup = one_slot_step / step  # N slots' samples/s over one slot's
+    return {"estimated_one_slot_speedup": 1 / speedup if speedup > 0 else float("inf"),
+            "estimated_speedup_vs_one_slot": speedup,
+            "estimated_scaling_efficiency": speedup / slots,
+            "estimated_one_slot_step_seconds": one_slot_step,
+            "work_growth_with_batch": work_growth if probe else None,
+            "slower_than_one_slot": speedup < 1.0}
+
+
+def _verdict(top: str, row: dict[str, Any], scaling: dict[str, Any], slots: int, profile: dict[str, Any]) -> str:
+    share = f"{100 * row['share']:.0f}%"
+    lead = f"{top.replace('_', ' ')} is the top factor ({share} of the step)"
+    if row["key"] is not None:
+        lead += f": try {row['key']}: {row['value']}, predicted about {row['predicted_speedup']:.1f}x samples/s"
+    late = row.get("straggler")
+    if top == "straggler" and late:
+        lead = f"{top} is the top factor ({share} of the step): {row['why']}"
+        if late.get("fixed_speedup"):
+            lead += f"; fixing it: about {late['fixed_speedup']:.1f}x samples/s"
+        if row["key"] is not None:
+            lead += f"; {row['key']}: {row['value']}: about {row['predicted_speedup']:.1f}x"
+    if scaling["slower_than_one_slot"]:
+        lead = (f"{slots} slots are SLOWER than 1 would be here (estimated "
+                f"{scaling['estimated_speedup_vs_one_slot']:.2f}x of one slot): communication and {_cpus(profile)} "
+                "cost more than they buy; use resources.slots_per_trial: 1 or make each step bigger. "
+                "Then: " + lead)
+    return lead
+
+
+def _cpus(profile: dict[str, Any]) -> str:
+    """'2 slots x 1 thread on 2 CPU cores' (cores as the run recorded them; older profiles lack them)."""
+    slots, threads = int(profile["slots"]), int(profile.get("threads_per_slot", 1))
+    cores = advice.usable_cores(profile)
+    hosts = len({r.get("host") for r in profile["per_rank"]})
+    where = f" on {cores} CPU core(s)" + (" per host" if hosts > 1 else "") if cores else ""
+    return f"{slots} slots x {threads} thread(s){where}"
+
+
+def _mb(value: float) -> str:
+    return f"{value / 1e6:.2f} MB"
+
+
+def _host(profile: dict[str, Any], rank: int) -> str:
+    return profile["per_rank"][rank].get("host") or "?"
+
+
+def render(diagnosis: dict[str, Any]) -> str:
+    """The doctor's table as text (rich), for the terminal and the end-of-run summary."""
+    from rich.table import Table
+
+    from dtrain.explain.render import as_text
+
+    table = Table(title=f"dtrain doctor: {diagnosis['slots']} slot(s), {diagnosis['samples_per_second']:,.0f} "
+                        f"samples/s, step {1e3 * diagnosis['step_seconds']:.2f} ms")
+    for col in ("factor", "share", "ms/step", "try", "predicted"):
+        table.add_column(col, justify="right" if col in ("share", "ms/step", "predicted") else "left")
+    for f in diagnosis["factors"]:
+        action = f"{f['key']}: {f['value']}" if f["key"] else "-"
+        predicted = f"{f['predicted_speedup']:.2f}x" if f["predicted_speedup"] else "-"
+        table.add_row(f["factor"], f"{100 * f['share']:.0f}%", f"{1e3 * f['seconds_per_step']:.2f}", action, predicted)
+    # Why, in the user's terms (learning-rate rule, what to check on a host), for the factors with a change.
+    notes = "".join(f"  {f['factor']}: {f['why']}\n" for f in diagnosis["factors"][:4]
+                    if f["key"] and f["share"] >= 0.05)
+    return as_text(table) + f"verdict: {diagnosis['verdict']}\n" + (f"why:\n{notes}" if notes else "")

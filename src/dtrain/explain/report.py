@@ -1,0 +1,493 @@
+"""A run's report: one self-contained HTML page (``RUN_DIR/report.html``) that explains where the time went.
+
+The page needs no network: the charts are PNGs embedded as base64 data URIs and the CSS is inline, so
+it can be copied off a cluster, mailed or archived with the run and still open. It reads only what the
+run wrote (``config.yaml``, ``summary.json``, ``metrics.jsonl``, ``profile.json``) and renders what it
+can: a run without a profile (profiling off, or not finished) still gets a page that says what is missing.
+
+The markup is also well-formed XML (void elements self-closed, only XML entities), so it can be checked
+with a strict parser.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dtrain.errors import UserError
+from dtrain.explain.doctor import diagnose, load_profile
+from dtrain.explain.render import pyplot
+
+REPORT_NAME = "report.html"
+TOP_RECOMMENDATIONS = 3
+# What a run directory holds that the page reads; a folder with none of them is not a run.
+RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "profile.json")
+PHASE_COLORS = {"data": "#4e79a7", "forward": "#59a14f", "backward": "#8cd17d", "comm_exposed": "#e15759",
+                "optimizer": "#f28e2b", "other": "#bab0ac"}
+CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; padding: 0 1em; }
+h1 { margin-bottom: 0.2em; }
+h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 1.6em; }
+dl.facts { display: flex; flex-wrap: wrap; gap: 0.2em 0.4em; margin: 0.4em 0; color: #555; }
+dl.facts dt { font-weight: bold; }
+dl.facts dt::after { content: ":"; }
+dl.facts dd { margin: 0 1em 0 0; }
+details summary { cursor: pointer; color: #4e79a7; }
+pre { background: #f6f8fa; padding: 1em; overflow-x: auto; font-size: 0.85em; }
+table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.9em; }
+th, td { border: 1px solid #ddd; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
+tr.top { background: #fff3cd; font-weight: bold; }
+.note { background: #eef4fb; border-left: 4px solid #4e79a7; padding: 0.5em 1em; }
+.verdict { font-size: 1.05em; background: #fff3cd; border-left: 4px solid #f0ad4e; padding: 0.5em 1em; }
+img { max-width: 100%; }
+"""
+
+
+@dataclass
+class _Run:
+    """Everything the page shows, read once; ``None`` / empty where the run did not write it."""
+
+    run_dir: Path
+    name: str
+    date: str | None
+    config_text: str | None
+    config: dict[str, Any]
+    summary: dict[str, Any] | None
+    profile: dict[str, Any] | None
+    records: list[dict[str, Any]]
+    missing: list[str] = field(default_factory=list)
+
+
+def write_report(run_dir: Path) -> Path:
+    """Render ``RUN_DIR/report.html`` and return its path.
+
+    Missing or damaged inputs (no ``profile.json``, empty ``metrics.jsonl``, ...) are reported in the page,
+    not raised; only a ``run_dir`` that is not a directory raises :class:`~dtrain.errors.UserError`.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a directory; pass a run directory made by 'dtrain run'")
+    path = run_dir / REPORT_NAME
+    partial = path.with_name(REPORT_NAME + ".partial")  # never leave a half-written page where one was
+    partial.write_text(render_report(run_dir), encoding="utf-8")
+    partial.replace(path)
+    return path
+
+
+def render_report(run_dir: Path) -> str:
+    """The report page for ``run_dir`` as an HTML string (what :func:`write_report` writes)."""
+    run = _load_run(Path(run_dir))
+    # The answer first (the doctor's verdict and what to try), then where the time goes, then the curves;
+    # the config, which the reader wrote and knows, last and folded.
+    sections = [_header_section(run), _doctor_section(run), _breakdown_section(run), _throughput_section(run),
+                _curves_section(run), _config_section(run)]
+    return _page(run.name, "\n".join(sections))
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def _load_run(run_dir: Path) -> _Run:
+    missing: list[str] = []
+    config_text = _read_text(run_dir / "config.yaml", missing)
+    config = _parse_config(config_text)
+    summary = _read_json(run_dir / "summary.json", missing)
+    records = _read_metrics(run_dir / "metrics.jsonl", missing)
+    profile = _read_profile(run_dir, missing)
+    name = str(config.get("name") or run_dir.name)
+    return _Run(run_dir, name, _run_date(run_dir), config_text, config, summary, profile, records, missing)
+
+
+def _read_text(path: Path, missing: list[str]) -> str | None:
+    if not path.is_file():
+        missing.append(f"{path.name} is missing")
+        return None
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
+def _parse_config(text: str | None) -> dict[str, Any]:
+    # The page shows the raw text anyway; parsing only supplies the name and slots, so a bad file is not fatal.
+    try:
+        config = yaml.safe_load(text) if text else None
+    except yaml.YAMLError:
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def _read_json(path: Path, missing: list[str]) -> dict[str, Any] | None:
+    text = _read_text(path, missing)
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        missing.append(f"{path.name} is empty or corrupt")
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _read_metrics(path: Path, missing: list[str]) -> list[dict[str, Any]]:
+    text = _read_text(path, missing)
+    if text is None:
+        return []
+    records, bad = [], 0
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            bad += 1  # e.g. the last line of a run still writing it
+            continue
+        if isinstance(record, dict) and isinstance(record.get("batches"), (int, float)):
+            records.append(record)
+        else:
+            bad += 1
+    if bad:
+        missing.append(f"metrics.jsonl: {bad} unreadable line(s) skipped")
+    if not records:
+        missing.append("metrics.jsonl has no training or validation records")
+    return records
+
+
+def _read_profile(run_dir: Path, missing: list[str]) -> dict[str, Any] | None:
+    # load_profile validates the structure the breakdown and the doctor rely on; its message says why not.
+    try:
+        return load_profile(run_dir)
+    except UserError as exc:
+        missing.append(f"no step profile: {exc}")
+        return None
+
+
+def _run_date(run_dir: Path) -> str | None:
+    # The run directory records no start time; the newest of its files is when these results were written.
+    names = ("summary.json", "profile.json", "metrics.jsonl", "config.yaml")
+    times = [(run_dir / n).stat().st_mtime for n in names if (run_dir / n).is_file()]
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(max(times))) if times else None
+
+
+# --------------------------------------------------------------------------------------------- formatting
+
+
+def _esc(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return format(value, spec) if _finite(value) else "n/a"
+
+
+def _ms(seconds: Any) -> str:
+    return _fmt(1e3 * seconds, ".3f") if _finite(seconds) else "n/a"
+
+
+def _bytes(value: Any) -> str:
+    if not _finite(value):
+        return "n/a"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _speedup(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float) and math.isinf(value):
+        return "∞"  # the factor is the whole step; removing it is unbounded in the model
+    return _fmt(value, ".2f") + "x"
+
+
+def _note(text: str) -> str:
+    return f'<p class="note">{_esc(text)}</p>'
+
+
+def _table(headers: list[str], rows: list[list[str]], numeric: set[int], row_classes: list[str] | None = None) -> str:
+    """An HTML table from already-escaped cell strings; columns in ``numeric`` are right-aligned."""
+    head = "".join(f"<th>{h}</th>" for h in headers)
+    body = []
+    for i, row in enumerate(rows):
+        cls = f' class="{row_classes[i]}"' if row_classes and row_classes[i] else ""
+        cells = "".join(f'<td class="num">{c}</td>' if j in numeric else f"<td>{c}</td>" for j, c in enumerate(row))
+        body.append(f"<tr{cls}>{cells}</tr>")
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _img(data_uri: str, alt: str) -> str:
+    return f'<img src="{data_uri}" alt="{_esc(alt)}" />'
+
+
+def _page(name: str, body: str) -> str:
+    return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8" />\n'
+            f"<title>dtrain report: {_esc(name)}</title>\n<style>{CSS}</style>\n</head>\n"
+            f"<body>\n{body}\n</body>\n</html>\n")
+
+
+# --------------------------------------------------------------------------------------------- sections
+
+
+def _header_section(run: _Run) -> str:
+    facts = [("run", run.name), ("date", run.date or "unknown"), ("run directory", str(run.run_dir)),
+             ("slots", _slots(run)), ("samples/s", _samples_per_second(run)),
+             ("final validation", _final_validation(run))]
+    items = "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in facts)
+    notes = ""
+    if run.missing:
+        notes = ('<div class="note"><p>This report is incomplete:</p><ul>'
+                 + "".join(f"<li>{_esc(m)}</li>" for m in run.missing) + "</ul></div>")
+    return f'<header>\n<h1>dtrain run: {_esc(run.name)}</h1>\n<dl class="facts">{items}</dl>\n{notes}\n</header>'
+
+
+def _slots(run: _Run) -> str:
+    for source in (run.profile, run.summary):
+        if source and "slots" in source:
+            return str(source["slots"])
+    resources = run.config.get("resources")
+    return str(resources.get("slots_per_trial", "unknown")) if isinstance(resources, dict) else "unknown"
+
+
+def _samples_per_second(run: _Run) -> str:
+    for source in (run.summary, run.profile):
+        if source and _finite(source.get("samples_per_second")):
+            return f"{source['samples_per_second']:,.0f}"
+    training = [r for r in run.records if r.get("kind") == "training" and _finite(r.get("samples_per_second"))]
+    return f"{training[-1]['samples_per_second']:,.0f} (last training report)" if training else "unknown"
+
+
+def _final_validation(run: _Run) -> str:
+    metrics = (run.summary or {}).get("validation")
+    if not isinstance(metrics, dict):  # the run has not finished: fall back to its last validation
+        validation = [r for r in run.records if r.get("kind") == "validation"]
+        metrics = validation[-1].get("metrics") if validation else None
+    if not isinstance(metrics, dict) or not metrics:
+        return "none recorded"
+    return ", ".join(f"{k} {_fmt(v, '.4g')}" for k, v in metrics.items())
+
+
+def _config_section(run: _Run) -> str:
+    if run.config_text is None:
+        content = _note("config.yaml is missing.")
+    else:
+        lines = len(run.config_text.splitlines())
+        content = (f"<details>\n<summary>The resolved config ({lines} lines of config.yaml)</summary>\n"
+                   f"<pre>{_esc(run.config_text)}</pre>\n</details>")
+    return f'<section id="config">\n<h2>Config</h2>\n{content}\n</section>'
+
+
+def _breakdown_section(run: _Run) -> str:
+    title = '<section id="breakdown">\n<h2>Where a step\'s time goes</h2>\n'
+    if run.profile is None:
+        return title + _note("No step profile (profile.json): the run has not finished or ran with "
+                             "profiling.enabled: false, so there is no time breakdown.") + "\n</section>"
+    chart = _img(_plot_breakdown(run.profile), "stacked bar of ms per step per phase, one bar per rank")
+    return (f"{title}{chart}\n<h3>Per phase across ranks (ms / step)</h3>\n{_phase_table(run.profile)}\n"
+            f"{_straggler_table(run.profile)}<h3>Communication</h3>\n{_comm_table(run.profile)}\n</section>")
+
+
+def _straggler_table(profile: dict[str, Any]) -> str:
+    """How late each rank arrives at the gradient all-reduce (profile.json's ``stragglers``)."""
+    lags = profile.get("stragglers") or {}
+    rows = [[_esc(r.get("rank")), _esc(r.get("host")), _ms(r.get("lag_median_seconds")), _ms(r.get("lag_p90_seconds")),
+             _fmt(100 * r.get("last_fraction", 0.0), ".0f") + "%", _esc(r.get("slow_phase")),
+             _ms(r.get("slow_phase_excess_seconds")), "chronic" if r.get("chronic") else ""]
+            for r in lags.get("per_rank") or []]
+    if not rows:
+        return ""
+    headers = ["rank", "host", "lag median", "lag p90", "arrived last", "slowest phase", "behind fastest", ""]
+    return (f"<h3>Arrival at the gradient all-reduce ({_esc(lags.get('samples'))} sampled steps; ms)</h3>\n"
+            f"{_table(headers, rows, numeric={2, 3, 4, 6})}\n")
+
+
+def _phase_table(profile: dict[str, Any]) -> str:
+    stats = profile.get("seconds_per_step", {})
+    rows = [[_esc(phase), _ms(s.get("min")), _ms(s.get("mean")), _ms(s.get("max"))]
+            for phase, s in stats.items() if isinstance(s, dict)]
+    return _table(["phase", "min", "mean", "max"], rows, numeric={1, 2, 3})
+
+
+def _comm_table(profile: dict[str, Any]) -> str:
+    comm = profile.get("comm") or {}
+    figures = [("bytes / step", _bytes(comm.get("bytes_per_step"))),
+               ("all-reduces / step", _fmt(comm.get("buckets_per_step"), ".0f")),
+               ("busy ms / step", _ms(comm.get("busy_seconds_per_step"))),
+               ("exposed ms / step", _ms(comm.get("exposed_seconds_per_step"))),
+               ("algbw", _bytes(comm.get("algbw_bytes_per_second")) + "/s"),
+               ("busbw", _bytes(comm.get("busbw_bytes_per_second")) + "/s"),
+               ("latency ms (one float)", _ms(comm.get("latency_seconds")))]
+    rows = [[_esc(label), _esc(value)] for label, value in figures]
+    return _table(["figure", "value"], rows, numeric={1})
+
+
+def _throughput_section(run: _Run) -> str:
+    title = '<section id="throughput">\n<h2>Throughput</h2>\n'
+    points = [(r["batches"], r["samples_per_second"]) for r in run.records
+              if r.get("kind") == "training" and _finite(r.get("samples_per_second"))]
+    if not points:
+        return title + _note("No training records with samples/s in metrics.jsonl.") + "\n</section>"
+    mean = run.profile.get("samples_per_second") if run.profile else None
+    return title + _img(_plot_throughput(points, mean), "samples per second vs batches") + "\n</section>"
+
+
+def _curves_section(run: _Run) -> str:
+    title = '<section id="curves">\n<h2>Loss and metrics</h2>\n'
+    series = {kind: _metric_series(run.records, kind) for kind in ("training", "validation")}
+    if not any(series.values()):
+        return title + _note("No training or validation metrics in metrics.jsonl.") + "\n</section>"
+    absent = [kind for kind, s in series.items() if not s]
+    notes = "".join(_note(f"No {kind} metrics recorded yet.") for kind in absent)
+    return title + notes + _img(_plot_curves(series), "training and validation metrics vs batches") + "\n</section>"
+
+
+def _metric_series(records: list[dict[str, Any]], kind: str) -> dict[str, tuple[list[float], list[float]]]:
+    """``{metric: (batches, values)}`` for one record kind; null or non-finite values become NaN (a gap)."""
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for record in records:
+        metrics = record.get("metrics")
+        if record.get("kind") != kind or not isinstance(metrics, dict):
+            continue
+        for name, value in metrics.items():
+            xs, ys = series.setdefault(str(name), ([], []))
+            xs.append(record["batches"])
+            ys.append(value if _finite(value) else math.nan)
+    return series
+
+
+def _doctor_section(run: _Run) -> str:
+    title = '<section id="doctor">\n<h2>Doctor\'s verdict</h2>\n'
+    if run.profile is None:
+        return title + _note("The doctor needs profile.json; see the note above.") + "\n</section>"
+    try:
+        diagnosis = diagnose(run.profile)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a profile the doctor cannot model
+        return title + _note(f"The doctor could not diagnose this profile: {exc!r}") + "\n</section>"
+    verdict = f'<p class="verdict" id="verdict">{_esc(diagnosis["verdict"])}</p>'
+    return (f"{title}{verdict}\n{_recommendation_list(diagnosis)}\n{_scaling_line(diagnosis)}\n"
+            f"<h3>Every factor</h3>\n{_factor_table(diagnosis)}\n</section>")
+
+
+def _factor_table(diagnosis: dict[str, Any]) -> str:
+    rows, classes = [], []
+    for f in diagnosis["factors"]:
+        rows.append([_esc(f["factor"]), _fmt(100 * f["share"], ".0f") + "%", _ms(f["seconds_per_step"]),
+                     _action(f), _esc(_speedup(f["predicted_speedup"])), _esc(f["why"])])
+        classes.append("top" if f["factor"] == diagnosis["top_factor"] else "")
+    headers = ["factor", "share", "ms / step", "what to try", "predicted speed-up", "why"]
+    return _table(headers, rows, numeric={1, 2, 4}, row_classes=classes)
+
+
+def _action(factor: dict[str, Any]) -> str:
+    if factor.get("key") is None:
+        return "—"
+    text = f"<code>{_esc(factor['key'])}: {_esc(factor['value'])}</code>"
+    alt = factor.get("alternative")
+    if alt:
+        text += (f"<br />or <code>{_esc(alt['key'])}: {_esc(alt['value'])}</code> "
+                 f"({_esc(_speedup(alt.get('predicted_speedup')))})")
+    return text
+
+
+def _recommendation_list(diagnosis: dict[str, Any]) -> str:
+    recs = diagnosis.get("recommendations") or []
+    if not recs:
+        return "<p>No config change is predicted to help by more than 2%.</p>"
+    items = "".join(f"<li><code>{_esc(r['action'])}</code> ({_esc(_speedup(r['predicted_speedup']))}, "
+                    f"{_esc(r['factor'])})</li>" for r in recs[:TOP_RECOMMENDATIONS])
+    more = len(recs) - TOP_RECOMMENDATIONS
+    tail = f"<p>{more} more in the table below.</p>" if more > 0 else ""
+    # The doctor's order, not re-sorted: it puts "fewer slots" first when more slots are slower than one.
+    return f"<h3>Try first</h3>\n<ol>{items}</ol>{tail}"
+
+
+def _scaling_line(diagnosis: dict[str, Any]) -> str:
+    scaling = diagnosis.get("scaling") or {}
+    if "estimated_speedup_vs_one_slot" not in scaling:
+        return ""
+    return (f"<p>Estimated scaling: {_esc(_fmt(scaling['estimated_speedup_vs_one_slot'], '.2f'))}x one slot's "
+            f"samples/s (efficiency {_esc(_fmt(100 * scaling['estimated_scaling_efficiency'], '.0f'))}%).</p>")
+
+
+# --------------------------------------------------------------------------------------------- charts
+
+
+def _png_data_uri(fig: Any) -> str:
+    """Save ``fig`` as a PNG data URI and close it (pyplot keeps every open figure alive otherwise)."""
+    plt = pyplot()
+    try:
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _plain(text: Any) -> str:
+    # Matplotlib reads $...$ as TeX; a metric or host name with dollars must not break (or restyle) a chart.
+    return str(text).replace("$", r"\$")
+
+
+def _plot_breakdown(profile: dict[str, Any]) -> str:
+    """Stacked bar, one bar per rank, one segment per phase, in ms per step."""
+    plt = pyplot()
+    ranks = profile["per_rank"]
+    positions = list(range(len(ranks)))
+    fig, ax = plt.subplots(figsize=(max(5.0, 3.0 + 0.9 * len(ranks)), 4.0))
+    bottoms = [0.0] * len(ranks)
+    for phase in profile["phases"]:
+        heights = [1e3 * float(r["seconds_per_step"][phase]) for r in ranks]
+        ax.bar(positions, heights, bottom=bottoms, label=_plain(phase), color=PHASE_COLORS.get(phase))
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for x, total in zip(positions, bottoms, strict=True):  # the step total on top of each bar
+        ax.annotate(f"{total:.2f}", (x, total), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(positions, [_plain(f"rank {r.get('rank', i)}\n{r.get('host') or '?'}") for i, r in enumerate(ranks)])
+    ax.set_ylabel("ms per step")
+    ax.set_title("Step time per rank")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    return _png_data_uri(fig)
+
+
+def _plot_throughput(points: list[tuple[float, float]], profiled_mean: float | None) -> str:
+    """Samples/s of each training report vs batches, with the profiled mean as a reference line."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8.0, 3.5))
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label="training reports")
+    if _finite(profiled_mean):
+        ax.axhline(profiled_mean, color="#e15759", linestyle="--", linewidth=1, label="profiled mean")
+    ax.set_xlabel("batches")
+    ax.set_ylabel("samples / s")
+    top = max([p[1] for p in points] + ([profiled_mean] if _finite(profiled_mean) else []))
+    ax.set_ylim(0, 1.1 * top if top > 0 else 1.0)  # from zero, so a small wobble does not look like a collapse
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return _png_data_uri(fig)
+
+
+def _plot_curves(series: dict[str, dict[str, tuple[list[float], list[float]]]]) -> str:
+    """One subplot per (kind, metric): losses and accuracies have different scales, so they get own axes."""
+    plt = pyplot()
+    panels = [(kind, name, xy) for kind, metrics in series.items() for name, xy in metrics.items()]
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.0 * cols, 3.0 * rows), squeeze=False)
+    for ax, (kind, name, (xs, ys)) in zip(axes.flat, panels, strict=False):
+        ax.plot(xs, ys, marker="o", markersize=3, color="#4e79a7" if kind == "training" else "#f28e2b")
+        ax.set_title(_plain(f"{kind}: {name}"), fontsize=10)
+        ax.set_xlabel("batches")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    return _png_data_uri(fig)

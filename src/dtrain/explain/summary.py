@@ -1,0 +1,97 @@
+"""What the launcher prints when a run ends: throughput, the time-cost table and the doctor's verdict."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from dtrain.explain.doctor import diagnose
+from dtrain.explain.render import as_text
+
+
+def time_cost_table(profile: dict[str, Any]) -> str:
+    """Per-phase ms per step (min / mean / max across ranks) and share of the step, plus communication."""
+    spread = profile["seconds_per_step"]
+    step = spread["step"]["mean"]
+    profiled, timed = profile["profiled_steps"], profile.get("timed_steps", profile["profiled_steps"])
+    sampled = f", {timed} timed" if timed != profiled else ""  # profiling.sample_every
+    # The counts go below the table: in the title they made it wrap on a narrow table.
+    table = Table(title=f"time cost per step ({profile['slots']} slot(s))",
+                  caption=f"{profiled} steps profiled{sampled}")
+    for col in ("phase", "min ms", "mean ms", "max ms", "share"):
+        table.add_column(col, justify="left" if col == "phase" else "right")
+    for phase in (*profile["phases"], "step"):
+        s = spread[phase]
+        share = f"{100 * s['mean'] / step:.0f}%" if step else "-"
+        table.add_row(phase, f"{1e3 * s['min']:.3f}", f"{1e3 * s['mean']:.3f}", f"{1e3 * s['max']:.3f}", share)
+    comm = profile["comm"]
+    text = as_text(table)
+    if profile["slots"] > 1:
+        text += (
+            f"communication: {comm['bytes_per_step'] / 1e6:.3f} MB all-reduced per step in "
+            f"{comm['buckets_per_step']:.0f} bucket(s), busy {1e3 * comm['busy_seconds_per_step']:.3f} ms "
+            f"(exposed {1e3 * comm['exposed_seconds_per_step']:.3f} ms), "
+            f"{comm['algbw_bytes_per_second'] / 1e9:.3f} GB/s algbw, "
+            f"{comm['busbw_bytes_per_second'] / 1e9:.3f} GB/s busbw, "
+            f"latency {1e3 * comm['latency_seconds']:.3f} ms\n")
+    return text
+
+
+def short_verdict(profile: dict[str, Any], limit: int = 3) -> str:
+    diagnosis = diagnose(profile)
+    lines = [f"doctor: {diagnosis['verdict']}"]
+    for rec in diagnosis["recommendations"][:limit]:
+        lines.append(f"  try {rec['action']:<48} predicted {rec['predicted_speedup']:.2f}x samples/s ({rec['factor']})")
+    return "\n".join(lines)
+
+
+def print_run_summary(run_dir: Path, seconds: float, quiet: bool = False) -> None:
+    """The end of a run: throughput, the time-cost table, the doctor's verdict, the report's path; with
+    ``quiet`` one line (throughput, validation, report)."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return
+    s = json.loads(path.read_text())
+    val = "  ".join(f"{k} {v:.4f}" for k, v in s.get("validation", {}).items())
+    done = (f"dtrain: done in {seconds:.1f}s: {s['batches']} batches on {s['slots']} slot(s), "
+            f"{s['samples_per_second']:,.0f} samples/s" + (f"; validation: {val}" if val else ""))
+    report = _write_report(run_dir)
+    if quiet:
+        print(done + (f"; report {report}" if report is not None else ""))
+        return
+    print(done)
+    if (run_dir / "profile.json").exists():  # profiling off: nothing to say about it here
+        print_profile(run_dir)
+    if report is not None:
+        print(f"dtrain: report {report}  (details: dtrain doctor {run_dir})")
+
+
+def print_profile(run_dir: Path) -> None:
+    """The time-cost table and the doctor's short verdict from ``RUN_DIR/profile.json``, or why not."""
+    profile_path = run_dir / "profile.json"
+    if not profile_path.exists():
+        print(f"dtrain: no profile.json in {run_dir}: no time table (profiling off, or the run did not finish)")
+        return
+    profile = json.loads(profile_path.read_text())
+    if profile.get("profiled_steps", 0) > 0:
+        print(time_cost_table(profile), end="")
+        print(short_verdict(profile))
+    else:
+        print(f"dtrain: no step profiled ({profile.get('steps', 0)} steps, all within profiling.warmup_steps): "
+              "train longer for a time-cost breakdown")
+
+
+def _write_report(run_dir: Path) -> Path | None:
+    # Drawing the page's charts costs about a second of CPU (matplotlib): batch use (CI, a test suite,
+    # scripted sweeps) may leave it to a later `dtrain report RUN_DIR`.
+    if os.environ.get("DTRAIN_REPORT", "1") == "0":
+        return None
+    try:
+        from dtrain.explain.report import write_report
+    except ImportError:  # pragma: no cover - report module is optional at this point
+        return None
+    return write_report(run_dir)

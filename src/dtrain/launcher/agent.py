@@ -1,0 +1,173 @@
+"""Starting workers on PyTorch's own elastic agent (the engine behind ``torchrun``).
+
+dtrain adds only what the agent does not do: a run directory, per-rank logs, and on failure one
+readable line naming the failing rank and its root cause (:mod:`dtrain.engine.failures`) instead of the agent's
+wall of text. Across machines, :mod:`dtrain.launcher.join` first brings the nodes together; this module then
+starts each node's agent with what the join settled (:class:`~dtrain.launcher.join.NodeLaunch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.api import RendezvousError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from dtrain.engine import watchdog
+from dtrain.engine.failures import Failure, read_reports, root_cause
+from dtrain.launcher import cpu, forkstart
+from dtrain.launcher.culprit import read_statuses
+from dtrain.launcher.join import JoinError, NodeLaunch
+from dtrain.launcher.supervise import Stopped, Supervisor
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    slots: int
+    max_restarts: int = 0
+    # A dtrain run directory: non-chief ranks' output goes to logs/agent/ there, and each rank's error
+    # report to logs/. None (``dtrain launch``) leaves every rank on the console.
+    run_dir: Path | None = None
+    debug: bool = False
+    # Multi-machine: how torch's agent meets the other nodes (None: this machine alone).
+    nodes: NodeLaunch | None = None
+    # Whether the workers stop cleanly on SIGUSR1 (dtrain's own worker; not a user's script), and how long
+    # a signalled run may take to stop before its workers are killed.
+    clean_stop: bool = False
+    grace_seconds: float = 30.0
+    # torch threads per worker (None: dtrain.launcher.cpu.for_run's rule, which respects the user's OMP_NUM_THREADS).
+    threads: int | None = None
+
+
+def _quiet_agent(debug: bool) -> None:
+    # The agent logs every failure at ERROR with a long banner; dtrain prints the root cause instead.
+    level = logging.INFO if debug else logging.CRITICAL
+    for name in ("torch.distributed.elastic", "torch.distributed.launcher", "torch.distributed.run",
+                 "torch.multiprocessing"):  # forked workers: the agent's process context logs there
+        logging.getLogger(name).setLevel(level)
+
+
+def _cheap_rendezvous_event_names() -> None:
+    """torch's rendezvous names each of its events after the calling method by ``inspect.stack()``, which
+    reads source lines and searches ``sys.modules`` for every frame (cpython#92041: slower as more modules
+    are loaded). Measured: 0.49 s of a 1.5 s single-node launch, started from a deep call stack. The same
+    name is one frame lookup away; torch's function is replaced only where it has the expected shape."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    def get_method_name(depth: int = 2) -> str:
+        try:
+            return sys._getframe(depth).f_code.co_name  # inspect.stack()[depth]: frame 0 is this function
+        except ValueError:  # a shallower stack
+            return "no_method_name"
+
+    if getattr(dynamic_rendezvous.get_method_name, "__name__", None) == "get_method_name":
+        dynamic_rendezvous.get_method_name = get_method_name
+
+
+def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) -> Failure | None:
+    """Run ``command`` (a Python module or script and its args) on ``options.slots`` local workers.
+
+    dtrain's own worker (a :class:`~dtrain.launcher.forkstart.WorkerModule`) is forked from this process where
+    that is safe, which spares each worker torch's imports; anything else starts as a new interpreter.
+
+    Returns None on success, else the first (root-cause) failure; raises :class:`~dtrain.launcher.supervise.Stopped`
+    when a signal stopped the run.
+    """
+    _quiet_agent(options.debug)
+    _cheap_rendezvous_event_names()
+    # Set for every launch (not setdefault): bench and --verify launch several runs from one process, and
+    # one run's value must not leak into the next (a 2-thread 1-slot value oversubscribing 2 slots).
+    threads = options.threads
+    if threads is None:
+        threads, why = cpu.for_run(options.slots)
+        if why is not None:  # the user's own setting oversubscribes: say so; fewer threads for busy cores: quietly
+            logging.getLogger("dtrain").log(logging.WARNING if cpu.user_threads() else logging.INFO, "%s", why)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    logs_specs = DefaultLogsSpecs()
+    nodes = options.nodes
+    if options.run_dir is not None:
+        log_dir = options.run_dir / "logs" / "agent"
+        if nodes is not None:  # one folder per node: the agents' files would collide on shared storage
+            log_dir = log_dir / nodes.log_name
+        log_dir.mkdir(parents=True, exist_ok=True)
+        # Rank 0 keeps the terminal (for its progress bar); the others write to files.
+        logs_specs = DefaultLogsSpecs(
+            log_dir=str(log_dir), redirects={r: Std.ALL for r in range(1, options.slots)}
+        )
+    if nodes is None:
+        rdzv: dict[str, Any] = dict(min_nodes=1, max_nodes=1, run_id=f"dtrain-{uuid.uuid4().hex[:8]}",
+                                    rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0")
+    else:
+        rdzv = dict(min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, run_id=nodes.run_id,
+                    rdzv_backend=nodes.rdzv_backend, rdzv_endpoint=nodes.rdzv_endpoint,
+                    rdzv_configs=dict(nodes.rdzv_configs), local_addr=nodes.local_addr)
+    fork, entrypoint, argv = forkstart.how_to_start(command, threads)
+    config = LaunchConfig(
+        nproc_per_node=options.slots,
+        start_method="fork" if fork else "spawn",  # (only function entrypoints have a start method)
+        max_restarts=options.max_restarts,
+        monitor_interval=0.1,
+        logs_specs=logs_specs,
+        # SIGINT and SIGTERM are the supervisor's (a clean stop); the agent keeps the rarer ones.
+        signals_to_handle="SIGHUP,SIGQUIT",
+        **rdzv,
+    )
+    with _status_dir(options.run_dir) as status_dir:
+        # Workers die with this process (watchdog.die_with_launcher) and publish where they are here.
+        os.environ[watchdog.LAUNCHER_PID_ENV] = str(os.getpid())
+        os.environ[watchdog.STATUS_DIR_ENV] = str(status_dir)
+        try:
+            with Supervisor(options.grace_seconds, options.clean_stop, status_dir) as supervisor:
+                try:
+                    with forkstart.forking() if fork else contextlib.nullcontext():
+                        elastic_launch(config, entrypoint)(*argv)
+                except ChildFailedError as exc:
+                    if supervisor.signum is None:
+                        return _root_cause(exc, status_dir, options.slots if nodes is None else None)
+                except SignalException as exc:  # the agent stopped the workers (SIGHUP, SIGQUIT, or no grace left)
+                    raise Stopped(int(exc.sigval)) from None
+                except RendezvousError as exc:
+                    # A node that passed dtrain's pre-rendezvous but never reached torch's (it died in between).
+                    raise JoinError(f"torch's rendezvous at {nodes.rdzv_endpoint if nodes else 'localhost'} failed: "
+                                    f"{exc}; check that every node is still running") from None
+            if supervisor.signum is not None:
+                raise Stopped(supervisor.signum)
+        finally:
+            os.environ.pop(watchdog.LAUNCHER_PID_ENV, None)
+            os.environ.pop(watchdog.STATUS_DIR_ENV, None)
+    return None
+
+
+@contextlib.contextmanager
+def _status_dir(run_dir: Path | None) -> Iterator[Path]:
+    """Where ranks publish their status and error reports: the run's logs/, else a temporary folder."""
+    if run_dir is not None:
+        logs = run_dir / "logs"
+        for stale in logs.glob(watchdog.STATUS_FILE.format(rank="*")):  # a previous attempt's
+            stale.unlink(missing_ok=True)
+        yield logs
+        return
+    with tempfile.TemporaryDirectory(prefix="dtrain-launch-") as tmp:
+        yield Path(tmp)
+
+
+def _root_cause(exc: ChildFailedError, status_dir: Path, world_size: int | None) -> Failure:
+    """The one failure to show: see :func:`dtrain.engine.failures.root_cause`."""
+    found = root_cause(exc.failures, read_reports(status_dir, own_ranks=set(exc.failures)), read_statuses(status_dir),
+                       world_size)
+    if found is not None:
+        return found
+    rank, failure = exc.get_first_failure()
+    return Failure(rank, 1, f"exited with code {failure.exitcode}", user_error=False)

@@ -1,0 +1,195 @@
+"""The launcher's side of stopping: signals to the ``dtrain`` process become a clean stop of its workers.
+
+torch's agent would turn SIGINT/SIGTERM into an exception (a 35-line traceback) and SIGTERM the workers
+mid-step. Instead, while the agent runs, :class:`Supervisor` holds those two signals:
+
+* first signal: a clean stop. Each worker gets SIGUSR1 (:data:`dtrain.engine.watchdog.STOP`); the ranks agree on
+  a batch, write a checkpoint there and exit 0 (:mod:`dtrain.engine.stopping`). Whatever is still running after
+  the grace period (``resources.preemption_grace_seconds``) is killed. Without a clean-stop protocol
+  (``dtrain launch``: the user's own script), the workers get SIGTERM and a few seconds.
+* second signal: every worker is killed at once.
+
+It also unfreezes the job when a stopped (SIGSTOP) worker would hold it: once any worker of the job is
+gone (it failed, say after its collective timed out waiting for the frozen one), a worker in state T can
+never answer again; the agent would wait 30 s for it to take its SIGTERM, the supervisor kills it now.
+
+:class:`Stopped` is what the launcher raises afterwards; the command line turns it into one line and
+exit code 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+# Without a clean-stop protocol, how long the workers get to exit after SIGTERM.
+SCRIPT_GRACE_SECONDS = 3.0
+POLL_SECONDS = 0.2
+
+
+class Stopped(Exception):
+    """The run was stopped by a signal to the launcher (not a failure)."""
+
+    def __init__(self, signum: int, batch: int | None = None, clean: bool = False) -> None:
+        self.signum = signum
+        self.batch = batch
+        self.clean = clean  # the ranks stopped together and checkpointed at ``batch``
+        super().__init__(f"stopped by {self.signal_name}")
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+@contextlib.contextmanager
+def terminate_as_stop() -> Iterator[None]:
+    """Within: SIGTERM raises :class:`Stopped` (the supervisor takes over while workers run)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise Stopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def children(pid: int | None = None) -> list[int]:
+    """Direct child processes of ``pid`` (default: this process), from /proc."""
+    pid = pid or os.getpid()
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError, ValueError):
+            found.extend(int(c) for c in (task / "children").read_text().split())
+    return found
+
+
+def process_state(pid: int) -> str | None:
+    """The one-letter state of ``pid`` (R, S, D, T, Z, ...), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _kill(pid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, sig)
+
+
+class Supervisor:
+    """``with Supervisor(grace, clean=True) as sup:`` around the agent; ``sup.signum`` tells what stopped it."""
+
+    def __init__(self, grace_seconds: float, clean: bool, status_dir: Path | None = None) -> None:
+        self.grace = grace_seconds if clean else min(grace_seconds, SCRIPT_GRACE_SECONDS)
+        self.clean = clean
+        self.status_dir = status_dir
+        self._pending: set[int] = set()  # workers still to be told to stop (not ready for SIGUSR1 yet)
+        self.signum: int | None = None
+        self.deadline: float | None = None
+        self._previous: dict[int, Any] = {}
+        self._seen: set[int] = set()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="dtrain-supervisor", daemon=True)
+
+    def __enter__(self) -> Supervisor:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(timeout=2)
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    # ------------------------------------------------------------------------------------ signals
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        del frame
+        if self.signum is not None:  # asked again (or the grace period is over): stop now
+            self._stop_now()
+        self.signum = signum
+        self.deadline = time.monotonic() + self.grace
+        if not self.clean:  # the agent starts each worker in a session of its own: signal its whole group
+            for pid in children():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGTERM)
+            return
+        self._pending = set(children())
+        training = self._statuses()
+        if not self._pending or any(training.get(pid) is None for pid in self._pending):
+            # No worker yet, or one still starting: no step ran since the last checkpoint, so there is
+            # nothing to save, and waiting for the start to finish could take longer than the grace period.
+            self._stop_now()
+        self._tell_ready()
+
+    def _stop_now(self) -> None:
+        """Kill every worker and make the agent give up at once (an exception it knows: no restarts)."""
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        self._pending.clear()
+        self._kill_all(signal.SIGKILL)
+        assert self.signum is not None
+        raise SignalException(f"dtrain stopping on {signal.Signals(self.signum).name}",
+                              sigval=signal.Signals(self.signum))
+
+    def _statuses(self) -> dict[int, int | None]:
+        """pid -> batch of every worker that published a status (batch None: not training yet)."""
+        found: dict[int, int | None] = {}
+        for path in self.status_dir.glob("status.rank*.json") if self.status_dir is not None else ():
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                record = json.loads(path.read_text())
+                found[int(record["pid"])] = record["batch"]
+        return found
+
+    def _ready(self) -> set[int]:
+        """Workers whose watchdog runs (it published a status): SIGUSR1 would kill one still starting."""
+        return set(self._statuses())
+
+    def _tell_ready(self) -> None:
+        if not self._pending:
+            return
+        ready = self._pending & self._ready()
+        for pid in ready:
+            _kill(pid, signal.SIGUSR1)
+        self._pending -= ready
+
+    def _kill_all(self, sig: int) -> None:
+        for pid in children():
+            _kill(pid, sig)
+
+    # ------------------------------------------------------------------------------------- watching
+    def _watch(self) -> None:
+        while not self._done.wait(POLL_SECONDS):
+            self._tell_ready()
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                self.deadline = None
+                assert self.signum is not None
+                os.kill(os.getpid(), self.signum)  # the main thread's handler stops the agent
+            self._unfreeze()
+
+    def _unfreeze(self) -> None:
+        """Once a worker has exited, a stopped (state T) sibling can never answer: kill it."""
+        current = set(children())
+        if self._seen - current:
+            for pid in current:
+                if process_state(pid) == "T":
+                    _kill(pid, signal.SIGKILL)
+        self._seen |= current
