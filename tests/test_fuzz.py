@@ -29,7 +29,8 @@ from helpers import ROOT, TRIALS, free_port
 
 from dtrain import cli
 from dtrain.config import safeyaml
-from dtrain.config.schema import MAX_NAME_CHARS, MAX_SEED, MAX_TIMEOUT_SECONDS, config_from_dict
+from dtrain.config.bounds import MAX_NAME_CHARS, MAX_SEED, MAX_TIMEOUT_SECONDS
+from dtrain.config.schema import config_from_dict
 from dtrain.launcher import preflight
 
 SEED = 20240611

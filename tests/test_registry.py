@@ -10,8 +10,8 @@ from helpers import TRIALS, run_ranks, tiny_config
 
 from dtrain.config.schema import load_config
 from dtrain.errors import ConfigError
-from dtrain.sync import SyncStrategy, registry
-from dtrain.sync.base import broadcast_from_chief
+from dtrain.sync import registry
+from dtrain.sync.base import SyncStrategy, broadcast_from_chief
 
 
 @registry.register

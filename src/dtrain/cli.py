@@ -13,7 +13,7 @@ from dtrain.errors import UserError
 from dtrain.launcher.supervise import Stopped, terminate_as_stop  # light: no torch
 
 if TYPE_CHECKING:
-    from dtrain.launcher.runs import RunPlan
+    from dtrain.launcher.runplan import RunPlan
 
 PROG = "dtrain"
 
@@ -142,13 +142,13 @@ def _positive_int(text: str, most: int | None = None) -> int:
 
 
 def _slot_count(text: str) -> int:
-    from dtrain.config.schema import MAX_SLOTS  # the config's own bound, so flag and key agree
+    from dtrain.config.bounds import MAX_SLOTS  # the config's own bound, so flag and key agree
 
     return _positive_int(text, MAX_SLOTS)
 
 
 def _step_count(text: str) -> int:
-    from dtrain.config.schema import MAX_STEPS
+    from dtrain.config.bounds import MAX_STEPS
 
     return _positive_int(text, MAX_STEPS)
 
@@ -205,7 +205,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return cmd_check(args)
     if args.command == "compare":
         from dtrain.explain.compare import compare, parse_strategies
-        from dtrain.launcher.runs import NodeArgs
+        from dtrain.launcher.runplan import NodeArgs
 
         overrides = [*args.overrides, *([f"resources.slots_per_trial={args.slots}"] if args.slots else [])]
         compare(args.config, parse_strategies(args.strategies), args.steps, args.out, overrides,
@@ -225,13 +225,14 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from dtrain.launcher import resume, runs  # keeps `dtrain --help` fast: torch is imported only when needed
+    from dtrain.launcher.runplan import NodeArgs
 
     overrides = list(args.overrides)
     if args.slots is not None:
         overrides.append(f"resources.slots_per_trial={args.slots}")
     try:
         plan = runs.prepare(args.config, overrides, run_dir=args.run_dir, resume=args.resume,
-                            nodes=runs.NodeArgs.from_args(args))
+                            nodes=NodeArgs.from_args(args))
     except resume.AlreadyFinished as done:
         print(f"{PROG}: {done}")
         return 0

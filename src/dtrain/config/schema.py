@@ -13,32 +13,28 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from dtrain.config import safeyaml
+from dtrain.config.bounds import (
+    MAX_BATCHES,
+    MAX_EPOCHS,
+    MAX_FUSION_MB,
+    MAX_GLOBAL_BATCH,
+    MAX_LOADER_WORKERS,
+    MAX_NAME_CHARS,
+    MAX_PATH_CHARS,
+    MAX_SEED,
+    MAX_SLOTS,
+    MAX_STEPS,
+    MAX_TIMEOUT_SECONDS,
+    Strict,
+)
 from dtrain.errors import ConfigError
-
-# Upper bounds: far above any real run, low enough that no value can exhaust the machine, overflow a
-# timedelta or a 64-bit seed, or make a loop run for ever (see the README, "How input is validated").
-MAX_SLOTS = 4096
-MAX_LOADER_WORKERS = 256
-MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0
-MAX_BATCHES = 10**12
-MAX_EPOCHS = 10**9
-MAX_STEPS = 10**9
-MAX_FUSION_MB = 4096.0
-MAX_GLOBAL_BATCH = 2**24
-MAX_SEED = 2**63 - 1
-MAX_NAME_CHARS = 100
-MAX_PATH_CHARS = 1024
+from dtrain.sync.options import DEFAULT_FUSION_MB, LocalSGDOptions, ParameterServerOptions, PowerSGDOptions
 
 
-class _Strict(BaseModel):
-    # strict: no coercion, so `true` or "64" is not an integer and "1.5" not a number (ints are numbers).
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, strict=True)
-
-
-class Length(_Strict):
+class Length(Strict):
     """A training length or period: exactly one of ``batches`` or ``epochs``."""
 
     batches: int | None = Field(default=None, ge=1, le=MAX_BATCHES)
@@ -55,7 +51,7 @@ class Length(_Strict):
         return self.batches if self.batches is not None else self.epochs * batches_per_epoch  # type: ignore[operator]
 
 
-class Resources(_Strict):
+class Resources(Strict):
     slots_per_trial: int = Field(default=1, ge=1, le=MAX_SLOTS)
     # Multi-machine runs: the interface Gloo/NCCL use (None = auto-detect one common to all nodes), and
     # how long to wait for every node to join before failing with the names of the missing ones.
@@ -79,7 +75,7 @@ class Resources(_Strict):
     preemption_grace_seconds: float = Field(default=25.0, gt=0, le=3600, allow_inf_nan=False)
 
 
-class CheckpointStorage(_Strict):
+class CheckpointStorage(Strict):
     # Relative paths are resolved against the run directory and may not leave it; an absolute path is the
     # user's explicit choice (checked writable before any worker starts).
     path: str = Field(default="checkpoints", min_length=1, max_length=MAX_PATH_CHARS)
@@ -91,7 +87,7 @@ class CheckpointStorage(_Strict):
         return check_storage_path(value)
 
 
-class DataLoaderOptions(_Strict):
+class DataLoaderOptions(Strict):
     """How dtrain feeds each slot (the trial only returns Datasets)."""
 
     # Background loader processes per slot; 0 loads in the training process.
@@ -102,7 +98,7 @@ class DataLoaderOptions(_Strict):
     synthetic: bool = False
 
 
-class Profiling(_Strict):
+class Profiling(Strict):
     """The step profiler: on by default, it costs well under 2% of throughput (bench/profiler_overhead.py)."""
 
     enabled: bool = True
@@ -113,18 +109,7 @@ class Profiling(_Strict):
     sample_every: int = Field(default=4, ge=1, le=1_000_000)
 
 
-class PowerSGDOptions(_Strict):
-    """Options of ``gradient_compression: powersgd``."""
-
-    # Rank of the low-rank approximation of each gradient matrix: bytes sent ~ rank x (rows + columns).
-    rank: int = Field(default=2, ge=1, le=1024)
-    # Steps of exact all-reduce before compressing (early gradients change fast and compress badly).
-    start_iteration: int = Field(default=10, ge=0, le=MAX_STEPS)
-    error_feedback: bool = True
-    warm_start: bool = True
-
-
-class Optimizations(_Strict):
+class Optimizations(Strict):
     """Determined's ``optimizations`` section, with its defaults."""
 
     # k batches per optimizer update; gradients are exchanged once per k batches.
@@ -134,7 +119,7 @@ class Optimizations(_Strict):
     gradient_compression: Literal["none", "fp16", "bf16", "powersgd"] = "none"
     powersgd: PowerSGDOptions = Field(default_factory=PowerSGDOptions)
     # MB per gradient all-reduce message (DDP bucket size).
-    tensor_fusion_threshold: float = Field(default=64.0, ge=0, le=MAX_FUSION_MB, allow_inf_nan=False)
+    tensor_fusion_threshold: float = Field(default=DEFAULT_FUSION_MB, ge=0, le=MAX_FUSION_MB, allow_inf_nan=False)
     auto_tune_tensor_fusion: bool = False
     # Candidates the auto-tuner measures (MB), and how: warm-up steps then measured steps, each.
     auto_tune_candidates_mb: list[Annotated[float, Field(le=MAX_FUSION_MB, allow_inf_nan=False)]] = Field(
@@ -154,22 +139,7 @@ class Optimizations(_Strict):
         return self
 
 
-class LocalSGDOptions(_Strict):
-    # Average weights every `period` optimizer steps, after `warmup_steps` fully synchronous steps.
-    period: int = Field(default=4, ge=1, le=MAX_STEPS)
-    warmup_steps: int = Field(default=10, ge=0, le=MAX_STEPS)
-
-
-class ParameterServerOptions(_Strict):
-    # Dedicated server ranks (the last ones); parameters are sharded across them.
-    servers: int = Field(default=1, ge=1, le=MAX_SLOTS)
-    # sync: every update averages all workers' gradients (equivalent to all-reduce SGD);
-    # async: each worker's gradient is applied on arrival, no worker more than `staleness` updates behind.
-    mode: Literal["sync", "async"] = "sync"
-    staleness: int = Field(default=1, ge=0, le=MAX_STEPS)
-
-
-class SyncOptions(_Strict):
+class SyncOptions(Strict):
     """How replicas are kept in sync: a strategy registered in :mod:`dtrain.sync.registry` (built-ins:
     ddp, allreduce, parameter_server, local_sgd, fsdp), and the options of those that have some."""
 
@@ -193,7 +163,7 @@ class SyncOptions(_Strict):
 HPARAM_TYPES = ("const", "int", "double", "log", "categorical")
 
 
-class SearcherConfig(_Strict):
+class SearcherConfig(Strict):
     """Determined's ``searcher`` section: how ``dtrain search`` picks, stops and ranks trials.
 
     ``dtrain run`` ignores it; the search logic lives in :mod:`dtrain.search`.
@@ -233,7 +203,7 @@ def first_range(hparams: dict[str, Any], prefix: str = "") -> str | None:
     return None
 
 
-class ExperimentConfig(_Strict):
+class ExperimentConfig(Strict):
     """A whole experiment. Field names and meanings follow Determined where it has one."""
 
     name: str = Field(default="experiment", min_length=1)

@@ -33,7 +33,8 @@ from dtrain.engine.state import PendingRestore, TrainingState
 from dtrain.engine.watchdog import STATUS
 from dtrain.errors import CheckpointError, UserError
 from dtrain.profiling import NULL_RECORDER, DDPTiming, StepTimer
-from dtrain.sync import SyncStrategy, build_strategy
+from dtrain.sync import registry
+from dtrain.sync.base import SyncStrategy
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=nn.Module)
@@ -76,7 +77,7 @@ class DistributedContext:
         self.max_nonfinite_skips = opts.max_nonfinite_skips if opts is not None else 0
         self.nonfinite_skipped = False  # whether the last optimizer step was skipped for non-finite gradients
         self.nonfinite_in_row = 0
-        self.strategy: SyncStrategy = build_strategy(config, self.device,
+        self.strategy: SyncStrategy = registry.build(config, self.device,
                                                      self.timer.recorder if profile else NULL_RECORDER)
         if profile and hasattr(self.strategy, "timing"):
             # Profiling attaches its DDP timing from this side; DDP's own timers only sample iterations that

@@ -32,7 +32,7 @@ from dtrain.engine.trial import PyTorchTrial, load_trial_class
 from dtrain.engine.watchdog import STATUS
 from dtrain.profiling.clock import synchronized_now
 from dtrain.profiling.figures import build_profile, collect_rank_figures, run_facts
-from dtrain.sync import Serving
+from dtrain.sync.base import Serving
 from dtrain.sync.fusion import tuner_for_run
 
 log = logging.getLogger(__name__)

@@ -16,6 +16,7 @@ from dtrain.config.schema import load_config
 from dtrain.errors import UserError
 from dtrain.explain.render import as_text, pyplot
 from dtrain.launcher import runs
+from dtrain.launcher.runplan import NodeArgs
 from dtrain.sync import registry
 
 
@@ -33,7 +34,7 @@ def parse_strategies(text: str | None) -> list[str]:
 
 
 def run_strategy(config: Path, strategy: str, steps: int, out: Path, overrides: list[str],
-                 nodes: runs.NodeArgs | None, debug: bool) -> dict[str, Any] | None:
+                 nodes: NodeArgs | None, debug: bool) -> dict[str, Any] | None:
     sets = [*overrides, f"sync.strategy={strategy}", f"max_length={{batches: {steps}}}",
             # The last training report (the "final loss") averages the last tenth of the run.
             "min_validation_period=null", "min_checkpoint_period=null", f"scheduling_unit={max(1, steps // 10)}",
@@ -107,7 +108,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def compare(config: Path, strategies: list[str], steps: int, out: Path | None, overrides: list[str],
-            nodes: runs.NodeArgs | None, debug: bool) -> Path | None:
+            nodes: NodeArgs | None, debug: bool) -> Path | None:
     """Run each strategy; the chief writes compare.json, compare.txt and compare.png under ``out``."""
     cfg = load_config(config, overrides)
     out = out or Path("runs") / f"compare-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -15,9 +15,9 @@ from dtrain.errors import CheckpointError
 from dtrain.launcher.supervise import Stopped
 
 if TYPE_CHECKING:
-    from dtrain.launcher.runs import RunPlan
+    from dtrain.launcher.runplan import RunPlan
 
-log = logging.getLogger("dtrain.launcher.runs")
+log = logging.getLogger(__name__)
 
 
 class AlreadyFinished(Exception):

@@ -24,7 +24,7 @@ import shutil
 import socket
 import time
 import uuid
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,48 +44,13 @@ from dtrain.launcher import netif, preflight
 from dtrain.launcher.agent import LaunchOptions, launch
 from dtrain.launcher.forkstart import WorkerModule
 from dtrain.launcher.join import join
-from dtrain.launcher.rendezvous import JoinError, NodeLaunch, Rendezvous, parse_endpoint, parse_nnodes
+from dtrain.launcher.rendezvous import JoinError, Rendezvous, parse_endpoint, parse_nnodes
 from dtrain.launcher.resume import resume_checkpoint
 from dtrain.launcher.runlock import RunLock, lock_run_dir
+from dtrain.launcher.runplan import NodeArgs, RunPlan
 from dtrain.sync import registry
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class NodeArgs:
-    """Multi-machine options of ``dtrain run`` (None where not given)."""
-
-    nnodes: str | None = None
-    node_rank: int | None = None
-    master: str | None = None
-    rdzv_backend: str | None = None
-    rdzv_id: str | None = None
-
-    @classmethod
-    def from_args(cls, args: Any) -> NodeArgs:
-        return cls(*(getattr(args, name, None) for name in ("nnodes", "node_rank", "master", "rdzv_backend",
-                                                             "rdzv_id")))
-
-    @property
-    def given(self) -> bool:
-        return any(v is not None for v in (self.nnodes, self.node_rank, self.master, self.rdzv_backend, self.rdzv_id))
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    config: ExperimentConfig
-    run_dir: Path
-    resume_from: Path | None
-    # Several machines: how this node's agent joins the others.
-    nodes: NodeLaunch | None = None
-    # Inside torchrun/srun workers: train in this very process (no agent).
-    in_place: bool = False
-    # Whether this process reports for the whole run (prints the run directory and summary).
-    chief: bool = True
-    keepalive: Any = field(default=None, compare=False, repr=False)
-    # The run directory's lock, held by this process for the whole run (None: another node holds it).
-    lock: RunLock | None = field(default=None, compare=False, repr=False)
 
 
 def prepare(config_path: Path, overrides: list[str], run_dir: Path | None, resume: Path | None,

@@ -17,10 +17,11 @@ from torch import nn
 from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
 from dtrain.sync.base import SyncStrategy, broadcast_from_chief
 from dtrain.sync.compression import COMPRESSORS, Compressor
+from dtrain.sync.options import DEFAULT_FUSION_MB
 from dtrain.sync.registry import register
 
 if TYPE_CHECKING:
-    from dtrain.config.schema import ExperimentConfig
+    from dtrain.sync.options import StrategyConfig
 
 
 def fused_buckets(tensors: list[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
@@ -85,11 +86,11 @@ class AllReduceStrategy(SyncStrategy):
         self.world = dist.get_world_size() if dist.is_initialized() else 1
 
     @classmethod
-    def from_config(cls, config: ExperimentConfig | None, device: torch.device,
+    def from_config(cls, config: StrategyConfig | None, device: torch.device,
                     recorder: CommRecorder = NULL_RECORDER) -> AllReduceStrategy:
-        from dtrain.config.schema import Optimizations
-
-        o = config.optimizations if config is not None else Optimizations()
+        if config is None:  # dtrain.init(): uncompressed, the default fusion
+            return cls(device, DEFAULT_FUSION_MB, "none", recorder)
+        o = config.optimizations
         return cls(device, o.tensor_fusion_threshold, o.gradient_compression, recorder)
 
     @property

@@ -28,7 +28,7 @@ from torch import nn
 from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
 
 if TYPE_CHECKING:
-    from dtrain.config.schema import ExperimentConfig
+    from dtrain.sync.options import StrategyConfig
 
 
 class SyncStrategy(ABC):
@@ -61,18 +61,18 @@ class SyncStrategy(ABC):
         self.recorder = recorder
 
     @classmethod
-    def from_config(cls, config: ExperimentConfig | None, device: torch.device,
+    def from_config(cls, config: StrategyConfig | None, device: torch.device,
                     recorder: CommRecorder = NULL_RECORDER) -> SyncStrategy:
         """Build from the experiment config (``None``: ``dtrain.init()``'s defaults)."""
         return cls(device, recorder)
 
     @classmethod
-    def training_slots(cls, config: ExperimentConfig) -> int:
+    def training_slots(cls, config: StrategyConfig) -> int:
         """How many of the job's slots train (and share each global batch)."""
         return config.resources.slots_per_trial
 
     @classmethod
-    def check_config(cls, config: ExperimentConfig) -> None:
+    def check_config(cls, config: StrategyConfig) -> None:
         """Raise ValueError (one line, naming the key and the fix) for settings this strategy cannot honour."""
         o = config.optimizations
         if o.gradient_compression not in cls.compressions:

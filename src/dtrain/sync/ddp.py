@@ -25,8 +25,8 @@ from dtrain.sync.powersgd import PowerSGDState, powersgd_hook
 from dtrain.sync.registry import register
 
 if TYPE_CHECKING:
-    from dtrain.config.schema import ExperimentConfig, PowerSGDOptions
     from dtrain.profiling.comm import DDPTiming
+    from dtrain.sync.options import PowerSGDOptions, StrategyConfig
 
 # dtrain.init()'s bucket size: torch's default.
 DEFAULT_BUCKET_MB = 25.0
@@ -70,7 +70,7 @@ class DDPStrategy(SyncStrategy):
                  powersgd: PowerSGDOptions | None = None, recorder: CommRecorder = NULL_RECORDER,
                  rebuildable: bool = False, seed: int = 0) -> None:
         super().__init__(device, recorder)
-        from dtrain.config.schema import PowerSGDOptions
+        from dtrain.sync.options import PowerSGDOptions
 
         self.bucket_cap_mb = bucket_cap_mb
         self.compression = compression
@@ -83,7 +83,7 @@ class DDPStrategy(SyncStrategy):
         self._pending_state: list[dict[str, Any]] = []
 
     @classmethod
-    def from_config(cls, config: ExperimentConfig | None, device: torch.device,
+    def from_config(cls, config: StrategyConfig | None, device: torch.device,
                     recorder: CommRecorder = NULL_RECORDER) -> DDPStrategy:
         if config is None:
             return cls(device, recorder=recorder)

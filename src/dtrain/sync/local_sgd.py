@@ -14,10 +14,11 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 
 from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
 from dtrain.sync.allreduce import AllReduceStrategy
+from dtrain.sync.options import DEFAULT_FUSION_MB, LocalSGDOptions
 from dtrain.sync.registry import register
 
 if TYPE_CHECKING:
-    from dtrain.config.schema import ExperimentConfig
+    from dtrain.sync.options import StrategyConfig
 
 
 @register
@@ -36,12 +37,12 @@ class LocalSGDStrategy(AllReduceStrategy):
         self.averaged_last_step = False
 
     @classmethod
-    def from_config(cls, config: ExperimentConfig | None, device: torch.device,
+    def from_config(cls, config: StrategyConfig | None, device: torch.device,
                     recorder: CommRecorder = NULL_RECORDER) -> LocalSGDStrategy:
-        from dtrain.config.schema import LocalSGDOptions, Optimizations
-
-        o = config.optimizations if config is not None else Optimizations()
-        opts = config.sync.local_sgd if config is not None else LocalSGDOptions()
+        if config is None:  # dtrain.init(): the options' defaults, uncompressed, the default fusion
+            opts = LocalSGDOptions()
+            return cls(device, opts.period, opts.warmup_steps, DEFAULT_FUSION_MB, "none", recorder)
+        o, opts = config.optimizations, config.sync.local_sgd
         return cls(device, opts.period, opts.warmup_steps, o.tensor_fusion_threshold, o.gradient_compression,
                    recorder)
 

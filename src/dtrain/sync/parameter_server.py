@@ -36,7 +36,7 @@ from dtrain.sync.base import SyncStrategy, broadcast_from_chief
 from dtrain.sync.registry import register
 
 if TYPE_CHECKING:
-    from dtrain.config.schema import ExperimentConfig, ParameterServerOptions
+    from dtrain.sync.options import ParameterServerOptions, StrategyConfig
 
 PUSH, PULL = 1, 2
 
@@ -99,18 +99,18 @@ class ParameterServerStrategy(SyncStrategy):
         self._pulls = 0
 
     @classmethod
-    def from_config(cls, config: ExperimentConfig | None, device: torch.device,
+    def from_config(cls, config: StrategyConfig | None, device: torch.device,
                     recorder: CommRecorder = NULL_RECORDER) -> ParameterServerStrategy:
-        from dtrain.config.schema import ParameterServerOptions
+        from dtrain.sync.options import ParameterServerOptions
 
         return cls(device, config.sync.parameter_server if config is not None else ParameterServerOptions(), recorder)
 
     @classmethod
-    def training_slots(cls, config: ExperimentConfig) -> int:
+    def training_slots(cls, config: StrategyConfig) -> int:
         return config.resources.slots_per_trial - config.sync.parameter_server.servers
 
     @classmethod
-    def check_config(cls, config: ExperimentConfig) -> None:
+    def check_config(cls, config: StrategyConfig) -> None:
         super().check_config(config)
         servers, slots = config.sync.parameter_server.servers, config.resources.slots_per_trial
         if servers >= slots:

@@ -10,7 +10,11 @@ import importlib
 from typing import TYPE_CHECKING, TypeVar
 
 if TYPE_CHECKING:
+    import torch
+
+    from dtrain.profiling.comm import CommRecorder
     from dtrain.sync.base import SyncStrategy
+    from dtrain.sync.options import StrategyConfig
 
 S = TypeVar("S", bound="type[SyncStrategy]")
 
@@ -57,3 +61,9 @@ def unknown_message(name: str) -> str:
     close = difflib.get_close_matches(name, list(_STRATEGIES), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
     return f"{name!r} is not a strategy; {hint}registered: {', '.join(names())}"
+
+
+def build(config: StrategyConfig | None, device: torch.device, recorder: CommRecorder) -> SyncStrategy:
+    """The strategy the config asks for (``dtrain.init()``: plain DDP); ``recorder`` times its collectives."""
+    name = config.sync.strategy if config is not None else "ddp"
+    return lookup(name).from_config(config, device, recorder)
