@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -153,10 +154,25 @@ def destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def world_size(group: Any = None) -> int:
+    """Ranks in ``group`` (the whole job by default); 1 where no process group was made."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def rank(group: Any = None) -> int:
+    """This process's rank in ``group`` (the whole job by default); 0 where no process group was made."""
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def is_distributed(group: Any = None) -> bool:
+    """Whether ``group`` has other ranks to talk to: the one test before any collective."""
+    return world_size(group) > 1
+
+
 def all_hostnames() -> list[str]:
     """Every rank's host name, in rank order (to name the machine of a straggler)."""
     name = socket.gethostname()
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+    if not is_distributed():
         return [name]
     names: list[str] = [""] * dist.get_world_size()
     dist.all_gather_object(names, name)
@@ -164,7 +180,7 @@ def all_hostnames() -> list[str]:
 
 
 def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if is_distributed():
         dist.barrier()
 
 

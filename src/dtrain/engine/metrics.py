@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import dist as ddist
 from dtrain.errors import UserError
 
 
@@ -112,7 +113,7 @@ class MeanAccumulator:
         This is a collective: every rank must call it. A key count travels with the sums so that ranks
         reporting different metric names fail loudly instead of mixing numbers up.
         """
-        if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+        if not ddist.is_distributed(group):
             return self.local_means()
         names, values = self.packed()
         inflight = SumInFlight(values, group)
@@ -143,7 +144,7 @@ class SumInFlight:
     __slots__ = ("_packed", "_work", "world")
 
     def __init__(self, values: list[torch.Tensor | float], group: Any = None) -> None:
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1  # the ranks summed over
+        self.world = ddist.world_size(group)  # the ranks summed over
         distributed = self.world > 1
         # NCCL reduces CUDA tensors only; Gloo (and one process) takes them on the host.
         cuda = distributed and dist.get_backend(group) == "nccl"

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import dist as ddist
+
 NEVER = 2**40  # "no non-finite loss yet", as a batch index; times the world size it still fits in int64
 
 
@@ -92,8 +94,8 @@ class NonFiniteWatch:
 
     def first(self) -> tuple[int, int] | None:
         """Collective over the training ranks: (rank, batch) of the first non-finite loss, or None."""
-        world = dist.get_world_size(self.group) if dist.is_initialized() else 1
-        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        world = ddist.world_size(self.group)
+        rank = ddist.rank(self.group)
         first = int(self._first.item()) if self._first is not None else NEVER  # a sync: reports sync anyway
         key = torch.tensor(min(first, self._host_first) * world + rank, dtype=torch.int64, device=self.device)
         if world > 1:
@@ -124,6 +126,6 @@ def gradients_nonfinite(optimizer: torch.optim.Optimizer, group: Any, replicated
         found = (~torch.isfinite(torch.stack([n.to(device) for n in norms]).sum())).to(torch.float32).reshape(1)
     else:
         found = torch.zeros(1, device=device)
-    if not replicated and dist.is_initialized() and dist.get_world_size(group) > 1:
+    if not replicated and ddist.is_distributed(group):
         dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
     return bool(found.item())

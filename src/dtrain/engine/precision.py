@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain import dist as ddist
 from dtrain.errors import ConfigError
 
 PRECISIONS = ("32-true", "tf32", "bf16-mixed", "16-mixed")
@@ -103,7 +104,7 @@ class Precision:
         # them avoids a second pass over every gradient.
         flags = list(self.scaler._found_inf_per_device(optimizer).values())
         found = torch.stack([f.to(self.device) for f in flags]).sum().clamp_(max=1.0)
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
+        if ddist.is_distributed(group):
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
         for flag in flags:  # update() must see the agreed flag, so every rank's scale moves alike
             flag.copy_(found)

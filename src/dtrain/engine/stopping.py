@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import dist as ddist
 from dtrain.engine.watchdog import STATUS, STOP
 
 # Votes ~2 s apart: a stop lands within ~2 s of the signal (well inside Kubernetes' 30 s grace), and the loop
@@ -64,7 +65,7 @@ class StopVote:
     def __init__(self, enabled: bool, start_batch: int, group_size: int, backend: str) -> None:
         self.enabled = enabled
         self.k = max(1, group_size)
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.world = ddist.world_size()
         self.next_at = start_batch + self.k if enabled else sys.maxsize
         self._last = (start_batch, time.monotonic())
         self._buf = torch.zeros(2, dtype=torch.int64)

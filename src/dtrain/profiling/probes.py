@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from dtrain import dist as ddist
+
 PROBE_FIELDS = ("probe_work", "probe_work_double", "probe_load", "probe_load_double", "probe_load_cpu_share",
                 "probe_allreduce_bytes", "probe_allreduce_seconds")
 # The all-reduce probe moves the gradients' size, at most this many bytes (its rate is what counts).
@@ -110,7 +112,7 @@ def _agree(repeats: int, ctx: Any) -> int:
     import torch.distributed as dist
 
     group = ctx.strategy.dp_group
-    if not (dist.is_initialized() and dist.get_world_size(group) > 1):
+    if not ddist.is_distributed(group):
         return repeats
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
     count = torch.tensor([repeats], dtype=torch.int64, device=device)
@@ -124,7 +126,7 @@ def allreduce_probe(ctx: Any, repeats: int = 5) -> dict[str, float]:
     import torch.distributed as dist
 
     group = ctx.strategy.dp_group if ctx.strategy is not None else None
-    if not (dist.is_initialized() and dist.get_world_size(group) > 1) or not ctx.models:
+    if not ddist.is_distributed(group) or not ctx.models:
         return {}
     nbytes = min(ALLREDUCE_PROBE_MAX_BYTES, 4 * sum(p.numel() for m in ctx.models for p in m.parameters()))
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain import dist as ddist
 from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
 from dtrain.sync.base import SyncStrategy, broadcast_from_chief
 from dtrain.sync.compression import COMPRESSORS, Compressor
@@ -83,7 +84,7 @@ class AllReduceStrategy(SyncStrategy):
         super().__init__(device, recorder)
         self.bucket_cap_mb = bucket_cap_mb
         self.compressor = COMPRESSORS[compression]
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.world = ddist.world_size()
 
     @classmethod
     def from_config(cls, config: StrategyConfig | None, device: torch.device,

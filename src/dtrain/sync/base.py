@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from dtrain import dist as ddist
 from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
 
 if TYPE_CHECKING:
@@ -86,15 +87,13 @@ class SyncStrategy(ABC):
 
     @property
     def dp_rank(self) -> int:
-        import torch.distributed as dist
 
-        return dist.get_rank() if dist.is_initialized() else 0
+        return ddist.rank()
 
     @property
     def dp_world(self) -> int:
-        import torch.distributed as dist
 
-        return dist.get_world_size() if dist.is_initialized() else 1
+        return ddist.world_size()
 
     @property
     def fusion_threshold_mb(self) -> float | None:

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from dtrain import dist as ddist
 from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
 from dtrain.sync.base import SyncStrategy
 from dtrain.sync.compression import COMPRESSORS, CompressionHookState, compressed_allreduce_hook
@@ -97,7 +97,7 @@ class DDPStrategy(SyncStrategy):
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if not ddist.is_distributed():
             # One slot: nothing to synchronize. Plain training is the honest baseline that N slots are
             # compared with (DDP would still copy every gradient through a one-process all-reduce).
             return model

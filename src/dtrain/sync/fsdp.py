@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from dtrain import dist as ddist
 from dtrain.sync.base import SyncStrategy
 from dtrain.sync.registry import register
 
@@ -39,7 +39,7 @@ class FSDPStrategy(SyncStrategy):
 
     def setup_model(self, model: nn.Module) -> nn.Module:
         model = model.to(self.device)
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if not ddist.is_distributed():
             return model
         # One FSDP unit per direct child that owns parameters (its all-gather overlaps the previous
         # child's compute), then the root for whatever parameters remain.

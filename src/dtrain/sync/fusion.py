@@ -19,6 +19,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dtrain import dist as ddist
+
 log = logging.getLogger(__name__)
 RESULT_FILE = "fusion_tuning.json"
 
@@ -83,7 +85,7 @@ class FusionTuner:
     def _decide(self) -> float:
         # Every rank must pick the same size: compare each candidate's slowest-rank median.
         medians = torch.tensor([statistics.median(self.times[mb]) for mb in self.plan], dtype=torch.float64)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if ddist.is_distributed():
             if dist.get_backend() == "nccl":
                 medians = medians.cuda()
             dist.all_reduce(medians, op=dist.ReduceOp.MAX)
