@@ -184,12 +184,20 @@ def tiny_config(tmp: Path, **overrides: Any) -> Path:
     return path
 
 
-def final_weights(run_dir: Path) -> dict:
-    """The model state of a run's newest checkpoint."""
+def final_weights(run_dir: Path, batches: int | None = None) -> dict:
+    """The model state of a run's newest checkpoint (or of the one at ``batches``)."""
     import torch
 
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return torch.load(run_dir / "checkpoints" / latest / "model.pt", weights_only=True)
+    name = str(batches) if batches else (run_dir / "checkpoints" / "latest").read_text().strip()
+    return torch.load(run_dir / "checkpoints" / name / "model.pt", weights_only=True)
+
+
+def train(config: Path, run_dir: Path, *args: str, ok: bool = True) -> CliResult:
+    """``dtrain run CONFIG --run-dir RUN_DIR --quiet ARGS`` in this process; exit 0 asserted unless not ``ok``."""
+    result = cli_in_process("run", str(config), "--run-dir", str(run_dir), "--quiet", *args)
+    if ok:
+        assert result.code == 0, result.stderr
+    return result
 
 
 def write(path: Path, text: str) -> Path:

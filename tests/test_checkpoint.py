@@ -6,15 +6,11 @@ import time
 
 import pytest
 import torch
-from helpers import cli_in_process, tiny_config
+from helpers import cli_in_process, final_weights, tiny_config
 
 COMMON = {"hyperparameters.dropout": 0.1, "max_length": {"batches": 24},
           "min_checkpoint_period": {"batches": 10}, "min_validation_period": {"batches": 12}}
 
-
-def _weights(run_dir, batches=None):
-    name = str(batches) if batches else (run_dir / "checkpoints" / "latest").read_text().strip()
-    return torch.load(run_dir / "checkpoints" / name / "model.pt", weights_only=True)
 
 
 def _metrics(run_dir):
@@ -53,7 +49,7 @@ def test_crash_then_resume_is_bit_identical(tmp_path, straight):
     resumed = cli_in_process("run", str(cfg), "--resume", str(crashed), "--quiet",
                          "--set", "hyperparameters.crash_at_batch=null")
     assert resumed.code == 0, resumed.stderr
-    _assert_bit_identical(_weights(straight), _weights(crashed))
+    _assert_bit_identical(final_weights(straight), final_weights(crashed))
     # Metrics after the resume point match too (the unreported sums were checkpointed).
     assert _metrics(crashed) == _metrics(straight)
     assert list(crashed.glob("config.before-resume-*.yaml"))
@@ -67,7 +63,7 @@ def test_elastic_restart_resumes_from_latest_checkpoint(tmp_path, straight):
     result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "elastic"), "--quiet")
     assert result.code == 0, result.stderr
     assert marker.exists()  # it did crash, and the agent restarted it
-    _assert_bit_identical(_weights(straight), _weights(tmp_path / "elastic"))
+    _assert_bit_identical(final_weights(straight), final_weights(tmp_path / "elastic"))
 
 
 @pytest.mark.slow

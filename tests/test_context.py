@@ -202,7 +202,7 @@ def test_loader_options_split_and_the_deprecated_shuffle(recwarn):
 def test_init_says_what_it_seeds_and_rank_streams_differ(capsys):
     import numpy as np
 
-    from dtrain.engine.context import rank_seed
+    from dtrain.engine.seeding import rank_seed
 
     ctx = dtrain.init(seed=11)
     try:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, dtrain_cli, tiny_config
+from helpers import ROOT, dtrain_cli, final_weights, tiny_config
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import testhosts
@@ -27,10 +27,6 @@ from dtrain import cli
 NO_NAMESPACES = testhosts.unavailable_reason()
 needs_namespaces = pytest.mark.skipif(NO_NAMESPACES is not None, reason=f"test hosts unavailable: {NO_NAMESPACES}")
 
-
-def _final_weights(run_dir: Path) -> dict:
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return torch.load(run_dir / "checkpoints" / latest / "model.pt", weights_only=True)
 
 
 def _assert_same_weights(a: dict, b: dict) -> None:
@@ -154,7 +150,7 @@ def test_two_hosts_train_like_two_local_slots(tmp_path, two_hosts, reference):
     assert "network interface eth0" in results[0].stdout and "subnet match on 10.213.0.0/24" in results[0].stdout
     assert "network interface ens5" in results[1].stdout
     assert "dtrain: done" in results[0].stdout and "dtrain: done" not in results[1].stdout  # one summary per job
-    _assert_same_weights(reference, _final_weights(run_dir))
+    _assert_same_weights(reference, final_weights(run_dir))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["slots"] == 2 and summary["batches"] == 24
     assert (run_dir / "logs" / "rank1.log").exists() and (run_dir / "logs" / "agent" / "node1").is_dir()
@@ -171,7 +167,7 @@ def test_elastic_c10d_form_trains_too(tmp_path, two_hosts, reference):
     results = _run_on_hosts(two_hosts, [(i, _node_cmd(cfg, run_dir, *args), {}) for i in range(2)], timeout=90)
     for r in results:
         assert r.returncode == 0, r.stderr
-    _assert_same_weights(reference, _final_weights(run_dir))
+    _assert_same_weights(reference, final_weights(run_dir))
 
 
 @pytest.mark.slow
@@ -237,5 +233,5 @@ def test_inside_torchrun_uses_its_ranks(tmp_path, reference):
     assert proc.returncode == 0, err
     assert out.count("dtrain: done") == 1 and "on 2 slot(s)" in out, out
     assert "torchrun started 2 workers: resources.slots_per_trial 1 is replaced by 2" in err
-    _assert_same_weights(reference, _final_weights(run_dir))
+    _assert_same_weights(reference, final_weights(run_dir))
     assert not (run_dir / "logs" / "agent").exists()  # no dtrain agent: torchrun's workers trained in place

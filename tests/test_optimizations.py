@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from helpers import ROOT, cli_in_process, run_ranks, tiny_config
+from helpers import ROOT, cli_in_process, final_weights, run_ranks, tiny_config, train
 from torch import nn
 
 from dtrain.config.schema import config_from_dict
@@ -13,25 +13,21 @@ from dtrain.errors import ConfigError
 DIGITS = ROOT / "examples" / "digits" / "experiment.yaml"
 
 
-def _weights(run_dir):
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return torch.load(run_dir / "checkpoints" / latest / "model.pt", weights_only=True)
 
 
-def _run(tmp_path, name, config, *args):
-    result = cli_in_process("run", str(config), "--run-dir", str(tmp_path / name), "--quiet", *args)
-    assert result.code == 0, result.stderr
-    return tmp_path / name
+def train_dir(run_dir, config, *args):
+    train(config, run_dir, *args)
+    return run_dir
 
 
 @pytest.mark.slow
 def test_aggregation_equals_a_bigger_batch_and_syncs_once_per_k(tmp_path):
     cfg = tiny_config(tmp_path)
-    aggregated = _run(tmp_path, "k4", cfg, "--set", "optimizations.aggregation_frequency=4",
+    aggregated = train_dir(tmp_path / "k4", cfg, "--set", "optimizations.aggregation_frequency=4",
                       "--set", "hyperparameters.global_batch_size=8", "--set", "max_length={batches: 24}")
-    big = _run(tmp_path, "big", cfg, "--set", "hyperparameters.global_batch_size=32",
+    big = train_dir(tmp_path / "big", cfg, "--set", "hyperparameters.global_batch_size=32",
                "--set", "max_length={batches: 6}")
-    a, b = _weights(aggregated), _weights(big)
+    a, b = final_weights(aggregated), final_weights(big)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6)
     pa = json.loads((aggregated / "profile.json").read_text())
@@ -85,9 +81,9 @@ def test_fp16_and_bf16_gradients_close_to_uncompressed(body, tolerance):
 
 @pytest.mark.slow
 def test_powersgd_converges_like_uncompressed_with_many_buckets(tmp_path):
-    plain = _run(tmp_path, "plain", DIGITS, "--set", "max_length={epochs: 20}")
+    plain = train_dir(tmp_path / "plain", DIGITS, "--set", "max_length={epochs: 20}")
     # 0.01 MB buckets: several buckets per step, the layout that deadlocks torch's own powerSGD_hook on Gloo.
-    compressed = _run(tmp_path, "psgd", DIGITS, "--set", "max_length={epochs: 20}",
+    compressed = train_dir(tmp_path / "psgd", DIGITS, "--set", "max_length={epochs: 20}",
                       "--set", "optimizations.gradient_compression=powersgd",
                       "--set", "optimizations.tensor_fusion_threshold=0.01")
     acc = {name: json.loads((d / "summary.json").read_text())["validation"]["accuracy"]
@@ -103,14 +99,14 @@ def test_powersgd_converges_like_uncompressed_with_many_buckets(tmp_path):
 def test_resume_with_powersgd_is_bit_identical(tmp_path):
     common = {"hyperparameters.dropout": 0.1, "max_length": {"batches": 24}, "min_checkpoint_period": {"batches": 10},
               "optimizations.gradient_compression": "powersgd", "optimizations.powersgd": {"start_iteration": 3}}
-    straight = _run(tmp_path, "straight", tiny_config(tmp_path, **common))
+    straight = train_dir(tmp_path / "straight", tiny_config(tmp_path, **common))
     cfg = tiny_config(tmp_path, **common, **{"hyperparameters.crash_at_batch": 15})
     crashed = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "crashed"), "--quiet")
     assert crashed.code == 1
     resumed = cli_in_process("run", str(cfg), "--resume", str(tmp_path / "crashed"), "--quiet",
                          "--set", "hyperparameters.crash_at_batch=null")
     assert resumed.code == 0, resumed.stderr
-    a, b = _weights(straight), _weights(tmp_path / "crashed")
+    a, b = final_weights(straight), final_weights(tmp_path / "crashed")
     for name in a:
         assert torch.equal(a[name], b[name]), name
 
@@ -121,12 +117,12 @@ def test_fusion_auto_tune_measures_keeps_equivalence_and_is_reused(tmp_path, ref
                  "optimizations.auto_tune_candidates_mb": [0.0001, 0.0003, 1.0],
                  "optimizations.auto_tune_warmup_steps": 1, "optimizations.auto_tune_steps_per_candidate": 3,
                  "min_checkpoint_period": {"batches": 12}}
-    tuned = _run(tmp_path, "tuned", tiny_config(tmp_path, **tuned_cfg))
+    tuned = train_dir(tmp_path / "tuned", tiny_config(tmp_path, **tuned_cfg))
     result = json.loads((tuned / "fusion_tuning.json").read_text())
     assert [t["bucket_mb"] for t in result["trials"]] == [0.0001, 0.0003, 1.0]
     assert result["chosen_mb"] in (0.0001, 0.0003, 1.0) and result["tuning_steps"] == 12
     for name, value in reference_runs.weights(1).items():  # re-bucketing never all-reduces a gradient twice
-        torch.testing.assert_close(_weights(tuned)[name], value, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(final_weights(tuned)[name], value, rtol=1e-5, atol=1e-6)
     resumed = cli_in_process("run", str(tiny_config(tmp_path, **tuned_cfg)), "--resume", str(tuned),
                          "--set", "max_length={batches: 32}")
     assert resumed.code == 0, resumed.stderr

@@ -5,23 +5,13 @@ import time
 
 import pytest
 import torch
-from helpers import ROOT, cli_in_process, run_ranks, tiny_config
+from helpers import ROOT, cli_in_process, final_weights, run_ranks, tiny_config, train
 from torch import nn
 
 DIGITS = ROOT / "examples" / "digits" / "experiment.yaml"
 SLOTS = {"ddp": 2, "allreduce": 2, "local_sgd": 2, "fsdp": 2, "parameter_server": 3}  # PS: 2 workers + 1 server
 
 
-def _weights(run_dir):
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return torch.load(run_dir / "checkpoints" / latest / "model.pt", weights_only=True)
-
-
-def _run(tmp_path, name, cfg, *args, ok=True):
-    result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / name), "--quiet", *args)
-    if ok:
-        assert result.code == 0, result.stderr
-    return result
 
 
 CRASH = {"max_length": {"batches": 24}, "min_checkpoint_period": {"batches": 8},
@@ -41,7 +31,7 @@ class StraightRuns:
             folder = self.root / strategy
             folder.mkdir()
             cfg = tiny_config(folder, **CRASH, **{"sync.strategy": strategy})
-            _run(folder, "straight", cfg, "--slots", str(SLOTS[strategy]))
+            train(cfg, folder / "straight", "--slots", str(SLOTS[strategy]))
             self.dirs[strategy] = folder / "straight"
         return self.dirs[strategy]
 
@@ -55,7 +45,7 @@ def straight_runs(tmp_path_factory):
 @pytest.mark.parametrize("strategy", ["allreduce", "parameter_server", "fsdp"])
 def test_same_weights_as_one_slot(strategy, straight_runs, reference_runs):
     # Checkpoints do not change weights: the reference is plain DDP's (here: plain training) on one slot.
-    one, many = reference_runs.weights(1), _weights(straight_runs(strategy))
+    one, many = reference_runs.weights(1), final_weights(straight_runs(strategy))
     assert one.keys() == many.keys()
     for name in one:
         torch.testing.assert_close(many[name], one[name], rtol=1e-5, atol=1e-6)
@@ -67,13 +57,13 @@ def test_same_weights_as_one_slot(strategy, straight_runs, reference_runs):
 def test_crash_fails_fast_and_resume_is_exact(tmp_path, strategy, straight_runs):
     cfg = tiny_config(tmp_path, **CRASH, **{"sync.strategy": strategy, "hyperparameters.die_at_batch": 11})
     start = time.monotonic()
-    crashed = _run(tmp_path, "crashed", cfg, "--slots", str(SLOTS[strategy]), ok=False)
+    crashed = train(cfg, tmp_path / "crashed", "--slots", str(SLOTS[strategy]), ok=False)
     assert crashed.code == 1 and "worker rank 1 failed" in crashed.stderr, crashed.stderr
     assert time.monotonic() - start < 60  # a dead rank stops the job, no hang
     resumed = cli_in_process("run", str(cfg), "--resume", str(tmp_path / "crashed"), "--quiet", "--slots",
                          str(SLOTS[strategy]), "--set", "hyperparameters.die_at_batch=null")
     assert resumed.code == 0, resumed.stderr
-    a, b = _weights(straight_runs(strategy)), _weights(tmp_path / "crashed")
+    a, b = final_weights(straight_runs(strategy)), final_weights(tmp_path / "crashed")
     for name in a:
         assert torch.equal(a[name], b[name]), name
 
@@ -85,7 +75,7 @@ def _accuracy(run_dir):
 @pytest.mark.slow
 def test_async_parameter_server_converges_within_its_staleness_bound(tmp_path):
     # Asynchrony acts like extra momentum (Mitliagkas et al., 2016): plain SGD here, as advised for async.
-    _run(tmp_path, "async", DIGITS, "--slots", "3", "--set", "sync.strategy=parameter_server",
+    train(DIGITS, tmp_path / "async", "--slots", "3", "--set", "sync.strategy=parameter_server",
          "--set", "sync.parameter_server.mode=async", "--set", "sync.parameter_server.staleness=1",
          "--set", "hyperparameters.momentum=0.0")
     assert _accuracy(tmp_path / "async") >= 0.95
@@ -97,7 +87,7 @@ def test_async_parameter_server_converges_within_its_staleness_bound(tmp_path):
 
 @pytest.mark.slow
 def test_local_sgd_converges(tmp_path):
-    _run(tmp_path, "local", DIGITS, "--set", "sync.strategy=local_sgd")
+    train(DIGITS, tmp_path / "local", "--set", "sync.strategy=local_sgd")
     assert _accuracy(tmp_path / "local") >= 0.95
 
 

@@ -4,21 +4,13 @@ import json
 
 import pytest
 import torch
-from helpers import cli_in_process, tiny_config
+from helpers import final_weights, tiny_config, train
 from trials.tiny import TinyTrial, synthetic  # noqa: F401  (importable on its own)
-
-
-def _final_weights(run_dir):
-    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
-    return torch.load(run_dir / "checkpoints" / latest / "model.pt", weights_only=True)
 
 
 def _run(tmp_path, name, *args, **overrides):
     cfg = tiny_config(tmp_path, **overrides)
-    run_dir = tmp_path / name
-    result = cli_in_process("run", str(cfg), "--run-dir", str(run_dir), "--quiet", *args)
-    assert result.code == 0, result.stderr
-    return run_dir, result
+    return tmp_path / name, train(cfg, tmp_path / name, *args)
 
 
 @pytest.mark.slow
@@ -44,7 +36,7 @@ def test_run_directory_layout_and_validation_is_exact(tmp_path):
     # Validation on 2 uneven shards (61 records) equals one process over the whole set.
     trial_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Dropout(0.0),
                                       torch.nn.Linear(16, 1))
-    trial_model.load_state_dict(_final_weights(run_dir))
+    trial_model.load_state_dict(final_weights(run_dir))
     x, y = synthetic(61, seed=2).tensors
     with torch.no_grad():
         expected = torch.nn.functional.mse_loss(trial_model(x), y).item()

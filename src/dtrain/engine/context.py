@@ -10,14 +10,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import random
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
@@ -29,6 +27,7 @@ from dtrain.engine.metrics import MeanAccumulator
 from dtrain.engine.nonfinite import NonFiniteError, gradients_nonfinite
 from dtrain.engine.precision import Precision
 from dtrain.engine.rollcall import RollCall
+from dtrain.engine.seeding import rank_seed, seed_everything
 from dtrain.engine.state import PendingRestore, TrainingState
 from dtrain.engine.watchdog import STATUS
 from dtrain.errors import CheckpointError, UserError
@@ -457,11 +456,6 @@ class TrialContext(DistributedContext):
         return self.config
 
 
-def rank_seed(seed: int, rank: int) -> int:
-    """A 63-bit seed for ``rank``'s own stream, decorrelated from the others (numpy's SeedSequence)."""
-    return int(np.random.SeedSequence([seed, rank]).generate_state(2, np.uint64)[0] >> np.uint64(1))
-
-
 def init(backend: str = "auto", timeout_seconds: float = 300.0, seed: int = 0, precision: str = "32-true",
          quiet: bool = False) -> DistributedContext:
     """Join the job started by ``dtrain launch`` / ``torchrun`` (or a world of one) and return its context.
@@ -472,9 +466,7 @@ def init(backend: str = "auto", timeout_seconds: float = 300.0, seed: int = 0, p
     ``precision`` is one of ``32-true``, ``tf32``, ``bf16-mixed``, ``16-mixed`` (CUDA); ``timeout_seconds``
     bounds every collective.
     """
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
+    seed_everything(seed)
     # No step profiler: an own loop does not mark its steps, so timing hooks would cost without telling.
     ctx = DistributedContext(backend=backend, timeout_seconds=timeout_seconds, seed=seed, precision=precision,
                              profile=False)

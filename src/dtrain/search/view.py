@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import yaml
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -213,7 +212,3 @@ def render_html(result: dict[str, Any], rows: list[dict[str, Any]], plan: Search
             f"<h2>Validation {esc(plan.searcher.metric)} per trial</h2>\n"
             f'<img src="data:image/png;base64,{image}" alt="metric vs batches per trial"/>\n'
             f"<h2>Trials</h2>\n<table><tr>{head}</tr>{''.join(body)}</table>\n{best_yaml}\n</body>\n</html>\n")
-
-
-def dump_yaml(data: dict[str, Any]) -> str:
-    return yaml.safe_dump(data, sort_keys=False)

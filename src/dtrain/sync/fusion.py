@@ -13,13 +13,19 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from dtrain import dist as ddist
+
+if TYPE_CHECKING:
+    from dtrain.sync.base import SyncStrategy
+    from dtrain.sync.options import OptimizationsView
 
 log = logging.getLogger(__name__)
 RESULT_FILE = "fusion_tuning.json"
@@ -121,7 +127,20 @@ def saved_choice(run_dir: Path) -> float | None:
         return None
 
 
-def tuner_for_run(ctx: Any, options: Any, run_dir: Path) -> FusionTuner | None:
+class TuningHost(Protocol):
+    """What the tuner needs of the engine's context (:class:`dtrain.engine.context.DistributedContext`)."""
+
+    @property
+    def strategy(self) -> SyncStrategy: ...
+    @property
+    def models(self) -> Sequence[nn.Module]: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def is_chief(self) -> bool: ...
+
+
+def tuner_for_run(ctx: TuningHost, options: OptimizationsView, run_dir: Path) -> FusionTuner | None:
     """The tuner for this run (None when not auto-tuning, or when an earlier attempt already chose: then
     the models are re-bucketed to that choice here)."""
     from dtrain.sync.base import Rebucketable
