@@ -1,7 +1,8 @@
 """How a failing rank's cause reaches the launcher: the error-file protocol, both sides.
 
 A worker that fails writes ``logs/error.rank<r>.json`` (:func:`write_report`); the launcher reads every
-report (:func:`read_reports`) and names the root cause in one line (:func:`root_cause`). torch's own
+report (:func:`read_reports`) and names the root cause in one line
+(:func:`dtrain.launcher.culprit.root_cause`). torch's own
 ``@record`` keeps only a one-second timestamp, too coarse to tell the rank that failed first from the peers
 that failed because of it; these reports keep a precise time and the innermost frame.
 """
@@ -13,15 +14,11 @@ import time
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
-
-from dtrain.launcher.culprit import Status, describe_death, explain_timeout, is_timeout
 
 ERROR_FILE = "error.rank{rank}.json"
 # Errors a rank gets because *another* rank died: never the root cause when a better candidate exists.
 SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote worker crashing",
              "connectFullMesh")
-_AGENT_KILL = {-15, 143}  # SIGTERM: the agent stopping the survivors
 # How long a rank that only saw a peer's connection close waits before exiting. torch's agent reports one
 # failed worker per poll (every 0.1 s) when workers are forked: the peer that died first (os._exit, the
 # OOM killer: no report of its own) must be the one it sees, not this echo of it.
@@ -99,34 +96,3 @@ def read_reports(folder: Path | None, own_ranks: set[int] | None = None) -> list
         if own_ranks is None or report.rank in own_ranks:
             path.unlink(missing_ok=True)
     return reports
-
-
-def root_cause(failures: dict[int, Any], reports: list[ErrorReport],
-               statuses: dict[int, Status] | None = None, world_size: int | None = None) -> Failure | None:
-    """The failure to show, from the agent's per-rank ``failures`` (exit codes), the reports and the ranks'
-    last ``statuses``: bad input first, then the earliest genuine error, then a collective that timed out
-    (blaming the rank it waited for, see :mod:`dtrain.launcher.culprit`), then a rank that died without a word
-    (killed, os._exit), and only then the peers' "connection closed" echoes. None: nothing to go on.
-    ``world_size``: every rank is this launcher's (one node), so one that never started can be named."""
-    statuses = statuses or {}
-    user = [r for r in reports if r.user_error]
-    if user:
-        return min(user, key=lambda r: r.time).failure()
-    timeouts = [r for r in reports if not r.secondary and is_timeout(r.message)]
-    primary = [r for r in reports if not r.secondary and r not in timeouts]
-    if primary:
-        return min(primary, key=lambda r: r.time).failure()
-    if timeouts:
-        first = min(timeouts, key=lambda r: r.time)
-        rank, line = explain_timeout(first.rank, first.message, first.time, {r.rank for r in timeouts}, statuses,
-                                     world_size)
-        return Failure(rank, 1, line, user_error=False, standalone=True)
-    reported = {r.rank for r in reports}
-    for rank, failure in sorted(failures.items()):
-        if rank not in reported and failure.exitcode not in _AGENT_KILL:
-            how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
-                   else f"exited with code {failure.exitcode} without raising an exception")
-            return Failure(rank, 1, describe_death(rank, how, statuses), user_error=False)
-    if reports:
-        return min(reports, key=lambda r: r.time).failure()
-    return None

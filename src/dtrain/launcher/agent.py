@@ -26,9 +26,9 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtrain.engine import watchdog
-from dtrain.engine.failures import Failure, read_reports, root_cause
+from dtrain.engine.failures import Failure, read_reports
 from dtrain.launcher import cpu, forkstart
-from dtrain.launcher.culprit import read_statuses
+from dtrain.launcher.culprit import read_statuses, root_cause
 from dtrain.launcher.join import JoinError, NodeLaunch
 from dtrain.launcher.supervise import Stopped, Supervisor
 
@@ -164,7 +164,7 @@ def _status_dir(run_dir: Path | None) -> Iterator[Path]:
 
 
 def _root_cause(exc: ChildFailedError, status_dir: Path, world_size: int | None) -> Failure:
-    """The one failure to show: see :func:`dtrain.engine.failures.root_cause`."""
+    """The one failure to show: see :func:`dtrain.launcher.culprit.root_cause`."""
     found = root_cause(exc.failures, read_reports(status_dir, own_ranks=set(exc.failures)), read_statuses(status_dir),
                        world_size)
     if found is not None:

@@ -21,9 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtrain.engine.failures import ErrorReport, Failure
 from dtrain.engine.watchdog import STATUS_FILE
 
 # A heartbeat older than this (the watchdog beats twice a second) means the process is not running at all.
+_AGENT_KILL = {-15, 143}  # SIGTERM: the agent stopping the survivors
 STALE_SECONDS = 3.0
 # A collective or store that timed out (Gloo, NCCL's watchdog, the c10d store), not any error that says
 # "timeout": a native source location ("unbound_buffer.cc:78") or the libraries' own phrasing.
@@ -137,3 +139,34 @@ def describe_death(rank: int, how: str, statuses: dict[int, Status]) -> str:
     if status is None:
         return how
     return f"{how} (host {status.host}, pid {status.pid}, in {status.where()})"
+
+
+def root_cause(failures: dict[int, Any], reports: list[ErrorReport],
+               statuses: dict[int, Status] | None = None, world_size: int | None = None) -> Failure | None:
+    """The failure to show, from the agent's per-rank ``failures`` (exit codes), the reports and the ranks'
+    last ``statuses``: bad input first, then the earliest genuine error, then a collective that timed out
+    (blaming the rank it waited for, :func:`explain_timeout`), then a rank that died without a word
+    (killed, os._exit), and only then the peers' "connection closed" echoes. None: nothing to go on.
+    ``world_size``: every rank is this launcher's (one node), so one that never started can be named."""
+    statuses = statuses or {}
+    user = [r for r in reports if r.user_error]
+    if user:
+        return min(user, key=lambda r: r.time).failure()
+    timeouts = [r for r in reports if not r.secondary and is_timeout(r.message)]
+    primary = [r for r in reports if not r.secondary and r not in timeouts]
+    if primary:
+        return min(primary, key=lambda r: r.time).failure()
+    if timeouts:
+        first = min(timeouts, key=lambda r: r.time)
+        rank, line = explain_timeout(first.rank, first.message, first.time, {r.rank for r in timeouts}, statuses,
+                                     world_size)
+        return Failure(rank, 1, line, user_error=False, standalone=True)
+    reported = {r.rank for r in reports}
+    for rank, failure in sorted(failures.items()):
+        if rank not in reported and failure.exitcode not in _AGENT_KILL:
+            how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
+                   else f"exited with code {failure.exitcode} without raising an exception")
+            return Failure(rank, 1, describe_death(rank, how, statuses), user_error=False)
+    if reports:
+        return min(reports, key=lambda r: r.time).failure()
+    return None
