@@ -1,4 +1,4 @@
-"""How a failing rank's cause reaches the launcher: the error-file protocol, both sides.
+"""How a failing rank's cause reaches the launcher: the error-file protocol (format and the worker's side).
 
 A worker that fails writes ``logs/error.rank<r>.json`` (:func:`write_report`); the launcher reads every
 report (:func:`read_reports`) and names the root cause in one line
