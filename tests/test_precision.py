@@ -29,12 +29,12 @@ class _Probe(nn.Module):
 def test_mixed_forward_runs_in_bf16_returns_float32_and_keeps_the_state_dict():
     model = _Probe()
     keys = list(model.state_dict())
-    precision.Precision("bf16-mixed", torch.device("cpu")).wrap_forward(model)
+    precision.make_precision("bf16-mixed", torch.device("cpu")).wrap_forward(model)
     out = model(torch.randn(2, 4))
     assert model.seen == torch.bfloat16 and out.dtype == torch.float32
     assert list(model.state_dict()) == keys and all(p.dtype == torch.float32 for p in model.parameters())
     plain = _Probe()
-    precision.Precision("32-true", torch.device("cpu")).wrap_forward(plain)
+    precision.make_precision("32-true", torch.device("cpu")).wrap_forward(plain)
     assert plain(torch.randn(2, 4)).dtype == torch.float32 and plain.seen == torch.float32
 
 
@@ -53,7 +53,7 @@ def _cpu_scaler() -> precision.Precision:
     # exercised here on CPU (torch.amp.GradScaler("cpu")) with that check lifted (in spawned ranks, or
     # under monkeypatch).
     precision.check_precision = lambda *_: None
-    return precision.Precision("16-mixed", torch.device("cpu"))
+    return precision.make_precision("16-mixed", torch.device("cpu"))
 
 
 def _skip_on_every_rank(rank: int, world: int) -> dict:

@@ -25,7 +25,7 @@ from dtrain.config.schema import ExperimentConfig
 from dtrain.engine import checkpoint, data
 from dtrain.engine.metrics import MeanAccumulator
 from dtrain.engine.nonfinite import NonFiniteError, gradients_nonfinite
-from dtrain.engine.precision import Precision
+from dtrain.engine.precision import make_precision
 from dtrain.engine.rollcall import RollCall
 from dtrain.engine.seeding import rank_seed, seed_everything
 from dtrain.engine.state import PendingRestore, TrainingState
@@ -65,7 +65,7 @@ class DistributedContext:
         self.num_threads = ddist.limit_cpu_threads(self.env)
         ddist.init_process_group(self.env, self.backend, timeout_seconds)
         self.seed = seed
-        self.precision = Precision(precision, self.device)
+        self.precision = make_precision(precision, self.device)
         self.timer = StepTimer(self.device, enabled=profile, warmup_steps=warmup_steps,
                                sample_every=config.profiling.sample_every if config is not None else 1)
         opts = config.optimizations if config is not None else None

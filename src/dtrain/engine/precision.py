@@ -27,9 +27,6 @@ from torch import nn
 from dtrain import dist as ddist
 from dtrain.errors import ConfigError
 
-PRECISIONS = ("32-true", "tf32", "bf16-mixed", "16-mixed")
-_AUTOCAST_DTYPE = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-
 
 def check_precision(precision: str, device_type: str) -> None:
     """Refuse what the device cannot do (called by the launcher, before any worker starts)."""
@@ -51,20 +48,21 @@ def _to_float32(output: Any) -> Any:
 
 
 class Precision:
-    """One run's precision: autocast for forward, loss scaling for float16, TF32 switches."""
+    """``32-true``: float32 everywhere, TF32 off on CUDA (even where a library turned it on). The base of the
+    other precisions: no autocast, no loss scaling."""
 
-    def __init__(self, name: str, device: torch.device) -> None:
-        if name not in PRECISIONS:
-            raise ConfigError(f"precision {name!r} is not one of {', '.join(PRECISIONS)}")
-        check_precision(name, device.type)
-        self.name = name
+    name = "32-true"
+    dtype: torch.dtype | None = None  # autocast's dtype (None: no autocast)
+    scaler: torch.amp.GradScaler | None = None
+    allow_tf32 = False
+
+    def __init__(self, device: torch.device) -> None:
+        check_precision(self.name, device.type)
         self.device = device
-        self.dtype = _AUTOCAST_DTYPE.get(name)
-        self.scaler = torch.amp.GradScaler(device.type) if name == "16-mixed" else None
         if device.type == "cuda":
             # Set both ways, so that "32-true" really is full float32 even where a library enabled TF32.
-            torch.backends.cuda.matmul.allow_tf32 = name == "tf32"
-            torch.backends.cudnn.allow_tf32 = name == "tf32"
+            torch.backends.cuda.matmul.allow_tf32 = self.allow_tf32
+            torch.backends.cudnn.allow_tf32 = self.allow_tf32
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """``with ctx.autocast():`` for code outside the wrapped model (a loss on the outputs, ...)."""
@@ -73,7 +71,7 @@ class Precision:
         return torch.autocast(device_type=self.device.type, dtype=self.dtype)
 
     def wrap_forward(self, module: nn.Module) -> None:
-        """Run ``module``'s forward under autocast and hand float32 outputs back.
+        """Run ``module``'s forward under autocast and hand float32 outputs back (mixed precisions only).
 
         The forward is replaced on the instance (as Accelerate does), not wrapped in another module, so
         parameter names, ``state_dict`` and DDP/FSDP wrapping are exactly as without it.
@@ -91,14 +89,53 @@ class Precision:
         module.forward = forward  # type: ignore[method-assign]
         module._dtrain_autocast = True  # type: ignore[assignment]
 
-    # ----------------------------------------------------------------------------- loss scaling
+    # Loss scaling: nothing to do but in 16-mixed.
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
-        return self.scaler.scale(loss) if self.scaler is not None else loss
+        return loss
 
     def unscale_and_check(self, optimizer: torch.optim.Optimizer, group: Any = None) -> bool:
         """Unscale ``optimizer``'s gradients; True when the step must be skipped (inf/NaN on any rank)."""
-        if self.scaler is None:
-            return False
+        return False
+
+    def update(self) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+class TF32(Precision):
+    """``tf32``: float32, but CUDA matmuls and convolutions may use TF32 tensor cores."""
+
+    name = "tf32"
+    allow_tf32 = True
+
+
+class BF16Mixed(Precision):
+    """``bf16-mixed``: the wrapped forward under bfloat16 autocast; no loss scaling (bfloat16 has float32's
+    range)."""
+
+    name = "bf16-mixed"
+    dtype = torch.bfloat16
+
+
+class FP16Mixed(Precision):
+    """``16-mixed``: float16 autocast with a GradScaler whose skip decision every rank shares."""
+
+    name = "16-mixed"
+    dtype = torch.float16
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__(device)
+        self.scaler = torch.amp.GradScaler(device.type)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.scaler.scale(loss)
+
+    def unscale_and_check(self, optimizer: torch.optim.Optimizer, group: Any = None) -> bool:
         self.scaler.unscale_(optimizer)
         # The flags unscale_ just computed, one per device (private but stable since torch 1.6). Reading
         # them avoids a second pass over every gradient.
@@ -111,13 +148,22 @@ class Precision:
         return bool(found.item())
 
     def update(self) -> None:
-        if self.scaler is not None:
-            self.scaler.update()
+        self.scaler.update()
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scaler.state_dict() if self.scaler is not None else {}
+        return self.scaler.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.scaler is not None and state:
+        if state:
             self.scaler.load_state_dict(state)
 
+
+_BY_NAME: dict[str, type[Precision]] = {cls.name: cls for cls in (Precision, TF32, BF16Mixed, FP16Mixed)}
+PRECISIONS = tuple(_BY_NAME)
+
+
+def make_precision(name: str, device: torch.device) -> Precision:
+    """The precision called ``name`` on ``device``."""
+    if name not in _BY_NAME:
+        raise ConfigError(f"precision {name!r} is not one of {', '.join(PRECISIONS)}")
+    return _BY_NAME[name](device)
