@@ -30,7 +30,7 @@ def _checked(name: str, value: Any) -> torch.Tensor | float:
         if value.is_cpu:
             # Already in host memory: reading it waits for nothing, and a Python float sum costs less than
             # a tensor kernel per metric per step (the same float64 sum either way). ``item()`` here is no
-            # device sync; it is the cheapest read (0.2 us against 1.4 us for ``float(value.detach())``),
+            # device sync; it is the cheapest read (cheaper than ``float(value.detach())``),
             # and it checks the size itself (one element, or RuntimeError: the error below).
             try:  # a try costs nothing when nothing is raised; a suppress() context is an object per call
                 return float(value.item())
@@ -189,8 +189,8 @@ class EventFile:
     """A TensorBoard event file written in the calling thread, a report's scalars as one event.
 
     Why not ``SummaryWriter.add_scalar``: every call hands one event to the event writer's thread, which
-    wakes, takes the GIL from the training loop and computes a pure-Python CRC; measured ~100 us of the
-    loop's time per scalar here, about 1 ms per report of 9 scalars. Written here, with TensorBoard's own
+    wakes, takes the GIL from the training loop and computes a pure-Python CRC, scalar by scalar
+    (docs/benchmarks.md, "The step loop alone"). Written here, with TensorBoard's own
     record framing and protos, a report costs one serialization and one CRC in line, and is flushed at
     once (visible to a live TensorBoard, and kept if the run dies).
     """

@@ -65,9 +65,8 @@ class NonFiniteWatch:
                 self._host_first = batch
             return
         if isinstance(value, torch.Tensor) and value.is_cpu:
-            # A CPU tensor's value is already in host memory: reading it waits for no device. Measured on
-            # the 0.1M-parameter MLP (1.6 ms steps, 1 slot): 71 us per step for the four kernels below,
-            # about 8% of the step, against a few microseconds for this read.
+            # A CPU tensor's value is already in host memory: reading it waits for no device, and costs far
+            # less than launching the four kernels below every step, which shows on small models.
             value = value.item()  # no device to wait for
         if isinstance(value, torch.Tensor):
             value = value.detach()

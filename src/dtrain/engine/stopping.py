@@ -6,10 +6,9 @@ casts at the same *vote* batch: it carries the flag and each rank's proposal for
 distance, so votes come about every :data:`TARGET_SECONDS` of training whatever the step time, and the
 agreed distance is the smallest proposal. The all-reduce is asynchronous: it is cast at one batch and
 its result read one aggregation group later, where every rank stops if any asked to. A blocking one
-would hold each rank until the slower one arrived (~0.7-1 ms on the 2-core test machine, where Gloo's
-threads must also be scheduled); in flight, it costs the step loop only its launch. Between votes a
-rank reads no flag and syncs nothing. On GPU it is a host-side collective (a Gloo group beside NCCL),
-which never waits for the device.
+would hold each rank until the slower one arrived (and until Gloo's threads got scheduled); in flight,
+it costs the step loop only its launch. Between votes a rank reads no flag and syncs nothing. On GPU it
+is a host-side collective (a Gloo group beside NCCL), which never waits for the device.
 
 A training report's all-reduce (:class:`dtrain.engine.metrics.SumInFlight`, a SUM over the same ranks) also
 carries each rank's flag and proposal (:meth:`StopVote.ride`); where it is read, the next vote moves to
@@ -17,10 +16,11 @@ the mean proposal's distance from the report (:meth:`StopVote.carried`). Where r
 than every ~2 s, the trainer holds them back and sends them together with the last report before the
 next vote's batch (:meth:`dtrain.engine.trainer.Trainer._report_training`): then no vote is cast, and the loop
 launches one collective per ~2 s for reports and stopping together; when steps slow down, the next
-report's proposals bring the votes back. Every in-flight all-reduce slows the step it overlaps (~1 ms on
-the 2-core test machine, where Gloo's threads share the cores with the loop), so one collective fewer
-counts on small steps. A flag heard through a report stops every rank at the first batch that ends an
-aggregation group from the one where the report was read, which is the same batch on every rank.
+report's proposals bring the votes back. Every in-flight all-reduce slows the step it overlaps (Gloo's
+threads share the cores with the loop), so one collective fewer counts on small steps (docs/benchmarks.md,
+"What the Trial's extra cost is made of"). A flag heard through a report stops every rank at the first
+batch that ends an aggregation group from the one where the report was read, which is the same batch on
+every rank.
 
 A run on one rank casts no vote: it reads its own flag at every batch that ends an aggregation group and
 stops there, so a signal lands within one group whatever the step time.
@@ -45,10 +45,9 @@ from dtrain import dist as ddist
 from dtrain.engine.watchdog import STATUS, STOP
 
 # Votes ~2 s apart: a stop lands within ~2 s of the signal (well inside Kubernetes' 30 s grace), and the loop
-# launches one collective per ~2 s for stopping and reports together. At 0.5 s the 0.1M-MLP Trial of
-# bench/overhead.py measured 0.5 +/- 0.8% slower (16 launches, within the noise; docs/benchmarks.md item 13),
-# the way the collective count points: each one in flight slows the step it overlaps by ~1 ms on 2 cores,
-# and across hosts each is a round of network latency.
+# launches one collective per ~2 s for stopping and reports together: each one in flight slows the step it
+# overlaps, and across hosts each is a round of network latency (docs/benchmarks.md, "What the Trial's
+# extra cost is made of").
 TARGET_SECONDS = 2.0
 MAX_INTERVAL = 100_000
 # Written by the chief once the ranks stopped together and checkpointed: the launcher's proof of a clean stop.
@@ -69,8 +68,8 @@ class StopVote:
         self.next_at = start_batch + self.k if enabled else sys.maxsize
         self._last = (start_batch, time.monotonic())
         self._buf = torch.zeros(2, dtype=torch.int64)
-        # The same memory as numpy: a vote's four reads and writes cost ~0.3 us this way against ~9 us through
-        # torch's indexing (2-core test machine); the all-reduce still runs on the tensor.
+        # The same memory as numpy: a vote's four reads and writes cost far less this way than through torch's
+        # indexing; the all-reduce still runs on the tensor.
         self._values = self._buf.numpy()
         # The vote in flight: (its all-reduce, or None on one rank; the batch it was cast at).
         self._pending: tuple[Any, int] | None = None

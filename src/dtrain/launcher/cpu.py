@@ -4,8 +4,8 @@ Each slot gets ``free cores // local slots`` torch threads (at least one), so N 
 threads than the cores they share and one slot is not starved of the cores the others would have used.
 *Free* cores are this process's cores minus what other processes kept busy over a short look at
 ``/proc/stat`` just before the launch: on a machine shared with other jobs, a 2-thread slot on 2 busy
-cores waits at every parallel region for a thread that lost its time slice (measured here: a 1-slot
-digits step took 214 ms with 2 threads on 2 busy cores, against about 2 ms with one). A user's
+cores waits at every parallel region for a thread that lost its time slice, and runs many times slower
+than with one thread (docs/benchmarks.md, "One thread rule"). A user's
 ``OMP_NUM_THREADS`` (read once, when dtrain starts, before dtrain sets it for its own workers) is
 respected by ``dtrain run``, with a warning when it oversubscribes the cores; ``dtrain bench`` overrides it
 (and says so), because a fixed thread count per slot starves the 1-slot baseline or oversubscribes N slots,

@@ -115,8 +115,8 @@ def _make_worker_process() -> None:
     _forking = False
     # Everything inherited from the launcher (torch, its modules, a test runner's heap) lives as long as
     # the worker: frozen, the worker's collections skip it (the Python docs' advice for fork without
-    # exec). Measured: the gc.collect() before leaving the process group took 0.26 s per forked worker
-    # of a tiny run started from a test process, and it copied every page it touched.
+    # exec). Otherwise the gc.collect() before leaving the process group walks the whole inherited heap in
+    # every forked worker (a test runner's, say), copying every page it touches.
     gc.freeze()
     os.setsid()
     for sig in _STOP_SIGNALS:

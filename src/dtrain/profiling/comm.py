@@ -155,17 +155,17 @@ class DDPTiming:
     the recorder themselves).
 
     ``native``: read DDP's C++ reducer timers (busy time, bucket sizes; sampled iterations, averaged)
-    instead of a Python comm hook, which would complete a Python future on Gloo's thread for every
-    bucket: several percent of a 2 ms step (bench/profiler_overhead.py). Private torch API (stable since
+    instead of a Python comm hook, which would complete a Python future on Gloo's thread for every bucket,
+    which shows on small steps (docs/benchmarks.md, "Profiler overhead"). Private torch API (stable since
     1.9): on failure, fall back to the hook. Either way the last gradient is stamped, on timed steps, by an
     autograd hook on the parameter backward reaches last: the rest of ``backward()`` is waiting. At first
     that is a guess, the model's first parameter (a ``Linear``'s weight is accumulated after its bias; a
     tied input embedding after its last use). From DDP's second iteration on, DDP's logging data says in
-    which order gradients became ready (``prev_iteration_grad_ready_order_indices``); where the last one
-    is another parameter (a head defined before the body, say), it is hooked too, and being later, its
-    stamp is the one kept. Few hooks: a hook costs a call into Python at every step, timed or not (even
-    after its handle's ``remove()``, measured), and on the 2-core test machine four of them cost a
-    0.1M-parameter MLP's Trial ~1% (docs/benchmarks.md item 12).
+    which order gradients became ready (``prev_iteration_grad_ready_order_indices``); where the last one is
+    another parameter (a head defined before the body, say), it is hooked too, and being later, its stamp is
+    the one kept. Few hooks: a hook costs a call into Python at every step, timed or not, even after its
+    handle's ``remove()``, and on small steps those calls show (docs/benchmarks.md, "What the Trial's extra
+    cost is made of").
     """
 
     def __init__(self, recorder: CommRecorder, native: bool) -> None:

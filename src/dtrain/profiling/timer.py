@@ -21,9 +21,9 @@ after that, one step in ``sample_every`` on average, drawn at random (geometric 
 every rank times the same steps, and a periodic event such as a report every 100 steps is not always in or
 always out of the sample). Each timed step is weighted by the steps it stands for, so the means estimate
 those of every profiled step; ``profiled_steps`` counts the steps after the warm-up, ``timed_steps`` those
-timed. What sampling saves is less the edges (on the 2-core test machine, timing every step or one in four
-made no measurable difference to the 0.1M MLP's Trial, docs/benchmarks.md item 12) than what a timed step
-needs besides them: on CUDA seven events, and the last-gradient stamp (an event too).
+timed. What sampling saves is less the edges (on CPU, timing every step or one in four made no measurable
+difference: docs/benchmarks.md, "What the Trial's extra cost is made of") than what a timed step needs
+besides them: on CUDA seven events, and the last-gradient stamp (an event too).
 """
 
 from __future__ import annotations
