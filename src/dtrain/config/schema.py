@@ -99,7 +99,8 @@ class DataLoaderOptions(Strict):
 
 
 class Profiling(Strict):
-    """The step profiler: on by default, it costs well under 2% of throughput (bench/profiler_overhead.py)."""
+    """The step profiler: on by default, as its cost is within measurement noise (docs/benchmarks.md, "Profiler
+    overhead")."""
 
     enabled: bool = True
     # First steps carry one-off costs (DDP's bucket rebuild, allocator warm-up): timed, not profiled.

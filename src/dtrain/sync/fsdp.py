@@ -21,7 +21,7 @@ from dtrain.sync.registry import register
 
 
 def _fsdp() -> Any:
-    # FSDP pulls in torch.distributed.checkpoint and DTensor (~0.4 s): imported when a run uses it.
+    # FSDP pulls in torch.distributed.checkpoint and DTensor, slow to import: imported when a run uses it.
     import torch.distributed.fsdp as fsdp
 
     return fsdp

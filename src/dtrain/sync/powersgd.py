@@ -123,12 +123,11 @@ def _compress_and_average(state: PowerSGDState, matrices: list[tuple[int, torch.
     all-reduce, its Q matrices in a second: two collectives per bucket, whatever its content. The
     averaged low-rank approximation is written back into the bucket.
 
-    Why it is written this way (bench/powersgd_link.py, 3072 x 3072 gradient, one core): every pass
-    over M costs about as much as the whole all-reduce of P and Q on a 25 MB/s link, so the math reads
-    and writes M as few times as it can. Q is computed as (P^T M)^T, not M^T P: torch's CPU matmul of a
-    transposed square matrix by a skinny one is ~9x slower (216 ms vs 24 ms). The error-feedback buffer
-    is kept and updated in place: allocating a fresh copy of M per step (``clone``) costs page faults on
-    every one of its pages (60-90 ms for 38 MB)."""
+    Why it is written this way (bench/powersgd_link.py): on a slow link every pass over M costs about as
+    much as the whole all-reduce of P and Q, so the math reads and writes M as few times as it can. Q is
+    computed as (P^T M)^T, not M^T P: torch's CPU matmul of a transposed square matrix by a skinny one is
+    much slower. The error-feedback buffer is kept and updated in place: allocating a fresh copy of M per
+    step (``clone``) page-faults on every one of its pages."""
     sources, ps = [], []
     for index, m in matrices:
         source = m
