@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from dtrain.profiling.record import load_profile
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 ROOT = HERE.parent
@@ -103,11 +105,11 @@ def dtrain_run(precision: str, profiling: bool, steps: int, warmup: int, batch: 
     subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(cfg), "--run-dir", str(run_dir), "--quiet"],
                    check=True, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=1200)
     summary = json.loads((run_dir / "summary.json").read_text())
-    profile = json.loads((run_dir / "profile.json").read_text()) if profiling else {}
+    profile = load_profile(run_dir / "profile.json") if profiling else None
     return {"all_steps": summary["samples_per_second_all_steps"], "steady": summary["samples_per_second"],
             "wall_seconds": summary["wall_seconds"], "train_seconds": summary["train_seconds"],
-            "breakdown": {k: v["mean"] for k, v in profile.get("seconds_per_step", {}).items()},
-            "peak_memory_bytes": max((r["peak_memory_bytes"] for r in profile.get("per_rank", [])), default=0)}
+            "breakdown": {k: v.mean for k, v in profile.seconds_per_step.items()} if profile else {},
+            "peak_memory_bytes": max((r.peak_memory_bytes for r in profile.per_rank), default=0) if profile else 0}
 
 
 def main() -> None:

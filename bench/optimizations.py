@@ -27,6 +27,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dtrain.profiling.record import ProfileRecord, load_profile
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -80,11 +82,11 @@ def _spread(values: list[float], fmt: str) -> str:
     return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
-def _row(profile: dict) -> dict[str, float]:
-    comm = profile["comm"]
-    return {"mb": comm["bytes_per_step"] / 1e6, "collectives": comm["buckets_per_step"],
-            "busy": comm["busy_seconds_per_step"], "step": profile["seconds_per_step"]["step"]["mean"],
-            "samples": profile["samples_per_second"]}
+def _row(profile: ProfileRecord) -> dict[str, float]:
+    comm = profile.comm
+    return {"mb": comm.bytes_per_step / 1e6, "collectives": comm.buckets_per_step,
+            "busy": comm.busy_seconds_per_step, "step": profile.seconds_per_step.step.mean,
+            "samples": profile.samples_per_second}
 
 
 def link_table(rate: str, steps: int, rounds: list[dict[str, dict[str, float]]], parameters: float) -> list[str]:
@@ -171,9 +173,9 @@ def main() -> int:
                 print(f"round {r + 1}/{args.repeats}: {name} ...", file=sys.stderr, flush=True)
                 overrides, src = cases[name]
                 run_dir = two_hosts(args.rate, Path(tmp), f"{name.replace(',', '')}-{r}", args.steps, overrides, src)
-                profile = json.loads((run_dir / "profile.json").read_text())
+                profile = load_profile(run_dir / "profile.json")
                 results[name] = _row(profile)
-                parameters = profile["parameters"]
+                parameters = profile.parameters
                 if name == "none" and not verdict:
                     doctor = subprocess.run([sys.executable, "-m", "dtrain.cli", "doctor", str(run_dir)],
                                             capture_output=True, text=True, cwd=ROOT)

@@ -40,6 +40,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dtrain.profiling.record import load_profile
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "bench"))
@@ -85,7 +87,7 @@ def _short(steps: int) -> list[str]:
 
 def _done(run_dir: Path) -> float | None:
     path = run_dir / "profile.json"
-    return json.loads(path.read_text())["samples_per_second"] if path.is_file() else None
+    return load_profile(path).samples_per_second if path.is_file() else None
 
 
 def run_local(row: Row, steps: int, run_dir: Path) -> float:
@@ -97,7 +99,7 @@ def run_local(row: Row, steps: int, run_dir: Path) -> float:
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise SystemExit(f"{row.label} failed:\n{done.stderr[-3000:]}")
-    return json.loads((run_dir / "profile.json").read_text())["samples_per_second"]
+    return load_profile(run_dir / "profile.json").samples_per_second
 
 
 def run_hosts(row: Row, steps: int, run_dir: Path) -> float:
@@ -115,7 +117,7 @@ def run_hosts(row: Row, steps: int, run_dir: Path) -> float:
                     "--quiet", *_short(steps), *[a for s in row.sets for a in ("--set", s)]]
 
         _run_pair(hosts, argv, env, timeout=900)
-    return json.loads((run_dir / "profile.json").read_text())["samples_per_second"]
+    return load_profile(run_dir / "profile.json").samples_per_second
 
 
 def predict(base: Path, row: Row) -> float:

@@ -40,7 +40,8 @@ def test_bench_and_doctor_agree_on_one_slot(tmp_path):
     measured in the same session (medians over rounds), on the digits example."""
     from helpers import ROOT
 
-    from dtrain.explain.doctor import diagnose, load_profile
+    from dtrain.explain.doctor import diagnose
+    from dtrain.profiling.record import load_run_profile
 
     out = tmp_path / "bench"
     result = dtrain_cli("bench", str(ROOT / "examples" / "digits" / "experiment.yaml"), "--slots", "1,2",
@@ -48,7 +49,7 @@ def test_bench_and_doctor_agree_on_one_slot(tmp_path):
     assert result.code == 0, result.stderr
     data = json.loads((out / "bench.json").read_text())
     measured = next(r for r in data["rows"] if r["slots"] == 2)["speedup"]
-    estimates = sorted(diagnose(load_profile(out / f"round{r}" / "2slot-strong-real"))["scaling"]
+    estimates = sorted(diagnose(load_run_profile(out / f"round{r}" / "2slot-strong-real"))["scaling"]
                        ["estimated_speedup_vs_one_slot"] for r in range(3))
     assert all(c["threads_per_slot"] >= 1 for c in data["cases"])
     assert estimates[1] == pytest.approx(measured, rel=0.25), (estimates, measured, data["rows"])

@@ -7,6 +7,9 @@ import socket
 
 import pytest
 from helpers import TRIALS, cli_in_process, tiny_config
+from profiles import make_profile
+
+from dtrain.profiling.record import load_profile
 
 PLANTED = {
     "data_loading": ("data_loading", "planted:SlowDataTrial", {"load_seconds": 0.003, "global_batch_size": 8}),
@@ -53,8 +56,8 @@ def test_planted_bottleneck_is_named(tmp_path, case):
             assert lag and float(lag.group(1)) > 5, text
             assert f"slow in {SLOW_PHASE[case]}" in text, text
         assert top["straggler"]["rank"] == 1 and top["straggler"]["chronic"]
-        lags = json.loads((tmp_path / "r" / "profile.json").read_text())["stragglers"]
-        assert lags["chronic_rank"] == 1 and lags["per_rank"][1]["slow_phase"] == SLOW_PHASE[case]
+        lags = load_profile(tmp_path / "r" / "profile.json").stragglers
+        assert lags is not None and lags.chronic_rank == 1 and lags.per_rank[1].slow_phase == SLOW_PHASE[case]
         if case == "straggler-loader":  # a real fix exists: more loader workers, not fewer slots
             assert top["key"] == "data_loader.num_workers", top
 
@@ -83,21 +86,16 @@ def test_bench_bad_slots(tmp_path):
     _one_line(cli_in_process("bench", str(cfg), "--steps", "0"), "expected a positive integer")
 
 
-def _gpu_profile(precision="32-true", peak_gb=10.0, total_gb=80.0):
-    phases = {"data": 0.001, "forward": 0.010, "backward": 0.020, "comm_exposed": 0.0, "optimizer": 0.002,
+def _gpu_profile(precision="32-true", peak_gb=10.0, total_gb=80.0, comm_exposed=0.0, comm=None, **facts):
+    phases = {"data": 0.001, "forward": 0.010, "backward": 0.020, "comm_exposed": comm_exposed, "optimizer": 0.002,
               "other": 0.001}
     step = sum(phases.values())
-    return {
-        "schema_version": 1, "slots": 1, "samples_per_second": 32 / step, "global_batch_size": 32,
-        "precision": precision, "phases": list(phases),
-        "per_rank": [{"rank": 0, "host": "gpu0", "seconds_per_step": {**phases, "step": step},
-                      "peak_memory_bytes": peak_gb * 2**30}],
-        "seconds_per_step": {p: {"min": v, "mean": v, "max": v} for p, v in {**phases, "step": step}.items()},
-        "comm": {"busy_seconds_per_step": 0.0, "buckets_per_step": 0, "latency_seconds": 0.0, "bytes_per_step": 0,
-                 "algbw_bytes_per_second": 0.0},
-        "device_facts": {"type": "cuda", "name": "H100", "tensor_cores": True, "total_memory_bytes": total_gb * 2**30,
-                         "matmul_tflops": {"fp32": 50.0, "tf32": 200.0, "bf16": 400.0, "fp16": 400.0}},
-    }
+    return make_profile(
+        [phases], "gpu0", peak_memory_bytes=peak_gb * 2**30, comm=comm, samples_per_second=32 / step,
+        global_batch_size=32, precision=precision, backend="nccl", device="cuda",
+        device_facts={"type": "cuda", "name": "H100", "capability": "9.0", "tensor_cores": True,
+                      "total_memory_bytes": total_gb * 2**30,
+                      "matmul_tflops": {"fp32": 50.0, "tf32": 200.0, "bf16": 400.0, "fp16": 400.0}}, **facts)
 
 
 def test_doctor_recommends_lower_precision_on_a_compute_bound_gpu():
@@ -130,11 +128,9 @@ def test_batch_size_advice_is_bounded_by_gpu_memory():
 def test_no_compression_advice_for_a_strategy_that_cannot_compress():
     from dtrain.explain.doctor import diagnose
 
-    profile = _gpu_profile()
-    profile["per_rank"][0]["seconds_per_step"]["comm_exposed"] = 0.05
-    profile["comm"].update(busy_seconds_per_step=0.05, bytes_per_step=4e6, algbw_bytes_per_second=8e7,
-                           buckets_per_step=1, latency_seconds=1e-4)
-    profile["strategy"], profile["strategy_compressions"] = "fsdp", ["none"]
+    profile = _gpu_profile(comm_exposed=0.05, strategy="fsdp", strategy_compressions=["none"],
+                           comm={"busy_seconds_per_step": 0.05, "bytes_per_step": 4e6, "algbw_bytes_per_second": 8e7,
+                                 "buckets_per_step": 1.0, "latency_seconds": 1e-4})
     communication = {f["factor"]: f for f in diagnose(profile)["factors"]}["communication"]
     assert communication["key"] == "optimizations.aggregation_frequency"
     assert communication["predicted_speedup"] > 1 and "cannot compress" in communication["why"]

@@ -4,6 +4,7 @@ import json
 
 import pytest
 from helpers import cli_in_process
+from profiles import make_profile, write
 
 from dtrain.explain.plan import Case, Measured, parse_link, plan, predict_step
 
@@ -12,22 +13,17 @@ def _run_dir(tmp_path, slots=2, exposed=0.004, buckets=1):
     phases = {"data": 0.001, "forward": 0.002, "backward": 0.003, "comm_exposed": exposed, "optimizer": 0.001,
               "other": 0.0}
     step = sum(phases.values())
-    rank = {"seconds_per_step": {**phases, "step": step}, "host": "h0", "peak_memory_bytes": 1e8}
-    profile = {
-        "schema_version": 1, "slots": slots, "samples_per_second": 64 / step, "global_batch_size": 64,
-        "per_slot_batch_size": 64 // slots, "parameters": 250_000, "phases": list(phases), "cpu_cores": 2,
-        "aggregation_frequency": 1, "gradient_compression": "none", "strategy_compressions": ["none", "fp16"],
-        "per_rank": [{**rank, "rank": i} for i in range(slots)],
-        "seconds_per_step": {p: {"min": v, "mean": v, "max": v} for p, v in {**phases, "step": step}.items()},
-        "comm": {"busy_seconds_per_step": exposed, "exposed_seconds_per_step": exposed, "buckets_per_step": buckets,
-                 "latency_seconds": 0.0005, "bytes_per_step": 1e6, "algbw_bytes_per_second": 1e9,
-                 "busbw_bytes_per_second": 1e9},
-        "batch_scaling": {"work_seconds": 0.005, "work_double_seconds": 0.0075, "load_seconds": 0.001,
-                          "load_double_seconds": 0.002},
-        "allreduce_probe": {"bytes": 1e6, "seconds": 0.0015},
-    }
+    profile = make_profile(
+        [phases] * slots, "h0", slots=slots, samples_per_second=64 / step, global_batch_size=64, parameters=250_000,
+        strategy_compressions=["none", "fp16"],
+        comm={"busy_seconds_per_step": exposed, "exposed_seconds_per_step": exposed, "buckets_per_step": buckets,
+              "latency_seconds": 0.0005, "bytes_per_step": 1e6, "algbw_bytes_per_second": 1e9,
+              "busbw_bytes_per_second": 1e9},
+        batch_scaling={"per_slot_batch_size": 64 // slots, "work_seconds": 0.005, "work_double_seconds": 0.0075,
+                       "load_seconds": 0.001, "load_double_seconds": 0.002},
+        allreduce_probe={"bytes": 1e6, "seconds": 0.0015})
     (tmp_path / "config.yaml").write_text("name: x\nmax_length:\n  batches: 1000\n")
-    (tmp_path / "profile.json").write_text(json.dumps(profile))
+    write(tmp_path, profile)
     return tmp_path
 
 

@@ -7,7 +7,6 @@ training happens here.
 from __future__ import annotations
 
 import base64
-import copy
 import html
 import io
 import json
@@ -22,10 +21,12 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
+from profiles import make_profile, write
 
 from dtrain.errors import UserError
-from dtrain.explain.doctor import diagnose, load_profile
+from dtrain.explain.doctor import diagnose
 from dtrain.explain.report import write_report
+from dtrain.profiling.record import ProfileRecord, load_run_profile
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
@@ -48,32 +49,17 @@ profiling:
 """
 
 
-def _rank(rank: int, host: str, ms: list[float]) -> dict:
-    seconds = {p: v / 1e3 for p, v in zip(PHASES, ms, strict=True)}
-    seconds["step"] = sum(seconds.values())
-    return {"rank": rank, "host": host, "seconds_per_step": seconds,
-            "comm_busy_seconds_per_step": seconds["comm_exposed"], "comm_bytes_per_step": 104488.0,
-            "comm_buckets_per_step": 1.0}
+def _ms(values: list[float]) -> dict[str, float]:
+    return {p: v / 1e3 for p, v in zip(PHASES, values, strict=True)}
 
 
-def _profile(host: str = "vm") -> dict:
-    """A 2-rank profile.json shaped like the digits example's (rank 1 a little slower)."""
-    ranks = [_rank(0, host, [0.17, 0.21, 0.33, 0.94, 0.19, 0.03]), _rank(1, host, [0.16, 0.20, 0.34, 0.95, 0.19, 0.03])]
-    stats = {}
-    for phase in [*PHASES, "step"]:
-        values = [r["seconds_per_step"][phase] for r in ranks]
-        stats[phase] = {"min": min(values), "mean": sum(values) / len(values), "max": max(values)}
-    return {
-        "schema_version": 1, "slots": 2, "backend": "gloo", "device": "cpu", "threads_per_slot": 1,
-        "global_batch_size": 64, "per_slot_batch_size": 32, "parameters": 26122, "synthetic_data": False,
-        "data_loader_workers": 0, "aggregation_frequency": 1, "tensor_fusion_threshold_mb": 64.0, "profiling": True,
-        "steps": 660, "profiled_steps": 657, "samples_per_second": 34350.8, "samples_per_second_all_steps": 34029.5,
-        "train_seconds": 1.24, "validation_seconds": 0.014, "checkpoint_seconds": 0.047, "wall_seconds": 1.35,
-        "phases": list(PHASES), "seconds_per_step": stats, "per_rank": ranks,
-        "comm": {"bytes_per_step": 104488.0, "buckets_per_step": 1.0, "busy_seconds_per_step": 0.000944,
-                 "exposed_seconds_per_step": 0.000944, "algbw_bytes_per_second": 1.107e8,
-                 "busbw_bytes_per_second": 1.107e8, "latency_seconds": 0.000149},
-    }
+def _profile(host: str = "vm") -> ProfileRecord:
+    """A 2-rank profile shaped like the digits example's (rank 1 a little slower)."""
+    return make_profile([_ms([0.17, 0.21, 0.33, 0.94, 0.19, 0.03]), _ms([0.16, 0.20, 0.34, 0.95, 0.19, 0.03])],
+                        host, comm={"bytes_per_step": 104488.0, "buckets_per_step": 1.0,
+                                    "busy_seconds_per_step": 0.000944, "exposed_seconds_per_step": 0.000944,
+                                    "algbw_bytes_per_second": 1.107e8, "busbw_bytes_per_second": 1.107e8,
+                                    "latency_seconds": 0.000149})
 
 
 def _records(train_metric: str = "loss") -> list[dict]:
@@ -88,15 +74,15 @@ def _records(train_metric: str = "loss") -> list[dict]:
     return records
 
 
-def make_run(path: Path, *, name: str = "digits", profile: dict | None = None, records: list[dict] | None = None,
-             summary: bool = True) -> Path:
+def make_run(path: Path, *, name: str = "digits", profile: ProfileRecord | None = None,
+             records: list[dict] | None = None, summary: bool = True) -> Path:
     """A run directory as ``dtrain run`` leaves it; ``profile``/``records`` None means the file is absent."""
     path.mkdir(parents=True)
     (path / "config.yaml").write_text(CONFIG.format(name=json.dumps(name)))
     if records is not None:
         (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     if profile is not None:
-        (path / "profile.json").write_text(json.dumps(profile))
+        write(path, profile)
     if summary:
         (path / "summary.json").write_text(json.dumps(
             {"slots": 2, "samples_per_second": 34350.8, "validation": {"accuracy": 0.9805, "validation_loss": 0.074}}))
@@ -180,7 +166,7 @@ def test_full_report_is_well_formed_and_has_every_section(full_run):
 
 def test_doctor_verdict_and_highlighted_top_factor(full_run):
     run_dir, _, page = full_run
-    diagnosis = diagnose(load_profile(run_dir))
+    diagnosis = diagnose(load_run_profile(run_dir))
     assert html.escape(diagnosis["verdict"]) in page
     top_rows = re.findall(r'<tr class="top"><td>([^<]*)</td>', page)
     assert top_rows == [diagnosis["top_factor"]]
@@ -249,12 +235,11 @@ def test_user_strings_are_escaped(tmp_path):
 
 
 def test_profile_the_doctor_cannot_model_is_a_note(tmp_path):
-    profile = copy.deepcopy(_profile())
-    del profile["comm"]["latency_seconds"]  # passes load_profile's checks, not the doctor's model
+    profile = _profile().model_copy(update={"global_batch_size": 0})  # a valid record, not a model the doctor has
     page = write_report(make_run(tmp_path / "run", profile=profile, records=None)).read_text()
     check_well_formed(page)
-    assert "The doctor could not diagnose this profile" in page and "latency_seconds" in page
-    assert "<td>latency ms (one float)</td><td class=\"num\">n/a</td>" in page
+    assert "The doctor could not diagnose this profile" in page and "ZeroDivisionError" in page
+    assert "<td>latency ms (one float)</td><td class=\"num\">0.149</td>" in page  # the breakdown still shows
 
 
 @pytest.mark.parametrize("broken", [

@@ -50,12 +50,12 @@ def test_the_rank_that_waits_least_arrived_last_and_its_slow_phase_is_named():
     assert figures[0]["lag_median"] == 0.0
     assert stragglers.slow_phase(figures[1]) == ("forward", pytest.approx(0.008))
     doc = section(figures, ["a", "b"], step_seconds=0.010)
-    assert doc["chronic_rank"] == 1 and doc["per_rank"][1]["host"] == "b" and doc["samples"] == 10
+    assert doc.chronic_rank == 1 and doc.per_rank[1].host == "b" and doc.samples == 10
 
 
 def test_ranks_taking_turns_are_noise_not_a_chronic_straggler():
     rank0 = [_row(forward=0.001, comm_exposed=0.002 if k % 2 else 0.0) for k in range(10)]
     rank1 = [_row(forward=0.001, comm_exposed=0.0 if k % 2 else 0.002) for k in range(10)]
     doc = section(rank_figures([_export(rank0), _export(rank1)]), ["a", "a"], step_seconds=0.004)
-    assert doc["chronic_rank"] is None
-    assert [r["last_fraction"] for r in doc["per_rank"]] == [0.5, 0.5]
+    assert doc.chronic_rank is None
+    assert [r.last_fraction for r in doc.per_rank] == [0.5, 0.5]

@@ -333,8 +333,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
-    from dtrain.explain.doctor import diagnose, load_profile, render
+    from dtrain.explain.doctor import diagnose, render
     from dtrain.explain.summary import time_cost_table
+    from dtrain.profiling.record import load_run_profile
 
     if args.verify:
         from dtrain.explain.verify import render as render_verify
@@ -344,7 +345,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                         log=lambda line: print(line, file=sys.stderr, flush=True))
         print(json.dumps(result, indent=2) if args.json else render_verify(result), end="\n" if args.json else "")
         return 0
-    profile = load_profile(args.run_dir)
+    profile = load_run_profile(args.run_dir)
     diagnosis = diagnose(profile)
     if args.json:
         print(json.dumps(diagnosis, indent=2))

@@ -32,6 +32,7 @@ from dtrain.engine.trial import PyTorchTrial, load_trial_class
 from dtrain.engine.watchdog import STATUS
 from dtrain.profiling.clock import synchronized_now
 from dtrain.profiling.figures import build_profile, collect_rank_figures, run_facts
+from dtrain.profiling.record import write_profile
 from dtrain.sync.base import Serving
 from dtrain.sync.fusion import tuner_for_run
 
@@ -439,6 +440,5 @@ class Trainer:
             self.writer.close()
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             if timer.enabled:
-                profile = build_profile(per_rank, hosts, run, latency)
-                (self.run_dir / "profile.json").write_text(json.dumps(profile, indent=2))
+                write_profile(self.run_dir / "profile.json", build_profile(per_rank, hosts, run, latency))
         return summary

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from dtrain.profiling.record import BatchScaling, ProfileRecord
+
 # What slows one rank in each phase, and how to see it on that host (Linux tools that are always there
 # first, then the GPU's).
 CHECKS = {
@@ -29,29 +31,29 @@ CHECKS = {
 }
 
 
-def straggler(profile: dict[str, Any], work: list[float]) -> dict[str, Any] | None:
+def straggler(profile: ProfileRecord, work: list[float]) -> dict[str, Any] | None:
     """The rank everyone waits for, from ``profile.json``'s arrival lags (``stragglers``), else from the
-    per-rank work (older profiles). None with one slot."""
-    ranks = profile["per_rank"]
+    per-rank work (no lags sampled). None with one slot."""
+    ranks = profile.per_rank
     if len(ranks) < 2:
         return None
-    lags = profile.get("stragglers") or {}
-    per_rank = lags.get("per_rank") or []
-    if per_rank:
-        chronic = lags.get("chronic_rank")
+    lags = profile.stragglers
+    if lags is not None and lags.per_rank:
+        per_rank = lags.per_rank
+        chronic = lags.chronic_rank
         pick = chronic if chronic is not None else max(range(len(per_rank)),
-                                                       key=lambda i: per_rank[i]["lag_median_seconds"])
+                                                       key=lambda i: per_rank[i].lag_median_seconds)
         r = per_rank[pick]
-        return {"rank": pick, "host": r.get("host") or "?", "lag_seconds": r["lag_median_seconds"],
-                "lag_p90_seconds": r["lag_p90_seconds"], "last_fraction": r["last_fraction"],
-                "samples": int(lags.get("samples", 0)), "chronic": chronic is not None,
-                "phase": r["slow_phase"], "phase_excess_seconds": r["slow_phase_excess_seconds"], "measured": True}
+        return {"rank": pick, "host": r.host or "?", "lag_seconds": r.lag_median_seconds,
+                "lag_p90_seconds": r.lag_p90_seconds, "last_fraction": r.last_fraction,
+                "samples": lags.samples, "chronic": chronic is not None,
+                "phase": r.slow_phase, "phase_excess_seconds": r.slow_phase_excess_seconds, "measured": True}
     slowest = max(range(len(work)), key=lambda i: work[i])
     fastest = min(range(len(work)), key=lambda i: work[i])
     phases = ("data", "forward", "backward", "optimizer", "other")
-    excess = {p: ranks[slowest]["seconds_per_step"][p] - min(r["seconds_per_step"][p] for r in ranks) for p in phases}
+    excess = {p: ranks[slowest].seconds_per_step.of(p) - min(r.seconds_per_step.of(p) for r in ranks) for p in phases}
     phase = max(phases, key=lambda p: excess[p])
-    return {"rank": slowest, "host": ranks[slowest].get("host") or "?", "lag_seconds": work[slowest] - work[fastest],
+    return {"rank": slowest, "host": ranks[slowest].host or "?", "lag_seconds": work[slowest] - work[fastest],
             "lag_p90_seconds": None, "last_fraction": None, "samples": 0, "chronic": None, "phase": phase,
             "phase_excess_seconds": excess[phase], "measured": False}
 
@@ -71,23 +73,21 @@ def straggler_text(s: dict[str, Any], leave_out: str) -> str:
             f"it. Check on {s['host']}: {CHECKS[s['phase']]}. If it cannot be fixed, leave it out ({leave_out})")
 
 
-def usable_cores(profile: dict[str, Any]) -> int | None:
-    """CPU cores the run's host offered (recorded by the run), or None for older profiles."""
-    cores = profile.get("cpu_cores")
-    return int(cores) if cores else None
+def usable_cores(profile: ProfileRecord) -> int | None:
+    """CPU cores the run's host offered (recorded by the run), or None where none were recorded."""
+    return profile.cpu_cores or None
 
 
-def local_slots(profile: dict[str, Any]) -> int:
+def local_slots(profile: ProfileRecord) -> int:
     """Slots per host (the run's ranks over its distinct host names)."""
-    hosts = len({r.get("host") for r in profile["per_rank"]}) or 1
-    return max(1, int(profile["slots"]) // hosts)
+    return max(1, profile.slots // profile.hosts)
 
 
 # Loader processes per slot dtrain will advise at most (each is a process with its own dataset copy).
 MAX_ADVISED_WORKERS = 8
 
 
-def loader_plan(profile: dict[str, Any], data: float, step: float, cpu_work: float) -> dict[str, Any]:
+def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: float) -> dict[str, Any]:
     """How many loader processes per slot to try and the step they predict, from what the machine has.
 
     ``data`` is the wait for a batch per step, ``cpu_work`` the training process's own busy time per step.
@@ -100,13 +100,13 @@ def loader_plan(profile: dict[str, Any], data: float, step: float, cpu_work: flo
     So on 2 cores with 2 slots, CPU-bound loaders gain little (they take the training's core), while
     loaders that mostly wait (disk, network) need no core and hide up to W batches of waiting.
     """
-    current = int(profile.get("data_loader_workers", 0))
-    load = float(profile.get("data_load_seconds_per_batch") or 0.0) or data
-    share = profile.get("data_load_cpu_share")
-    cpu_share = float(share) if share is not None else 1.0  # not probed: assume loading needs a core
+    current = profile.data_loader_workers
+    load = profile.data_load_seconds_per_batch or data
+    share = profile.data_load_cpu_share
+    cpu_share = share if share is not None else 1.0  # not probed: assume loading needs a core
     cores = usable_cores(profile)
     per_slot = cores / local_slots(profile) if cores else None
-    threads = int(profile.get("threads_per_slot", 1))
+    threads = profile.threads_per_slot
     rest = max(0.0, step - data)
 
     def predicted(workers: int) -> float:
@@ -140,21 +140,21 @@ ADAPTIVE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", 
 LR_NAMES = ("lr", "learning_rate")
 
 
-def batch_change(profile: dict[str, Any], new_gbs: int) -> dict[str, Any]:
+def batch_change(profile: ProfileRecord, new_gbs: int) -> dict[str, Any]:
     """A bigger global batch in the user's terms: the learning-rate rule that keeps training equivalent
     for the run's optimizer, the config changes (``--set`` form) that apply it, and a sentence."""
-    old = int(profile["global_batch_size"])
+    old = profile.global_batch_size
     ratio = new_gbs / old
-    optimizer = str(profile.get("optimizer") or "")
+    optimizer = profile.optimizer or ""
     adaptive = optimizer in ADAPTIVE
     rule, factor = ("square-root", ratio ** 0.5) if adaptive else ("linear", ratio)
     which = optimizer or "your optimizer"
-    lr = profile.get("lr_hyperparameter") or {}
+    lr = profile.lr_hyperparameter
     sets: list[str] = []
-    if lr.get("name") and isinstance(lr.get("value"), (int, float)):
-        new_lr = float(lr["value"]) * factor
-        sets.append(f"hyperparameters.{lr['name']}={new_lr:.6g}")
-        lr_text = f"hyperparameters.{lr['name']}: {lr['value']:g} -> {new_lr:.6g}"
+    if lr is not None and lr.name:
+        new_lr = float(lr.value) * factor
+        sets.append(f"hyperparameters.{lr.name}={new_lr:.6g}")
+        lr_text = f"hyperparameters.{lr.name}: {lr.value:g} -> {new_lr:.6g}"
     else:
         lr_text = f"the learning rate x {factor:.3g}"
     text = (f"global_batch_size {old} -> {new_gbs} ({ratio:g}x): with {which} use the {rule} rule, {lr_text} "
@@ -170,6 +170,13 @@ def growth(single: float, double: float) -> float:
     if single <= 0 or double <= 0:
         return 1.0
     return min(1.0, max(0.0, double / single - 1.0))
+
+
+def probe_growth(probe: BatchScaling | None) -> tuple[float, float]:
+    """(work, loading) growth with the batch from the end-of-run probe; 1 (all per-sample) if not probed."""
+    if probe is None:
+        return 1.0, 1.0
+    return growth(probe.work_seconds, probe.work_double_seconds), growth(probe.load_seconds, probe.load_double_seconds)
 
 
 def scaled(seconds: float, growth_share: float, factor: float) -> float:

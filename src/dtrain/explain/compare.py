@@ -17,6 +17,7 @@ from dtrain.errors import UserError
 from dtrain.explain.render import as_text, pyplot
 from dtrain.launcher import runs
 from dtrain.launcher.runplan import NodeArgs
+from dtrain.profiling.record import load_profile
 from dtrain.sync import registry
 
 
@@ -49,22 +50,22 @@ def run_strategy(config: Path, strategy: str, steps: int, out: Path, overrides: 
 
 
 def summarize_run(run_dir: Path, strategy: str) -> dict[str, Any]:
-    profile = json.loads((run_dir / "profile.json").read_text())
+    profile = load_profile(run_dir / "profile.json")
     summary = json.loads((run_dir / "summary.json").read_text())
     training = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
                 if json.loads(ln)["kind"] == "training"]
-    ranks = profile["per_rank"]
+    ranks = profile.per_rank
     # A strategy whose communication dtrain cannot see (FSDP's hooks) shows "not measured", not zero.
-    measured = bool(profile.get("comm_measured", True))
+    measured = profile.comm_measured
     return {
         "strategy": strategy,
-        "workers": profile["slots"],
-        "samples_per_second": profile["samples_per_second"],
-        "comm_bytes_per_step": profile["comm"]["bytes_per_step"] if measured else None,
-        "exposed_comm_seconds_per_step": profile["comm"]["exposed_seconds_per_step"] if measured else None,
-        "step_seconds": profile["seconds_per_step"]["step"]["mean"],
-        "peak_memory_bytes_per_rank": max(r["peak_memory_bytes"] for r in ranks),
-        "state_bytes_per_rank": max(r["state_bytes"] for r in ranks),
+        "workers": profile.slots,
+        "samples_per_second": profile.samples_per_second,
+        "comm_bytes_per_step": profile.comm.bytes_per_step if measured else None,
+        "exposed_comm_seconds_per_step": profile.comm.exposed_seconds_per_step if measured else None,
+        "step_seconds": profile.seconds_per_step.step.mean,
+        "peak_memory_bytes_per_rank": max(r.peak_memory_bytes for r in ranks),
+        "state_bytes_per_rank": max(r.state_bytes for r in ranks),
         "final_loss": training[-1]["metrics"].get("loss") if training else None,
         "validation": summary.get("validation", {}),
         "run_dir": str(run_dir),

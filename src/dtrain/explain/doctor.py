@@ -23,13 +23,10 @@ communication and waiting by k). Predictions assume the other parts stay as meas
 
 from __future__ import annotations
 
-import json
-import math
-from pathlib import Path
 from typing import Any
 
-from dtrain.errors import UserError
 from dtrain.explain import advice
+from dtrain.profiling.record import PhaseSeconds, ProfileRecord
 
 FACTORS = ("communication", "data_loading", "compute", "precision", "straggler", "batch_size", "sync_frequency")
 # Keep this share of the device's memory free when advising a bigger batch.
@@ -37,59 +34,30 @@ MEMORY_HEADROOM = 0.9
 AGGREGATION_TO_TRY = 4
 
 
-def load_profile(run_dir: Path) -> dict[str, Any]:
-    """Read ``RUN_DIR/profile.json``; bad input is a one-line UserError."""
-    if not run_dir.is_dir():
-        raise UserError(f"{run_dir} is not a directory; pass a run directory made by 'dtrain run'")
-    if not (run_dir / "config.yaml").is_file():
-        raise UserError(f"{run_dir} is not a dtrain run (no config.yaml); pass a run directory made by 'dtrain run'")
-    path = run_dir / "profile.json"
-    if not path.is_file():
-        raise UserError(f"{run_dir} has no profile.json yet: the run has not finished (or ran with "
-                        "profiling.enabled: false); wait for it to end or re-run with profiling on")
-    try:
-        profile = json.loads(path.read_text())
-        _check(profile)
-    except (ValueError, KeyError, TypeError) as exc:
-        raise UserError(f"{path} is empty or corrupt ({exc}); re-run the experiment to write a new one") from None
-    return profile
-
-
-def _check(profile: dict[str, Any]) -> None:
-    if not isinstance(profile, dict) or profile.get("schema_version") != 1:
-        raise ValueError("unknown schema_version")
-    for rank in profile["per_rank"]:
-        for phase in profile["phases"]:
-            if not math.isfinite(float(rank["seconds_per_step"][phase])):
-                raise ValueError(f"non-finite {phase}")
-    if not profile["per_rank"] or float(profile["seconds_per_step"]["step"]["mean"]) <= 0:
-        raise ValueError("no profiled steps")
-
-
 def _speedup(step: float, new_step: float, samples_factor: float = 1.0) -> float:
     return samples_factor * step / new_step if new_step > 0 else float("inf")
 
 
-def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
+def diagnose(profile: ProfileRecord) -> dict[str, Any]:
     """Ranked factors, recommendations and a verdict (the ``--json`` document)."""
-    ranks = [r["seconds_per_step"] for r in profile["per_rank"]]
-    slots = int(profile["slots"])
-    step = sum(r["step"] for r in ranks) / len(ranks)
+    ranks = [r.seconds_per_step for r in profile.per_rank]
+    slots = profile.slots
+    step = sum(r.step for r in ranks) / len(ranks)
     # The wait every rank has: one rank's slower loader is that rank straggling, not slow data loading.
-    data = min(r["data"] for r in ranks)
-    work = [r["data"] + r["forward"] + r["backward"] + r["optimizer"] + r["other"] for r in ranks]
+    data = min(r.data for r in ranks)
+    work = [r.data + r.forward + r.backward + r.optimizer + r.other for r in ranks]
     late = advice.straggler(profile, work)
     # The rank the others wait for: the one that arrives last at the collectives (measured), else the one
     # with the most work; its exposed time is pure communication (it waited for no one).
     slowest = late["rank"] if late is not None else max(range(len(ranks)), key=lambda i: work[i])
     fastest = min(range(len(ranks)), key=lambda i: work[i])
-    compute = ranks[fastest]["forward"] + ranks[fastest]["backward"]
-    fixed = ranks[fastest]["optimizer"] + ranks[fastest]["other"]
+    compute = ranks[fastest].forward + ranks[fastest].backward
+    fixed = ranks[fastest].optimizer + ranks[fastest].other
     cpu_work = compute + fixed
-    comm = profile["comm"]
-    exposed = ranks[slowest]["comm_exposed"]
-    busy = float(comm["busy_seconds_per_step"])
-    per_message = min(1.0, comm["buckets_per_step"] * comm["latency_seconds"] / busy) if busy > 0 else 0.0
+    comm = profile.comm
+    exposed = ranks[slowest].comm_exposed
+    busy = comm.busy_seconds_per_step
+    per_message = min(1.0, comm.buckets_per_step * comm.latency_seconds / busy) if busy > 0 else 0.0
     sync_part, bandwidth_part = exposed * per_message, exposed * (1 - per_message)
     straggler = max(0.0, step - data - compute - fixed - exposed)
     precision = _precision_gain(profile)
@@ -97,14 +65,14 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
     seconds = {"communication": bandwidth_part, "data_loading": data, "compute": compute - saved,
                "precision": saved, "straggler": straggler, "batch_size": fixed, "sync_frequency": sync_part}
 
-    gbs = int(profile["global_batch_size"])
+    gbs = profile.global_batch_size
     k = AGGREGATION_TO_TRY
     waiting = exposed + straggler
     factors = {
         "communication": _communication_factor(profile, bandwidth_part, waiting, step, k, gbs),
         "sync_frequency": _factor(
             "optimizations.aggregation_frequency", k,
-            f"{comm['buckets_per_step']:.0f} all-reduce(s) per step at {1e3 * comm['latency_seconds']:.2f} ms "
+            f"{comm.buckets_per_step:.0f} all-reduce(s) per step at {1e3 * comm.latency_seconds:.2f} ms "
             f"latency each; exchanging gradients every {k} batches pays that once per {k} batches "
             f"(effective batch {k * gbs})",
             _speedup(step, step - waiting * (1 - 1 / k))),
@@ -135,7 +103,7 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
     top = ranked[0]
     return {
         "slots": slots,
-        "samples_per_second": profile["samples_per_second"],
+        "samples_per_second": profile.samples_per_second,
         "step_seconds": step,
         "top_factor": top,
         "verdict": _verdict(top, table[0], scaling, slots, profile),
@@ -145,13 +113,13 @@ def diagnose(profile: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _straggler_factor(profile: dict[str, Any], late: dict[str, Any] | None, step: float, straggler: float,
-                      data: float, compute: float, fixed: float, slowest: dict[str, float],
+def _straggler_factor(profile: ProfileRecord, late: dict[str, Any] | None, step: float, straggler: float,
+                      data: float, compute: float, fixed: float, slowest: PhaseSeconds,
                       cpu_work: float) -> dict[str, Any]:
     """Name the rank the others wait for (host, lag, slow phase) and what to check there. The config change
     is the real fix where one exists (a slow loader: more loader workers); leaving the rank out is the
     fallback, predicted with the remaining slots doing its share of the batch."""
-    slots = int(profile["slots"])
+    slots = profile.slots
     if late is None:
         return _factor(None, None, "one slot: nothing to wait for", None)
     fixed_speedup = _speedup(step, step - straggler)
@@ -159,18 +127,18 @@ def _straggler_factor(profile: dict[str, Any], late: dict[str, Any] | None, step
     # The same global batch: one slot fewer does N/(N-1) of the per-slot data and compute; fixed costs
     # stay, and so does communication unless one slot is left (then there is none).
     fewer = slots - 1
-    leave_out = _speedup(step, (data + compute) * slots / fewer + fixed + (slowest["comm_exposed"] if fewer > 1 else 0))
+    leave_out = _speedup(step, (data + compute) * slots / fewer + fixed + (slowest.comm_exposed if fewer > 1 else 0))
     leave = ("resources.slots_per_trial", fewer, leave_out)
     why = advice.straggler_text(late, f"resources.slots_per_trial: {fewer}")
     if late["phase"] == "data" and late["chronic"] is not False:  # a loader fix only for a rank always late
-        workers = advice.loader_plan(profile, slowest["data"], step, cpu_work)["workers"]
+        workers = advice.loader_plan(profile, slowest.data, step, cpu_work)["workers"]
         return _factor("data_loader.num_workers", workers, why, fixed_speedup,
                        alternative=leave, straggler={**late, "fixed_speedup": fixed_speedup})
     return _factor("resources.slots_per_trial", fewer, why, leave_out,
                    straggler={**late, "fixed_speedup": fixed_speedup})
 
 
-def _data_factor(profile: dict[str, Any], step: float, data: float, cpu_work: float) -> dict[str, Any]:
+def _data_factor(profile: ProfileRecord, step: float, data: float, cpu_work: float) -> dict[str, Any]:
     """More loader processes per slot, as many as the machine's cores and the probed load make worth it."""
     plan = advice.loader_plan(profile, data, step, cpu_work)
     return _factor("data_loader.num_workers", plan["workers"],
@@ -178,66 +146,69 @@ def _data_factor(profile: dict[str, Any], step: float, data: float, cpu_work: fl
                    "--synthetic shows the ceiling)", _speedup(step, plan["step_seconds"]))
 
 
-def _communication_factor(profile: dict[str, Any], bandwidth_part: float, waiting: float, step: float, k: int,
+def _communication_factor(profile: ProfileRecord, bandwidth_part: float, waiting: float, step: float, k: int,
                           gbs: int) -> dict[str, Any]:
     """Fewer bytes (fp16 compression, where the run's strategy can honour it: its capabilities are
     recorded in the profile from the strategy registry) or fewer exchanges (aggregation)."""
-    comm = profile["comm"]
+    comm = profile.comm
     aggregate = ("optimizations.aggregation_frequency", k, _speedup(step, step - waiting * (1 - 1 / k)))
-    why = (f"exposed all-reduce moves {_mb(comm['bytes_per_step'])} per step at "
-           f"{_mb(comm['algbw_bytes_per_second'])}/s; aggregating {k} batches per exchange sends them a {k}th as "
+    why = (f"exposed all-reduce moves {_mb(comm.bytes_per_step)} per step at "
+           f"{_mb(comm.algbw_bytes_per_second)}/s; aggregating {k} batches per exchange sends them a {k}th as "
            f"often (effective batch {k * gbs})")
-    if "fp16" not in profile.get("strategy_compressions", ["fp16"]):
+    if "fp16" not in profile.strategy_compressions:
         key, value, speedup = aggregate
-        return _factor(key, value, why + f"; sync.strategy {profile.get('strategy')} cannot compress gradients",
+        return _factor(key, value, why + f"; sync.strategy {profile.strategy} cannot compress gradients",
                        speedup)
     compress = ("optimizations.gradient_compression", "fp16", _speedup(step, step - bandwidth_part / 2))
     return _best_of(compress, aggregate, why + "; fp16 compression halves the bytes")
 
 
-def _precision_gain(profile: dict[str, Any]) -> tuple[str, float] | None:
+def _precision_gain(profile: ProfileRecord) -> tuple[str, float] | None:
     """(precision to try, measured matmul speed-up over the current one) on a tensor-core GPU, else None."""
-    facts = profile.get("device_facts") or {}
-    tflops = facts.get("matmul_tflops") or {}
-    current = {"32-true": "fp32", "tf32": "tf32"}.get(str(profile.get("precision", "32-true")))
-    if facts.get("type") != "cuda" or not facts.get("tensor_cores") or current is None or not tflops.get(current):
+    facts = profile.device_facts
+    current = {"32-true": "fp32", "tf32": "tf32"}.get(profile.precision)
+    if facts is None or facts.type != "cuda" or not facts.tensor_cores or current is None:
         return None
-    best = max((("bf16-mixed", "bf16"), ("tf32", "tf32")), key=lambda c: tflops.get(c[1], 0.0))
+    tflops = facts.matmul_tflops
+    if tflops is None or not tflops.of(current):
+        return None
+    best = max((("bf16-mixed", "bf16"), ("tf32", "tf32")), key=lambda c: tflops.of(c[1]))
     if best[1] == current:
         return None
-    gain = tflops.get(best[1], 0.0) / tflops[current]
+    gain = tflops.of(best[1]) / tflops.of(current)
     return (best[0], gain) if gain > 1.05 else None
 
 
-def _precision_factor(profile: dict[str, Any], precision: tuple[str, float] | None, step: float,
+def _precision_factor(profile: ProfileRecord, precision: tuple[str, float] | None, step: float,
                       saved: float) -> dict[str, Any]:
     if precision is None:
         return _factor(None, None, "no lower precision measured faster here (CPU, no tensor cores, or already "
                        "mixed precision)", None)
     name, gain = precision
-    current = profile.get("precision", "32-true")
+    device = profile.device_facts.name if profile.device_facts is not None else "GPU"
     return _factor("precision", name,
-                   f"the step is trained in {current}; matmuls ran {gain:.1f}x faster in {name} on this "
-                   f"{(profile.get('device_facts') or {}).get('name', 'GPU')} (measured); compute shrinks by up "
+                   f"the step is trained in {profile.precision}; matmuls ran {gain:.1f}x faster in {name} on this "
+                   f"{device} (measured); compute shrinks by up "
                    "to that factor (weights stay float32; bf16 needs no loss scaling)",
                    _speedup(step, step - saved))
 
 
-def _batch_factor(profile: dict[str, Any], gbs: int, step: float, data: float, compute: float) -> dict[str, Any]:
+def _batch_factor(profile: ProfileRecord, gbs: int, step: float, data: float, compute: float) -> dict[str, Any]:
     """A bigger global batch, as big as the device's memory allows (GPU: peak memory vs the card's)."""
     factor = 2.0
-    facts = profile.get("device_facts") or {}
-    peak = max((float(r.get("peak_memory_bytes", 0.0)) for r in profile["per_rank"]), default=0.0)
+    facts = profile.device_facts
+    on_gpu = facts is not None and facts.type == "cuda"
+    peak = max((r.peak_memory_bytes for r in profile.per_rank), default=0.0)
     memory_note = ""
-    if facts.get("type") == "cuda" and peak > 0 and facts.get("total_memory_bytes"):
+    if facts is not None and on_gpu and peak > 0 and facts.total_memory_bytes:
         # Activations grow with the batch, weights and optimizer state do not: scaling the whole peak is
         # the conservative bound.
-        room = MEMORY_HEADROOM * float(facts["total_memory_bytes"]) / peak
+        room = MEMORY_HEADROOM * facts.total_memory_bytes / peak
         factor = min(factor, float(int(room * 4) / 4))
-        memory_note = f"; peak GPU memory {peak / 2**30:.1f} of {float(facts['total_memory_bytes']) / 2**30:.0f} GiB"
-    elif facts.get("type") != "cuda" and peak > 0 and profile.get("memory_total_bytes"):
+        memory_note = f"; peak GPU memory {peak / 2**30:.1f} of {facts.total_memory_bytes / 2**30:.0f} GiB"
+    elif not on_gpu and peak > 0 and profile.memory_total_bytes:
         # CPU: every slot on a host holds its peak RSS (libraries included, which do not grow: conservative).
-        total = float(profile["memory_total_bytes"])
+        total = profile.memory_total_bytes
         room = MEMORY_HEADROOM * total / (peak * advice.local_slots(profile))
         factor = min(factor, float(int(room * 4) / 4))
         memory_note = (f"; peak RSS {peak / 2**30:.2f} GiB per slot x {advice.local_slots(profile)} on a "
@@ -282,7 +253,7 @@ def _best_of(first: tuple[str, Any, float], second: tuple[str, Any, float], why:
     return _factor(lead[0], lead[1], why, lead[2], alternative=other)
 
 
-def _scaling(profile: dict[str, Any], slots: int, step: float, ranks: list[dict[str, float]],
+def _scaling(profile: ProfileRecord, slots: int, step: float, ranks: list[PhaseSeconds],
              fixed: float) -> dict[str, Any]:
     """Estimate one slot doing the whole global batch: its data and compute at N x the per-slot batch, no
     communication.
@@ -295,22 +266,21 @@ def _scaling(profile: dict[str, Any], slots: int, step: float, ranks: list[dict[
     """
     if slots == 1:
         return {"estimated_one_slot_speedup": 1.0, "slower_than_one_slot": False, "estimated_scaling_efficiency": 1.0}
-    probe = profile.get("batch_scaling") or {}
-    work_growth = advice.growth(probe.get("work_seconds", 0.0), probe.get("work_double_seconds", 0.0))
-    load_growth = advice.growth(probe.get("load_seconds", 0.0), probe.get("load_double_seconds", 0.0))
-    fastest = min(ranks, key=lambda r: r["data"] + r["forward"] + r["backward"])
-    one_slot_step = (advice.scaled(fastest["data"], load_growth, slots)
-                     + advice.scaled(fastest["forward"] + fastest["backward"], work_growth, slots) + fixed)
+    probe = profile.batch_scaling
+    work_growth, load_growth = advice.probe_growth(probe)
+    fastest = min(ranks, key=lambda r: r.data + r.forward + r.backward)
+    one_slot_step = (advice.scaled(fastest.data, load_growth, slots)
+                     + advice.scaled(fastest.forward + fastest.backward, work_growth, slots) + fixed)
     speedup = one_slot_step / step  # N slots' samples/s over one slot's
     return {"estimated_one_slot_speedup": 1 / speedup if speedup > 0 else float("inf"),
             "estimated_speedup_vs_one_slot": speedup,
             "estimated_scaling_efficiency": speedup / slots,
             "estimated_one_slot_step_seconds": one_slot_step,
-            "work_growth_with_batch": work_growth if probe else None,
+            "work_growth_with_batch": work_growth if probe is not None else None,
             "slower_than_one_slot": speedup < 1.0}
 
 
-def _verdict(top: str, row: dict[str, Any], scaling: dict[str, Any], slots: int, profile: dict[str, Any]) -> str:
+def _verdict(top: str, row: dict[str, Any], scaling: dict[str, Any], slots: int, profile: ProfileRecord) -> str:
     share = f"{100 * row['share']:.0f}%"
     lead = f"{top.replace('_', ' ')} is the top factor ({share} of the step)"
     if row["key"] is not None:
@@ -330,21 +300,16 @@ def _verdict(top: str, row: dict[str, Any], scaling: dict[str, Any], slots: int,
     return lead
 
 
-def _cpus(profile: dict[str, Any]) -> str:
-    """'2 slots x 1 thread on 2 CPU cores' (cores as the run recorded them; older profiles lack them)."""
-    slots, threads = int(profile["slots"]), int(profile.get("threads_per_slot", 1))
+def _cpus(profile: ProfileRecord) -> str:
+    """'2 slots x 1 thread on 2 CPU cores' (cores as the run recorded them)."""
+    slots, threads = profile.slots, profile.threads_per_slot
     cores = advice.usable_cores(profile)
-    hosts = len({r.get("host") for r in profile["per_rank"]})
-    where = f" on {cores} CPU core(s)" + (" per host" if hosts > 1 else "") if cores else ""
+    where = f" on {cores} CPU core(s)" + (" per host" if profile.hosts > 1 else "") if cores else ""
     return f"{slots} slots x {threads} thread(s){where}"
 
 
 def _mb(value: float) -> str:
     return f"{value / 1e6:.2f} MB"
-
-
-def _host(profile: dict[str, Any], rank: int) -> str:
-    return profile["per_rank"][rank].get("host") or "?"
 
 
 def render(diagnosis: dict[str, Any]) -> str:

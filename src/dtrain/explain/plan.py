@@ -31,6 +31,7 @@ from typing import Any
 
 from dtrain.errors import UserError
 from dtrain.explain import advice
+from dtrain.profiling.record import load_run_profile
 
 OPTIONS = ("base", "aggregation", "compression", "fusion", "precision")
 
@@ -109,41 +110,39 @@ class Measured:
 
     @classmethod
     def from_run(cls, run_dir: Path) -> Measured:
-        from dtrain.explain.doctor import diagnose, load_profile
+        from dtrain.explain.doctor import diagnose
 
-        profile = load_profile(run_dir)
+        profile = load_run_profile(run_dir)
         diagnosis = diagnose(profile)
         factors = {f["factor"]: f for f in diagnosis["factors"]}
-        ranks = [r["seconds_per_step"] for r in profile["per_rank"]]
-        fastest = min(ranks, key=lambda r: r["data"] + r["forward"] + r["backward"] + r["optimizer"] + r["other"])
-        probe = profile.get("batch_scaling") or {}
-        comm = profile["comm"]
-        hosts = len({r.get("host") for r in profile["per_rank"]}) or 1
+        ranks = [r.seconds_per_step for r in profile.per_rank]
+        fastest = min(ranks, key=lambda r: r.data + r.forward + r.backward + r.optimizer + r.other)
+        work_growth, load_growth = advice.probe_growth(profile.batch_scaling)
+        comm, probe = profile.comm, profile.allreduce_probe
         precision = factors.get("precision", {})
         gain = None
         if precision.get("key") and precision.get("seconds_per_step"):
-            compute = fastest["forward"] + fastest["backward"]
+            compute = fastest.forward + fastest.backward
             saved = float(precision["seconds_per_step"])
             gain = compute / (compute - saved) if compute > saved else None
         return cls(
-            slots=int(profile["slots"]), hosts=hosts, cores=int(profile.get("cpu_cores") or 1),
-            per_slot_batch=int(profile["per_slot_batch_size"]), global_batch=int(profile["global_batch_size"]),
-            data=min(r["data"] for r in ranks), compute=fastest["forward"] + fastest["backward"],
-            backward=fastest["backward"], fixed=fastest["optimizer"] + fastest["other"],
-            exposed=float(comm["exposed_seconds_per_step"]) if profile["slots"] > 1 else 0.0,
+            slots=profile.slots, hosts=profile.hosts, cores=profile.cpu_cores or 1,
+            per_slot_batch=profile.per_slot_batch_size, global_batch=profile.global_batch_size,
+            data=min(r.data for r in ranks), compute=fastest.forward + fastest.backward,
+            backward=fastest.backward, fixed=fastest.optimizer + fastest.other,
+            exposed=comm.exposed_seconds_per_step if profile.slots > 1 else 0.0,
             straggler=float(factors["straggler"]["seconds_per_step"]),
-            grad_bytes=4.0 * float(profile["parameters"]),
-            buckets=max(1.0, float(comm.get("buckets_per_step") or 1.0)),
-            bandwidth=float(comm.get("busbw_bytes_per_second") or 0.0),
-            latency=float(comm.get("latency_seconds") or 0.0),
-            work_growth=advice.growth(probe.get("work_seconds", 0.0), probe.get("work_double_seconds", 0.0)),
-            load_growth=advice.growth(probe.get("load_seconds", 0.0), probe.get("load_double_seconds", 0.0)),
-            aggregation=int(profile.get("aggregation_frequency", 1)),
-            compression=str(profile.get("gradient_compression", "none")),
-            compressions=tuple(profile.get("strategy_compressions", ("none", "fp16"))), precision_gain=gain,
-            samples_per_second=float(profile["samples_per_second"]), total_batches=_total_batches(run_dir),
-            probe_bytes=float((profile.get("allreduce_probe") or {}).get("bytes", 0.0)),
-            probe_seconds=float((profile.get("allreduce_probe") or {}).get("seconds", 0.0)))
+            grad_bytes=4.0 * profile.parameters,
+            buckets=max(1.0, comm.buckets_per_step or 1.0),
+            bandwidth=comm.busbw_bytes_per_second,
+            latency=comm.latency_seconds,
+            work_growth=work_growth, load_growth=load_growth,
+            aggregation=profile.aggregation_frequency,
+            compression=profile.gradient_compression,
+            compressions=tuple(profile.strategy_compressions), precision_gain=gain,
+            samples_per_second=profile.samples_per_second, total_batches=_total_batches(run_dir),
+            probe_bytes=probe.bytes if probe is not None else 0.0,
+            probe_seconds=probe.seconds if probe is not None else 0.0)
 
 
 def _total_batches(run_dir: Path) -> int | None:

@@ -24,8 +24,9 @@ from typing import Any
 import yaml
 
 from dtrain.errors import UserError
-from dtrain.explain.doctor import diagnose, load_profile
+from dtrain.explain.doctor import diagnose
 from dtrain.explain.render import pyplot
+from dtrain.profiling.record import ProfileRecord, load_run_profile
 
 REPORT_NAME = "report.html"
 TOP_RECOMMENDATIONS = 3
@@ -63,7 +64,7 @@ class _Run:
     config_text: str | None
     config: dict[str, Any]
     summary: dict[str, Any] | None
-    profile: dict[str, Any] | None
+    profile: ProfileRecord | None
     records: list[dict[str, Any]]
     missing: list[str] = field(default_factory=list)
 
@@ -160,10 +161,10 @@ def _read_metrics(path: Path, missing: list[str]) -> list[dict[str, Any]]:
     return records
 
 
-def _read_profile(run_dir: Path, missing: list[str]) -> dict[str, Any] | None:
-    # load_profile validates the structure the breakdown and the doctor rely on; its message says why not.
+def _read_profile(run_dir: Path, missing: list[str]) -> ProfileRecord | None:
+    # load_run_profile validates the structure the breakdown and the doctor rely on; its message says why not.
     try:
-        return load_profile(run_dir)
+        return load_run_profile(run_dir)
     except UserError as exc:
         missing.append(f"no step profile: {exc}")
         return None
@@ -253,17 +254,19 @@ def _header_section(run: _Run) -> str:
 
 
 def _slots(run: _Run) -> str:
-    for source in (run.profile, run.summary):
-        if source and "slots" in source:
-            return str(source["slots"])
+    if run.profile is not None:
+        return str(run.profile.slots)
+    if run.summary and "slots" in run.summary:
+        return str(run.summary["slots"])
     resources = run.config.get("resources")
     return str(resources.get("slots_per_trial", "unknown")) if isinstance(resources, dict) else "unknown"
 
 
 def _samples_per_second(run: _Run) -> str:
-    for source in (run.summary, run.profile):
-        if source and _finite(source.get("samples_per_second")):
-            return f"{source['samples_per_second']:,.0f}"
+    profiled = run.profile.samples_per_second if run.profile is not None else None
+    for value in ((run.summary or {}).get("samples_per_second"), profiled):
+        if _finite(value):
+            return f"{value:,.0f}"
     training = [r for r in run.records if r.get("kind") == "training" and _finite(r.get("samples_per_second"))]
     return f"{training[-1]['samples_per_second']:,.0f} (last training report)" if training else "unknown"
 
@@ -298,36 +301,34 @@ def _breakdown_section(run: _Run) -> str:
             f"{_straggler_table(run.profile)}<h3>Communication</h3>\n{_comm_table(run.profile)}\n</section>")
 
 
-def _straggler_table(profile: dict[str, Any]) -> str:
+def _straggler_table(profile: ProfileRecord) -> str:
     """How late each rank arrives at the gradient all-reduce (profile.json's ``stragglers``)."""
-    lags = profile.get("stragglers") or {}
-    rows = [[_esc(r.get("rank")), _esc(r.get("host")), _ms(r.get("lag_median_seconds")), _ms(r.get("lag_p90_seconds")),
-             _fmt(100 * r.get("last_fraction", 0.0), ".0f") + "%", _esc(r.get("slow_phase")),
-             _ms(r.get("slow_phase_excess_seconds")), "chronic" if r.get("chronic") else ""]
-            for r in lags.get("per_rank") or []]
-    if not rows:
+    lags = profile.stragglers
+    if lags is None or not lags.per_rank:
         return ""
+    rows = [[_esc(r.rank), _esc(r.host), _ms(r.lag_median_seconds), _ms(r.lag_p90_seconds),
+             _fmt(100 * r.last_fraction, ".0f") + "%", _esc(r.slow_phase),
+             _ms(r.slow_phase_excess_seconds), "chronic" if r.chronic else ""]
+            for r in lags.per_rank]
     headers = ["rank", "host", "lag median", "lag p90", "arrived last", "slowest phase", "behind fastest", ""]
-    return (f"<h3>Arrival at the gradient all-reduce ({_esc(lags.get('samples'))} sampled steps; ms)</h3>\n"
+    return (f"<h3>Arrival at the gradient all-reduce ({_esc(lags.samples)} sampled steps; ms)</h3>\n"
             f"{_table(headers, rows, numeric={2, 3, 4, 6})}\n")
 
 
-def _phase_table(profile: dict[str, Any]) -> str:
-    stats = profile.get("seconds_per_step", {})
-    rows = [[_esc(phase), _ms(s.get("min")), _ms(s.get("mean")), _ms(s.get("max"))]
-            for phase, s in stats.items() if isinstance(s, dict)]
+def _phase_table(profile: ProfileRecord) -> str:
+    rows = [[_esc(phase), _ms(s.min), _ms(s.mean), _ms(s.max)] for phase, s in profile.seconds_per_step.items()]
     return _table(["phase", "min", "mean", "max"], rows, numeric={1, 2, 3})
 
 
-def _comm_table(profile: dict[str, Any]) -> str:
-    comm = profile.get("comm") or {}
-    figures = [("bytes / step", _bytes(comm.get("bytes_per_step"))),
-               ("all-reduces / step", _fmt(comm.get("buckets_per_step"), ".0f")),
-               ("busy ms / step", _ms(comm.get("busy_seconds_per_step"))),
-               ("exposed ms / step", _ms(comm.get("exposed_seconds_per_step"))),
-               ("algbw", _bytes(comm.get("algbw_bytes_per_second")) + "/s"),
-               ("busbw", _bytes(comm.get("busbw_bytes_per_second")) + "/s"),
-               ("latency ms (one float)", _ms(comm.get("latency_seconds")))]
+def _comm_table(profile: ProfileRecord) -> str:
+    comm = profile.comm
+    figures = [("bytes / step", _bytes(comm.bytes_per_step)),
+               ("all-reduces / step", _fmt(comm.buckets_per_step, ".0f")),
+               ("busy ms / step", _ms(comm.busy_seconds_per_step)),
+               ("exposed ms / step", _ms(comm.exposed_seconds_per_step)),
+               ("algbw", _bytes(comm.algbw_bytes_per_second) + "/s"),
+               ("busbw", _bytes(comm.busbw_bytes_per_second) + "/s"),
+               ("latency ms (one float)", _ms(comm.latency_seconds))]
     rows = [[_esc(label), _esc(value)] for label, value in figures]
     return _table(["figure", "value"], rows, numeric={1})
 
@@ -338,7 +339,7 @@ def _throughput_section(run: _Run) -> str:
               if r.get("kind") == "training" and _finite(r.get("samples_per_second"))]
     if not points:
         return title + _note("No training records with samples/s in metrics.jsonl.") + "\n</section>"
-    mean = run.profile.get("samples_per_second") if run.profile else None
+    mean = run.profile.samples_per_second if run.profile is not None else None
     return title + _img(_plot_throughput(points, mean), "samples per second vs batches") + "\n</section>"
 
 
@@ -439,20 +440,20 @@ def _plain(text: Any) -> str:
     return str(text).replace("$", r"\$")
 
 
-def _plot_breakdown(profile: dict[str, Any]) -> str:
+def _plot_breakdown(profile: ProfileRecord) -> str:
     """Stacked bar, one bar per rank, one segment per phase, in ms per step."""
     plt = pyplot()
-    ranks = profile["per_rank"]
+    ranks = profile.per_rank
     positions = list(range(len(ranks)))
     fig, ax = plt.subplots(figsize=(max(5.0, 3.0 + 0.9 * len(ranks)), 4.0))
     bottoms = [0.0] * len(ranks)
-    for phase in profile["phases"]:
-        heights = [1e3 * float(r["seconds_per_step"][phase]) for r in ranks]
+    for phase in profile.phases:
+        heights = [1e3 * r.seconds_per_step.of(phase) for r in ranks]
         ax.bar(positions, heights, bottom=bottoms, label=_plain(phase), color=PHASE_COLORS.get(phase))
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
     for x, total in zip(positions, bottoms, strict=True):  # the step total on top of each bar
         ax.annotate(f"{total:.2f}", (x, total), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(positions, [_plain(f"rank {r.get('rank', i)}\n{r.get('host') or '?'}") for i, r in enumerate(ranks)])
+    ax.set_xticks(positions, [_plain(f"rank {r.rank}\n{r.host or '?'}") for r in ranks])
     ax.set_ylabel("ms per step")
     ax.set_title("Step time per rank")
     ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)

@@ -28,6 +28,7 @@ from typing import Any
 from dtrain.errors import UserError
 from dtrain.explain.render import as_text, pyplot
 from dtrain.launcher import runs
+from dtrain.profiling.record import load_profile
 
 
 @dataclass(frozen=True)
@@ -78,11 +79,11 @@ def run_case(config: Path, case: BenchCase, base_batch: int, steps: int, out: Pa
     failure = runs.execute(plan, quiet=True, debug=debug, threads=threads)
     if failure is not None:
         raise RuntimeError(f"bench case {case.label}: rank {failure.rank} failed: {failure.message}")
-    profile = json.loads((plan.run_dir / "profile.json").read_text())
+    profile = load_profile(plan.run_dir / "profile.json")
     return {"slots": case.slots, "scaling": case.scaling, "synthetic": case.synthetic,
-            "global_batch_size": profile["global_batch_size"], "samples_per_second": profile["samples_per_second"],
-            "threads_per_slot": profile.get("threads_per_slot"),
-            "step_seconds": profile["seconds_per_step"]["step"]["mean"], "run_dir": str(plan.run_dir)}
+            "global_batch_size": profile.global_batch_size, "samples_per_second": profile.samples_per_second,
+            "threads_per_slot": profile.threads_per_slot,
+            "step_seconds": profile.seconds_per_step.step.mean, "run_dir": str(plan.run_dir)}
 
 
 def _merge(runs_of_case: list[dict[str, Any]]) -> dict[str, Any]:

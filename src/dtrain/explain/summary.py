@@ -5,43 +5,43 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
 
 from rich.table import Table
 
 from dtrain.explain.doctor import diagnose
 from dtrain.explain.render import as_text
+from dtrain.profiling.record import ProfileRecord, load_profile
 
 
-def time_cost_table(profile: dict[str, Any]) -> str:
+def time_cost_table(profile: ProfileRecord) -> str:
     """Per-phase ms per step (min / mean / max across ranks) and share of the step, plus communication."""
-    spread = profile["seconds_per_step"]
-    step = spread["step"]["mean"]
-    profiled, timed = profile["profiled_steps"], profile.get("timed_steps", profile["profiled_steps"])
+    spread = profile.seconds_per_step
+    step = spread.step.mean
+    profiled, timed = profile.profiled_steps, profile.timed_steps
     sampled = f", {timed} timed" if timed != profiled else ""  # profiling.sample_every
     # The counts go below the table: in the title they made it wrap on a narrow table.
-    table = Table(title=f"time cost per step ({profile['slots']} slot(s))",
+    table = Table(title=f"time cost per step ({profile.slots} slot(s))",
                   caption=f"{profiled} steps profiled{sampled}")
     for col in ("phase", "min ms", "mean ms", "max ms", "share"):
         table.add_column(col, justify="left" if col == "phase" else "right")
-    for phase in (*profile["phases"], "step"):
-        s = spread[phase]
-        share = f"{100 * s['mean'] / step:.0f}%" if step else "-"
-        table.add_row(phase, f"{1e3 * s['min']:.3f}", f"{1e3 * s['mean']:.3f}", f"{1e3 * s['max']:.3f}", share)
-    comm = profile["comm"]
+    for phase in (*profile.phases, "step"):
+        s = spread.of(phase)
+        share = f"{100 * s.mean / step:.0f}%" if step else "-"
+        table.add_row(phase, f"{1e3 * s.min:.3f}", f"{1e3 * s.mean:.3f}", f"{1e3 * s.max:.3f}", share)
+    comm = profile.comm
     text = as_text(table)
-    if profile["slots"] > 1:
+    if profile.slots > 1:
         text += (
-            f"communication: {comm['bytes_per_step'] / 1e6:.3f} MB all-reduced per step in "
-            f"{comm['buckets_per_step']:.0f} bucket(s), busy {1e3 * comm['busy_seconds_per_step']:.3f} ms "
-            f"(exposed {1e3 * comm['exposed_seconds_per_step']:.3f} ms), "
-            f"{comm['algbw_bytes_per_second'] / 1e9:.3f} GB/s algbw, "
-            f"{comm['busbw_bytes_per_second'] / 1e9:.3f} GB/s busbw, "
-            f"latency {1e3 * comm['latency_seconds']:.3f} ms\n")
+            f"communication: {comm.bytes_per_step / 1e6:.3f} MB all-reduced per step in "
+            f"{comm.buckets_per_step:.0f} bucket(s), busy {1e3 * comm.busy_seconds_per_step:.3f} ms "
+            f"(exposed {1e3 * comm.exposed_seconds_per_step:.3f} ms), "
+            f"{comm.algbw_bytes_per_second / 1e9:.3f} GB/s algbw, "
+            f"{comm.busbw_bytes_per_second / 1e9:.3f} GB/s busbw, "
+            f"latency {1e3 * comm.latency_seconds:.3f} ms\n")
     return text
 
 
-def short_verdict(profile: dict[str, Any], limit: int = 3) -> str:
+def short_verdict(profile: ProfileRecord, limit: int = 3) -> str:
     diagnosis = diagnose(profile)
     lines = [f"doctor: {diagnosis['verdict']}"]
     for rec in diagnosis["recommendations"][:limit]:
@@ -76,12 +76,12 @@ def print_profile(run_dir: Path) -> None:
     if not profile_path.exists():
         print(f"dtrain: no profile.json in {run_dir}: no time table (profiling off, or the run did not finish)")
         return
-    profile = json.loads(profile_path.read_text())
-    if profile.get("profiled_steps", 0) > 0:
+    profile = load_profile(profile_path)
+    if profile.profiled_steps > 0:
         print(time_cost_table(profile), end="")
         print(short_verdict(profile))
     else:
-        print(f"dtrain: no step profiled ({profile.get('steps', 0)} steps, all within profiling.warmup_steps): "
+        print(f"dtrain: no step profiled ({profile.steps} steps, all within profiling.warmup_steps): "
               "train longer for a time-cost breakdown")
 
 

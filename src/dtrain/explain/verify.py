@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import UserError
+from dtrain.profiling.record import ProfileRecord, load_profile, load_run_profile
 
 MIN_STEPS = 10
 
@@ -47,7 +48,7 @@ class Experiment:
         return statistics.median(self.samples_per_second) if self.samples_per_second else None
 
 
-def plan_experiments(diagnosis: dict[str, Any], profile: dict[str, Any], steps: int, top: int) -> list[Experiment]:
+def plan_experiments(diagnosis: dict[str, Any], profile: ProfileRecord, steps: int, top: int) -> list[Experiment]:
     """Baseline, the doctor's first ``top`` recommendations, and the two bisection experiments."""
     from dtrain.explain.advice import batch_change
 
@@ -64,11 +65,11 @@ def plan_experiments(diagnosis: dict[str, Any], profile: dict[str, Any], steps: 
         saved = sum(float(by_factor[f]["seconds_per_step"]) for f in factors if f in by_factor)
         return step / (step - saved) if step > saved else float("inf")
 
-    if int(profile["slots"]) > 1 and profile.get("aggregation_frequency", 1) < steps:
+    if profile.slots > 1 and profile.aggregation_frequency < steps:
         out.append(Experiment("bisection: communication off (aggregation_frequency = steps)", "bisection",
                               [f"optimizations.aggregation_frequency={steps}"],
                               ceiling("communication", "sync_frequency", "straggler"), "communication"))
-    if not profile.get("synthetic_data"):
+    if not profile.synthetic_data:
         out.append(Experiment("bisection: data loading off (synthetic data)", "bisection",
                               ["data_loader.synthetic=true"], ceiling("data_loading"), "data_loading"))
     return out
@@ -88,19 +89,19 @@ def _short_run(config: Path, exp: Experiment, steps: int, out: Path, debug: bool
     if failure is not None:
         raise UserError(f"--verify: {exp.action} failed on rank {failure.rank}: {failure.message} "
                         f"(logs in {out / 'logs'})")
-    return float(json.loads((out / "profile.json").read_text())["samples_per_second"])
+    return load_profile(out / "profile.json").samples_per_second
 
 
 def verify(run_dir: Path, steps: int, repeats: int = 1, top: int = 3, debug: bool = False,
            log: Any = print) -> dict[str, Any]:
     """Run every experiment (``repeats`` rounds), write ``tuned.yaml`` when a change beats the baseline;
     returns the ``--json`` document."""
-    from dtrain.explain.doctor import diagnose, load_profile
+    from dtrain.explain.doctor import diagnose
 
     if steps < MIN_STEPS:
         raise UserError(f"--steps {steps}: a verification run needs at least {MIN_STEPS} steps (the first few are "
                         "warm-up, left out of samples/s)")
-    profile = load_profile(run_dir)
+    profile = load_run_profile(run_dir)
     diagnosis = diagnose(profile)
     config = run_dir / "config.yaml"
     experiments = plan_experiments(diagnosis, profile, steps, top)
@@ -117,7 +118,7 @@ def verify(run_dir: Path, steps: int, repeats: int = 1, top: int = 3, debug: boo
             for e in experiments[1:]]
     rows.sort(key=lambda r: r["measured_speedup"] or 0.0, reverse=True)
     tuned = _write_tuned(run_dir, config, rows)
-    return {"run_dir": str(run_dir), "steps": steps, "repeats": repeats, "slots": profile["slots"],
+    return {"run_dir": str(run_dir), "steps": steps, "repeats": repeats, "slots": profile.slots,
             "baseline_samples_per_second": base, "baseline_runs": experiments[0].samples_per_second,
             "verified": rows, "tuned_config": str(tuned) if tuned else None, "session_dir": str(session)}
 

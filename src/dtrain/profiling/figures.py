@@ -1,4 +1,4 @@
-"""End-of-run figures across ranks: per-rank step means, memory, link latency, and ``profile.json``."""
+"""End-of-run figures across ranks: per-rank step means, memory, link latency, and the ``profile.json`` record."""
 
 from __future__ import annotations
 
@@ -11,6 +11,16 @@ import torch.distributed as dist
 
 from dtrain.profiling import stragglers
 from dtrain.profiling.probes import PROBE_FIELDS, allreduce_probe, batch_probe
+from dtrain.profiling.record import (
+    AllreduceProbe,
+    BatchScaling,
+    Comm,
+    PhaseSeconds,
+    PhaseSpread,
+    ProfileRecord,
+    RankFigures,
+    Spread,
+)
 from dtrain.profiling.timer import COMM_FIELDS, PHASES, StepTimer
 
 RANK_FIELDS = (*PHASES, "step", *COMM_FIELDS, "peak_memory_bytes", "state_bytes", *PROBE_FIELDS)
@@ -79,63 +89,61 @@ def gather_rank_stats(timer: StepTimer, memory: dict[str, float], group: Any = N
 
 
 def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[str, Any],
-                  latency_seconds: float) -> dict[str, Any]:
-    """The ``profile.json`` document (schema in docs/profile.md)."""
+                  latency_seconds: float) -> ProfileRecord:
+    """The ``profile.json`` record (:mod:`dtrain.profiling.record`, docs/profile.md) from every rank's
+    figures, their hosts and the run's facts (:func:`run_facts`)."""
     slots = len(per_rank)
-    spread = {
-        field: {"min": min(r[field] for r in per_rank), "mean": sum(r[field] for r in per_rank) / slots,
-                "max": max(r[field] for r in per_rank)}
-        for field in (*PHASES, "step")
-    }
+    fields = (*PHASES, "step")
+    spread = PhaseSpread(**{
+        field: Spread(min=min(r[field] for r in per_rank), mean=sum(r[field] for r in per_rank) / slots,
+                      max=max(r[field] for r in per_rank))
+        for field in fields})
     comm_bytes = sum(r["comm_bytes"] for r in per_rank) / slots
     busy = sum(r["comm_busy"] for r in per_rank) / slots
     algbw = comm_bytes / busy if busy > 0 else 0.0
-    profile = {
-        "schema_version": 1,
-        **run,
-        "phases": list(PHASES),
-        "seconds_per_step": spread,
-        "per_rank": [
-            {"rank": i, "host": hosts[i] if i < len(hosts) else "",
-             "seconds_per_step": {f: r[f] for f in (*PHASES, "step")},
-             "comm_busy_seconds_per_step": r["comm_busy"], "comm_bytes_per_step": r["comm_bytes"],
-             "comm_buckets_per_step": r["comm_buckets"], "peak_memory_bytes": r["peak_memory_bytes"],
-             "state_bytes": r["state_bytes"]}
-            for i, r in enumerate(per_rank)
-        ],
-        "comm": {
-            "bytes_per_step": comm_bytes,
-            "buckets_per_step": sum(r["comm_buckets"] for r in per_rank) / slots,
-            "busy_seconds_per_step": busy,
-            "exposed_seconds_per_step": spread["comm_exposed"]["mean"],
-            "algbw_bytes_per_second": algbw,
-            # A ring all-reduce moves 2(N-1)/N of the buffer through each link: the link's achieved rate.
-            "busbw_bytes_per_second": algbw * 2 * (slots - 1) / slots if slots > 1 else 0.0,
-            "latency_seconds": latency_seconds,
-        },
-    }
-    if slots > 1 and "lag_median" in per_rank[0]:
-        profile["stragglers"] = stragglers.section(per_rank, hosts, spread["step"]["mean"])
-    profile.update(_probe_figures(per_rank, run))
-    return profile
+    ranks = [
+        RankFigures(rank=i, host=hosts[i] if i < len(hosts) else "",
+                    seconds_per_step=PhaseSeconds(**{f: r[f] for f in fields}),
+                    comm_busy_seconds_per_step=r["comm_busy"], comm_bytes_per_step=r["comm_bytes"],
+                    comm_buckets_per_step=r["comm_buckets"], peak_memory_bytes=r["peak_memory_bytes"],
+                    state_bytes=r["state_bytes"])
+        for i, r in enumerate(per_rank)
+    ]
+    comm = Comm(
+        bytes_per_step=comm_bytes,
+        buckets_per_step=sum(r["comm_buckets"] for r in per_rank) / slots,
+        busy_seconds_per_step=busy,
+        exposed_seconds_per_step=spread.comm_exposed.mean,
+        algbw_bytes_per_second=algbw,
+        # A ring all-reduce moves 2(N-1)/N of the buffer through each link: the link's achieved rate.
+        busbw_bytes_per_second=algbw * 2 * (slots - 1) / slots if slots > 1 else 0.0,
+        latency_seconds=latency_seconds,
+    )
+    lags = (stragglers.section(per_rank, hosts, spread.step.mean)
+            if slots > 1 and "lag_median" in per_rank[0] else None)
+    return ProfileRecord(**run, phases=list(PHASES), seconds_per_step=spread, per_rank=ranks, comm=comm,
+                         stragglers=lags, **_probe_figures(per_rank, run))
 
 
 def _probe_figures(per_rank: list[dict[str, float]], run: dict[str, Any]) -> dict[str, Any]:
-    """The end-of-run probe (:mod:`dtrain.profiling.probes`), means over ranks; empty when not probed."""
+    """The end-of-run probe (:mod:`dtrain.profiling.probes`), means over ranks: the record's probe sections,
+    None where not probed."""
     def mean(field: str) -> float:
         return sum(r.get(field, 0.0) for r in per_rank) / len(per_rank)
 
-    out: dict[str, Any] = {}
+    batch_scaling: BatchScaling | None = None
+    allreduce: AllreduceProbe | None = None
     if mean("probe_work") > 0:
-        out["batch_scaling"] = {"per_slot_batch_size": run.get("per_slot_batch_size"),
-                                "work_seconds": mean("probe_work"), "work_double_seconds": mean("probe_work_double"),
-                                "load_seconds": mean("probe_load"), "load_double_seconds": mean("probe_load_double")}
+        batch_scaling = BatchScaling(
+            per_slot_batch_size=run["per_slot_batch_size"], work_seconds=mean("probe_work"),
+            work_double_seconds=mean("probe_work_double"), load_seconds=mean("probe_load"),
+            load_double_seconds=mean("probe_load_double"))
     if mean("probe_allreduce_seconds") > 0:
-        out["allreduce_probe"] = {"bytes": mean("probe_allreduce_bytes"), "seconds": mean("probe_allreduce_seconds")}
-    if mean("probe_load") > 0:
-        out["data_load_seconds_per_batch"] = mean("probe_load")
-        out["data_load_cpu_share"] = mean("probe_load_cpu_share")
-    return out
+        allreduce = AllreduceProbe(bytes=mean("probe_allreduce_bytes"), seconds=mean("probe_allreduce_seconds"))
+    probed_load = mean("probe_load") > 0
+    return {"batch_scaling": batch_scaling, "allreduce_probe": allreduce,
+            "data_load_seconds_per_batch": mean("probe_load") if probed_load else None,
+            "data_load_cpu_share": mean("probe_load_cpu_share") if probed_load else None}
 
 
 def collect_rank_figures(ctx: Any, trainer: Any = None) -> tuple[list[dict[str, float]], float, list[str]]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 from dtrain.profiling.phases import PHASES
+from dtrain.profiling.record import RankLag, Stragglers, WorkSeconds
 
 SAMPLE_FIELDS = (*PHASES, "step")
 WIDTH = len(SAMPLE_FIELDS)
@@ -145,22 +146,21 @@ def slow_phase(figures: dict[str, Any]) -> tuple[str, float]:
     return phase, float(figures.get(f"excess_{phase}", 0.0))
 
 
-def section(per_rank: list[dict[str, float]], hosts: list[str], step_seconds: float) -> dict[str, Any]:
+def section(per_rank: list[dict[str, float]], hosts: list[str], step_seconds: float) -> Stragglers:
     """``profile.json``'s ``stragglers``: per rank lag and slow phase, and the chronic rank if any."""
     floor = max(LAG_FLOOR_SECONDS, LAG_FLOOR_SHARE * step_seconds)
     ranks = []
     for i, r in enumerate(per_rank):
         phase, behind = slow_phase(r)
         chronic = r["last_fraction"] >= CHRONIC_LAST_FRACTION and r["lag_median"] > floor
-        ranks.append({"rank": i, "host": hosts[i] if i < len(hosts) else "",
-                      "lag_median_seconds": r["lag_median"], "lag_p90_seconds": r["lag_p90"],
-                      "lag_mean_seconds": r["lag_mean"], "last_fraction": r["last_fraction"],
-                      "slow_phase": phase, "slow_phase_excess_seconds": behind,
-                      "excess_seconds": {p: r[f"excess_{p}"] for p in WORK_PHASES}, "chronic": chronic})
-    chronic = [r for r in ranks if r["chronic"]]
-    worst = max(chronic, key=lambda r: r["lag_median_seconds"]) if chronic else None
-    return {"samples": int(per_rank[0]["lag_samples"]) if per_rank else 0,
-            "lag_floor_seconds": floor,
-            "chronic_last_fraction": CHRONIC_LAST_FRACTION,
-            "chronic_rank": worst["rank"] if worst else None,
-            "per_rank": ranks}
+        ranks.append(RankLag(rank=i, host=hosts[i] if i < len(hosts) else "",
+                             lag_median_seconds=r["lag_median"], lag_p90_seconds=r["lag_p90"],
+                             lag_mean_seconds=r["lag_mean"], last_fraction=r["last_fraction"],
+                             slow_phase=phase, slow_phase_excess_seconds=behind,
+                             excess_seconds=WorkSeconds(**{p: r[f"excess_{p}"] for p in WORK_PHASES}),
+                             chronic=chronic))
+    chronic_ranks = [r for r in ranks if r.chronic]
+    worst = max(chronic_ranks, key=lambda r: r.lag_median_seconds) if chronic_ranks else None
+    return Stragglers(samples=int(per_rank[0]["lag_samples"]) if per_rank else 0, lag_floor_seconds=floor,
+                      chronic_last_fraction=CHRONIC_LAST_FRACTION, chronic_rank=worst.rank if worst else None,
+                      per_rank=ranks)

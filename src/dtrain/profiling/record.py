@@ -1,0 +1,336 @@
+"""``profile.json`` as a typed, versioned record: what a run's step profile holds, written and read here only.
+
+The end of a run builds a :class:`ProfileRecord` (:func:`dtrain.profiling.figures.build_profile`) and rank 0
+writes it with :func:`write_profile`; the doctor, ``dtrain plan``, ``--verify``, ``compare``, ``bench``, the
+end-of-run summary and the report read it back with :func:`load_profile` (a file) or
+:func:`load_run_profile` (a finished run's directory) and use attributes, never string keys.
+
+The file is a user-facing contract (docs/profile.md): field names are its keys, in its order, and the JSON
+written is what ``json.dumps(..., indent=2)`` of the former dict gave. Sections that a run does not measure
+(``stragglers`` with one slot, the end-of-run probes, a CPU's or a GPU's own device facts) are left out of
+the file, not written as null; they are None here.
+
+Loading is strict: no coercion, no unknown keys, every key the producer always writes is required. A file of
+another :data:`SCHEMA_VERSION`, damaged JSON or a structure that does not validate is a :class:`ProfileError`
+in one line, saying what was found and to re-run the experiment.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_serializer
+
+from dtrain.errors import UserError
+from dtrain.profiling.phases import PHASES
+
+# Raise it with any change of a key's name, type or meaning; the loader refuses every other version.
+SCHEMA_VERSION = 1
+FILE_NAME = "profile.json"
+
+T = TypeVar("T")
+
+
+class ProfileError(UserError):
+    """``profile.json`` is missing, damaged, of another schema version, or has nothing profiled."""
+
+
+class _Section(BaseModel):
+    # strict: a profile is machine-written, so a string where a number belongs is damage, not a format to
+    # accept (ints are still numbers); frozen: a record is what the run measured, not a scratch pad.
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+    # Keys the producer leaves out of the file (not measured) rather than writing null.
+    OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset()
+
+    @model_serializer(mode="wrap")
+    def _omit_unmeasured(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for key in self.OMITTED_WHEN_NONE:
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+
+class ByPhase(_Section, Generic[T]):
+    """One value per phase of a step (:data:`dtrain.profiling.phases.PHASES`) and for the whole ``step``."""
+
+    data: T
+    forward: T
+    backward: T
+    comm_exposed: T
+    optimizer: T
+    other: T
+    step: T
+
+    def of(self, phase: str) -> T:
+        """The value of ``phase`` (a name from ``phases``, or ``"step"``)."""
+        if phase not in type(self).model_fields:
+            raise KeyError(phase)
+        return getattr(self, phase)
+
+    def items(self) -> list[tuple[str, T]]:
+        """(phase, value) in the file's order: the phases, then ``step``."""
+        return [(name, getattr(self, name)) for name in type(self).model_fields]
+
+
+class Spread(_Section):
+    """Seconds per step across ranks: a straggler shows as a wide min-max."""
+
+    min: float
+    mean: float
+    max: float
+
+
+# One rank's seconds per step by phase; the spread of each across ranks.
+PhaseSeconds = ByPhase[float]
+PhaseSpread = ByPhase[Spread]
+
+
+class WorkSeconds(_Section):
+    """Seconds per step of each work phase (every phase but ``comm_exposed``, the waiting itself)."""
+
+    data: float
+    forward: float
+    backward: float
+    optimizer: float
+    other: float
+
+
+class RankFigures(_Section):
+    """``per_rank[i]``: one rank's means."""
+
+    rank: int
+    host: str
+    seconds_per_step: PhaseSeconds
+    comm_busy_seconds_per_step: float
+    comm_bytes_per_step: float
+    comm_buckets_per_step: float
+    peak_memory_bytes: float
+    state_bytes: float
+
+
+class Comm(_Section):
+    """``comm``: the gradient exchange, means over ranks (zeros with one slot)."""
+
+    bytes_per_step: float
+    buckets_per_step: float
+    busy_seconds_per_step: float
+    exposed_seconds_per_step: float
+    algbw_bytes_per_second: float
+    busbw_bytes_per_second: float
+    latency_seconds: float
+
+
+class RankLag(_Section):
+    """``stragglers.per_rank[i]``: how late one rank arrives at the gradient collectives."""
+
+    rank: int
+    host: str
+    lag_median_seconds: float
+    lag_p90_seconds: float
+    lag_mean_seconds: float
+    last_fraction: float
+    slow_phase: str
+    slow_phase_excess_seconds: float
+    excess_seconds: WorkSeconds
+    chronic: bool
+
+
+class Stragglers(_Section):
+    """``stragglers`` (2+ slots): arrival lags per rank and the chronically late rank, if any."""
+
+    samples: int
+    lag_floor_seconds: float
+    chronic_last_fraction: float
+    chronic_rank: int | None
+    per_rank: list[RankLag]
+
+
+class MatmulTflops(_Section):
+    """Measured matmul TFLOPS per precision on a CUDA device."""
+
+    fp32: float
+    tf32: float
+    bf16: float
+    fp16: float
+
+    def of(self, precision: str) -> float:
+        """The TFLOPS of ``precision`` (``fp32``, ``tf32``, ``bf16`` or ``fp16``)."""
+        if precision not in type(self).model_fields:
+            raise KeyError(precision)
+        return float(getattr(self, precision))
+
+
+class DeviceFacts(_Section):
+    """``device_facts``: rank 0's device; ``cores`` on CPU, ``capability``, ``tensor_cores`` and
+    ``matmul_tflops`` on CUDA (each absent from the file elsewhere)."""
+
+    OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"cores", "capability", "tensor_cores", "matmul_tflops"})
+
+    type: str
+    name: str
+    cores: int | None = None
+    capability: str | None = None
+    tensor_cores: bool | None = None
+    total_memory_bytes: float
+    matmul_tflops: MatmulTflops | None = None
+
+
+class LrHyperparameter(_Section):
+    """The ``lr``/``learning_rate`` hyperparameter, as the config gave it (an int stays an int)."""
+
+    name: str
+    value: int | float
+
+
+class BatchScaling(_Section):
+    """``batch_scaling``: the end-of-run probe at the per-slot batch and twice it, means over ranks."""
+
+    per_slot_batch_size: int
+    work_seconds: float
+    work_double_seconds: float
+    load_seconds: float
+    load_double_seconds: float
+
+
+class AllreduceProbe(_Section):
+    """``allreduce_probe``: a back-to-back all-reduce of the gradients' size (at most 16 MiB)."""
+
+    bytes: float
+    seconds: float
+
+
+class ProfileRecord(_Section):
+    """The whole of ``profile.json`` (docs/profile.md): run facts, per-phase spreads, per-rank figures,
+    communication, and the sections only some runs measure (None: absent from the file)."""
+
+    OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
+        {"device_facts", "stragglers", "batch_scaling", "allreduce_probe", "data_load_seconds_per_batch",
+         "data_load_cpu_share"})
+
+    schema_version: int = SCHEMA_VERSION
+    # What the run was (also summary.json's head: dtrain.profiling.figures.run_facts).
+    slots: int
+    strategy: str
+    backend: str
+    device: str
+    precision: str
+    threads_per_slot: int
+    cpu_cores: int
+    memory_total_bytes: float
+    optimizer: str | None
+    lr_hyperparameter: LrHyperparameter | None
+    global_batch_size: int
+    per_slot_batch_size: int
+    parameters: int
+    synthetic_data: bool
+    data_loader_workers: int
+    aggregation_frequency: int
+    effective_batch_size: int
+    gradient_compression: str
+    tensor_fusion_threshold_mb: float | None
+    comm_measured: bool
+    strategy_compressions: list[str]
+    profiling: bool
+    steps: int
+    profiled_steps: int
+    timed_steps: int
+    samples_per_second: float
+    samples_per_second_all_steps: float
+    train_seconds: float
+    validation_seconds: float
+    checkpoint_seconds: float
+    wall_seconds: float
+    device_facts: DeviceFacts | None = None
+    resumed_at_batch: int
+    # Where the time went.
+    phases: list[str]
+    seconds_per_step: PhaseSpread
+    per_rank: list[RankFigures]
+    comm: Comm
+    stragglers: Stragglers | None = None
+    batch_scaling: BatchScaling | None = None
+    allreduce_probe: AllreduceProbe | None = None
+    data_load_seconds_per_batch: float | None = None
+    data_load_cpu_share: float | None = None
+
+    @field_validator("phases")
+    @classmethod
+    def _known_phases(cls, phases: list[str]) -> list[str]:
+        # Readers look phases up by name in ByPhase: another phase set is another schema version.
+        if tuple(phases) != PHASES:
+            raise ValueError(f"expected {list(PHASES)}")
+        return phases
+
+    @property
+    def hosts(self) -> int:
+        """Distinct host names among the ranks (at least 1)."""
+        return len({r.host for r in self.per_rank}) or 1
+
+
+def write_profile(path: Path, record: ProfileRecord) -> None:
+    """Write ``record`` to ``path`` as ``profile.json`` (indented JSON, keys in the record's order)."""
+    # json.dumps of the plain dump, as the file was always written: the same bytes for the same figures
+    # (Python's float repr, NaN/Infinity kept, no trailing newline).
+    path.write_text(json.dumps(record.model_dump(), indent=2))
+
+
+def _corrupt(path: Path, why: str) -> ProfileError:
+    return ProfileError(f"{path} is empty or corrupt ({why}); re-run the experiment to write a new one")
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def load_profile(path: Path) -> ProfileRecord:
+    """Read and validate one ``profile.json``; anything else is a one-line :class:`ProfileError`."""
+    path = Path(path)
+    try:
+        document = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ProfileError(f"{path} does not exist; pass the profile.json of a finished run") from None
+    except OSError as exc:
+        raise ProfileError(f"{path} cannot be read ({exc.strerror}); check its permissions") from None
+    except ValueError as exc:  # bad JSON, or bytes that are not UTF-8
+        raise _corrupt(path, str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
+    if not isinstance(document, dict) or "schema_version" not in document:
+        raise _corrupt(path, "not a profile: no schema_version")
+    found = document["schema_version"]
+    if found != SCHEMA_VERSION or isinstance(found, bool):
+        raise ProfileError(f"{path} has schema_version {_short(found)}, this dtrain reads schema_version "
+                           f"{SCHEMA_VERSION}; re-run the experiment with this dtrain to write a new one")
+    try:
+        return ProfileRecord.model_validate(document)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "profile"
+        raise _corrupt(path, f"{where}: {err['msg']}") from None
+
+
+def load_run_profile(run_dir: Path) -> ProfileRecord:
+    """The profile of a finished run's directory, with profiled steps to speak of: what the doctor, ``dtrain
+    plan``, ``--verify`` and the report read. Each way it can fail is one line (:class:`ProfileError`)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ProfileError(f"{run_dir} is not a directory; pass a run directory made by 'dtrain run'")
+    if not (run_dir / "config.yaml").is_file():
+        raise ProfileError(f"{run_dir} is not a dtrain run (no config.yaml); pass a run directory made by "
+                           "'dtrain run'")
+    path = run_dir / FILE_NAME
+    if not path.is_file():
+        raise ProfileError(f"{run_dir} has no profile.json yet: the run has not finished (or ran with "
+                           "profiling.enabled: false); wait for it to end or re-run with profiling on")
+    record = load_profile(path)
+    # The doctor's model divides by the step and sums the phases: it needs finite phases and a step.
+    for rank in record.per_rank:
+        for phase in record.phases:
+            if not math.isfinite(rank.seconds_per_step.of(phase)):
+                raise _corrupt(path, f"non-finite {phase}")
+    if not record.per_rank or record.seconds_per_step.step.mean <= 0:
+        raise _corrupt(path, "no profiled steps")
+    return record
