@@ -16,7 +16,7 @@ this host (``DTRAIN_SLURM_NODES=2``), and takes it down again afterwards. The ch
   cluster with 2 nodes (here: two slurmd on one host, so the "nodes" share the machine and loopback).
 * ``srun_per_slot``: a hand-written script, ``srun --ntasks=2 dtrain run``: each task trains in place.
 
-The test ``tests/test_slurm.py`` runs ``one_node`` only (and is skipped when no Slurm can be started).
+The test ``tests/launcher/test_slurm.py`` runs ``one_node`` only (and is skipped when no Slurm can be started).
 """
 
 from __future__ import annotations

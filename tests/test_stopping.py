@@ -1,7 +1,7 @@
 """Stop votes on one rank, in-process: cast at one batch, read one aggregation group later; and a stop
 request that rides on a report's all-reduce (two ranks).
 
-The two-rank agreement through a signal is tests/test_reliability.py's SIGTERM test."""
+The two-rank agreement through a signal is tests/launcher/test_reliability.py's SIGTERM test."""
 
 from __future__ import annotations
 

@@ -295,7 +295,7 @@ def _digits_run(path: Path) -> Path:
     from dtrain.config.schema import dump_config, load_config
 
     run_dir = make_run(path, profile=_profile(), records=_records())
-    dump_config(load_config(Path(__file__).parents[1] / "examples" / "digits" / "experiment.yaml"),
+    dump_config(load_config(Path(__file__).parents[2] / "examples" / "digits" / "experiment.yaml"),
                 run_dir / "config.yaml")
     return run_dir
 
