@@ -2,11 +2,12 @@
 
     .venv/bin/python bench/loop_cost.py [--steps 100000] [--repeats 3]
 
-The trainer runs a Trial whose ``train_batch`` only returns a constant CPU loss, and its next batch is a
-constant (the loader is not what is measured: ``DeviceFeeder.fetcher`` is replaced in this process), so
-what remains per step is dtrain's own work: the schedule, the rank status, the step profiler's phase
-edges and their resolution, the metric check and accumulation, the non-finite watch, and, every
-``scheduling_unit`` steps, a report (metrics.jsonl, TensorBoard, the step breakdown). Each variant runs
+The trainer runs a Trial whose ``train_batch`` only returns a constant CPU loss, and its next batch is
+one batch kept aside (``data_loader.synthetic``: the loader is not what is measured), so what remains per
+step is dtrain's own work: the schedule, the rank status, the step profiler's phase edges and their
+resolution, the metric check and accumulation, the non-finite watch, and, every ``scheduling_unit``
+steps, a report (metrics.jsonl, TensorBoard, the step breakdown). One variant adds a loop callback
+(``dtrain.LoopCallback``) whose ``on_step_end`` does nothing: what the per-step hook costs. Each variant runs
 ``--repeats`` times, alternating; the table gives the minimum and median microseconds per step of
 training time (``train_seconds`` over steps), next to a bare Python loop calling the same function.
 Context-free timing on a quiet machine: run nothing else meanwhile.
@@ -30,14 +31,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 VARIANTS = {
     "as configured by default": {},
+    "a no-op on_step_end callback": {"hyperparameters": {"global_batch_size": 1, "step_callback": True}},
     "profiling off": {"profiling": {"enabled": False}},
     "reports off": {"scheduling_unit": 10**9},
     "profiling and reports off": {"profiling": {"enabled": False}, "scheduling_unit": 10**9},
 }
-
-
-def _no_batch() -> None:
-    return None
 
 
 def trainer_seconds_per_step(steps: int, extra: dict[str, Any]) -> float:
@@ -47,7 +45,8 @@ def trainer_seconds_per_step(steps: int, extra: dict[str, Any]) -> float:
     config = config_from_dict({
         "name": "loop-cost", "entrypoint": "trials.constant:ConstantTrial", "code_dir": str(HERE),
         "hyperparameters": {"global_batch_size": 1}, "resources": {"slots_per_trial": 1},
-        "max_length": {"batches": steps}, "checkpoint_storage": {"path": "checkpoints"}, **extra,
+        "max_length": {"batches": steps}, "checkpoint_storage": {"path": "checkpoints"},
+        "data_loader": {"synthetic": True}, **extra,
     })
     with tempfile.TemporaryDirectory() as run_dir:
         summary = trainer.run_trial(config, Path(run_dir), None, quiet=True)
@@ -74,10 +73,6 @@ def main() -> None:
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29871", "DTRAIN_REPORT": "0"})
     torch.set_num_threads(1)
-    from dtrain.engine import trainer
-
-    # The loop, not the loader: every batch is None (the trainer takes its batches from the feeder's fetcher).
-    trainer.data.DeviceFeeder.fetcher = lambda self: _no_batch  # type: ignore[method-assign]
     times: dict[str, list[float]] = {name: [] for name in [*VARIANTS, "bare Python loop"]}
     for _ in range(args.repeats):
         for name, extra in VARIANTS.items():

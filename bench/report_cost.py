@@ -1,18 +1,18 @@
 """What one training report costs the loop, measured inside a real multi-slot run.
 
     .venv/bin/python bench/report_cost.py [--slots 2] [--model mlp-0.1m] [--batches 6000] [--unit 100]
-    PYTHONPATH=/tmp/before/src .venv/bin/python bench/report_cost.py   # another commit's trainer
 
 A report (every ``scheduling_unit`` batches) closes the time window, reduces the training metrics over
 the slots, checks for non-finite losses and writes metrics.jsonl and TensorBoard. Its cost to the loop is
-its own time plus whatever it leaves to the next step (an all-reduce still in flight, ranks pulled out of
-step). Both are timed here on every rank, around the trainer's own methods, in one run of the bench's
-Trial: the report, the read of its all-reduce where there is one (dtrain at 74aa8a3 and later), and the
-step after each all-reduce against the other steps. Since the commit that holds reports back for the next
-stop vote's batch, a report sends its all-reduce only now and then (``_send``), and one read writes every
-report it carried: the reads and the slower steps are spread over the reports. Per report: report + reads
-/ reports + (mean step after a send - mean step) x sends / reports. Timing one run's parts side by side
-avoids bench/overhead.py's launch-to-launch spread.
+its own time plus whatever it leaves to the next steps (an all-reduce still in flight, ranks pulled out of
+step, the read of its result). A loop callback (``dtrain.LoopCallback``) on every rank of one run of the
+bench's Trial stamps the end of every step: between two stamps lies one iteration of the loop (what
+followed the previous step, then the next step). Reports are held back to the next stop vote's batch and
+sent together (one all-reduce now and then), read one step later, where ``on_training_report`` fires for
+each report the read carried. So three kinds of iterations: a report's (the report, maybe its send, and
+the step overlapping the all-reduce), a read's (the read and the step after it), and plain ones. Per
+report: (report's - plain) + (read's - plain) x reads / reports, means over the run after its first report
+window. Timing one run's parts side by side avoids bench/overhead.py's launch-to-launch spread.
 """
 
 from __future__ import annotations
@@ -28,73 +28,65 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trials.workload import WorkloadTrial
+
+import dtrain
+
 HERE = Path(__file__).resolve().parent
 
 
-def timed(record: list[float], method: Any, only_if: Any = None) -> Any:
-    """``method`` with its duration appended to ``record`` (when ``only_if(self)`` held before the call)."""
+class ReportClock(dtrain.LoopCallback):
+    """Stamps every step end and notes after which step each report was read; prints its figures at the end."""
 
-    def wrapper(self: Any) -> None:
-        counts = only_if is None or only_if(self)
-        start = time.perf_counter()
-        method(self)
-        if counts:
-            record.append(time.perf_counter() - start)
+    def __init__(self, rank: int, unit: int) -> None:
+        self.rank, self.unit = rank, unit
+        self.ends: list[float] = []  # perf_counter at the end of step b (batches trained: b + 1)
+        self.read_after: list[int] = []  # per report read: the batches trained when it was read
 
-    return wrapper
+    def on_step_end(self, batch_idx: int) -> None:
+        self.ends.append(time.perf_counter())
+
+    def on_training_report(self, batches: int, metrics: dict[str, float]) -> None:
+        self.read_after.append(len(self.ends))
+
+    def on_trial_shutdown(self) -> None:
+        print("FIGURES " + json.dumps(self.figures()), flush=True)
+
+    def figures(self) -> dict[str, Any]:
+        # iteration[b]: from the end of step b - 1 to the end of step b (batches counted from 1), for b > unit:
+        # the first report window carries one-off costs, and the last report and read follow the last stamp.
+        last = len(self.ends)
+        iteration = {b: self.ends[b - 1] - self.ends[b - 2] for b in range(self.unit + 2, last + 1)}
+        after_report = {r + 1 for r in range(self.unit, last, self.unit)} & iteration.keys()
+        after_read = {b + 1 for b in set(self.read_after)} & iteration.keys()
+        plain = statistics.mean(s for b, s in iteration.items() if b not in after_report | after_read)
+        reports = len(after_report)
+        report_extra = sum(iteration[b] - plain for b in after_report) / reports
+        read_extra = sum(iteration[b] - plain for b in after_read) / reports
+        return {"rank": self.rank, "reports": reports, "reads": len(after_read), "report_ms": 1e3 * report_extra,
+                "read_ms": 1e3 * read_extra, "step_ms": 1e3 * plain, "per_report_ms": 1e3 * (report_extra + read_extra)}
+
+
+class ReportCostTrial(WorkloadTrial):
+    def build_callbacks(self) -> dict[str, dtrain.LoopCallback]:
+        return {"clock": ReportClock(self.context.rank, self.context.get_hparam("unit"))}
 
 
 def worker(args: argparse.Namespace) -> None:
     import torch
 
     from dtrain.config.schema import config_from_dict
-    from dtrain.engine import trainer
+    from dtrain.engine.trainer import run_trial
 
     torch.set_num_threads(1)
-    reports: list[float] = []
-    reads: list[float] = []
-    sends: list[int] = []  # the batches at which an all-reduce was launched
-    steps: list[tuple[int, float]] = []
-    cls = trainer.Trainer
-    cls._report_training = timed(reports, cls._report_training)
-    if hasattr(cls, "_read_sent"):  # reports held back, sent now and then, read one step later
-        send = cls._send
-
-        def recorded_send(self: Any) -> None:
-            sends.append(self.batches)
-            send(self)
-
-        cls._send = recorded_send
-        cls._read_sent = timed(reads, cls._read_sent, only_if=lambda t: t._sent is not None)
-    elif hasattr(cls, "_read_report"):  # every report sent, read one step later
-        cls._read_report = timed(reads, cls._read_report, only_if=lambda t: t._report is not None)
-    step = cls._train_step
-
-    def timed_step(self: Any) -> None:
-        start = time.perf_counter()
-        step(self)
-        steps.append((self.batches, time.perf_counter() - start))
-
-    cls._train_step = timed_step
     world = int(os.environ["WORLD_SIZE"])
     config = config_from_dict({
-        "name": "report-cost", "entrypoint": "trials.workload:WorkloadTrial", "code_dir": str(HERE),
-        "hyperparameters": {"global_batch_size": 32 * world, "model": args.model},
+        "name": "report-cost", "entrypoint": "report_cost:ReportCostTrial", "code_dir": str(HERE),
+        "hyperparameters": {"global_batch_size": 32 * world, "model": args.model, "unit": args.unit},
         "resources": {"slots_per_trial": world}, "max_length": {"batches": args.batches},
         "scheduling_unit": args.unit, "checkpoint_storage": {"path": "checkpoints"},
     })
-    trainer.run_trial(config, Path(args.run_dir), None, quiet=True)
-    warm = args.unit  # the first report window carries one-off costs
-    sent = set(sends) if sends else {b for b, _ in steps if b % args.unit == 0}  # older trainers: every report
-    after = [s for b, s in steps if b > warm and b - 1 in sent]
-    others = [s for b, s in steps if b > warm and b - 1 not in sent and b % args.unit]
-    n_reports = len(reports)
-    figures = {"rank": int(os.environ["RANK"]), "reports": n_reports, "sends": len(sent),
-               "report_ms": 1e3 * statistics.mean(reports), "read_ms": 1e3 * sum(reads) / n_reports,
-               "step_ms": 1e3 * statistics.mean(others), "step_after_send_ms": 1e3 * statistics.mean(after)}
-    figures["per_report_ms"] = (figures["report_ms"] + figures["read_ms"]
-                                + (figures["step_after_send_ms"] - figures["step_ms"]) * len(sent) / n_reports)
-    print("FIGURES " + json.dumps(figures), flush=True)
+    run_trial(config, Path(args.run_dir), None, quiet=True)
 
 
 def main() -> None:
@@ -106,6 +98,9 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.unit < 3 or args.batches < 3 * args.unit:
+        parser.error("--unit must be at least 3 (plain iterations between a report's and a read's) and --batches "
+                     "at least 3 report windows (the first is left out)")
     if args.worker:
         worker(args)
         return
@@ -120,12 +115,14 @@ def main() -> None:
                    if line.startswith("FIGURES ")), key=lambda r: r["rank"])
     if out.returncode != 0 or not rows:
         raise SystemExit(f"the run failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-    print(f"{args.model}, {args.slots} slots, a report every {args.unit} batches; ms, means over the run")
-    print("| rank | reports | all-reduces | report | reads per report | step | step after an all-reduce | per report |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"{args.model}, {args.slots} slots, a report every {args.unit} batches; ms over a plain iteration of the "
+          "loop, means over the run")
+    print("| rank | reports | reads | report's iteration | read's iterations per report | plain iteration "
+          "| per report |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['rank']} | {r['reports']} | {r['sends']} | {r['report_ms']:.3f} | {r['read_ms']:.3f} "
-              f"| {r['step_ms']:.3f} | {r['step_after_send_ms']:.3f} | **{r['per_report_ms']:.3f}** |")
+        print(f"| {r['rank']} | {r['reports']} | {r['reads']} | {r['report_ms']:.3f} | {r['read_ms']:.3f} "
+              f"| {r['step_ms']:.3f} | **{r['per_report_ms']:.3f}** |")
 
 
 if __name__ == "__main__":

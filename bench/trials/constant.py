@@ -10,9 +10,16 @@ from torch.utils.data import TensorDataset
 import dtrain
 
 
+class NoOpStep(dtrain.LoopCallback):
+    """Overrides the per-step hook with nothing: the loop's cost of calling it."""
+
+    def on_step_end(self, batch_idx: int) -> None:
+        pass
+
+
 class ConstantTrial(dtrain.PyTorchTrial):
     """Returns a constant CPU loss; its one-parameter model and optimizer exist because a Trial needs them
-    (checkpoints), and are never stepped."""
+    (checkpoints), and are never stepped. Hyperparameter ``step_callback``: add :class:`NoOpStep`."""
 
     def __init__(self, context: dtrain.TrialContext) -> None:
         super().__init__(context)
@@ -25,3 +32,6 @@ class ConstantTrial(dtrain.PyTorchTrial):
 
     def train_batch(self, batch: Any, epoch_idx: int, batch_idx: int) -> dict[str, Any]:
         return {"loss": self.loss}
+
+    def build_callbacks(self) -> dict[str, dtrain.LoopCallback]:
+        return {"noop": NoOpStep()} if self.context.get_hparams().get("step_callback") else {}

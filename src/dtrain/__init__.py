@@ -8,11 +8,12 @@ Two user APIs, one engine:
 
 from typing import Any
 
-__all__ = ["DistributedContext", "PyTorchTrial", "TrialContext", "init"]
+__all__ = ["DistributedContext", "LoopCallback", "PyTorchTrial", "TrialContext", "init"]
 __version__ = "0.1.0"
 
 _LAZY = {"DistributedContext": "dtrain.engine.context", "TrialContext": "dtrain.engine.context",
-         "init": "dtrain.engine.context", "PyTorchTrial": "dtrain.engine.trial"}
+         "init": "dtrain.engine.context", "PyTorchTrial": "dtrain.engine.trial",
+         "LoopCallback": "dtrain.engine.callbacks"}
 
 
 def __getattr__(name: str) -> Any:

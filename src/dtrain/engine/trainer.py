@@ -16,6 +16,7 @@ import torch
 from dtrain.config.schema import ExperimentConfig
 from dtrain.dist import all_hostnames
 from dtrain.engine import data
+from dtrain.engine.callbacks import Callbacks
 from dtrain.engine.context import TrialContext
 from dtrain.engine.metrics import (
     MeanAccumulator,
@@ -118,6 +119,7 @@ class Trainer:
         self.ckpt_root = run_dir / config.checkpoint_storage.path
         self.batches = 0
         self.resumed_at = 0  # the summary's figures cover batches resumed_at..batches (this process's part)
+        self.resumed_from: Path | None = None
         self.train_metrics = MeanAccumulator()
         self.last_validation: dict[str, float] = {}
         self.validation_seconds = self.checkpoint_seconds = 0.0
@@ -140,6 +142,7 @@ class Trainer:
         self._group_start = 0.0
         self.writer = MetricsWriter(run_dir) if context.is_chief else None
         self.progress = ProgressReporter(self.total_batches, 0, context.is_chief, quiet)
+        self.callbacks = Callbacks(trial.build_callbacks(), self.batches_per_epoch)
 
     def _period(self, length: Any) -> int | None:
         return length.to_batches(self.batches_per_epoch) if length is not None else None
@@ -195,6 +198,9 @@ class Trainer:
         if every_batch_syncs:
             self.ctx.gradient_sync(True)
         unit, total, tuner = self.config.scheduling_unit, self.total_batches, self.tuner
+        step_end = self.callbacks.step_end
+        self.callbacks.on_trial_startup(self.batches, str(self.resumed_from) if self.resumed_from else None)
+        self.callbacks.on_training_start()
         self._open_window()
         for b, sync, validate, ckpt in self.schedule():
             if every_batch_syncs:
@@ -202,6 +208,8 @@ class Trainer:
             else:
                 with self.ctx.gradient_sync(sync):
                     self._train_step()
+            if step_end is not None:  # only where a callback overrides a per-step hook
+                step_end(b)
             if self._sent is not None:  # the previous batch's reports: their all-reduce had a step to finish
                 self._read_sent()
             if sync and tuner is not None and tuner.active:
@@ -226,6 +234,7 @@ class Trainer:
             self._validate()
         if last_ckpt != self.batches:
             self._checkpoint()  # a final checkpoint is always written
+        self.callbacks.on_trial_shutdown()
         return self._finish(synchronized_now(self.ctx.device) - start)
 
     def _stop(self, last_ckpt: int) -> dict[str, Any]:
@@ -235,6 +244,7 @@ class Trainer:
         self.ctx.strategy.refresh()
         if last_ckpt != self.batches:
             self._checkpoint()
+        self.callbacks.on_trial_shutdown()
         self.progress.close()
         if self.writer is not None:
             self.writer.close()
@@ -244,6 +254,8 @@ class Trainer:
     def _train_step(self) -> None:
         epoch, position = divmod(self.batches, self.batches_per_epoch)
         if position == 0 or not self._iterating:
+            if position == 0:
+                self.callbacks.on_training_epoch_start(epoch)
             # Same seeded permutation on every slot; on resume, skip what was already trained.
             self.sampler.set_start(epoch, position * self.per_slot)
             self.feeder.start(iter(self.loader))
@@ -303,14 +315,14 @@ class Trainer:
         would hold every rank until the slowest arrived. Held back: where reports come more often than the
         stop vote's ~2 s (:mod:`dtrain.engine.stopping`), a report waits for the one after it, up to the last
         report before the vote falls due, which sends them all and carries the vote. Each all-reduce in
-        flight slows the step it overlaps: on the 2-core test machine (2 slots, 0.1M MLP, a report every
-        100 steps) a report cost 1.1-1.7 ms, and 0.2-0.4 ms without its all-reduce (bench/report_cost.py,
-        docs/benchmarks.md item 11). Held reports reach metrics.jsonl and TensorBoard at most ~2 s late;
+        flight slows the step it overlaps, and is most of a report's cost (bench/report_cost.py,
+        docs/benchmarks.md). Held reports reach metrics.jsonl and TensorBoard at most ~2 s late;
         validation, checkpoints, a stop and the end send and write them first (:meth:`_read_report`)."""
         speed = self._close_window()
         averaged = self.config.optimizations.average_training_metrics
         names, values = self.train_metrics.packed() if averaged else ([], [])
-        local = self.train_metrics.local_means() if self.ctx.is_chief and not averaged else {}
+        own = self.ctx.is_chief or self.callbacks.wants_reports  # their means, where they are not averaged
+        local = self.train_metrics.local_means() if own and not averaged else {}
         self.train_metrics.reset()
         window = self.ctx.timer.take_window()  # on CUDA: the window's events are read back here
         self._held.append(_Report(self.batches, speed, window, names, values, local))
@@ -365,6 +377,7 @@ class Trainer:
                 self.writer.write("training", report.batches, epoch, means, samples_per_second=report.speed)
                 self.writer.scalars("time_ms", {k: 1000 * v for k, v in report.window.items()}, report.batches)
                 self.progress.report("training", report.batches, epoch, means, report.speed)
+            self.callbacks.on_training_report(report.batches, means)
 
     def _validate(self) -> None:
         self._read_report("before validation")  # the training record comes first
@@ -372,6 +385,7 @@ class Trainer:
             return
         STATUS.enter("validation")
         start = synchronized_now(self.ctx.device)
+        self.callbacks.on_validation_start()
         for model in self.ctx.models:
             model.eval()
         acc = MeanAccumulator()
@@ -382,6 +396,7 @@ class Trainer:
         for model in self.ctx.models:
             model.train()
         self.last_validation = acc.global_means(self.ctx.strategy.dp_group)
+        self.callbacks.on_validation_end(self.last_validation)
         self._excluded(start, "validation_seconds")
         if self.writer is not None:
             epoch = (self.batches - 1) // self.batches_per_epoch
@@ -402,11 +417,11 @@ class Trainer:
         if self.fail_nonfinite and not self.ctx.strategy.is_server:
             self.nonfinite.fail_if_any(self.batches, "before the checkpoint")
         start = synchronized_now(self.ctx.device)
-        self.ctx.save_checkpoint(
-            self.ckpt_root, self.batches, extra={"batches": self.batches},
-            keep_last=self.config.checkpoint_storage.save_trial_latest,
-            rank_extra={"train_metrics": self.train_metrics.state_dict()},
-        )
+        extra, rank_extra = {"batches": self.batches}, {"train_metrics": self.train_metrics.state_dict()}
+        self.callbacks.save_into(extra, rank_extra)
+        path = self.ctx.save_checkpoint(self.ckpt_root, self.batches, extra=extra, rank_extra=rank_extra,
+                                        keep_last=self.config.checkpoint_storage.save_trial_latest)
+        self.callbacks.on_checkpoint_write_end(str(path))
         self._excluded(start, "checkpoint_seconds")
 
     def _checkpoint_at(self, batches: int) -> None:
@@ -416,9 +431,10 @@ class Trainer:
     def restore(self, path: Path) -> None:
         restored = self.ctx.training_state().restore(path)
         self.batches = int(restored.extra["batches"])
-        self.resumed_at = self.batches
+        self.resumed_at, self.resumed_from = self.batches, restored.path
         if restored.rank_extra is not None and "train_metrics" in restored.rank_extra:
             self.train_metrics.load_state_dict(restored.rank_extra["train_metrics"])
+        self.callbacks.load_from(restored.extra, restored.rank_extra)
         if self.writer is not None:
             truncate_metrics(self.writer.path, self.batches)
         self.progress.advance(self.batches)

@@ -10,6 +10,7 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from dtrain.engine.callbacks import LoopCallback
 from dtrain.engine.context import TrialContext
 from dtrain.errors import ConfigError
 
@@ -19,7 +20,8 @@ class PyTorchTrial(ABC):
 
     Build models and optimizers in ``__init__`` through ``context.wrap_model`` / ``wrap_optimizer``;
     return Datasets (dtrain shards and batches them with the per-slot batch size); in ``train_batch`` call
-    ``context.backward(loss)`` and ``context.step_optimizer(opt)`` and return metrics.
+    ``context.backward(loss)`` and ``context.step_optimizer(opt)`` and return metrics. To act at the loop's
+    hooks (epochs, steps, validation, checkpoints), return callbacks from ``build_callbacks``.
     """
 
     def __init__(self, context: TrialContext) -> None:
@@ -40,6 +42,11 @@ class PyTorchTrial(ABC):
     def evaluate_batch(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         """Metrics for one validation batch, as means over its records (dtrain weights them exactly)."""
         raise NotImplementedError("override evaluate_batch to validate")
+
+    def build_callbacks(self) -> dict[str, LoopCallback]:
+        """Callbacks the loop calls at its hooks (:class:`dtrain.LoopCallback`), by name: a callback's name
+        keys its state in checkpoints, so keep it across resumes. Called once per slot, after ``__init__``."""
+        return {}
 
 
 # Import names whose pip package is called something else (the usual surprises).
