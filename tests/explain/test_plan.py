@@ -1,4 +1,4 @@
-"""``dtrain plan``: the model on a scripted profile, and bad input."""
+"""``dtrain plan`` and the cost model under it, on scripted profiles; bad input."""
 
 import json
 
@@ -6,55 +6,131 @@ import pytest
 from helpers import cli_in_process
 from profiles import make_profile, write
 
-from dtrain.explain.plan import Case, Measured, parse_link, plan, predict_step
+from dtrain.errors import UserError
+from dtrain.explain.costmodel import CostModel, Target, Work, expected_max
+from dtrain.explain.plan import parse_link, plan
+from dtrain.profiling import commprobe
+from dtrain.profiling.commprobe import LocalProbe, fit
+
+# A gloo-like link on one host: 0.3 ms per message, 1 GB/s.
+LINK_POINTS = [(float(b), 3e-4 + b / 1e9) for b in commprobe.SIZES]
+SOLO = {"per_slot_batch_size": 64, "points": [
+    {"threads": 2, "work_seconds": 0.0020, "work_double_seconds": 0.0032},
+    {"threads": 1, "work_seconds": 0.0030, "work_double_seconds": 0.0054}]}
 
 
-def _run_dir(tmp_path, slots=2, exposed=0.004, buckets=1):
-    phases = {"data": 0.001, "forward": 0.002, "backward": 0.003, "comm_exposed": exposed, "optimizer": 0.001,
-              "other": 0.0}
+def _profile(slots=2, exposed=0.004, threads=1, **overrides):
+    phases = {"data": 0.001, "forward": 0.001, "backward": 0.002, "comm_exposed": exposed if slots > 1 else 0.0,
+              "optimizer": 0.001, "other": 0.0}
     step = sum(phases.values())
-    profile = make_profile(
-        [phases] * slots, "h0", slots=slots, samples_per_second=64 / step, global_batch_size=64, parameters=250_000,
-        strategy_compressions=["none", "fp16"],
-        comm={"busy_seconds_per_step": exposed, "exposed_seconds_per_step": exposed, "buckets_per_step": buckets,
-              "latency_seconds": 0.0005, "bytes_per_step": 1e6, "algbw_bytes_per_second": 1e9,
-              "busbw_bytes_per_second": 1e9},
-        batch_scaling={"per_slot_batch_size": 64 // slots, "work_seconds": 0.005, "work_double_seconds": 0.0075,
-                       "load_seconds": 0.001, "load_double_seconds": 0.002},
-        allreduce_probe={"bytes": 1e6, "seconds": 0.0015})
+    solo = {**SOLO, "per_slot_batch_size": 64 // slots}
+    sections = {
+        "samples_per_second": 64 / step, "parameters": 250_000, "threads_per_slot": threads,
+        "strategy_compressions": ["none", "fp16", "powersgd"],
+        "comm": {"busy_seconds_per_step": exposed, "exposed_seconds_per_step": exposed,
+                 "buckets_per_step": 1 if slots > 1 else 0, "latency_seconds": 0.0003,
+                 "bytes_per_step": 1e6 if slots > 1 else 0, "algbw_bytes_per_second": 1e9,
+                 "busbw_bytes_per_second": 1e9},
+        "batch_scaling": {"per_slot_batch_size": 64 // slots, "work_seconds": 0.003, "work_double_seconds": 0.0045,
+                          "load_seconds": 0.001, "load_double_seconds": 0.002},
+        "solo_probe": solo, "step_jitter_seconds": 0.0002,
+        "compression_cost": {"fp16_seconds": 1e-4, "powersgd_seconds": 5e-4, "powersgd_bytes": 2e4,
+                             "powersgd_rank": 2},
+        "step_window_seconds": [step * f for f in (0.98, 1.0, 1.02, 1.0)],
+    }
+    if slots > 1:
+        sections["comm_probe"] = {"world": slots, "backend": "gloo",
+                                  "points": [{"bytes": b, "seconds": s} for b, s in LINK_POINTS]}
+    return make_profile([phases] * slots, "h0", slots=slots, **{**sections, **overrides})
+
+
+def _run_dir(tmp_path, profile):
     (tmp_path / "config.yaml").write_text("name: x\nmax_length:\n  batches: 1000\n")
     write(tmp_path, profile)
     return tmp_path
 
 
-def test_the_measured_configuration_reproduces_itself_and_options_help(tmp_path):
-    doc = plan(_run_dir(tmp_path), [1, 2, 4], nodes=2, link=parse_link("200mbit"))
-    assert doc["measured"]["model_samples_per_second"] == pytest.approx(doc["measured"]["samples_per_second"])
-    by = {(p["slots"], p["nodes"], p["option"]): p for p in doc["predictions"]}
-    assert by[(2, 1, "base")]["samples_per_second"] == pytest.approx(doc["measured"]["samples_per_second"])
-    assert by[(1, 1, "base")]["efficiency"] == pytest.approx(1.0)
-    assert by[(2, 1, "aggregation")]["samples_per_second"] > by[(2, 1, "base")]["samples_per_second"]
-    assert by[(2, 2, "compression")]["samples_per_second"] > by[(2, 2, "base")]["samples_per_second"]
-    # 1 MB of gradients over 25 MB/s: the 200 Mbit link makes 2 hosts slower than 2 slots of one host.
-    assert by[(2, 2, "base")]["seconds_per_step"] > by[(2, 1, "base")]["seconds_per_step"] + 0.03
-    assert by[(4, 2, "base")]["seconds_to_finish"] == pytest.approx(1000 * by[(4, 2, "base")]["seconds_per_step"])
+def test_the_link_fit_recovers_latency_and_rate():
+    link = fit(LINK_POINTS)
+    assert link.latency == pytest.approx(3e-4, rel=1e-6) and link.rate == pytest.approx(1e9, rel=1e-6)
+    assert link.residual == pytest.approx(0.0, abs=1e-9)
 
 
-def test_ring_bytes_and_bucket_overlap(tmp_path):
-    m = Measured.from_run(_run_dir(tmp_path, exposed=0.0, buckets=4))
-    link = parse_link("200mbit,1ms")
-    parts = predict_step(m, Case(2, 2), link)
-    ring = 2 * (2 - 1) / 2 * 1e6 / 25e6 + 2 * 0.001  # 2(N-1)/N x bytes / rate, plus latency per ring step
-    # Four buckets: all but the last overlap with the 3 ms of backward (scaled to 2 slots' per-slot batch).
-    assert parts["communication"] == pytest.approx(max(ring / 4, ring - 0.003), rel=1e-6)
+def test_work_follows_amdahl_between_probed_thread_counts():
+    work = Work.from_pairs(64, {1: (0.004, 0.008), 4: (0.001, 0.002)})
+    assert work.seconds(64, 1) == pytest.approx(0.004) and work.seconds(128, 4) == pytest.approx(0.002)
+    # s + p / t through (1, 4 ms) and (4, 1 ms): p = 4 ms, s = 0.
+    assert work.seconds(64, 2) == pytest.approx(0.002)
 
 
-def test_plan_cli_and_bad_input(tmp_path):
-    run = _run_dir(tmp_path)
+def test_a_multi_slot_run_reproduces_itself_and_its_options_move_the_way_they_should():
+    model = CostModel.from_profile(_profile())
+    mine = model.predict(model.measured_target())
+    assert mine.step == pytest.approx(model.profile.seconds_per_step.step.mean, rel=1e-6)
+    assert mine.low < mine.step < mine.high
+    base, three = model.predict(Target(2)), model.predict(Target(3))
+    assert three.parts["exchange"] > base.parts["exchange"]  # more ring steps, more jitter to wait for
+    assert model.predict(Target(2, aggregation=4)).parts["exchange"] == pytest.approx(base.parts["exchange"] / 4)
+    fp16 = model.predict(Target(2, compression="fp16"))
+    assert fp16.parts["compression"] == pytest.approx(1e-4)  # the measured cast is not free
+    # 1 MB of gradients at 1 GB/s: halving the bytes saves 0.5 ms of wire and costs 0.1 ms of casting.
+    assert base.parts["exchange"] - fp16.parts["exchange"] == pytest.approx(0.0005 - 0.0001, rel=1e-6)
+    assert model.predict(Target(2, compression="powersgd")).parts["compression"] == pytest.approx(5e-4)
+
+
+def test_a_slow_link_between_hosts_costs_its_bytes_and_latency():
+    model = CostModel.from_profile(_profile(), between_hosts=parse_link("200mbit,1ms"))
+    local, hosts = model.predict(Target(2)), model.predict(Target(2, 2, cores=1))
+    # 1 MB through 25 MB/s instead of 1 GB/s, plus 1 ms per ring step (two steps for two ranks).
+    extra = 1e6 / 25e6 - 1e6 / 1e9 + 2 * 0.001
+    assert hosts.parts["exchange"] - local.parts["exchange"] == pytest.approx(extra, rel=0.05)
+
+
+def test_a_one_slot_run_on_shared_cores_prices_communication_from_a_probe_and_never_beats_linear(tmp_path):
+    run = _run_dir(tmp_path, _profile(slots=1, threads=2))
+    # The run's host is not this one and no probe is saved: nothing can price the link, so no guess.
+    with pytest.raises(UserError, match="no link was measured or given"):
+        plan(run, [1, 2], log=lambda line: None)
+    probe = LocalProbe(2, 1, LINK_POINTS, [1e6], 0.002, exchange_seconds=0.0003 + 1e6 / 1e9 + 0.0005)
+    commprobe.save(probe, run / commprobe.PROBE_FILE)
+    doc = plan(run, [1, 2, 4], log=lambda line: None)
+    by = {(p["slots"], p["option"]): p for p in doc["predictions"]}
+    one = by[(1, "base")]["samples_per_second"]
+    for n in (2, 4):
+        assert by[(n, "base")]["samples_per_second"] <= n * one * (1 + 1e-9)
+        assert by[(n, "base")]["parts_seconds"]["exchange"] >= 0.0003 + 1e6 / 1e9  # the probed link, at least
+    sources = {i["name"]: i["source"] for i in doc["inputs"]}
+    assert sources["link among local slots"] == "probed"
+    assert sources["exchange cost in training beyond the link"] == "probed"
+    # Each of 2 slots gets 1 of the 2 cores: the 1-thread probe, not the run's 2 threads, sets its compute.
+    two = by[(2, "base")]["parts_seconds"]["compute"]
+    factor = 0.003 / 0.0020  # the run's compute over its own 2-thread probe
+    per_sample = (0.0054 - 0.0030) / 64  # at 1 thread: 3.0 ms at 64 samples, 5.4 ms at 128
+    assert two == pytest.approx((0.0030 - 64 * per_sample + 32 * per_sample) * factor)
+
+
+def test_intervals_widen_with_what_was_not_measured():
+    multi = CostModel.from_profile(_profile())
+    single = CostModel.from_profile(_profile(slots=1, threads=2), LINK_POINTS, 2, 0.0005)
+
+    def width(pred):
+        return pred.high / pred.low
+
+    assert width(single.predict(Target(2))) > width(multi.predict(Target(2)))
+    assert expected_max(2) < expected_max(8) < expected_max(64)
+
+
+def test_plan_cli_json_leaves_the_chart_alone_and_bad_input_is_one_line(tmp_path):
+    run = _run_dir(tmp_path, _profile())
     result = cli_in_process("plan", str(run), "--slots", "1,2,4", "--json")
     assert result.code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert not (run / "plan.png").exists() and doc["png"] is None
+    assert {p["slots"] for p in doc["predictions"]} == {1, 2, 4}
+    assert all(p["low"] <= p["samples_per_second"] <= p["high"] for p in doc["predictions"])
+    text = cli_in_process("plan", str(run), "--slots", "1,2")
+    assert text.code == 0 and "80% interval" in text.stdout and "[measured]" in text.stdout
     assert (run / "plan.png").stat().st_size > 1000
-    assert {p["slots"] for p in json.loads(result.stdout)["predictions"]} == {1, 2, 4}
     for args, fragment in ((["--link", "fast"], "expected a rate"), (["--nodes", "2"], "needs --link"),
                            (["--link", "200mbit,soon"], "latency")):
         bad = cli_in_process("plan", str(run), *args)

@@ -446,7 +446,7 @@ class Trainer:
         STATUS.enter("end-of-run gather")
         self.progress.close()
         timer = self.ctx.timer
-        per_rank, latency, hosts = collect_rank_figures(self.ctx, self)  # collectives (and the batch probe)
+        per_rank, latency, hosts, comm_points = collect_rank_figures(self.ctx, self)  # collectives and probes
         run = run_facts(self, wall_seconds)
         run["resumed_at_batch"] = self.resumed_at  # a resumed run's figures cover its own part only
         summary = {**run, "batches": self.batches, "epochs": self.batches / self.batches_per_epoch,
@@ -456,5 +456,6 @@ class Trainer:
             self.writer.close()
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
             if timer.enabled:
-                write_profile(self.run_dir / "profile.json", build_profile(per_rank, hosts, run, latency))
+                write_profile(self.run_dir / "profile.json", build_profile(per_rank, hosts, run, latency,
+                                                                             comm_points))
         return summary

@@ -9,21 +9,25 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dtrain.profiling import stragglers
-from dtrain.profiling.probes import PROBE_FIELDS, allreduce_probe, batch_probe
+from dtrain.profiling import commprobe, stragglers
+from dtrain.profiling.probes import PROBE_FIELDS, SOLO_THREADS, batch_probe
 from dtrain.profiling.record import (
-    AllreduceProbe,
     BatchScaling,
     Comm,
+    CommPoint,
+    CommProbe,
+    CompressionCost,
     PhaseSeconds,
     PhaseSpread,
     ProfileRecord,
     RankFigures,
+    SoloProbe,
     Spread,
+    WorkPoint,
 )
 from dtrain.profiling.timer import COMM_FIELDS, PHASES, StepTimer
 
-RANK_FIELDS = (*PHASES, "step", *COMM_FIELDS, "peak_memory_bytes", "state_bytes", *PROBE_FIELDS)
+RANK_FIELDS = (*PHASES, "step", "step_std", *COMM_FIELDS, "peak_memory_bytes", "state_bytes", *PROBE_FIELDS)
 
 
 def peak_memory_bytes(device: torch.device) -> float:
@@ -89,7 +93,7 @@ def gather_rank_stats(timer: StepTimer, memory: dict[str, float], group: Any = N
 
 
 def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[str, Any],
-                  latency_seconds: float) -> ProfileRecord:
+                  latency_seconds: float, comm_points: list[tuple[float, float]] | None = None) -> ProfileRecord:
     """The ``profile.json`` record (:mod:`dtrain.profiling.record`, docs/profile.md) from every rank's
     figures, their hosts and the run's facts (:func:`run_facts`)."""
     slots = len(per_rank)
@@ -121,8 +125,12 @@ def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[
     )
     lags = (stragglers.section(per_rank, hosts, spread.step.mean)
             if slots > 1 and "lag_median" in per_rank[0] else None)
+    probe = (CommProbe(world=slots, backend=run["backend"],
+                       points=[CommPoint(bytes=b, seconds=s) for b, s in comm_points]) if comm_points else None)
     return ProfileRecord(**run, phases=list(PHASES), seconds_per_step=spread, per_rank=ranks, comm=comm,
-                         stragglers=lags, **_probe_figures(per_rank, run))
+                         stragglers=lags, comm_probe=probe,
+                         step_jitter_seconds=sum(r.get("step_std", 0.0) for r in per_rank) / slots,
+                         **_probe_figures(per_rank, run))
 
 
 def _probe_figures(per_rank: list[dict[str, float]], run: dict[str, Any]) -> dict[str, Any]:
@@ -132,35 +140,46 @@ def _probe_figures(per_rank: list[dict[str, float]], run: dict[str, Any]) -> dic
         return sum(r.get(field, 0.0) for r in per_rank) / len(per_rank)
 
     batch_scaling: BatchScaling | None = None
-    allreduce: AllreduceProbe | None = None
     if mean("probe_work") > 0:
         batch_scaling = BatchScaling(
             per_slot_batch_size=run["per_slot_batch_size"], work_seconds=mean("probe_work"),
             work_double_seconds=mean("probe_work_double"), load_seconds=mean("probe_load"),
             load_double_seconds=mean("probe_load_double"))
-    if mean("probe_allreduce_seconds") > 0:
-        allreduce = AllreduceProbe(bytes=mean("probe_allreduce_bytes"), seconds=mean("probe_allreduce_seconds"))
+    first = per_rank[0]  # the solo probe ran on the first rank alone
+    points = [WorkPoint(threads=int(first[f"probe_solo{i}_threads"]), work_seconds=first[f"probe_solo{i}_work"],
+                        work_double_seconds=first[f"probe_solo{i}_double"])
+              for i in range(SOLO_THREADS) if first.get(f"probe_solo{i}_threads", 0.0) > 0]
+    solo = SoloProbe(per_slot_batch_size=run["per_slot_batch_size"], points=points) if points else None
+    compression = (CompressionCost(fp16_seconds=first["probe_fp16_seconds"],
+                                   powersgd_seconds=first["probe_powersgd_seconds"],
+                                   powersgd_bytes=first["probe_powersgd_bytes"],
+                                   powersgd_rank=int(first["probe_powersgd_rank"]))
+                   if first.get("probe_powersgd_bytes", 0.0) > 0 else None)
     probed_load = mean("probe_load") > 0
-    return {"batch_scaling": batch_scaling, "allreduce_probe": allreduce,
+    return {"batch_scaling": batch_scaling, "solo_probe": solo, "compression_cost": compression,
             "data_load_seconds_per_batch": mean("probe_load") if probed_load else None,
             "data_load_cpu_share": mean("probe_load_cpu_share") if probed_load else None}
 
 
-def collect_rank_figures(ctx: Any, trainer: Any = None) -> tuple[list[dict[str, float]], float, list[str]]:
+def collect_rank_figures(ctx: Any, trainer: Any = None) -> tuple[list[dict[str, float]], float, list[str],
+                                                                 list[tuple[float, float]]]:
     """End of a run, on every rank of a DistributedContext: per-rank step figures and memory (training
-    slots), the batch probe (given the ``trainer``, when profiling), the all-reduce latency probe, and
-    every rank's host name. Collectives: all ranks call it."""
+    slots), the batch probe (given the ``trainer``, when profiling), the all-reduce latency probe, every
+    rank's host name, and the all-reduce probe's ``(bytes, seconds)`` (when profiling with several slots).
+    Collectives: all ranks call it."""
     from dtrain.dist import all_hostnames
 
     group = ctx.strategy.dp_group
     memory = {"peak_memory_bytes": peak_memory_bytes(ctx.device),
               "state_bytes": state_bytes(ctx.models, ctx.optimizers)}
+    points: list[tuple[float, float]] = []
     if trainer is not None and ctx.timer.enabled:
         memory.update(batch_probe(trainer))
-        memory.update(allreduce_probe(ctx))
+        if not ctx.strategy.has_server_ranks:
+            points = commprobe.end_of_run(group)
     per_rank = gather_rank_stats(ctx.timer, memory, group)
     latency = latency_probe(group=group)
-    return per_rank, latency, all_hostnames()
+    return per_rank, latency, all_hostnames(), points
 
 
 def cpu_cores() -> int:
@@ -228,6 +247,7 @@ def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
         "validation_seconds": trainer.validation_seconds,
         "checkpoint_seconds": trainer.checkpoint_seconds,
         "wall_seconds": wall_seconds,
+        "step_window_seconds": list(timer.windows) if timer.enabled and timer.windows else None,
     }
     if timer.enabled and ctx.is_chief:
         from dtrain.profiling.device import device_facts

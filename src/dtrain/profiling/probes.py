@@ -24,10 +24,12 @@ import torch
 
 from dtrain import dist as ddist
 
+# Thread counts the solo probe tries: the run's own, one, and every core (at most this many).
+SOLO_THREADS = 3
+SOLO_FIELDS = tuple(f"probe_solo{i}_{what}" for i in range(SOLO_THREADS) for what in ("threads", "work", "double"))
 PROBE_FIELDS = ("probe_work", "probe_work_double", "probe_load", "probe_load_double", "probe_load_cpu_share",
-                "probe_allreduce_bytes", "probe_allreduce_seconds")
-# The all-reduce probe moves the gradients' size, at most this many bytes (its rate is what counts).
-ALLREDUCE_PROBE_MAX_BYTES = 16 * 2**20
+                *SOLO_FIELDS, "probe_fp16_seconds", "probe_powersgd_seconds", "probe_powersgd_bytes",
+                "probe_powersgd_rank")
 # Rounds of the probe: as many as fit in this many seconds (by the run's last step time), within bounds:
 # the minimum of more rounds is less disturbed by other processes, and the probe stays a small cost.
 BUDGET_SECONDS = 0.3
@@ -59,6 +61,89 @@ def _load(loader: Any, count: int) -> tuple[float, float, Any]:
     return time.perf_counter() - start, time.thread_time() - start_cpu, batch
 
 
+def _time_work(trial: Any, batches: dict[int, Any], device: torch.device, repeats: int) -> dict[int, float]:
+    """Least seconds of the trial's ``train_batch`` per batch size (the first round warms each shape up)."""
+    work = dict.fromkeys(batches, float("inf"))
+    for round_ in range(repeats + 1):
+        for size, batch in batches.items():
+            _sync(device)
+            start = time.perf_counter()
+            trial.train_batch(batch, 0, 0)
+            _sync(device)
+            if round_:
+                work[size] = min(work[size], time.perf_counter() - start)
+    return work
+
+
+def thread_counts(run_threads: int, cores: int) -> list[int]:
+    """The run's own thread count first, then one and every core: what other slot counts would get."""
+    counts = [run_threads]
+    for t in (1, cores):
+        if t not in counts:
+            counts.append(t)
+    return counts[:SOLO_THREADS]
+
+
+def _solo(trainer: Any, batches: dict[int, Any], repeats: int) -> dict[str, float]:
+    """On the first rank only, while the others wait: the work at each of :func:`thread_counts`, so the
+    cost model knows what one slot does alone with the cores (another slot count changes both) and how
+    much the run's slots slowed each other down (the same probe on every rank at once, beside it)."""
+    from dtrain.profiling.figures import cpu_cores
+
+    ctx = trainer.ctx
+    out: dict[str, float] = {}
+    # Threads only shape CPU compute; and a sharded model's forward gathers from the other ranks (the others
+    # wait at a barrier: it would hang). DDP's buffer broadcast is off here: the probe's rounds on every rank
+    # ran under no_sync, after which DDP skips it.
+    if ctx.device.type != "cpu" or ctx.strategy.name == "fsdp":
+        return out
+    before = torch.get_num_threads()
+    try:  # never raises: the other ranks wait at a barrier for this one
+        for i, threads in enumerate(thread_counts(ctx.num_threads, cpu_cores())):
+            torch.set_num_threads(threads)
+            work = _time_work(trainer.trial, batches, ctx.device, repeats)
+            out.update({f"probe_solo{i}_threads": float(threads), f"probe_solo{i}_work": work[1],
+                        f"probe_solo{i}_double": work[2]})
+        out.update(compression_cost(ctx.models, trainer.config.optimizations.powersgd.rank))
+    except Exception as exc:  # a trial that cannot take other threads: what was measured stays
+        log.info("solo probe stopped: %s", exc)
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def compression_cost(models: list[Any], rank: int, repeats: int = 3) -> dict[str, float]:
+    """Seconds per exchange of compressing the gradients, on this rank's threads, as the hooks do it:
+    fp16 (cast down and back) and PowerSGD (per matrix: two matmuls, a QR and the reconstruction), and the
+    bytes PowerSGD sends. Not free: on a fast link or a small model they can cost more than they save."""
+    params = [p for m in models for p in m.parameters() if p.requires_grad]
+    if not params:
+        return {}
+    flat = torch.randn(sum(p.numel() for p in params), device=params[0].device)
+    fp16 = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        flat.to(torch.float16).to(torch.float32)
+        _sync(flat.device)
+        fp16 = min(fp16, time.perf_counter() - start)
+    shapes = [(p.shape[0], p.numel() // p.shape[0]) for p in params if p.dim() >= 2]
+    matrices = [(n, m) for n, m in shapes if rank * (n + m) < n * m]
+    dense = sum(p.numel() for p in params) - sum(n * m for n, m in matrices)
+    tensors = [(torch.randn(n, m, device=flat.device), torch.randn(m, rank, device=flat.device)) for n, m in matrices]
+    powersgd = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for grad, q in tensors:
+            p_, _ = torch.linalg.qr(grad @ q)
+            q_new = grad.T @ p_
+            grad - p_ @ q_new.T
+        _sync(flat.device)
+        powersgd = min(powersgd, time.perf_counter() - start)
+    sent = 4.0 * (dense + sum(rank * (n + m) for n, m in matrices))
+    return {"probe_fp16_seconds": fp16, "probe_powersgd_seconds": powersgd, "probe_powersgd_bytes": sent,
+            "probe_powersgd_rank": float(rank)}
+
+
 def batch_probe(trainer: Any, repeats: int | None = None) -> dict[str, float]:
     """Per-rank probe figures (``PROBE_FIELDS``, seconds; zeros when not probed). Collective-safe: every
     rank runs the same calls."""
@@ -74,17 +159,11 @@ def batch_probe(trainer: Any, repeats: int | None = None) -> dict[str, float]:
     try:
         _, _, one = _load(loader, per_slot)
         batches = {1: ctx.to_device(one), 2: ctx.to_device(_double(one))}
-        work = {1: float("inf"), 2: float("inf")}
         with ctx.gradient_sync(False):  # no exchange, no optimizer step: forward and backward only
-            for round_ in range(repeats + 1):
-                for size in (1, 2):
-                    _sync(ctx.device)
-                    start = time.perf_counter()
-                    trial.train_batch(batches[size], 0, 0)
-                    _sync(ctx.device)
-                    if round_:  # the first round warms up each shape
-                        work[size] = min(work[size], time.perf_counter() - start)
-        out = {"probe_work": work[1], "probe_work_double": work[2]}
+            work = _time_work(trial, batches, ctx.device, repeats)
+            solo = _solo(trainer, batches, repeats) if ctx.strategy.dp_rank == 0 else {}
+            _barrier(ctx)  # the others wait, idle, while the first rank probes alone
+        out = {"probe_work": work[1], "probe_work_double": work[2], **solo}
         if not trainer.config.data_loader.synthetic:
             loads = {1: float("inf"), 2: float("inf")}
             wall = cpu = 0.0
@@ -107,6 +186,14 @@ def batch_probe(trainer: Any, repeats: int | None = None) -> dict[str, float]:
             opt.zero_grad(set_to_none=True)
 
 
+def _barrier(ctx: Any) -> None:
+    import torch.distributed as dist
+
+    group = ctx.strategy.dp_group
+    if ddist.is_distributed(group):
+        dist.barrier(group=group)
+
+
 def _agree(repeats: int, ctx: Any) -> int:
     """The smallest count over the ranks: the probe may hold collectives, so every rank runs as many."""
     import torch.distributed as dist
@@ -118,29 +205,6 @@ def _agree(repeats: int, ctx: Any) -> int:
     count = torch.tensor([repeats], dtype=torch.int64, device=device)
     dist.all_reduce(count, op=dist.ReduceOp.MIN, group=group)
     return int(count.item())
-
-
-def allreduce_probe(ctx: Any, repeats: int = 5) -> dict[str, float]:
-    """Median seconds of a back-to-back all-reduce of the gradients' size (capped): the ring's bytes rate,
-    apart from what an exchange costs inside a training step (waking up, waiting for peers). Collective."""
-    import torch.distributed as dist
-
-    group = ctx.strategy.dp_group if ctx.strategy is not None else None
-    if not ddist.is_distributed(group) or not ctx.models:
-        return {}
-    nbytes = min(ALLREDUCE_PROBE_MAX_BYTES, 4 * sum(p.numel() for m in ctx.models for p in m.parameters()))
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    buffer = torch.zeros(max(1, nbytes // 4), device=device)
-    dist.all_reduce(buffer, group=group)  # warm-up
-    times = []
-    for _ in range(repeats):
-        dist.barrier(group=group)
-        start = time.perf_counter()
-        dist.all_reduce(buffer, group=group)
-        if device is not None:
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return {"probe_allreduce_bytes": float(buffer.numel() * 4), "probe_allreduce_seconds": sorted(times)[repeats // 2]}
 
 
 def _sync(device: torch.device) -> None:

@@ -197,10 +197,51 @@ class BatchScaling(_Section):
 
 
 class AllreduceProbe(_Section):
-    """``allreduce_probe``: a back-to-back all-reduce of the gradients' size (at most 16 MiB)."""
+    """``allreduce_probe`` (read, no longer written: ``comm_probe`` replaced it): one all-reduce size."""
 
     bytes: float
     seconds: float
+
+
+class WorkPoint(_Section):
+    """The trial's forward and backward at one thread count, at the per-slot batch and twice it."""
+
+    threads: int
+    work_seconds: float
+    work_double_seconds: float
+
+
+class SoloProbe(_Section):
+    """``solo_probe``: the first rank alone (the others idle) at the run's thread count, one and every core:
+    what a slot does with the cores to itself, at other thread counts (CPU runs)."""
+
+    per_slot_batch_size: int
+    points: list[WorkPoint]
+
+
+class CommPoint(_Section):
+    """One all-reduce size of :class:`CommProbe`: bytes and median seconds."""
+
+    bytes: float
+    seconds: float
+
+
+class CommProbe(_Section):
+    """``comm_probe``: back-to-back all-reduces of several sizes among the run's ranks, on its backend."""
+
+    world: int
+    backend: str
+    points: list[CommPoint]
+
+
+class CompressionCost(_Section):
+    """``compression_cost``: seconds per exchange of compressing this model's gradients (fp16 casts;
+    PowerSGD's matmuls and QR at ``powersgd_rank``) and the bytes PowerSGD sends instead of all of them."""
+
+    fp16_seconds: float
+    powersgd_seconds: float
+    powersgd_bytes: float
+    powersgd_rank: int
 
 
 class ProfileRecord(_Section):
@@ -209,7 +250,8 @@ class ProfileRecord(_Section):
 
     OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
         {"device_facts", "stragglers", "batch_scaling", "allreduce_probe", "data_load_seconds_per_batch",
-         "data_load_cpu_share"})
+         "data_load_cpu_share", "solo_probe", "comm_probe", "compression_cost", "step_jitter_seconds",
+         "step_window_seconds"})
 
     schema_version: int = SCHEMA_VERSION
     # What the run was (also summary.json's head: dtrain.profiling.figures.run_facts).
@@ -256,6 +298,13 @@ class ProfileRecord(_Section):
     allreduce_probe: AllreduceProbe | None = None
     data_load_seconds_per_batch: float | None = None
     data_load_cpu_share: float | None = None
+    solo_probe: SoloProbe | None = None
+    comm_probe: CommProbe | None = None
+    compression_cost: CompressionCost | None = None
+    # How steps vary: the standard deviation of a step (mean over ranks), and the first rank's mean step
+    # over each window of 16 timed steps, in order (drift over the run).
+    step_jitter_seconds: float | None = None
+    step_window_seconds: list[float] | None = None
 
     @field_validator("phases")
     @classmethod

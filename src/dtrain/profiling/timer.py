@@ -45,6 +45,9 @@ _FORWARD, _BACKWARD, _EXPOSED, _OTHER = _INDEX["forward"], _INDEX["backward"], _
 # Steps whose edges are kept before they are resolved (on CUDA, one synchronization per this many steps
 # at most, when reports are rarer).
 FLUSH_EVERY = 64
+# Timed steps per window of the run's drift record (``windows``), and the windows kept (pairs merge beyond).
+WINDOW_STEPS = 16
+MAX_WINDOWS = 256
 # Profiled steps timed one by one before sampling starts; the sampler's seed (the same on every rank).
 DENSE_STEPS = 200
 SAMPLE_SEED = 20261124
@@ -80,6 +83,11 @@ class StepTimer:
         # Over the timed steps, each weighted by the steps it stands for: their weights, and seconds.
         self.profiled_weight = 0
         self.profiled_seconds = 0.0
+        # How steps vary: the weighted sum of squared step times (jitter), and the mean step of each run of
+        # WINDOW_STEPS timed steps (drift over the run): the cost model's interval comes from both.
+        self.profiled_squares = 0.0
+        self.windows: list[float] = []
+        self._window_sum, self._window_count = 0.0, 0
         self._last_step = 0.0
         self._in_step = False
         # Whether the current step exchanges gradients (False while aggregating: the context sets it);
@@ -197,6 +205,7 @@ class StepTimer:
         sums = [0.0] * len(PHASES)  # by phase index: one dict update per phase per flush, not per edge
         # Window figures in locals, written back once: this loop runs for every step of the run.
         weights, timed_steps, profiled_seconds, busy_sum, bytes_sum, buckets_sum = 0, 0, 0.0, 0.0, 0.0, 0.0
+        squares, window_sum, window_count, windows = 0.0, self._window_sum, self._window_count, self.windows
         step = self._last_step
         for first, count, weight, busy, nbytes, buckets, exchanging in self._steps:
             end = first + count
@@ -217,6 +226,12 @@ class StepTimer:
             timed_steps += 1
             weights += weight
             profiled_seconds += step * weight
+            squares += step * step * weight
+            window_sum += step
+            window_count += 1
+            if window_count == WINDOW_STEPS:
+                windows.append(window_sum / WINDOW_STEPS)
+                window_sum, window_count = 0.0, 0
             busy_sum += busy * weight
             bytes_sum += nbytes * weight
             buckets_sum += buckets * weight
@@ -224,6 +239,10 @@ class StepTimer:
         self.timed_steps += timed_steps
         self.profiled_weight += weights
         self.profiled_seconds += profiled_seconds
+        self.profiled_squares += squares
+        self._window_sum, self._window_count = window_sum, window_count
+        if len(windows) > MAX_WINDOWS:  # a long run: halve the resolution, keep the whole run
+            windows[:] = [(a + b) / 2 for a, b in zip(windows[::2], windows[1::2], strict=False)]
         self.window_weight += weights
         totals = self.totals
         totals["comm_busy"] += busy_sum
@@ -254,6 +273,7 @@ class StepTimer:
         n = max(1, self.profiled_weight)  # a weighted mean: each timed step for the steps it stands for
         out = {key: value / n for key, value in self.totals.items()}
         out["step"] = self.profiled_seconds / n
+        out["step_std"] = max(0.0, self.profiled_squares / n - out["step"] ** 2) ** 0.5
         native = self.recorder.native() if self.recorder.native is not None else None
         if native is not None:
             # Busy time, bytes and buckets from DDP's own timers; exposed time (after the last gradient)

@@ -1,0 +1,422 @@
+"""The one cost model: what a step costs on another slot count, node count, batch, thread count or option.
+
+``dtrain plan``, the doctor's predicted gains, ``--verify``'s predicted column and ``dtrain bench``'s estimate
+all ask :class:`CostModel`. It starts from one measured run (its ``profile.json``) and prices a step as
+
+    step = data + compute + fixed + exchange / aggregation
+
+* **compute** (forward + backward) per slot at per-slot batch ``b`` and ``t`` threads: ``a_t + c_t b`` from
+  the end-of-run solo probe (the first rank alone at the run's thread count, one and every core, at the
+  per-slot batch and twice it); thread counts in between follow Amdahl's ``s + p / t``. Times how much
+  slots on one host slow each other down (memory bandwidth: the same probe on every rank at once, over
+  the solo one) and how much a training step costs over the probe (hooks, autocast): both measured on
+  the run. More threads than cores share them.
+* **data** and **fixed** (optimizer, bookkeeping) as measured; data grows with the batch as probed.
+* **exchange**: per bucket ``latency + bytes / rate`` of a ring all-reduce (``2(N-1)`` steps, ``2(N-1)/N`` of
+  the bytes through each link), fitted to all-reduces of several sizes (:mod:`dtrain.profiling.commprobe`)
+  on the run's own ranks, or by ``dtrain plan --probe`` in local processes, or a given link; plus what an
+  exchange costs inside training beyond that (waking up, waiting for the slowest peer: the step's jitter
+  grows with the expected maximum of ``N`` ranks), calibrated so the run reproduces its own step. fp16
+  halves the bytes and adds the measured cast; PowerSGD sends the measured low-rank bytes, in two
+  collectives per bucket, and adds its measured matmuls and QR.
+
+Every input is recorded with where it came from (measured, probed, given, assumed), and every prediction
+carries an 80% interval from the run's own step-to-step drift and the uncertainty of each input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from dtrain.profiling.commprobe import LinkFit, fit
+from dtrain.profiling.record import ProfileRecord
+
+# z of the 80% two-sided normal interval.
+Z80 = 1.2816
+# DDP's buckets: the first gradients go out in a small bucket so communication starts early, then bucket_cap_mb.
+FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 * 2**20, 25 * 2**20
+# Relative uncertainties (one standard deviation) of inputs that were not measured on the run itself;
+# sized so that docs/benchmarks.md's held-out rows fall inside the 80% interval as often as it says.
+ASSUMED = {"contention": 0.15, "threads": 0.10, "link_probe": 0.30, "link_given": 0.20, "batch_extrapolation": 0.10,
+           "exchange_overhead": 0.30, "compute": 0.05}
+
+
+@dataclass(frozen=True, slots=True)
+class Link:
+    """Between hosts: bytes per second and seconds of latency per ring step (None: as measured)."""
+
+    bytes_per_second: float | None
+    latency_seconds: float
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """One input of the model and where it came from."""
+
+    name: str
+    value: str
+    source: str  # "measured" (the run), "probed" (dtrain plan --probe), "given" (--link), "assumed"
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A configuration to price. None fields: as the measured run had it."""
+
+    slots: int
+    nodes: int = 1
+    global_batch: int | None = None
+    threads: int | None = None  # per slot; None: the launcher's rule (cores // local slots, at least 1)
+    aggregation: int | None = None
+    compression: str | None = None
+    one_bucket: bool = False
+    precision_gain: float = 1.0
+    data_workers_step: float | None = None  # the data wait with other loader processes (the doctor's plan)
+    cores: int | None = None  # per host; None: as many as the run's host had
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """Seconds per step by part, the step, and its 80% interval; samples/s the same way."""
+
+    target: Target
+    parts: dict[str, float]
+    step: float
+    low: float
+    high: float
+    global_batch: int
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.global_batch / self.step
+
+    @property
+    def samples_per_second_low(self) -> float:
+        return self.global_batch / self.high
+
+    @property
+    def samples_per_second_high(self) -> float:
+        return self.global_batch / self.low
+
+
+def expected_max(n: int) -> float:
+    """Expected maximum of ``n`` standard normal draws (the slowest of ``n`` ranks, in standard deviations)."""
+    exact = {1: 0.0, 2: 0.5642, 3: 0.8463, 4: 1.0294, 5: 1.1630, 6: 1.2672, 7: 1.3522, 8: 1.4236}
+    if n in exact:
+        return exact[n]
+    root = math.sqrt(2 * math.log(n))
+    return root - (math.log(math.log(n)) + math.log(4 * math.pi)) / (2 * root)
+
+
+def ring(n: int) -> float:
+    """Share of an all-reduce's bytes that cross each link of a ring of ``n``."""
+    return 2 * (n - 1) / n if n > 1 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class RingLink:
+    """A link as a ring all-reduce sees it: seconds per ring step and bytes per second through each link."""
+
+    step_latency: float
+    busbw: float
+
+    @classmethod
+    def from_fit(cls, link: LinkFit, world: int) -> RingLink:
+        return cls(link.latency / (2 * (world - 1)), link.rate * ring(world))
+
+    def allreduce(self, nbytes: float, world: int) -> float:
+        if world < 2:
+            return 0.0
+        return 2 * (world - 1) * self.step_latency + ring(world) * nbytes / self.busbw
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """Forward + backward seconds of one slot alone: ``overhead + per_sample x batch`` per thread count."""
+
+    points: dict[int, tuple[float, float]]  # threads -> (overhead, per-sample seconds)
+
+    @classmethod
+    def from_pairs(cls, batch: int, pairs: dict[int, tuple[float, float]]) -> Work:
+        """From (seconds at ``batch``, seconds at twice it) per thread count."""
+        points = {}
+        for threads, (one, two) in pairs.items():
+            per_sample = max(0.0, (two - one) / batch)
+            points[threads] = (max(0.0, one - per_sample * batch), per_sample)
+        return cls(points)
+
+    def seconds(self, batch: float, threads: int) -> float:
+        if threads in self.points or len(self.points) == 1:
+            a, c = self.points.get(threads, next(iter(self.points.values())))
+            return a + c * batch
+        lo, hi = min(self.points), max(self.points)
+        t = min(max(threads, lo), hi)
+        # Amdahl between the fewest and most threads probed: s + p / t through both points.
+        at_lo = self.points[lo][0] + self.points[lo][1] * batch
+        at_hi = self.points[hi][0] + self.points[hi][1] * batch
+        p = (at_lo - at_hi) / (1 / lo - 1 / hi)
+        return at_hi - p / hi + p / t
+
+    def probed(self, threads: int) -> bool:
+        return threads in self.points
+
+
+@dataclass
+class CostModel:
+    """Built from one run's profile by :meth:`from_profile`; :meth:`predict` prices a :class:`Target`."""
+
+    profile: ProfileRecord
+    work: Work
+    link: RingLink | None  # among the run's ranks (or probed locally); None: no link known
+    link_source: str
+    link_residual: float
+    between_hosts: Link | None
+    overhead: float  # seconds per exchange beyond the ring's, in training (calibrated or probed)
+    overhead_source: str
+    factor: float  # a training step's compute over the probe's
+    contention: float  # the run's local slots' compute over one slot alone (1 with one local slot)
+    sources: list[Source] = field(default_factory=list)
+
+    # ------------------------------------------------------------------------------ building
+    @classmethod
+    def from_profile(cls, profile: ProfileRecord, probe: list[tuple[float, float]] | None = None,
+                     probe_world: int = 2, probe_overhead: float | None = None,
+                     between_hosts: Link | None = None) -> CostModel:
+        """The model of ``profile``'s run. ``probe``: ``dtrain plan --probe``'s all-reduce points among
+        ``probe_world`` local processes and its in-training exchange overhead, for a run with one slot."""
+        p = profile
+        sources: list[Source] = []
+        work, threads_known = _work(p)
+        sources.append(Source("compute vs batch and threads", _describe(work), "measured" if threads_known
+                              else "measured at the run's threads only (other thread counts assumed the same)"))
+        run_compute = _mean_compute(p)
+        concurrent = p.batch_scaling.work_seconds if p.batch_scaling is not None else run_compute
+        solo = work.seconds(p.per_slot_batch_size, p.threads_per_slot)
+        contention = max(1.0, concurrent / solo) if p.slots > 1 and solo > 0 and p.solo_probe is not None else 1.0
+        run_crowd = max(1.0, max(1, p.slots // p.hosts) * p.threads_per_slot / (p.cpu_cores or 1))
+        # A step's compute over the probe's: on one slot, the training loop's own cost (hooks, timer, autocast);
+        # with several, also the exchange's (DDP's hooks, the backend's threads on the same cores): there it
+        # is left to the calibrated exchange cost, which only multi-slot targets pay.
+        factor = run_compute / (solo * contention * run_crowd) if solo > 0 and p.slots == 1 else 1.0
+        link, link_source, residual = None, "none", 0.0
+        if p.comm_probe is not None and p.comm_probe.points:
+            fitted = fit([(c.bytes, c.seconds) for c in p.comm_probe.points])
+            link, link_source, residual = RingLink.from_fit(fitted, p.comm_probe.world), "measured", fitted.residual
+        elif probe:
+            fitted = fit(probe)
+            link, link_source, residual = RingLink.from_fit(fitted, probe_world), "probed", fitted.residual
+        model = cls(p, work, link, link_source, residual, between_hosts, 0.0, "none", factor, contention, sources)
+        if link is not None:
+            sources.append(Source("link among local slots", f"{1e6 * link.step_latency:.0f} us per ring step, "
+                                  f"{link.busbw / 1e6:,.0f} MB/s (fit residual {100 * residual:.0f}%)", link_source))
+        if p.slots > 1 and link is not None:
+            model.overhead, model.overhead_source = model._calibrated_overhead(), "measured"
+        elif probe_overhead is not None:
+            model.overhead, model.overhead_source = probe_overhead, "probed"
+        if model.overhead_source != "none":
+            sources.append(Source("exchange cost in training beyond the link", f"{1e3 * model.overhead:.2f} ms",
+                                  model.overhead_source))
+        if between_hosts is not None:
+            sources.append(Source("link between hosts", between_hosts.label, "given"))
+        return model
+
+    def measured_target(self) -> Target:
+        p = self.profile
+        return Target(p.slots, p.hosts, p.global_batch_size, p.threads_per_slot, p.aggregation_frequency,
+                      p.gradient_compression)
+
+    def _calibrated_overhead(self) -> float:
+        """Per-exchange seconds that make the run reproduce its own step (waiting, waking up, DDP's own work),
+        less the jitter part that :meth:`predict` adds back per slot count."""
+        p = self.profile
+        target = self.measured_target()
+        bare = replace(self, overhead=0.0)
+        parts = bare._parts(target)
+        comm_measured = _mean_step(p) - parts["data"] - parts["compute"] - parts["fixed"]
+        exchanges = comm_measured * (p.aggregation_frequency or 1)
+        ring_part = parts["exchange"] * (p.aggregation_frequency or 1)
+        # What overlapped with backward can make the measured exchange cheaper than the bare ring: down to half.
+        return max(-0.5 * ring_part, exchanges - ring_part)
+
+    # ----------------------------------------------------------------------------- predicting
+    def local_threads(self, target: Target) -> tuple[int, int]:
+        """(local slots, threads per slot) of ``target`` by the launcher's rule."""
+        local = max(1, math.ceil(target.slots / target.nodes))
+        cores = target.cores or self.profile.cpu_cores or 1
+        threads = target.threads if target.threads is not None else max(1, cores // local)
+        return local, threads
+
+    def _contention(self, local: int) -> float:
+        run_local = max(1, self.profile.slots // self.profile.hosts)
+        if local == 1:
+            return 1.0
+        if run_local > 1:  # measured at the run's local slots: more or fewer scale the excess linearly
+            return 1.0 + (self.contention - 1.0) * (local - 1) / (run_local - 1)
+        return 1.0  # not measured (one local slot): assumed none, with its uncertainty in the interval
+
+    def buckets(self, nbytes: float, one_bucket: bool) -> list[float]:
+        """Bucket sizes of one exchange: as the run measured them, else DDP's default layout."""
+        p = self.profile
+        if one_bucket:
+            return [nbytes]
+        count = p.comm.buckets_per_step * (p.aggregation_frequency or 1) if p.slots > 1 else 0.0
+        if count < 1:
+            cap = (p.tensor_fusion_threshold_mb or 0) * 2**20 or BUCKET_BYTES
+            rest = max(0.0, nbytes - FIRST_BUCKET_BYTES)
+            count = 1 + math.ceil(rest / cap)
+        count = max(1, round(count))
+        return [nbytes / count] * count
+
+    def _parts(self, target: Target) -> dict[str, float]:
+        p = self.profile
+        local, threads = self.local_threads(target)
+        cores = target.cores or p.cpu_cores or 1
+        crowd = max(1.0, local * threads / cores)
+        run_crowd = max(1.0, max(1, p.slots // p.hosts) * p.threads_per_slot / cores)
+        gbs = target.global_batch or p.global_batch_size
+        batch = gbs / target.slots
+        compute = (self.work.seconds(batch, threads) * self._contention(local) * self.factor * crowd
+                   / target.precision_gain)
+        ratio = batch / p.per_slot_batch_size if p.per_slot_batch_size else 1.0
+        load = _growth(p)[1]
+        data = _mean_phase(p, "data") / run_crowd * (1 + load * (ratio - 1)) * crowd
+        if target.data_workers_step is not None:
+            data = target.data_workers_step
+        fixed = (_mean_phase(p, "optimizer") + _mean_phase(p, "other")) / run_crowd * crowd
+        exchange = compression = 0.0
+        if target.slots > 1:
+            exchange, compression = self._exchange(target, crowd)
+        aggregation = target.aggregation or p.aggregation_frequency or 1
+        return {"data": data, "compute": compute, "fixed": fixed, "exchange": (exchange + compression) / aggregation,
+                "compression": compression / aggregation}
+
+    def _exchange(self, target: Target, crowd: float) -> tuple[float, float]:
+        """(seconds of one gradient exchange on the wire and waiting, seconds of compression math)."""
+        p = self.profile
+        n = target.slots
+        nbytes = 4.0 * p.parameters
+        compression = target.compression if target.compression is not None else p.gradient_compression
+        math_seconds, collectives = 0.0, 1
+        costs = p.compression_cost
+        if compression in ("fp16", "bf16"):
+            nbytes /= 2
+            math_seconds = costs.fp16_seconds if costs is not None else 0.0
+        elif compression == "powersgd" and costs is not None:
+            nbytes, math_seconds, collectives = costs.powersgd_bytes, costs.powersgd_seconds, 2
+        link = self.link or RingLink(0.0, float("inf"))
+        wire = 0.0
+        for size in self.buckets(nbytes, target.one_bucket):
+            for _ in range(collectives):
+                wire += link.allreduce(size / collectives, n)
+                if target.nodes > 1 and self.between_hosts is not None:
+                    between = self.between_hosts
+                    if between.bytes_per_second is not None:
+                        wire += max(0.0, ring(n) * size / collectives / between.bytes_per_second
+                                    - ring(n) * size / collectives / link.busbw)
+                    wire += 2 * (n - 1) * between.latency_seconds
+        # Waking up and waiting for the slowest of n ranks: the run's step jitter, the expected maximum of n.
+        # (The calibrated overhead is what remains beyond this at the run's own slot count.)
+        jitter = (p.step_jitter_seconds or 0.0) * expected_max(n)
+        return max(0.0, wire * (crowd if target.nodes == 1 else 1.0) + self.overhead + jitter), math_seconds
+
+    def predict(self, target: Target) -> Prediction:
+        """Seconds per step of ``target``, by part, with its 80% interval."""
+        parts = self._parts(target)
+        step = parts["data"] + parts["compute"] + parts["fixed"] + parts["exchange"]
+        if target.slots > 1:
+            # Never beyond linear: N slots do at most N times what one slot with a host's cores does (a probe's
+            # noise between thread counts must not read as superlinear scaling).
+            one = self._parts(replace(target, slots=1, nodes=1, threads=None))
+            step = max(step, (one["data"] + one["compute"] + one["fixed"]) / target.slots)
+        spread = Z80 * self._sigma(target, parts, step) / step  # relative: a step is never negative
+        gbs = target.global_batch or self.profile.global_batch_size
+        return Prediction(target, {**parts, "step": step}, step, step * math.exp(-spread), step * math.exp(spread), gbs)
+
+    def _sigma(self, target: Target, parts: dict[str, float], step: float) -> float:
+        """One standard deviation of the predicted step: drift over the run, plus each input's uncertainty."""
+        p = self.profile
+        u = ASSUMED
+        local, threads = self.local_threads(target)
+        compute_u = u["compute"]
+        if not self.work.probed(threads):
+            compute_u += u["threads"]
+        run_local = max(1, p.slots // p.hosts)
+        if local > 1 and run_local == 1:
+            compute_u += u["contention"]
+        batch = (target.global_batch or p.global_batch_size) / target.slots
+        compute_u += u["batch_extrapolation"] * abs(math.log(batch / p.per_slot_batch_size))
+        comm_u = 0.0
+        if target.slots > 1:
+            comm_u = {"measured": 0.1, "probed": u["link_probe"]}.get(self.link_source, 1.0) + self.link_residual
+            if self.overhead_source != "measured":
+                comm_u += u["exchange_overhead"]
+            if target.nodes > 1:
+                comm_u += u["link_given"]
+            comm_u += 0.1 * abs(math.log(target.slots / max(2, p.slots)))
+        drift = _drift(p)
+        parts_sigma = math.hypot(compute_u * parts["compute"], comm_u * parts["exchange"], 0.05 * parts["data"])
+        return math.hypot(drift * step, parts_sigma)
+
+
+def ratio(new: Prediction, base: Prediction) -> tuple[float, float, float]:
+    """samples/s of ``new`` over ``base`` (same model: its biases cancel), with an 80% interval from
+    ``new``'s own (the base is the measured run)."""
+    value = new.samples_per_second / base.samples_per_second
+    base_sps = base.samples_per_second
+    return value, new.samples_per_second_low / base_sps, new.samples_per_second_high / base_sps
+
+
+# -------------------------------------------------------------------------------- the run's figures
+def _mean_phase(p: ProfileRecord, phase: str) -> float:
+    return sum(r.seconds_per_step.of(phase) for r in p.per_rank) / len(p.per_rank)
+
+
+def _mean_compute(p: ProfileRecord) -> float:
+    return _mean_phase(p, "forward") + _mean_phase(p, "backward")
+
+
+def _mean_step(p: ProfileRecord) -> float:
+    return p.seconds_per_step.step.mean
+
+
+def _growth(p: ProfileRecord) -> tuple[float, float]:
+    """(work, loading) growth with the batch, 0 (all per-step overhead) to 1 (all per-sample)."""
+    b = p.batch_scaling
+    if b is None:
+        return 1.0, 1.0
+
+    def share(one: float, two: float) -> float:
+        return min(1.0, max(0.0, two / one - 1.0)) if one > 0 and two > 0 else 1.0
+
+    return share(b.work_seconds, b.work_double_seconds), share(b.load_seconds, b.load_double_seconds)
+
+
+def _work(p: ProfileRecord) -> tuple[Work, bool]:
+    """The solo probe's work by threads; without it the run's own (concurrent) probe, or its measured compute
+    taken as proportional to the batch. Second: whether other thread counts were probed."""
+    b = p.per_slot_batch_size or 1
+    if p.solo_probe is not None and p.solo_probe.points:
+        pairs = {w.threads: (w.work_seconds, w.work_double_seconds) for w in p.solo_probe.points}
+        return Work.from_pairs(p.solo_probe.per_slot_batch_size, pairs), len(pairs) > 1
+    if p.batch_scaling is not None:
+        scaling = p.batch_scaling
+        return Work.from_pairs(b, {p.threads_per_slot: (scaling.work_seconds, scaling.work_double_seconds)}), False
+    compute = _mean_compute(p)
+    return Work({p.threads_per_slot: (0.0, compute / b)}), False
+
+
+def _describe(work: Work) -> str:
+    return "; ".join(f"{t} thread(s): {1e3 * a:.3f} ms + {1e6 * c:.2f} us/sample" for t, (a, c) in
+                     sorted(work.points.items()))
+
+
+def _drift(p: ProfileRecord) -> float:
+    """Relative standard deviation of the run's mean step over its windows of steps (drift over the run), at
+    least 3%; 5% where there are too few windows to tell."""
+    windows = p.step_window_seconds or []
+    if len(windows) < 3:
+        return 0.05
+    mean = sum(windows) / len(windows)
+    var = sum((w - mean) ** 2 for w in windows) / (len(windows) - 1)
+    return max(0.03, math.sqrt(var) / mean)

@@ -1,0 +1,199 @@
+"""The link's latency and bandwidth: all-reduces of several sizes, fitted to ``seconds = a + bytes / rate``.
+
+One size says nothing about where a message's cost comes from: a few KB cost the per-message latency
+(waking a thread, a round trip per ring step), tens of MB the bandwidth. The cost model
+(:mod:`dtrain.explain.costmodel`) needs both to price another world size, another bucket layout or
+compressed gradients, so every multi-slot run ends with this probe on its own backend and interface, and
+``dtrain plan --probe`` runs it in local processes for a run that had one slot (which measured no link).
+
+Each size runs back to back after a warm-up, ``REPEATS`` times; the median counts. The fit is least
+squares on relative error (a 4 KB point weighs as much as a 32 MB one), both terms at least zero.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dtrain import dist as ddist
+
+# From a few KB (latency-bound) to tens of MB (bandwidth-bound), and the gradients' own size in between.
+SIZES = (4 * 2**10, 64 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
+REPEATS = 11
+PROBE_FILE = "comm_probe.json"
+
+
+@dataclass(frozen=True, slots=True)
+class LinkFit:
+    """``seconds(nbytes) = latency + nbytes / rate`` for an all-reduce on ``world`` ranks."""
+
+    latency: float
+    rate: float  # bytes of buffer per second (algorithm bandwidth)
+    residual: float  # relative RMS error of the fit over the probed sizes
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.rate
+
+
+def fit(points: list[tuple[float, float]]) -> LinkFit:
+    """Least squares on relative error of ``(bytes, seconds)`` points; both terms kept >= 0."""
+    if not points:
+        raise ValueError("no probe points")
+    if len(points) == 1:
+        nbytes, seconds = points[0]
+        return LinkFit(0.0, nbytes / seconds, 0.0)
+    # Minimize sum(((a + b x) / y - 1)^2): weighted least squares with weights 1 / y^2.
+    w = [1.0 / (y * y) for _, y in points]
+    sw, sx = sum(w), sum(wi * x for wi, (x, _) in zip(w, points, strict=True))
+    sxx = sum(wi * x * x for wi, (x, _) in zip(w, points, strict=True))
+    sy = sum(wi * y for wi, (_, y) in zip(w, points, strict=True))
+    sxy = sum(wi * x * y for wi, (x, y) in zip(w, points, strict=True))
+    det = sw * sxx - sx * sx
+    a, b = ((sy * sxx - sx * sxy) / det, (sw * sxy - sx * sy) / det) if det > 0 else (0.0, 0.0)
+    if b <= 0:  # bandwidth not resolved: the largest point sets it
+        x, y = max(points)
+        a, b = 0.0, y / x
+    if a < 0:  # no latency resolved: the rate through the origin
+        a = 0.0
+        b = sum(wi * x * y for wi, (x, y) in zip(w, points, strict=True)) / sxx
+    residual = (sum(((a + b * x) / y - 1) ** 2 for x, y in points) / len(points)) ** 0.5
+    return LinkFit(a, 1.0 / b, residual)
+
+
+def measure(group: Any = None, sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> list[tuple[float, float]]:
+    """``(bytes, median seconds)`` per size, on every rank of ``group`` (collective: all ranks call it)."""
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend(group) == "nccl" else None)
+    buffer = torch.zeros(max(sizes) // 4, device=device)
+    for _ in range(3):  # the backend's threads wake up from the run (or the start)
+        dist.all_reduce(buffer[:1024], group=group)
+    out = []
+    for nbytes in sizes:
+        view = buffer[: nbytes // 4]
+        dist.all_reduce(view, group=group)  # warm-up: the size's first message sets up its buffers
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            start = time.perf_counter()
+            dist.all_reduce(view, group=group)
+            if device is not None:
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - start)
+        out.append((float(nbytes), statistics.median(times)))
+    return out
+
+
+def end_of_run(group: Any) -> list[tuple[float, float]]:
+    """The probe at the end of a multi-slot run (empty on one slot)."""
+    if not ddist.is_distributed(group):
+        return []
+    return measure(group)
+
+
+# ------------------------------------------------------------------ local processes (dtrain plan --probe)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _spin(seconds: float, matrix: torch.Tensor) -> None:
+    """Busy for ``seconds`` on this process's threads, as a slot's forward and backward would be."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        matrix @ matrix
+
+
+def _worker(rank: int, world: int, port: int, threads: int, buckets: list[float], compute: float, steps: int,
+            out: str) -> None:
+    torch.set_num_threads(threads)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    try:
+        points = measure()
+        # Exchanges as training makes them: after a slot's compute, each bucket in turn; the mean counts
+        # (a throughput), waking up and waiting for the slower peer included.
+        tensors = [torch.zeros(max(1, int(b) // 4)) for b in buckets]
+        matrix = torch.randn(64, 64)
+        spent = 0.0
+        for step in range(steps + 5):
+            _spin(compute, matrix)
+            start = time.perf_counter()
+            for tensor in tensors:
+                dist.all_reduce(tensor)
+            if step >= 5:  # warm-up
+                spent += time.perf_counter() - start
+        if rank == 0:
+            Path(out).write_text(json.dumps({"points": points, "exchange_seconds": spent / steps}))
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True, slots=True)
+class LocalProbe:
+    """:func:`probe_local`'s result: all-reduce ``(bytes, seconds)`` points, and the mean seconds of one
+    training-like exchange of ``buckets`` after ``compute`` seconds of work."""
+
+    world: int
+    threads: int
+    points: list[tuple[float, float]]
+    buckets: list[float]
+    compute_seconds: float
+    exchange_seconds: float
+
+    def overhead(self) -> float:
+        """What an exchange in training costs beyond back-to-back all-reduces of its buckets."""
+        link = fit(self.points)
+        return self.exchange_seconds - sum(link.seconds(b) for b in self.buckets)
+
+
+def probe_local(world: int, threads: int, buckets: list[float], compute_seconds: float, steps: int = 200,
+                timeout: float = 120.0) -> LocalProbe:
+    """All-reduces among ``world`` processes on this host over loopback (Gloo), as local slots would talk,
+    each with ``threads`` torch threads as the launcher would give it: several sizes back to back, then
+    ``steps`` training-like exchanges of ``buckets`` (bytes) after ``compute_seconds`` of work each."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "probe.json")
+        args = (world, _free_port(), threads, buckets, compute_seconds, steps, out)
+        ctx = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() > deadline:
+                for process in ctx.processes:
+                    process.kill()
+                raise TimeoutError(f"the local all-reduce probe of {world} processes took over {timeout:.0f} s")
+        result = json.loads(Path(out).read_text())
+    return LocalProbe(world, threads, [(float(b), float(s)) for b, s in result["points"]], buckets, compute_seconds,
+                      float(result["exchange_seconds"]))
+
+
+def save(probe: LocalProbe, path: Path) -> None:
+    """Keep a local probe beside the run (``dtrain plan`` reads it back instead of probing again)."""
+    path.write_text(json.dumps({"world": probe.world, "threads": probe.threads, "host": socket.gethostname(),
+                                "points": probe.points, "buckets": probe.buckets,
+                                "compute_seconds": probe.compute_seconds,
+                                "exchange_seconds": probe.exchange_seconds}, indent=2))
+
+
+def load(path: Path) -> LocalProbe | None:
+    """A saved local probe, or None when there is none or it cannot be read (it is then probed again)."""
+    try:
+        d = json.loads(path.read_text())
+        return LocalProbe(int(d["world"]), int(d["threads"]), [(float(b), float(s)) for b, s in d["points"]],
+                          [float(b) for b in d["buckets"]], float(d["compute_seconds"]), float(d["exchange_seconds"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
