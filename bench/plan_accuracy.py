@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 key = (row.model, n, row.rate)
                 if key not in models:
                     link = parse_link(row.rate) if row.rate else None
-                    models[key] = build_model(tmp / f"source-{row.model}-{n}", link,
+                    _, models[key] = build_model(tmp / f"source-{row.model}-{n}", link,
                                               log=lambda line: print(line, file=sys.stderr))
                 predicted[(row.label, n)] = predict(models[key], row)
         ratios: dict[tuple[str, int], list[float]] = {(row.label, n): [] for row in table for n in (1, 2)}

@@ -46,7 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--slots", default="1,2", help="comma-separated slot counts (default 1,2)")
     bench.add_argument("--synthetic", action="store_true", help="also run with synthetic data (isolates I/O)")
     bench.add_argument("--steps", type=_step_count, default=100, help="training steps per case")
-    bench.add_argument("--repeats", type=_positive_int, default=3, help="rounds of every case (median; default 3)")
+    bench.add_argument("--repeats", type=_positive_int, default=3, help="rounds of every case (speed-up: median of "
+                       "per-round ratios over the same round's 1-slot run; default 3)")
+    bench.add_argument("--max-repeats", type=_positive_int, help="keep adding rounds, up to this many, while a "
+                       "speed-up's range is wider than --target-spread (default: --repeats, i.e. off)")
+    bench.add_argument("--target-spread", type=float, default=0.10, help="narrow enough: a speed-up's range of "
+                       "per-round ratios, (high - low) / median, at most this (default 0.10)")
     bench.add_argument("--out", type=Path, help="output folder (default runs/bench-<name>-<timestamp>)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
@@ -81,7 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--verify", action="store_true", help="measure the top recommendations and bisection "
                         "experiments as short runs beside a baseline; write RUN_DIR/tuned.yaml")
     doctor.add_argument("--steps", type=_step_count, default=60, help="steps per --verify run (default 60)")
-    doctor.add_argument("--repeats", type=_positive_int, default=1, help="--verify rounds; the median counts")
+    doctor.add_argument("--repeats", type=_positive_int, default=1, help="--verify rounds; the median of per-round "
+                        "ratios over the same round's baseline counts")
+    doctor.add_argument("--max-repeats", type=_positive_int, help="--verify: keep adding rounds, up to this many, "
+                        "while a ratio's range is wider than --target-spread (default: --repeats, i.e. off)")
+    doctor.add_argument("--target-spread", type=float, default=0.10, help="--verify: narrow enough: an experiment's "
+                        "range of per-round ratios, (high - low) / median, at most this (default 0.10)")
     doctor.add_argument("--top", type=_positive_int, default=3, help="--verify: how many recommendations to run")
 
     plan = sub.add_parser("plan", help="predict other slot/node counts and the doctor's options from one run")
@@ -89,7 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--slots", default="1,2,4,8", help="comma-separated slot counts (default 1,2,4,8)")
     plan.add_argument("--nodes", type=_positive_int, default=1, help="also spread each slot count over N nodes")
     plan.add_argument("--link", help="link between nodes: RATE[,LATENCY] like 200mbit or 1gbit,0.2ms, or measured")
-    plan.add_argument("--png", type=Path, help="chart path (default RUN_DIR/plan.png)")
+    plan.add_argument("--probe", action="store_true", help="measure the link among local processes again (a run "
+                      "with one slot measured none; saved beside the run as comm_probe.json)")
+    plan.add_argument("--png", type=Path, help="chart path (default RUN_DIR/plan.png; with --json, only when given)")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
 
     report = sub.add_parser("report", help="(re)build a run's report.html and print its time table")
@@ -215,7 +227,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from dtrain.explain.scaling import bench, parse_slots
 
         bench(args.config, parse_slots(args.slots), args.synthetic, args.steps, args.out, args.overrides, args.debug,
-              args.repeats)
+              args.repeats, args.max_repeats, args.target_spread)
         return 0
     raise AssertionError(args.command)  # argparse only lets known commands through
 
@@ -342,7 +354,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         from dtrain.explain.verify import verify
 
         result = verify(args.run_dir, args.steps, args.repeats, args.top, debug=args.debug,
-                        log=lambda line: print(line, file=sys.stderr, flush=True))
+                        log=lambda line: print(line, file=sys.stderr, flush=True), max_repeats=args.max_repeats,
+                        target_spread=args.target_spread)
         print(json.dumps(result, indent=2) if args.json else render_verify(result), end="\n" if args.json else "")
         return 0
     profile = load_run_profile(args.run_dir)
@@ -361,10 +374,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dtrain.explain.plan import parse_link, plan, plot, render
     from dtrain.explain.scaling import parse_slots
 
-    doc = plan(args.run_dir, parse_slots(args.slots), args.nodes, parse_link(args.link))
-    png = args.png or args.run_dir / "plan.png"
-    plot(doc, png)
-    doc["png"] = str(png)
+    doc = plan(args.run_dir, parse_slots(args.slots), args.nodes, parse_link(args.link), probe=args.probe)
+    # --json is for scripts: it leaves the chart a person asked for earlier alone unless told where to draw.
+    png = args.png or (None if args.json else args.run_dir / "plan.png")
+    if png is not None:
+        plot(doc, png)
+    doc["png"] = str(png) if png is not None else None
     print(json.dumps(doc, indent=2) if args.json else render(doc) + f"chart: {png}")
     return 0
 

@@ -66,7 +66,7 @@ def test_work_follows_amdahl_between_probed_thread_counts():
 def test_a_multi_slot_run_reproduces_itself_and_its_options_move_the_way_they_should():
     model = CostModel.from_profile(_profile())
     mine = model.predict(model.measured_target())
-    assert mine.step == pytest.approx(model.profile.seconds_per_step.step.mean, rel=1e-6)
+    assert mine.step == pytest.approx(model.facts.step, rel=1e-6)
     assert mine.low < mine.step < mine.high
     base, three = model.predict(Target(2)), model.predict(Target(3))
     assert three.parts["exchange"] > base.parts["exchange"]  # more ring steps, more jitter to wait for

@@ -11,6 +11,8 @@ from typing import Any
 
 from dtrain.profiling.record import BatchScaling, ProfileRecord
 
+# A change predicted to gain less than this is not advised: it changes nothing a user could measure.
+MIN_GAIN = 1.02
 # What slows one rank in each phase, and how to see it on that host (Linux tools that are always there
 # first, then the GPU's).
 CHECKS = {
@@ -58,19 +60,41 @@ def straggler(profile: ProfileRecord, work: list[float]) -> dict[str, Any] | Non
             "phase_excess_seconds": excess[phase], "measured": False}
 
 
-def straggler_text(s: dict[str, Any], leave_out: str) -> str:
-    """One paragraph: who, where, how late, slow in what, what to check there, and the fallback."""
+def straggler_text(s: dict[str, Any], fewer_slots: str, one_host: bool = False,
+                   fallback_speedup: float | None = None) -> str:
+    """One paragraph about a chronically late rank: who, where, how late, slow in what, what to check there,
+    and the fallback (one slot fewer; on a multi-host run, leaving that rank out), offered only when
+    ``fallback_speedup`` (its predicted speed-up) gains more than 2%."""
     ms = 1e3 * s["lag_seconds"]
     if s["measured"]:
         how = (f"arrives {ms:.2f} ms late at the gradient all-reduce (median over {s['samples']} sampled steps; "
                f"p90 {1e3 * s['lag_p90_seconds']:.2f} ms; last in {100 * s['last_fraction']:.0f}% of them)")
-        if not s["chronic"]:
-            how += ", though no rank is chronically last (ranks take turns: noise, or cores shared by all)"
     else:
         how = f"needs {ms:.2f} ms more work per step than the fastest rank"
+    # Every rank shares the one host: there is no other host to move to, only fewer slots on this one.
+    if fallback_speedup is not None and fallback_speedup > MIN_GAIN:
+        fallback = "If it cannot be fixed, " + (f"run one slot fewer ({fewer_slots})" if one_host
+                                                 else f"leave it out ({fewer_slots})")
+    else:
+        shown = f"{fallback_speedup:.2f}x" if fallback_speedup is not None else "not predicted"
+        fallback = f"One slot fewer ({fewer_slots}) is predicted no faster ({shown}): fixing it is the way"
     return (f"rank {s['rank']} (host {s['host']}) {how}, slow in {s['phase']} "
             f"(+{1e3 * s['phase_excess_seconds']:.2f} ms per step over the fastest rank); the other ranks wait for "
-            f"it. Check on {s['host']}: {CHECKS[s['phase']]}. If it cannot be fixed, leave it out ({leave_out})")
+            f"it. Check on {s['host']}: {CHECKS[s['phase']]}. {fallback}")
+
+
+def turns_text(s: dict[str, Any], waiting: float) -> str:
+    """The straggler factor when no rank is chronically last: ranks take turns, so no rank or host is to
+    blame (run-to-run noise, or cores every rank shares), and nothing is to leave out or check on one host."""
+    wait = f"ranks wait {1e3 * waiting:.2f} ms per step for one another"
+    who = f"rank {s['rank']} (host {s['host']})"
+    if not s["measured"]:
+        return (f"{wait}; no arrival lags were sampled, so no rank is known to be chronically last ({who} has "
+                f"{1e3 * s['lag_seconds']:.2f} ms more work per step than the fastest): ranks may take turns, "
+                "with noise or cores shared by all ranks")
+    return (f"{wait}, but no rank is chronically last: ranks take turns (the latest, {who}, is last in "
+            f"{100 * s['last_fraction']:.0f}% of {s['samples']} sampled steps): noise, or cores shared by all ranks; "
+            "no one rank to fix or leave out")
 
 
 def usable_cores(profile: ProfileRecord) -> int | None:

@@ -162,12 +162,86 @@ class Work:
         return threads in self.points
 
 
+@dataclass(frozen=True, slots=True)
+class CompressionFacts:
+    """Seconds per exchange of compressing the gradients, and the bytes PowerSGD sends."""
+
+    fp16_seconds: float
+    powersgd_seconds: float
+    powersgd_bytes: float
+
+
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What the model knows of one configuration that ran (or, on paper, that was described): the inputs of
+    :class:`CostModel`, typed, from :meth:`from_profile` or :mod:`dtrain.explain.paper`."""
+
+    slots: int
+    hosts: int
+    device: str  # "cpu" | "cuda": on a GPU, DDP's all-reduce overlaps the backward compute
+    cores: int  # per host
+    threads: int  # per slot
+    per_slot_batch: int
+    global_batch: int
+    parameters: int
+    aggregation: int
+    compression: str
+    fusion_mb: float | None
+    buckets: float  # per exchange, as measured (0: not measured)
+    data: float  # seconds per step, means over ranks
+    compute: float  # forward + backward
+    backward_share: float  # of compute
+    fixed: float  # optimizer + other
+    step: float
+    work: Work  # one slot alone, by batch and threads
+    threads_probed: bool
+    concurrent_work: float | None  # the probe at the run's batch, all local slots at once
+    load_growth: float  # 0 (per-step) .. 1 (per-sample) of data loading
+    link_points: tuple[tuple[float, float], ...] = ()
+    link_world: int = 0
+    compression_costs: CompressionFacts | None = None
+    jitter: float = 0.0  # standard deviation of a step
+    windows: tuple[float, ...] = ()  # mean step of successive windows of the run
+
+    @classmethod
+    def from_profile(cls, p: ProfileRecord) -> Facts:
+        work, threads_probed = _work(p)
+        costs = p.compression_cost
+        compute = _mean_compute(p)
+        return cls(
+            slots=p.slots, hosts=p.hosts, device=p.device, cores=p.cpu_cores or 1, threads=p.threads_per_slot,
+            per_slot_batch=p.per_slot_batch_size, global_batch=p.global_batch_size, parameters=p.parameters,
+            aggregation=p.aggregation_frequency or 1, compression=p.gradient_compression,
+            fusion_mb=p.tensor_fusion_threshold_mb,
+            buckets=p.comm.buckets_per_step * (p.aggregation_frequency or 1) if p.slots > 1 else 0.0,
+            data=_mean_phase(p, "data"), compute=compute,
+            backward_share=_mean_phase(p, "backward") / compute if compute > 0 else 0.5,
+            fixed=_mean_phase(p, "optimizer") + _mean_phase(p, "other"), step=p.seconds_per_step.step.mean,
+            work=work, threads_probed=threads_probed and p.solo_probe is not None,
+            concurrent_work=p.batch_scaling.work_seconds if p.batch_scaling is not None else None,
+            load_growth=_growth(p)[1],
+            link_points=tuple((c.bytes, c.seconds) for c in p.comm_probe.points) if p.comm_probe else (),
+            link_world=p.comm_probe.world if p.comm_probe else 0,
+            compression_costs=(CompressionFacts(costs.fp16_seconds, costs.powersgd_seconds, costs.powersgd_bytes)
+                               if costs is not None else None),
+            jitter=p.step_jitter_seconds or 0.0, windows=tuple(p.step_window_seconds or ()))
+
+    @property
+    def local_slots(self) -> int:
+        return max(1, self.slots // self.hosts)
+
+    @property
+    def crowd(self) -> float:
+        """Threads over cores on a host, where beyond one: slots then take turns on the cores."""
+        return max(1.0, self.local_slots * self.threads / self.cores) if self.device == "cpu" else 1.0
+
+
 @dataclass
 class CostModel:
-    """Built from one run's profile by :meth:`from_profile`; :meth:`predict` prices a :class:`Target`."""
+    """Built from one run by :meth:`from_profile` (or from :class:`Facts`); :meth:`predict` prices a
+    :class:`Target`."""
 
-    profile: ProfileRecord
-    work: Work
+    facts: Facts
     link: RingLink | None  # among the run's ranks (or probed locally); None: no link known
     link_source: str
     link_residual: float
@@ -185,32 +259,33 @@ class CostModel:
                      between_hosts: Link | None = None) -> CostModel:
         """The model of ``profile``'s run. ``probe``: ``dtrain plan --probe``'s all-reduce points among
         ``probe_world`` local processes and its in-training exchange overhead, for a run with one slot."""
-        p = profile
-        sources: list[Source] = []
-        work, threads_known = _work(p)
-        sources.append(Source("compute vs batch and threads", _describe(work), "measured" if threads_known
-                              else "measured at the run's threads only (other thread counts assumed the same)"))
-        run_compute = _mean_compute(p)
-        concurrent = p.batch_scaling.work_seconds if p.batch_scaling is not None else run_compute
-        solo = work.seconds(p.per_slot_batch_size, p.threads_per_slot)
-        contention = max(1.0, concurrent / solo) if p.slots > 1 and solo > 0 and p.solo_probe is not None else 1.0
-        run_crowd = max(1.0, max(1, p.slots // p.hosts) * p.threads_per_slot / (p.cpu_cores or 1))
+        return cls.from_facts(Facts.from_profile(profile), probe, probe_world, probe_overhead, between_hosts)
+
+    @classmethod
+    def from_facts(cls, f: Facts, probe: list[tuple[float, float]] | None = None, probe_world: int = 2,
+                   probe_overhead: float | None = None, between_hosts: Link | None = None,
+                   link_source: str = "measured") -> CostModel:
+        sources = [Source("compute vs batch and threads", _describe(f.work), "measured" if f.threads_probed
+                          else "measured at the run's threads only (other thread counts assumed the same)")]
+        solo = f.work.seconds(f.per_slot_batch, f.threads)
+        concurrent = f.concurrent_work if f.concurrent_work is not None else solo
+        contention = max(1.0, concurrent / solo) if f.slots > 1 and solo > 0 and f.threads_probed else 1.0
         # A step's compute over the probe's: on one slot, the training loop's own cost (hooks, timer, autocast);
         # with several, also the exchange's (DDP's hooks, the backend's threads on the same cores): there it
         # is left to the calibrated exchange cost, which only multi-slot targets pay.
-        factor = run_compute / (solo * contention * run_crowd) if solo > 0 and p.slots == 1 else 1.0
-        link, link_source, residual = None, "none", 0.0
-        if p.comm_probe is not None and p.comm_probe.points:
-            fitted = fit([(c.bytes, c.seconds) for c in p.comm_probe.points])
-            link, link_source, residual = RingLink.from_fit(fitted, p.comm_probe.world), "measured", fitted.residual
+        factor = f.compute / (solo * contention * f.crowd) if solo > 0 and f.slots == 1 else 1.0
+        link, found_source, residual = None, "none", 0.0
+        if f.link_points:
+            fitted = fit(list(f.link_points))
+            link, found_source, residual = RingLink.from_fit(fitted, f.link_world), link_source, fitted.residual
         elif probe:
             fitted = fit(probe)
-            link, link_source, residual = RingLink.from_fit(fitted, probe_world), "probed", fitted.residual
-        model = cls(p, work, link, link_source, residual, between_hosts, 0.0, "none", factor, contention, sources)
+            link, found_source, residual = RingLink.from_fit(fitted, probe_world), "probed", fitted.residual
+        model = cls(f, link, found_source, residual, between_hosts, 0.0, "none", factor, contention, sources)
         if link is not None:
             sources.append(Source("link among local slots", f"{1e6 * link.step_latency:.0f} us per ring step, "
-                                  f"{link.busbw / 1e6:,.0f} MB/s (fit residual {100 * residual:.0f}%)", link_source))
-        if p.slots > 1 and link is not None:
+                                  f"{link.busbw / 1e6:,.0f} MB/s (fit residual {100 * residual:.0f}%)", found_source))
+        if f.slots > 1 and link is not None and found_source == "measured":
             model.overhead, model.overhead_source = model._calibrated_overhead(), "measured"
         elif probe_overhead is not None:
             model.overhead, model.overhead_source = probe_overhead, "probed"
@@ -222,33 +297,29 @@ class CostModel:
         return model
 
     def measured_target(self) -> Target:
-        p = self.profile
-        return Target(p.slots, p.hosts, p.global_batch_size, p.threads_per_slot, p.aggregation_frequency,
-                      p.gradient_compression)
+        f = self.facts
+        return Target(f.slots, f.hosts, f.global_batch, f.threads, f.aggregation, f.compression)
 
     def _calibrated_overhead(self) -> float:
         """Per-exchange seconds that make the run reproduce its own step (waiting, waking up, DDP's own work),
-        less the jitter part that :meth:`predict` adds back per slot count."""
-        p = self.profile
-        target = self.measured_target()
-        bare = replace(self, overhead=0.0)
-        parts = bare._parts(target)
-        comm_measured = _mean_step(p) - parts["data"] - parts["compute"] - parts["fixed"]
-        exchanges = comm_measured * (p.aggregation_frequency or 1)
-        ring_part = parts["exchange"] * (p.aggregation_frequency or 1)
+        beyond the jitter part that :meth:`predict` adds back per slot count."""
+        f = self.facts
+        parts = replace(self, overhead=0.0)._parts(self.measured_target())
+        measured = (f.step - parts["data"] - parts["compute"] - parts["fixed"]) * f.aggregation
+        bare = parts["exchange"] * f.aggregation
         # What overlapped with backward can make the measured exchange cheaper than the bare ring: down to half.
-        return max(-0.5 * ring_part, exchanges - ring_part)
+        return max(-0.5 * bare, measured - bare)
 
     # ----------------------------------------------------------------------------- predicting
     def local_threads(self, target: Target) -> tuple[int, int]:
         """(local slots, threads per slot) of ``target`` by the launcher's rule."""
         local = max(1, math.ceil(target.slots / target.nodes))
-        cores = target.cores or self.profile.cpu_cores or 1
+        cores = target.cores or self.facts.cores
         threads = target.threads if target.threads is not None else max(1, cores // local)
         return local, threads
 
     def _contention(self, local: int) -> float:
-        run_local = max(1, self.profile.slots // self.profile.hosts)
+        run_local = self.facts.local_slots
         if local == 1:
             return 1.0
         if run_local > 1:  # measured at the run's local slots: more or fewer scale the excess linearly
@@ -256,69 +327,73 @@ class CostModel:
         return 1.0  # not measured (one local slot): assumed none, with its uncertainty in the interval
 
     def buckets(self, nbytes: float, one_bucket: bool) -> list[float]:
-        """Bucket sizes of one exchange: as the run measured them, else DDP's default layout."""
-        p = self.profile
+        """Bucket sizes of one exchange: as many as the run measured, else DDP's default layout."""
+        f = self.facts
         if one_bucket:
             return [nbytes]
-        count = p.comm.buckets_per_step * (p.aggregation_frequency or 1) if p.slots > 1 else 0.0
+        count = f.buckets
         if count < 1:
-            cap = (p.tensor_fusion_threshold_mb or 0) * 2**20 or BUCKET_BYTES
-            rest = max(0.0, nbytes - FIRST_BUCKET_BYTES)
-            count = 1 + math.ceil(rest / cap)
+            cap = (f.fusion_mb or 0) * 2**20 or BUCKET_BYTES
+            count = 1 + math.ceil(max(0.0, nbytes - FIRST_BUCKET_BYTES) / cap)
         count = max(1, round(count))
         return [nbytes / count] * count
 
     def _parts(self, target: Target) -> dict[str, float]:
-        p = self.profile
+        f = self.facts
         local, threads = self.local_threads(target)
-        cores = target.cores or p.cpu_cores or 1
-        crowd = max(1.0, local * threads / cores)
-        run_crowd = max(1.0, max(1, p.slots // p.hosts) * p.threads_per_slot / cores)
-        gbs = target.global_batch or p.global_batch_size
+        cores = target.cores or f.cores
+        crowd = max(1.0, local * threads / cores) if f.device == "cpu" else 1.0
+        gbs = target.global_batch or f.global_batch
         batch = gbs / target.slots
-        compute = (self.work.seconds(batch, threads) * self._contention(local) * self.factor * crowd
+        compute = (f.work.seconds(batch, threads) * self._contention(local) * self.factor * crowd
                    / target.precision_gain)
-        ratio = batch / p.per_slot_batch_size if p.per_slot_batch_size else 1.0
-        load = _growth(p)[1]
-        data = _mean_phase(p, "data") / run_crowd * (1 + load * (ratio - 1)) * crowd
+        ratio = batch / f.per_slot_batch if f.per_slot_batch else 1.0
+        data = f.data / f.crowd * (1 + f.load_growth * (ratio - 1)) * crowd
         if target.data_workers_step is not None:
             data = target.data_workers_step
-        fixed = (_mean_phase(p, "optimizer") + _mean_phase(p, "other")) / run_crowd * crowd
+        fixed = f.fixed / f.crowd * crowd
         exchange = compression = 0.0
         if target.slots > 1:
-            exchange, compression = self._exchange(target, crowd)
-        aggregation = target.aggregation or p.aggregation_frequency or 1
+            exchange, compression = self._exchange(target, crowd, compute * f.backward_share)
+        aggregation = target.aggregation or f.aggregation
         return {"data": data, "compute": compute, "fixed": fixed, "exchange": (exchange + compression) / aggregation,
                 "compression": compression / aggregation}
 
-    def _exchange(self, target: Target, crowd: float) -> tuple[float, float]:
+    def _exchange(self, target: Target, crowd: float, backward: float) -> tuple[float, float]:
         """(seconds of one gradient exchange on the wire and waiting, seconds of compression math)."""
-        p = self.profile
+        f = self.facts
         n = target.slots
-        nbytes = 4.0 * p.parameters
-        compression = target.compression if target.compression is not None else p.gradient_compression
+        nbytes = 4.0 * f.parameters
+        compression = target.compression if target.compression is not None else f.compression
         math_seconds, collectives = 0.0, 1
-        costs = p.compression_cost
+        costs = f.compression_costs
         if compression in ("fp16", "bf16"):
             nbytes /= 2
             math_seconds = costs.fp16_seconds if costs is not None else 0.0
         elif compression == "powersgd" and costs is not None:
             nbytes, math_seconds, collectives = costs.powersgd_bytes, costs.powersgd_seconds, 2
         link = self.link or RingLink(0.0, float("inf"))
-        wire = 0.0
-        for size in self.buckets(nbytes, target.one_bucket):
+        between = self.between_hosts if target.nodes > 1 else None
+        sizes = self.buckets(nbytes, target.one_bucket)
+        times = []
+        for size in sizes:
+            seconds = 0.0
             for _ in range(collectives):
-                wire += link.allreduce(size / collectives, n)
-                if target.nodes > 1 and self.between_hosts is not None:
-                    between = self.between_hosts
-                    if between.bytes_per_second is not None:
-                        wire += max(0.0, ring(n) * size / collectives / between.bytes_per_second
-                                    - ring(n) * size / collectives / link.busbw)
-                    wire += 2 * (n - 1) * between.latency_seconds
+                part = size / collectives
+                seconds += link.allreduce(part, n)
+                if between is not None:
+                    if between.bytes_per_second is not None:  # the slower link sets the ring's rate
+                        seconds += max(0.0, ring(n) * part / between.bytes_per_second - ring(n) * part / link.busbw)
+                    seconds += 2 * (n - 1) * between.latency_seconds
+            times.append(seconds * (crowd if target.nodes == 1 else 1.0))
+        wire = sum(times)
+        if f.device == "cuda" and collectives == 1:
+            # DDP launches each bucket as backward fills it: all but the last hide behind the rest of backward.
+            wire = max(times[-1], wire - backward)
         # Waking up and waiting for the slowest of n ranks: the run's step jitter, the expected maximum of n.
         # (The calibrated overhead is what remains beyond this at the run's own slot count.)
-        jitter = (p.step_jitter_seconds or 0.0) * expected_max(n)
-        return max(0.0, wire * (crowd if target.nodes == 1 else 1.0) + self.overhead + jitter), math_seconds
+        jitter = f.jitter * expected_max(n)
+        return max(0.0, wire + self.overhead + jitter), math_seconds
 
     def predict(self, target: Target) -> Prediction:
         """Seconds per step of ``target``, by part, with its 80% interval."""
@@ -330,33 +405,32 @@ class CostModel:
             one = self._parts(replace(target, slots=1, nodes=1, threads=None))
             step = max(step, (one["data"] + one["compute"] + one["fixed"]) / target.slots)
         spread = Z80 * self._sigma(target, parts, step) / step  # relative: a step is never negative
-        gbs = target.global_batch or self.profile.global_batch_size
+        gbs = target.global_batch or self.facts.global_batch
         return Prediction(target, {**parts, "step": step}, step, step * math.exp(-spread), step * math.exp(spread), gbs)
 
     def _sigma(self, target: Target, parts: dict[str, float], step: float) -> float:
         """One standard deviation of the predicted step: drift over the run, plus each input's uncertainty."""
-        p = self.profile
+        f = self.facts
         u = ASSUMED
         local, threads = self.local_threads(target)
         compute_u = u["compute"]
-        if not self.work.probed(threads):
+        if not f.work.probed(threads):
             compute_u += u["threads"]
-        run_local = max(1, p.slots // p.hosts)
-        if local > 1 and run_local == 1:
+        if local > 1 and f.local_slots == 1:
             compute_u += u["contention"]
-        batch = (target.global_batch or p.global_batch_size) / target.slots
-        compute_u += u["batch_extrapolation"] * abs(math.log(batch / p.per_slot_batch_size))
+        batch = (target.global_batch or f.global_batch) / target.slots
+        compute_u += u["batch_extrapolation"] * abs(math.log(batch / f.per_slot_batch))
         comm_u = 0.0
         if target.slots > 1:
-            comm_u = {"measured": 0.1, "probed": u["link_probe"]}.get(self.link_source, 1.0) + self.link_residual
+            comm_u = {"measured": 0.1, "probed": u["link_probe"]}.get(self.link_source, u["link_given"])
+            comm_u += self.link_residual
             if self.overhead_source != "measured":
                 comm_u += u["exchange_overhead"]
             if target.nodes > 1:
                 comm_u += u["link_given"]
-            comm_u += 0.1 * abs(math.log(target.slots / max(2, p.slots)))
-        drift = _drift(p)
+            comm_u += 0.1 * abs(math.log(target.slots / max(2, f.slots)))
         parts_sigma = math.hypot(compute_u * parts["compute"], comm_u * parts["exchange"], 0.05 * parts["data"])
-        return math.hypot(drift * step, parts_sigma)
+        return math.hypot(_drift(f.windows) * step, parts_sigma)
 
 
 def ratio(new: Prediction, base: Prediction) -> tuple[float, float, float]:
@@ -411,10 +485,9 @@ def _describe(work: Work) -> str:
                      sorted(work.points.items()))
 
 
-def _drift(p: ProfileRecord) -> float:
+def _drift(windows: tuple[float, ...]) -> float:
     """Relative standard deviation of the run's mean step over its windows of steps (drift over the run), at
     least 3%; 5% where there are too few windows to tell."""
-    windows = p.step_window_seconds or []
     if len(windows) < 3:
         return 0.05
     mean = sum(windows) / len(windows)

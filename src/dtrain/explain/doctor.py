@@ -18,7 +18,11 @@ all ranks finish a step together. From ``profile.json`` the step is split into p
                      matmuls. Zero on CPU and when already in mixed precision.
 
 Each factor's action is predicted from the same numbers (e.g. aggregation_frequency k divides the
-communication and waiting by k). Predictions assume the other parts stay as measured.
+communication and waiting by k). Predictions assume the other parts stay as measured. The advice is held
+to what it can deliver: a change predicted within 2% of today is not advised (nor, on one slot, anything
+about exchanging gradients); a rank is named, with what to check on its host, only when it is chronically
+last (``stragglers.chronic_rank``); and one change has one predicted speed-up wherever it appears (one
+slot: the scaling estimate's; more loader workers: one loader plan).
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ FACTORS = ("communication", "data_loading", "compute", "precision", "straggler",
 # Keep this share of the device's memory free when advising a bigger batch.
 MEMORY_HEADROOM = 0.9
 AGGREGATION_TO_TRY = 4
+MIN_GAIN = advice.MIN_GAIN  # a change predicted to gain no more than this is not advised
+# The change two models can propose (the straggler's fallback on two slots, and the scaling estimate).
+ONE_SLOT = ("resources.slots_per_trial", 1)
 
 
 def _speedup(step: float, new_step: float, samples_factor: float = 1.0) -> float:
@@ -54,6 +61,10 @@ def diagnose(profile: ProfileRecord) -> dict[str, Any]:
     compute = ranks[fastest].forward + ranks[fastest].backward
     fixed = ranks[fastest].optimizer + ranks[fastest].other
     cpu_work = compute + fixed
+    # One loader plan for one change: a rank chronically late loading its batch sets the wait more loader
+    # workers must hide, for the data factor and the straggler factor alike.
+    chronic_data = late is not None and bool(late["chronic"]) and late["phase"] == "data"
+    loader = advice.loader_plan(profile, ranks[slowest].data if chronic_data else data, step, cpu_work)
     comm = profile.comm
     exposed = ranks[slowest].comm_exposed
     busy = comm.busy_seconds_per_step
@@ -68,17 +79,19 @@ def diagnose(profile: ProfileRecord) -> dict[str, Any]:
     gbs = profile.global_batch_size
     k = AGGREGATION_TO_TRY
     waiting = exposed + straggler
+    scaling = _scaling(profile, slots, step, ranks, fixed)
     factors = {
-        "communication": _communication_factor(profile, bandwidth_part, waiting, step, k, gbs),
+        "communication": _communication_factor(profile, bandwidth_part, waiting, step, k, gbs) if slots > 1
+        else _nothing_to_exchange(),
         "sync_frequency": _factor(
             "optimizations.aggregation_frequency", k,
             f"{comm.buckets_per_step:.0f} all-reduce(s) per step at {1e3 * comm.latency_seconds:.2f} ms "
             f"latency each; exchanging gradients every {k} batches pays that once per {k} batches "
             f"(effective batch {k * gbs})",
-            _speedup(step, step - waiting * (1 - 1 / k))),
-        "data_loading": _data_factor(profile, step, data, cpu_work),
+            _speedup(step, step - waiting * (1 - 1 / k))) if slots > 1 else _nothing_to_exchange(),
+        "data_loading": _data_factor(step, data, loader),
         "straggler": _straggler_factor(profile, late, step, straggler, data, compute, fixed, ranks[slowest],
-                                       cpu_work),
+                                       loader, scaling),
         "batch_size": _batch_factor(profile, gbs, step, data, compute),
         "precision": _precision_factor(profile, precision, step, saved),
         "compute": _factor(
@@ -86,20 +99,19 @@ def diagnose(profile: ProfileRecord) -> dict[str, Any]:
             "forward and backward compute: the useful work. A step dominated by it scales well; a faster "
             "device or more slots are what make it faster", None),
     }
+    for f in factors.values():
+        _worth_it(f)
     ranked = sorted(FACTORS, key=lambda f: seconds[f], reverse=True)
     table = [{"factor": f, "share": seconds[f] / step, "seconds_per_step": seconds[f], **factors[f]} for f in ranked]
-    recommendations = sorted(
-        ({"factor": f["factor"], "key": f["key"], "value": f["value"], "predicted_speedup": f["predicted_speedup"],
-          "action": f"{f['key']}: {f['value']}"} for f in table
-         if f["key"] is not None and f["predicted_speedup"] and f["predicted_speedup"] > 1.02 and f["share"] >= 0.05),
-        key=lambda r: r["predicted_speedup"], reverse=True)
-    scaling = _scaling(profile, slots, step, ranks, fixed)
-    if scaling["slower_than_one_slot"]:
-        recommendations.append({"factor": "scaling", "key": "resources.slots_per_trial", "value": 1,
-                                "predicted_speedup": scaling["estimated_one_slot_speedup"],
-                                "action": "resources.slots_per_trial: 1"})
-        recommendations.sort(key=lambda r: r["predicted_speedup"], reverse=True)
-    recommendations = _unique(recommendations)
+    one_slot = scaling["estimated_one_slot_speedup"]
+    # The scaling entry goes first so that, tied with a factor proposing the same change, it is the one kept.
+    candidates = [{"factor": "scaling", "key": ONE_SLOT[0], "value": ONE_SLOT[1], "predicted_speedup": one_slot,
+                   "action": f"{ONE_SLOT[0]}: {ONE_SLOT[1]}"}] if scaling["slower_than_one_slot"] else []
+    candidates += [{"factor": f["factor"], "key": f["key"], "value": f["value"],
+                    "predicted_speedup": f["predicted_speedup"], "action": f"{f['key']}: {f['value']}"}
+                   for f in table if f["key"] is not None and f["share"] >= 0.05]
+    recommendations = _unique(sorted((r for r in candidates if _gains(r["predicted_speedup"])),
+                                     key=lambda r: r["predicted_speedup"], reverse=True))
     top = ranked[0]
     return {
         "slots": slots,
@@ -115,32 +127,43 @@ def diagnose(profile: ProfileRecord) -> dict[str, Any]:
 
 def _straggler_factor(profile: ProfileRecord, late: dict[str, Any] | None, step: float, straggler: float,
                       data: float, compute: float, fixed: float, slowest: PhaseSeconds,
-                      cpu_work: float) -> dict[str, Any]:
-    """Name the rank the others wait for (host, lag, slow phase) and what to check there. The config change
-    is the real fix where one exists (a slow loader: more loader workers); leaving the rank out is the
-    fallback, predicted with the remaining slots doing its share of the batch."""
+                      loader: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+    """Name the rank the others wait for (host, lag, slow phase) and what to check there, only for a rank
+    that is chronically last: where ranks take turns, no rank is to blame, and the factor says so with no
+    change to try. The config change is the real fix where one exists (a slow loader: more loader workers);
+    one slot fewer is the fallback, predicted with the remaining slots doing its share of the batch, and
+    offered only where it is predicted faster."""
     slots = profile.slots
     if late is None:
         return _factor(None, None, "one slot: nothing to wait for", None)
+    if not late["chronic"]:
+        return _factor(None, None, advice.turns_text(late, straggler), None)
     fixed_speedup = _speedup(step, step - straggler)
     # N-1 slots: each does N/(N-1) of the per-slot data and compute, communication and fixed costs stay.
     # The same global batch: one slot fewer does N/(N-1) of the per-slot data and compute; fixed costs
     # stay, and so does communication unless one slot is left (then there is none).
     fewer = slots - 1
     leave_out = _speedup(step, (data + compute) * slots / fewer + fixed + (slowest.comm_exposed if fewer > 1 else 0))
-    leave = ("resources.slots_per_trial", fewer, leave_out)
-    why = advice.straggler_text(late, f"resources.slots_per_trial: {fewer}")
-    if late["phase"] == "data" and late["chronic"] is not False:  # a loader fix only for a rank always late
-        workers = advice.loader_plan(profile, slowest.data, step, cpu_work)["workers"]
-        return _factor("data_loader.num_workers", workers, why, fixed_speedup,
-                       alternative=leave, straggler={**late, "fixed_speedup": fixed_speedup})
-    return _factor("resources.slots_per_trial", fewer, why, leave_out,
-                   straggler={**late, "fixed_speedup": fixed_speedup})
+    if fewer == ONE_SLOT[1]:
+        # One change, one prediction: one slot is also what the scaling estimate predicts, and it is the more
+        # complete model (work re-scaled with the batch as the end-of-run probe measured).
+        leave_out = scaling["estimated_one_slot_speedup"]
+    worth = _gains(leave_out)
+    leave = ("resources.slots_per_trial", fewer, leave_out) if worth else None
+    why = advice.straggler_text(late, f"resources.slots_per_trial: {fewer}", one_host=profile.hosts == 1,
+                                fallback_speedup=leave_out)
+    late = {**late, "fixed_speedup": fixed_speedup}
+    if late["phase"] == "data":  # a loader fix: the rank is always late, and late loading its batch
+        return _factor("data_loader.num_workers", loader["workers"], why, _speedup(step, loader["step_seconds"]),
+                       alternative=leave, straggler=late)
+    if leave is None:
+        return _factor(None, None, why, None, straggler=late)
+    return _factor(leave[0], leave[1], why, leave[2], straggler=late)
 
 
-def _data_factor(profile: ProfileRecord, step: float, data: float, cpu_work: float) -> dict[str, Any]:
-    """More loader processes per slot, as many as the machine's cores and the probed load make worth it."""
-    plan = advice.loader_plan(profile, data, step, cpu_work)
+def _data_factor(step: float, data: float, plan: dict[str, Any]) -> dict[str, Any]:
+    """More loader processes per slot, as many as the machine's cores and the probed load make worth it
+    (``plan``: :func:`dtrain.explain.advice.loader_plan`)."""
     return _factor("data_loader.num_workers", plan["workers"],
                    f"slots wait {1e3 * data:.2f} ms per step for their next batch: {plan['why']} (dtrain bench "
                    "--synthetic shows the ceiling)", _speedup(step, plan["step_seconds"]))
@@ -236,6 +259,34 @@ def _factor(key: str | None, value: Any, why: str, speedup: float | None,
     return out
 
 
+def _nothing_to_exchange() -> dict[str, Any]:
+    return _factor(None, None, "one slot: no gradients to exchange", None)
+
+
+def _gains(speedup: float | None) -> bool:
+    return speedup is not None and speedup > MIN_GAIN
+
+
+def _worth_it(factor: dict[str, Any]) -> None:
+    """Drop a change predicted to gain less than ``MIN_GAIN`` (the alternative takes its place if it gains):
+    the row keeps its share and its why, and says why nothing is to try."""
+    alt = factor.get("alternative")
+    if alt is not None and not _gains(alt["predicted_speedup"]):
+        del factor["alternative"]
+        alt = None
+    if factor["key"] is None or _gains(factor["predicted_speedup"]):
+        return
+    speedup = factor["predicted_speedup"]
+    if speedup is not None:
+        factor["why"] += (f"; {factor['key']}: {factor['value']} is predicted at {speedup:.2f}x, "
+                          f"{'no faster than' if speedup < 1 else 'within 2% of'} today: not worth a change")
+    if alt is not None:
+        factor.update(key=alt["key"], value=alt["value"], predicted_speedup=alt["predicted_speedup"])
+        del factor["alternative"]
+    else:
+        factor.update(key=None, value=None, predicted_speedup=None)
+
+
 def _unique(recommendations: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One entry per config change (two factors can point at the same one): the best-ranked is kept."""
     seen: set[str] = set()
@@ -283,20 +334,23 @@ def _scaling(profile: ProfileRecord, slots: int, step: float, ranks: list[PhaseS
 def _verdict(top: str, row: dict[str, Any], scaling: dict[str, Any], slots: int, profile: ProfileRecord) -> str:
     share = f"{100 * row['share']:.0f}%"
     lead = f"{top.replace('_', ' ')} is the top factor ({share} of the step)"
-    if row["key"] is not None:
-        lead += f": try {row['key']}: {row['value']}, predicted about {row['predicted_speedup']:.1f}x samples/s"
-    late = row.get("straggler")
-    if top == "straggler" and late:
-        lead = f"{top} is the top factor ({share} of the step): {row['why']}"
+    fewer = scaling["slower_than_one_slot"]
+    # The one-slot change is stated once, in the scaling sentence below, with its one figure.
+    change = row["key"] is not None and not (fewer and (row["key"], row["value"]) == ONE_SLOT)
+    if top == "straggler":  # who, or that ranks take turns (then there is nothing to try)
+        late = row.get("straggler") or {}
+        lead += f": {row['why']}"
         if late.get("fixed_speedup"):
             lead += f"; fixing it: about {late['fixed_speedup']:.1f}x samples/s"
-        if row["key"] is not None:
+        if change:
             lead += f"; {row['key']}: {row['value']}: about {row['predicted_speedup']:.1f}x"
-    if scaling["slower_than_one_slot"]:
+    elif change:
+        lead += f": try {row['key']}: {row['value']}, predicted about {row['predicted_speedup']:.1f}x samples/s"
+    if fewer:
         lead = (f"{slots} slots are SLOWER than 1 would be here (estimated "
                 f"{scaling['estimated_speedup_vs_one_slot']:.2f}x of one slot): communication and {_cpus(profile)} "
-                "cost more than they buy; use resources.slots_per_trial: 1 or make each step bigger. "
-                "Then: " + lead)
+                f"cost more than they buy; use resources.slots_per_trial: 1 (about "
+                f"{scaling['estimated_one_slot_speedup']:.2f}x samples/s) or make each step bigger. Then: " + lead)
     return lead
 
 
@@ -327,6 +381,7 @@ def render(diagnosis: dict[str, Any]) -> str:
         predicted = f"{f['predicted_speedup']:.2f}x" if f["predicted_speedup"] else "-"
         table.add_row(f["factor"], f"{100 * f['share']:.0f}%", f"{1e3 * f['seconds_per_step']:.2f}", action, predicted)
     # Why, in the user's terms (learning-rate rule, what to check on a host), for the factors with a change.
+    # The straggler's too, with no change: it says that ranks take turns, or why one slot fewer would not help.
     notes = "".join(f"  {f['factor']}: {f['why']}\n" for f in diagnosis["factors"][:4]
-                    if f["key"] and f["share"] >= 0.05)
+                    if (f["key"] or f["factor"] == "straggler") and f["share"] >= 0.05)
     return as_text(table) + f"verdict: {diagnosis['verdict']}\n" + (f"why:\n{notes}" if notes else "")

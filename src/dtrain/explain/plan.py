@@ -80,9 +80,8 @@ def precision_gain(profile: ProfileRecord) -> float | None:
     return found[1] if found is not None else None
 
 
-def cases(model: CostModel, slot_counts: list[int], nodes: int) -> list[Case]:
+def cases(model: CostModel, p: ProfileRecord, slot_counts: list[int], nodes: int) -> list[Case]:
     """Every slot count on one node (and on ``nodes`` where it divides), with the doctor's options."""
-    p = model.profile
     gain = precision_gain(p)
     out = []
     for n in slot_counts:
@@ -126,15 +125,16 @@ def local_probe(run_dir: Path, profile: ProfileRecord, fresh: bool, log: Any) ->
     return probe
 
 
-def build_model(run_dir: Path, link: Link | None = None, probe: bool = False, log: Any = None) -> CostModel:
-    """The run's cost model, with a local probe for a one-slot run (see :func:`local_probe`)."""
+def build_model(run_dir: Path, link: Link | None = None, probe: bool = False,
+                log: Any = None) -> tuple[ProfileRecord, CostModel]:
+    """The run's profile and cost model, with a local probe for a one-slot run (see :func:`local_probe`)."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     profile = load_run_profile(run_dir)
     measured_link = profile.slots > 1 and profile.comm_probe is not None
     found = None if measured_link and not probe else local_probe(run_dir, profile, probe, log)
     if found is None:
-        return CostModel.from_profile(profile, between_hosts=link)
-    return CostModel.from_profile(profile, found.points, found.world, found.overhead(), between_hosts=link)
+        return profile, CostModel.from_profile(profile, between_hosts=link)
+    return profile, CostModel.from_profile(profile, found.points, found.world, found.overhead(), between_hosts=link)
 
 
 def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | None = None, probe: bool = False,
@@ -144,14 +144,14 @@ def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | Non
         raise UserError(f"--nodes must be >= 1, got {nodes}")
     if nodes > 1 and link is None:
         raise UserError(f"--nodes {nodes} needs --link RATE (e.g. 200mbit) or --link measured")
-    model = build_model(run_dir, link if link is not None and link.bytes_per_second is not None else None, probe, log)
-    p = model.profile
+    p, model = build_model(run_dir, link if link is not None and link.bytes_per_second is not None else None, probe,
+                           log)
     if model.link is None and any(n > 1 for n in slot_counts):
         raise UserError(f"{run_dir}: the run had one slot on {p.device} and no link was measured or given; "
                         "run dtrain plan --probe on the host it trained on, or give --link RATE,LATENCY")
     total = _total_batches(run_dir)
     one = model.predict(Target(1))
-    predictions = [_row(case, model.predict(case.target), one, total) for case in cases(model, slot_counts, nodes)]
+    predictions = [_row(case, model.predict(case.target), one, total) for case in cases(model, p, slot_counts, nodes)]
     mine = model.predict(model.measured_target())
     return {"run_dir": str(run_dir),
             "measured": {"slots": p.slots, "nodes": p.hosts, "samples_per_second": p.samples_per_second,

@@ -9,9 +9,11 @@ For each slot count N it runs short trainings of the trial:
 
 Absolute times drift on a shared machine; the runs of one bench are measured back to back so that their
 ratios are comparable. With ``repeats`` R, every case runs R times in rounds (odd rounds in reverse order,
-so drift hits every case alike); each case counts with its median, and each speed-up is the median of the
-R per-round ratios, beside their range: the chance that the true median lies between the smallest and
-largest of R independent measurements is ``1 - 2 x 0.5**R`` (75% for 3, 94% for 5), which bench states.
+so drift hits every case alike); each case's samples/s is its median run, and every ratio (speed-up, weak
+efficiency, data-loading gap) is the median of the R per-round ratios over the same round's 1-slot (or
+real-data) run, beside their range (:mod:`dtrain.explain.paired`, shared with ``dtrain doctor --verify``).
+With a round budget (``max_repeats``) rounds are added while a speed-up's range is wider than
+``target_spread``; each row then says whether its range is narrow enough to rank by.
 
 Every slot count gets the same thread rule (:mod:`dtrain.launcher.cpu`: cores // slots threads per slot); a user's
 ``OMP_NUM_THREADS`` is overridden, with the reason printed, since it would starve or oversubscribe some case.
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import UserError
+from dtrain.explain import paired
 from dtrain.explain.render import as_text, pyplot
 from dtrain.launcher import runs
 from dtrain.profiling.record import load_profile
@@ -63,11 +66,6 @@ def cases(slot_counts: list[int], synthetic: bool) -> list[BenchCase]:
     return out
 
 
-def median_confidence(repeats: int) -> float:
-    """Probability that the median lies between the min and max of ``repeats`` independent samples."""
-    return 1 - 2 * 0.5 ** repeats if repeats > 1 else 0.0
-
-
 def run_case(config: Path, case: BenchCase, base_batch: int, steps: int, out: Path, overrides: list[str],
              debug: bool, threads: int | None = None) -> dict[str, Any]:
     batch = base_batch * case.slots if case.scaling == "weak" else base_batch
@@ -93,38 +91,42 @@ def _merge(runs_of_case: list[dict[str, Any]]) -> dict[str, Any]:
                                                                           for r in runs_of_case]}
 
 
-def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per slot count: samples/s, speed-up, strong and weak efficiency, data-loading gap."""
-    def sps(slots: int, scaling: str, synthetic: bool) -> float | None:
+def summarize(results: list[dict[str, Any]], target_spread: float = paired.DEFAULT_TARGET_SPREAD
+              ) -> list[dict[str, Any]]:
+    """One row per slot count: samples/s, speed-up (with its per-round range), strong and weak efficiency,
+    data-loading gap; every ratio paired round by round."""
+    def runs(slots: int, scaling: str, synthetic: bool) -> list[float]:
         for r in results:
             if (r["slots"], r["scaling"], r["synthetic"]) == (slots, scaling, synthetic):
-                return r["samples_per_second"]
-        return None
+                return r.get("runs_samples_per_second") or [r["samples_per_second"]]
+        return []
 
-    def paired(slots: int) -> list[float]:
-        """Per-round speed-ups over the same round's 1-slot run."""
-        mine = next((r for r in results if (r["slots"], r["scaling"], r["synthetic"]) == (slots, "strong", False)), {})
-        one = next((r for r in results if (r["slots"], r["scaling"], r["synthetic"]) == (1, "strong", False)), {})
-        pairs = zip(mine.get("runs_samples_per_second", []), one.get("runs_samples_per_second", []), strict=False)
-        return sorted(a / b for a, b in pairs if b)
+    def sps(slots: int, scaling: str, synthetic: bool) -> float | None:
+        return paired.median(runs(slots, scaling, synthetic))
 
-    base = sps(1, "strong", False)
+    one = runs(1, "strong", False)
     rows = []
     for n in sorted({r["slots"] for r in results}):
-        strong, weak = sps(n, "strong", False), sps(n, "weak", False) if n > 1 else sps(n, "strong", False)
-        synth = sps(n, "strong", True)
-        ratios = paired(n)
-        speedup = ratios[(len(ratios) - 1) // 2] if ratios else (strong / base if base and strong else None)
+        strong, weak = runs(n, "strong", False), runs(n, "weak", False) if n > 1 else runs(n, "strong", False)
+        synth = runs(n, "strong", True)
+        ratios = paired.ratios(strong, one)
+        speedup = paired.summary(ratios, target_spread)
+        weak_ratios = paired.ratios(weak, [n * b for b in one])
+        real_over_synthetic = paired.median(paired.ratios(strong, synth))
         rows.append({
             "slots": n,
-            "samples_per_second": strong,
-            "speedup": speedup,
-            "speedup_range": [ratios[0], ratios[-1]] if ratios else None,
-            "strong_efficiency": speedup / n if speedup else None,
-            "weak_samples_per_second": weak,
-            "weak_efficiency": weak / (n * base) if base and weak else None,
-            "synthetic_samples_per_second": synth,
-            "data_loading_gap": 1 - strong / synth if synth and strong else None,
+            "samples_per_second": sps(n, "strong", False),
+            "speedup": speedup["median"],
+            "speedup_ratios": ratios,
+            "speedup_range": speedup["range"],
+            "speedup_spread": speedup["spread"],
+            "narrow": speedup["narrow"],
+            "spread_verdict": speedup["spread_verdict"],
+            "strong_efficiency": speedup["median"] / n if speedup["median"] else None,
+            "weak_samples_per_second": paired.median(weak),
+            "weak_efficiency": paired.median(weak_ratios),
+            "synthetic_samples_per_second": paired.median(synth),
+            "data_loading_gap": 1 - real_over_synthetic if real_over_synthetic is not None else None,
         })
     return rows
 
@@ -176,13 +178,13 @@ def plot_scaling(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def bench(config: Path, slot_counts: list[int], synthetic: bool, steps: int, out: Path | None,
-          overrides: list[str], debug: bool, repeats: int = 1) -> Path:
-    """Run every case ``repeats`` times, write ``bench.json``, ``bench.txt`` and ``scaling.png`` under
-    ``out``; return it."""
+          overrides: list[str], debug: bool, repeats: int = 1, max_repeats: int | None = None,
+          target_spread: float = paired.DEFAULT_TARGET_SPREAD) -> Path:
+    """Run every case ``repeats`` times (then more, up to ``max_repeats``, while a speed-up's range is wider
+    than ``target_spread``), write ``bench.json``, ``bench.txt`` and ``scaling.png`` under ``out``; return it."""
     if steps < 1:
         raise UserError(f"--steps must be >= 1, got {steps}")
-    if repeats < 1:
-        raise UserError(f"--repeats must be >= 1, got {repeats}")
+    budget = paired.check_rounds(repeats, max_repeats, target_spread)
     from dtrain.config.schema import load_config
     from dtrain.launcher import cpu
 
@@ -194,22 +196,36 @@ def bench(config: Path, slot_counts: list[int], synthetic: bool, steps: int, out
     for n, (count, reason) in threads.items():
         print(f"dtrain bench: {n} slot(s) x {count} thread(s)" + (f" ({reason})" if reason else ""), flush=True)
     measured: dict[BenchCase, list[dict[str, Any]]] = {case: [] for case in todo}
-    for round_ in range(repeats):
-        for case in todo if round_ % 2 == 0 else list(reversed(todo)):
-            print(f"dtrain bench: [{round_ + 1}/{repeats}] {case.label} ...", flush=True)
-            folder = out / f"round{round_}" if repeats > 1 else out
+    planned = str(repeats) if budget == repeats else f"{repeats}-{budget}"
+    rounds = 0
+
+    def speedup_ratios() -> list[list[float]]:
+        rows = summarize([_merge(measured[case]) for case in todo if measured[case]], target_spread)
+        return [r["speedup_ratios"] for r in rows if r["slots"] > 1 and r["speedup_ratios"]]
+
+    while paired.more_rounds(rounds, repeats, budget, speedup_ratios() if rounds else [], target_spread):
+        for case in paired.order(todo, rounds):
+            print(f"dtrain bench: [{rounds + 1}/{planned}] {case.label} ...", flush=True)
+            folder = out / f"round{rounds}" if budget > 1 else out
             measured[case].append(run_case(config, case, cfg.global_batch_size, steps, folder, overrides, debug,
                                            threads[case.slots][0]))
+        rounds += 1
     results = [_merge(measured[case]) for case in todo]
-    rows = summarize(results)
-    table = render_table(rows)
-    if repeats > 1:
-        table += (f"speed-up: median of {repeats} per-round ratios over the same round's 1-slot run; the range "
-                  f"holds the true median with {100 * median_confidence(repeats):.0f}% confidence\n")
-    (out / "bench.json").write_text(json.dumps({"cases": results, "rows": rows, "repeats": repeats, "steps": steps,
-                                                "median_confidence": median_confidence(repeats)}, indent=2))
+    rows = summarize(results, target_spread)
+    table = render_table(rows) + _footer(rows, rounds)
+    (out / "bench.json").write_text(json.dumps({
+        "cases": results, "rows": rows, "repeats": repeats, "max_repeats": budget, "rounds": rounds,
+        "target_spread": target_spread, "steps": steps, "median_confidence": paired.median_confidence(rounds),
+        "noise": paired.noise(rounds)}, indent=2))
     (out / "bench.txt").write_text(table)
     plot_scaling(rows, out / "scaling.png")
     print(table, end="")
     print(f"dtrain bench: results in {out} (bench.json, bench.txt, scaling.png)")
     return out
+
+
+def _footer(rows: list[dict[str, Any]], rounds: int) -> str:
+    """Per slot count, whether its speed-up's range is narrow enough to rank by; then the noise line."""
+    lines = "".join(f"{r['slots']} slots: {r['spread_verdict']}\n" for r in rows
+                    if r["slots"] > 1 and r["speedup_ratios"] and rounds > 1)
+    return lines + paired.footer(rounds, "1-slot (data-loading gap: synthetic-data) run")

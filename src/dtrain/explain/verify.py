@@ -10,23 +10,27 @@ does), beside a baseline of the unpatched config measured in the same session:
 * bisection, data loading off: ``data_loader.synthetic: true`` (one batch reused), the ceiling of any
   loader fix.
 
-Each experiment's measured speed-up is its samples/s over the baseline's (steady state, from each short
-run's ``profile.json``). With ``repeats`` > 1 the experiments run in rounds (baseline first in every
-round, so drift on a shared machine hits all alike) and the median counts. The best recommendation
-that beats the baseline is written as ``RUN_DIR/tuned.yaml``: the run's full config with that one change
-(for a bigger batch, with the learning rate rescaled when the config names it, as the doctor says).
+Each experiment's measured speed-up is the median, over rounds, of its samples/s over the baseline's
+measured in the *same* round (steady state, from each short run's ``profile.json``), beside the range
+of those ratios (:mod:`dtrain.explain.paired`): a shared machine drifts between rounds, and a ratio of
+two medians taken from different rounds misleads. The baseline runs first in every round; the other
+experiments run in reverse order in odd rounds, so drift within a round hits all alike. With a round
+budget (``max_repeats``) rounds are added until every range is no wider than ``target_spread``. The
+recommendation with the best paired median that beats the baseline is written as ``RUN_DIR/tuned.yaml``:
+the run's full config with that one change (for a bigger batch, with the learning rate rescaled when the
+config names it, as the doctor says).
 """
 
 from __future__ import annotations
 
 import json
-import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dtrain.errors import UserError
+from dtrain.explain import paired
 from dtrain.profiling.record import ProfileRecord, load_profile, load_run_profile
 
 MIN_STEPS = 10
@@ -45,7 +49,7 @@ class Experiment:
 
     @property
     def measured(self) -> float | None:
-        return statistics.median(self.samples_per_second) if self.samples_per_second else None
+        return paired.median(self.samples_per_second)
 
 
 def plan_experiments(diagnosis: dict[str, Any], profile: ProfileRecord, steps: int, top: int) -> list[Experiment]:
@@ -93,34 +97,51 @@ def _short_run(config: Path, exp: Experiment, steps: int, out: Path, debug: bool
 
 
 def verify(run_dir: Path, steps: int, repeats: int = 1, top: int = 3, debug: bool = False,
-           log: Any = print) -> dict[str, Any]:
-    """Run every experiment (``repeats`` rounds), write ``tuned.yaml`` when a change beats the baseline;
-    returns the ``--json`` document."""
+           log: Any = print, max_repeats: int | None = None,
+           target_spread: float = paired.DEFAULT_TARGET_SPREAD) -> dict[str, Any]:
+    """Run every experiment in rounds (``repeats``, then more up to ``max_repeats`` while a ratio's range is
+    wider than ``target_spread``), write ``tuned.yaml`` when a change beats the baseline; returns the
+    ``--json`` document."""
     from dtrain.explain.doctor import diagnose
 
     if steps < MIN_STEPS:
         raise UserError(f"--steps {steps}: a verification run needs at least {MIN_STEPS} steps (the first few are "
                         "warm-up, left out of samples/s)")
+    budget = paired.check_rounds(repeats, max_repeats, target_spread)
     profile = load_run_profile(run_dir)
     diagnosis = diagnose(profile)
     config = run_dir / "config.yaml"
     experiments = plan_experiments(diagnosis, profile, steps, top)
+    base = experiments[0]
     session = run_dir / f"verify-{time.strftime('%Y%m%d-%H%M%S')}"
-    for round_ in range(repeats):
-        for i, exp in enumerate(experiments):
-            log(f"dtrain doctor --verify: [{round_ + 1}/{repeats}] {exp.action} ...")
-            exp.samples_per_second.append(_short_run(config, exp, steps, session / f"r{round_}-{i:02d}", debug))
-    base = experiments[0].measured or 0.0
-    rows = [{"action": e.action, "kind": e.kind, "factor": e.factor, "sets": e.sets,
-             "predicted_speedup": e.predicted_speedup,
-             "measured_speedup": e.measured / base if base and e.measured else None,
-             "samples_per_second": e.measured, "samples_per_second_runs": e.samples_per_second}
-            for e in experiments[1:]]
+    planned = str(repeats) if budget == repeats else f"{repeats}-{budget}"
+    rounds = 0
+    while paired.more_rounds(rounds, repeats, budget, [_ratios(e, base) for e in experiments[1:]], target_spread):
+        for i, exp in paired.order(list(enumerate(experiments)), rounds, keep_first=True):
+            log(f"dtrain doctor --verify: [{rounds + 1}/{planned}] {exp.action} ...")
+            exp.samples_per_second.append(_short_run(config, exp, steps, session / f"r{rounds}-{i:02d}", debug))
+        rounds += 1
+    rows = []
+    for e in experiments[1:]:
+        ratios = _ratios(e, base)
+        figures = paired.summary(ratios, target_spread)
+        rows.append({"action": e.action, "kind": e.kind, "factor": e.factor, "sets": e.sets,
+                     "predicted_speedup": e.predicted_speedup, "measured_speedup": figures["median"],
+                     "speedup_ratios": ratios, "speedup_range": figures["range"], "spread": figures["spread"],
+                     "narrow": figures["narrow"], "spread_verdict": figures["spread_verdict"],
+                     "samples_per_second": e.measured, "samples_per_second_runs": e.samples_per_second})
     rows.sort(key=lambda r: r["measured_speedup"] or 0.0, reverse=True)
     tuned = _write_tuned(run_dir, config, rows)
-    return {"run_dir": str(run_dir), "steps": steps, "repeats": repeats, "slots": profile.slots,
-            "baseline_samples_per_second": base, "baseline_runs": experiments[0].samples_per_second,
+    return {"run_dir": str(run_dir), "steps": steps, "repeats": repeats, "max_repeats": budget, "rounds": rounds,
+            "target_spread": target_spread, "median_confidence": paired.median_confidence(rounds),
+            "noise": paired.noise(rounds), "slots": profile.slots,
+            "baseline_samples_per_second": base.measured or 0.0, "baseline_runs": base.samples_per_second,
             "verified": rows, "tuned_config": str(tuned) if tuned else None, "session_dir": str(session)}
+
+
+def _ratios(exp: Experiment, base: Experiment) -> list[float]:
+    """``exp``'s samples/s over the baseline's, round by round."""
+    return paired.ratios(exp.samples_per_second, base.samples_per_second)
 
 
 def _write_tuned(run_dir: Path, config: Path, rows: list[dict[str, Any]]) -> Path | None:
@@ -132,29 +153,40 @@ def _write_tuned(run_dir: Path, config: Path, rows: list[dict[str, Any]]) -> Pat
         return None
     path = run_dir / "tuned.yaml"
     dump_config(load_config(config, best["sets"]), path)
+    low, high = best["speedup_range"]
+    predicted = f"{best['predicted_speedup']:.2f}x" if best["predicted_speedup"] else "no prediction"
     note = (f"# dtrain doctor --verify: {best['action']} measured {best['measured_speedup']:.2f}x samples/s "
-            f"(predicted {best['predicted_speedup']:.2f}x) over this run's config;\n"
+            f"(median of per-round ratios, range {low:.2f}-{high:.2f}x; predicted {predicted}) over this run's "
+            "config;\n"
+            f"# {best['spread_verdict']}\n"
             f"# changes: {', '.join(best['sets'])}\n")
     path.write_text(note + path.read_text())
     return path
 
 
 def render(result: dict[str, Any]) -> str:
-    """Predicted vs measured, best measured first."""
+    """Predicted vs measured (median of paired ratios, with its range), best measured first."""
     from rich.table import Table
 
     from dtrain.explain.render import as_text
 
     base = result["baseline_samples_per_second"]
+    rounds = result["rounds"]
     table = Table(title=f"dtrain doctor --verify: {result['slots']} slot(s), {result['steps']} steps x "
-                        f"{result['repeats']} round(s); baseline {base:,.0f} samples/s")
-    for col in ("action", "kind", "samples/s", "predicted", "measured"):
-        table.add_column(col, justify="left" if col in ("action", "kind") else "right")
+                        f"{rounds} round(s); baseline {base:,.0f} samples/s")
+    for col in ("action", "kind", "samples/s", "predicted", "measured", "range of per-round ratios"):
+        table.add_column(col, justify="left" if col in ("action", "kind", "range of per-round ratios") else "right")
     for r in result["verified"]:
-        table.add_row(r["action"], r["kind"], f"{r['samples_per_second']:,.0f}",
+        table.add_row(r["action"], r["kind"], _sps(r["samples_per_second"]),
                       f"{r['predicted_speedup']:.2f}x" if r["predicted_speedup"] else "-",
-                      f"{r['measured_speedup']:.2f}x" if r["measured_speedup"] else "-")
-    text = as_text(table, width=140)
+                      f"{r['measured_speedup']:.2f}x" if r["measured_speedup"] else "-",
+                      r["spread_verdict"] if rounds > 1 else "-")
+    text = as_text(table, width=160)
+    text += paired.footer(rounds, "baseline")
     text += (f"tuned config: {result['tuned_config']}\n" if result["tuned_config"]
              else "no recommendation beat the baseline: no tuned.yaml written\n")
     return text
+
+
+def _sps(value: float | None) -> str:
+    return f"{value:,.0f}" if value is not None else "-"
