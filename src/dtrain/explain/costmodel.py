@@ -200,6 +200,8 @@ class Facts:
     link_points: tuple[tuple[float, float], ...] = ()
     link_world: int = 0
     compression_costs: CompressionFacts | None = None
+    train_latency: float = 0.0  # a one-float all-reduce after the run, seconds
+    train_algbw: float = 0.0  # bytes per second the run's own exchanges achieved (0: not measured)
     jitter: float = 0.0  # standard deviation of a step
     windows: tuple[float, ...] = ()  # mean step of successive windows of the run
 
@@ -224,6 +226,7 @@ class Facts:
             link_world=p.comm_probe.world if p.comm_probe else 0,
             compression_costs=(CompressionFacts(costs.fp16_seconds, costs.powersgd_seconds, costs.powersgd_bytes)
                                if costs is not None else None),
+            train_latency=p.comm.latency_seconds, train_algbw=p.comm.algbw_bytes_per_second,
             jitter=p.step_jitter_seconds or 0.0, windows=tuple(p.step_window_seconds or ()))
 
     @property
@@ -281,11 +284,16 @@ class CostModel:
         elif probe:
             fitted = fit(probe)
             link, found_source, residual = RingLink.from_fit(fitted, probe_world), "probed", fitted.residual
+        elif f.slots > 1 and f.train_algbw > 0:
+            # No all-reduce probe (a run of an older dtrain): the rate its exchanges achieved and the one-float
+            # latency, which mix the link with training's own waiting: looser.
+            fitted = LinkFit(f.train_latency, f.train_algbw, 0.5)
+            link, found_source, residual = RingLink.from_fit(fitted, f.slots), link_source, fitted.residual
         model = cls(f, link, found_source, residual, between_hosts, 0.0, "none", factor, contention, sources)
         if link is not None:
             sources.append(Source("link among local slots", f"{1e6 * link.step_latency:.0f} us per ring step, "
                                   f"{link.busbw / 1e6:,.0f} MB/s (fit residual {100 * residual:.0f}%)", found_source))
-        if f.slots > 1 and link is not None and found_source == "measured":
+        if f.slots > 1 and found_source in ("measured", "none"):  # no link: the whole exchange is overhead
             model.overhead, model.overhead_source = model._calibrated_overhead(), "measured"
         elif probe_overhead is not None:
             model.overhead, model.overhead_source = probe_overhead, "probed"

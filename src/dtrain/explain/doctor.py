@@ -27,10 +27,12 @@ slot: the scaling estimate's; more loader workers: one loader plan).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from dtrain.explain import advice
-from dtrain.profiling.record import PhaseSeconds, ProfileRecord
+from dtrain.explain.costmodel import CostModel, ratio
+from dtrain.profiling.record import ProfileRecord
 
 FACTORS = ("communication", "data_loading", "compute", "precision", "straggler", "batch_size", "sync_frequency")
 # Keep this share of the device's memory free when advising a bigger batch.
@@ -45,8 +47,32 @@ def _speedup(step: float, new_step: float, samples_factor: float = 1.0) -> float
     return samples_factor * step / new_step if new_step > 0 else float("inf")
 
 
+class Predictor:
+    """Every predicted speed-up of the doctor, from the one cost model (:mod:`dtrain.explain.costmodel`): a
+    change's samples/s over the model's own figure for the run as it was (so the model's bias cancels), and
+    its 80% interval, kept by change for the table and ``--verify``."""
+
+    def __init__(self, profile: ProfileRecord) -> None:
+        self.model = CostModel.from_profile(profile)
+        self.here = self.model.measured_target()
+        self.base = self.model.predict(self.here)
+        self.intervals: dict[str, tuple[float, float]] = {}
+
+    def gain(self, action: str, *, less_step: float = 0.0, **changes: Any) -> float:
+        """``action``'s predicted speed-up (``changes`` to the run's :class:`Target`; ``less_step``: seconds
+        a change removes that the model does not see, such as a chronic straggler's lag)."""
+        pred = self.model.predict(replace(self.here, **changes))
+        value, low, high = ratio(pred, self.base)
+        if less_step > 0:
+            shrink = pred.step / max(pred.step - less_step, 1e-12)
+            value, low, high = value * shrink, low * shrink, high * shrink
+        self.intervals[action] = (low, high)
+        return value
+
+
 def diagnose(profile: ProfileRecord) -> dict[str, Any]:
     """Ranked factors, recommendations and a verdict (the ``--json`` document)."""
+    predictor = Predictor(profile)
     ranks = [r.seconds_per_step for r in profile.per_rank]
     slots = profile.slots
     step = sum(r.step for r in ranks) / len(ranks)
@@ -78,22 +104,21 @@ def diagnose(profile: ProfileRecord) -> dict[str, Any]:
 
     gbs = profile.global_batch_size
     k = AGGREGATION_TO_TRY
-    waiting = exposed + straggler
-    scaling = _scaling(profile, slots, step, ranks, fixed)
+    scaling = _scaling(profile, slots, predictor)
+    aggregation = predictor.gain(f"optimizations.aggregation_frequency: {k}", aggregation=k) if slots > 1 else None
     factors = {
-        "communication": _communication_factor(profile, bandwidth_part, waiting, step, k, gbs) if slots > 1
+        "communication": _communication_factor(profile, aggregation, k, gbs, predictor) if slots > 1
         else _nothing_to_exchange(),
         "sync_frequency": _factor(
             "optimizations.aggregation_frequency", k,
             f"{comm.buckets_per_step:.0f} all-reduce(s) per step at {1e3 * comm.latency_seconds:.2f} ms "
             f"latency each; exchanging gradients every {k} batches pays that once per {k} batches "
             f"(effective batch {k * gbs})",
-            _speedup(step, step - waiting * (1 - 1 / k))) if slots > 1 else _nothing_to_exchange(),
-        "data_loading": _data_factor(step, data, loader),
-        "straggler": _straggler_factor(profile, late, step, straggler, data, compute, fixed, ranks[slowest],
-                                       loader, scaling),
-        "batch_size": _batch_factor(profile, gbs, step, data, compute),
-        "precision": _precision_factor(profile, precision, step, saved),
+            aggregation) if slots > 1 else _nothing_to_exchange(),
+        "data_loading": _data_factor(step, data, loader, predictor),
+        "straggler": _straggler_factor(profile, late, step, straggler, loader, scaling, predictor),
+        "batch_size": _batch_factor(profile, gbs, predictor),
+        "precision": _precision_factor(profile, precision, predictor),
         "compute": _factor(
             None, None,
             "forward and backward compute: the useful work. A step dominated by it scales well; a faster "
@@ -112,6 +137,9 @@ def diagnose(profile: ProfileRecord) -> dict[str, Any]:
                    for f in table if f["key"] is not None and f["share"] >= 0.05]
     recommendations = _unique(sorted((r for r in candidates if _gains(r["predicted_speedup"])),
                                      key=lambda r: r["predicted_speedup"], reverse=True))
+    for row in [*table, *recommendations]:
+        if row["key"] is not None and f"{row['key']}: {row['value']}" in predictor.intervals:
+            row["predicted_interval"] = list(predictor.intervals[f"{row['key']}: {row['value']}"])
     top = ranked[0]
     return {
         "slots": slots,
@@ -126,8 +154,7 @@ def diagnose(profile: ProfileRecord) -> dict[str, Any]:
 
 
 def _straggler_factor(profile: ProfileRecord, late: dict[str, Any] | None, step: float, straggler: float,
-                      data: float, compute: float, fixed: float, slowest: PhaseSeconds,
-                      loader: dict[str, Any], scaling: dict[str, Any]) -> dict[str, Any]:
+                      loader: dict[str, Any], scaling: dict[str, Any], predictor: Predictor) -> dict[str, Any]:
     """Name the rank the others wait for (host, lag, slow phase) and what to check there, only for a rank
     that is chronically last: where ranks take turns, no rank is to blame, and the factor says so with no
     change to try. The config change is the real fix where one exists (a slow loader: more loader workers);
@@ -139,42 +166,49 @@ def _straggler_factor(profile: ProfileRecord, late: dict[str, Any] | None, step:
     if not late["chronic"]:
         return _factor(None, None, advice.turns_text(late, straggler), None)
     fixed_speedup = _speedup(step, step - straggler)
-    # N-1 slots: each does N/(N-1) of the per-slot data and compute, communication and fixed costs stay.
-    # The same global batch: one slot fewer does N/(N-1) of the per-slot data and compute; fixed costs
-    # stay, and so does communication unless one slot is left (then there is none).
+    # One slot fewer, on the hosts that remain: the cost model re-prices the work and the exchange, and the
+    # straggler's lag leaves with it (one slot is the scaling estimate itself: one change, one prediction).
     fewer = slots - 1
-    leave_out = _speedup(step, (data + compute) * slots / fewer + fixed + (slowest.comm_exposed if fewer > 1 else 0))
     if fewer == ONE_SLOT[1]:
-        # One change, one prediction: one slot is also what the scaling estimate predicts, and it is the more
-        # complete model (work re-scaled with the batch as the end-of-run probe measured).
         leave_out = scaling["estimated_one_slot_speedup"]
+    else:
+        hosts = profile.hosts - 1 if profile.hosts > 1 and profile.slots // profile.hosts == 1 else profile.hosts
+        leave_out = predictor.gain(f"resources.slots_per_trial: {fewer}", less_step=straggler, slots=fewer,
+                                   nodes=max(1, hosts), threads=None)
     worth = _gains(leave_out)
     leave = ("resources.slots_per_trial", fewer, leave_out) if worth else None
     why = advice.straggler_text(late, f"resources.slots_per_trial: {fewer}", one_host=profile.hosts == 1,
                                 fallback_speedup=leave_out)
     late = {**late, "fixed_speedup": fixed_speedup}
     if late["phase"] == "data":  # a loader fix: the rank is always late, and late loading its batch
-        return _factor("data_loader.num_workers", loader["workers"], why, _speedup(step, loader["step_seconds"]),
+        return _factor("data_loader.num_workers", loader["workers"], why, _loader_gain(loader, step, predictor),
                        alternative=leave, straggler=late)
     if leave is None:
         return _factor(None, None, why, None, straggler=late)
     return _factor(leave[0], leave[1], why, leave[2], straggler=late)
 
 
-def _data_factor(step: float, data: float, plan: dict[str, Any]) -> dict[str, Any]:
+def _loader_gain(plan: dict[str, Any], step: float, predictor: Predictor) -> float:
+    """The cost model with the data wait that ``plan``'s loader processes leave (the rest of the step as is)."""
+    data = predictor.base.parts["data"]
+    left = max(0.0, plan["step_seconds"] - (step - data))
+    return predictor.gain(f"data_loader.num_workers: {plan['workers']}", data_workers_step=left)
+
+
+def _data_factor(step: float, data: float, plan: dict[str, Any], predictor: Predictor) -> dict[str, Any]:
     """More loader processes per slot, as many as the machine's cores and the probed load make worth it
     (``plan``: :func:`dtrain.explain.advice.loader_plan`)."""
     return _factor("data_loader.num_workers", plan["workers"],
                    f"slots wait {1e3 * data:.2f} ms per step for their next batch: {plan['why']} (dtrain bench "
-                   "--synthetic shows the ceiling)", _speedup(step, plan["step_seconds"]))
+                   "--synthetic shows the ceiling)", _loader_gain(plan, step, predictor))
 
 
-def _communication_factor(profile: ProfileRecord, bandwidth_part: float, waiting: float, step: float, k: int,
-                          gbs: int) -> dict[str, Any]:
+def _communication_factor(profile: ProfileRecord, aggregation: float | None, k: int, gbs: int,
+                          predictor: Predictor) -> dict[str, Any]:
     """Fewer bytes (fp16 compression, where the run's strategy can honour it: its capabilities are
     recorded in the profile from the strategy registry) or fewer exchanges (aggregation)."""
     comm = profile.comm
-    aggregate = ("optimizations.aggregation_frequency", k, _speedup(step, step - waiting * (1 - 1 / k)))
+    aggregate = ("optimizations.aggregation_frequency", k, aggregation)
     why = (f"exposed all-reduce moves {_mb(comm.bytes_per_step)} per step at "
            f"{_mb(comm.algbw_bytes_per_second)}/s; aggregating {k} batches per exchange sends them a {k}th as "
            f"often (effective batch {k * gbs})")
@@ -182,7 +216,8 @@ def _communication_factor(profile: ProfileRecord, bandwidth_part: float, waiting
         key, value, speedup = aggregate
         return _factor(key, value, why + f"; sync.strategy {profile.strategy} cannot compress gradients",
                        speedup)
-    compress = ("optimizations.gradient_compression", "fp16", _speedup(step, step - bandwidth_part / 2))
+    compress = ("optimizations.gradient_compression", "fp16",
+                predictor.gain("optimizations.gradient_compression: fp16", compression="fp16"))
     return _best_of(compress, aggregate, why + "; fp16 compression halves the bytes")
 
 
@@ -202,8 +237,8 @@ def _precision_gain(profile: ProfileRecord) -> tuple[str, float] | None:
     return (best[0], gain) if gain > 1.05 else None
 
 
-def _precision_factor(profile: ProfileRecord, precision: tuple[str, float] | None, step: float,
-                      saved: float) -> dict[str, Any]:
+def _precision_factor(profile: ProfileRecord, precision: tuple[str, float] | None,
+                      predictor: Predictor) -> dict[str, Any]:
     if precision is None:
         return _factor(None, None, "no lower precision measured faster here (CPU, no tensor cores, or already "
                        "mixed precision)", None)
@@ -213,10 +248,10 @@ def _precision_factor(profile: ProfileRecord, precision: tuple[str, float] | Non
                    f"the step is trained in {profile.precision}; matmuls ran {gain:.1f}x faster in {name} on this "
                    f"{device} (measured); compute shrinks by up "
                    "to that factor (weights stay float32; bf16 needs no loss scaling)",
-                   _speedup(step, step - saved))
+                   predictor.gain(f"precision: {name}", precision_gain=gain))
 
 
-def _batch_factor(profile: ProfileRecord, gbs: int, step: float, data: float, compute: float) -> dict[str, Any]:
+def _batch_factor(profile: ProfileRecord, gbs: int, predictor: Predictor) -> dict[str, Any]:
     """A bigger global batch, as big as the device's memory allows (GPU: peak memory vs the card's)."""
     factor = 2.0
     facts = profile.device_facts
@@ -244,8 +279,8 @@ def _batch_factor(profile: ProfileRecord, gbs: int, step: float, data: float, co
         "hyperparameters.global_batch_size", new_gbs,
         "optimizer step and bookkeeping cost the same whatever the batch; a bigger batch spreads them "
         f"(and communication) over more samples. {advice.batch_change(profile, new_gbs)['text']}{memory_note}",
-        # factor x the samples per step: data and compute grow with it, fixed costs and communication do not.
-        _speedup(step, step + (factor - 1) * (data + compute), samples_factor=new_gbs / gbs))
+        # More samples per step: data and compute grow with them as probed; fixed costs and the exchange do not.
+        predictor.gain(f"hyperparameters.global_batch_size: {new_gbs}", global_batch=new_gbs))
 
 
 def _factor(key: str | None, value: Any, why: str, speedup: float | None,
@@ -304,30 +339,23 @@ def _best_of(first: tuple[str, Any, float], second: tuple[str, Any, float], why:
     return _factor(lead[0], lead[1], why, lead[2], alternative=other)
 
 
-def _scaling(profile: ProfileRecord, slots: int, step: float, ranks: list[PhaseSeconds],
-             fixed: float) -> dict[str, Any]:
-    """Estimate one slot doing the whole global batch: its data and compute at N x the per-slot batch, no
-    communication.
-
-    How work grows with the batch comes from the run's end-of-run probe (``batch_scaling``: the trial's
-    step at the per-slot batch and at twice it): a small model's step is mostly per-step overhead, which
-    N x the batch does not multiply. Without the probe, work is taken as proportional to the batch (the
-    pessimistic end for one slot). One slot is credited with no more threads than each slot had: with
-    ``dtrain.launcher.cpu``'s rule it gets more only on idle cores, where this estimate is conservative.
-    """
+def _scaling(profile: ProfileRecord, slots: int, predictor: Predictor) -> dict[str, Any]:
+    """One slot doing the whole global batch, by the cost model: its data and compute at N x the per-slot
+    batch as the end-of-run probe measured them (a small model's step is mostly per-step overhead, which
+    N x the batch does not multiply), with the host's cores to itself, and no exchange."""
     if slots == 1:
         return {"estimated_one_slot_speedup": 1.0, "slower_than_one_slot": False, "estimated_scaling_efficiency": 1.0}
-    probe = profile.batch_scaling
-    work_growth, load_growth = advice.probe_growth(probe)
-    fastest = min(ranks, key=lambda r: r.data + r.forward + r.backward)
-    one_slot_step = (advice.scaled(fastest.data, load_growth, slots)
-                     + advice.scaled(fastest.forward + fastest.backward, work_growth, slots) + fixed)
-    speedup = one_slot_step / step  # N slots' samples/s over one slot's
-    return {"estimated_one_slot_speedup": 1 / speedup if speedup > 0 else float("inf"),
+    one = predictor.gain(f"{ONE_SLOT[0]}: {ONE_SLOT[1]}", slots=1, nodes=1, threads=None)
+    low, high = predictor.intervals[f"{ONE_SLOT[0]}: {ONE_SLOT[1]}"]
+    speedup = 1 / one  # N slots' samples/s over one slot's
+    return {"estimated_one_slot_speedup": one,
             "estimated_speedup_vs_one_slot": speedup,
+            "estimated_speedup_vs_one_slot_interval": [1 / high, 1 / low],
             "estimated_scaling_efficiency": speedup / slots,
-            "estimated_one_slot_step_seconds": one_slot_step,
-            "work_growth_with_batch": work_growth if probe is not None else None,
+            "estimated_one_slot_step_seconds": predictor.model.predict(
+                replace(predictor.here, slots=1, nodes=1, threads=None)).step,
+            "work_growth_with_batch": advice.probe_growth(profile.batch_scaling)[0]
+            if profile.batch_scaling is not None else None,
             "slower_than_one_slot": speedup < 1.0}
 
 
@@ -374,11 +402,13 @@ def render(diagnosis: dict[str, Any]) -> str:
 
     table = Table(title=f"dtrain doctor: {diagnosis['slots']} slot(s), {diagnosis['samples_per_second']:,.0f} "
                         f"samples/s, step {1e3 * diagnosis['step_seconds']:.2f} ms")
-    for col in ("factor", "share", "ms/step", "try", "predicted"):
-        table.add_column(col, justify="right" if col in ("share", "ms/step", "predicted") else "left")
+    for col in ("factor", "share", "ms/step", "try", "predicted (80%)"):
+        table.add_column(col, justify="right" if col in ("share", "ms/step", "predicted (80%)") else "left")
     for f in diagnosis["factors"]:
         action = f"{f['key']}: {f['value']}" if f["key"] else "-"
         predicted = f"{f['predicted_speedup']:.2f}x" if f["predicted_speedup"] else "-"
+        if f["predicted_speedup"] and "predicted_interval" in f:
+            predicted += " ({:.2f}-{:.2f})".format(*f["predicted_interval"])
         table.add_row(f["factor"], f"{100 * f['share']:.0f}%", f"{1e3 * f['seconds_per_step']:.2f}", action, predicted)
     # Why, in the user's terms (learning-rate rule, what to check on a host), for the factors with a change.
     # The straggler's too, with no change: it says that ranks take turns, or why one slot fewer would not help.
