@@ -93,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--target-spread", type=float, default=0.10, help="--verify: narrow enough: an experiment's "
                         "range of per-round ratios, (high - low) / median, at most this (default 0.10)")
     doctor.add_argument("--top", type=_positive_int, default=3, help="--verify: how many recommendations to run")
+    doctor.add_argument("--mttf", help="mean hours between failures of one node: advise min_checkpoint_period "
+                        "(the period that minimizes the expected time to finish, Young/Daly)")
+    doctor.add_argument("--price", help="with --mttf: price per slot-hour, to state the saving in money")
 
     plan = sub.add_parser("plan", help="predict other slot/node counts and the doctor's options from one run")
     plan.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
@@ -102,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--probe", action="store_true", help="measure the link among local processes again (a run "
                       "with one slot measured none; saved beside the run as comm_probe.json)")
     plan.add_argument("--png", type=Path, help="chart path (default RUN_DIR/plan.png; with --json, only when given)")
+    plan.add_argument("--mttf", help="mean hours between failures of one node: time to finish includes expected "
+                      "failures and restarts, with the checkpoint period that minimizes it (Young/Daly)")
+    plan.add_argument("--price", help="price per slot-hour (e.g. 2.50): the cost to finish each configuration")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
 
     report = sub.add_parser("report", help="(re)build a run's report.html and print its time table")
@@ -360,6 +366,15 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 0
     profile = load_run_profile(args.run_dir)
     diagnosis = diagnose(profile)
+    if args.mttf is not None:
+        from dtrain.explain.doctor import add_checkpoint_advice
+        from dtrain.explain.finish import finish, run_costs
+        from dtrain.explain.goodput import parse_mttf_hours, parse_price
+
+        price = parse_price(args.price) if args.price is not None else None
+        found = finish(run_costs(args.run_dir, profile), diagnosis["step_seconds"], profile.slots, profile.hosts,
+                       parse_mttf_hours(args.mttf), price)
+        add_checkpoint_advice(diagnosis, found)
     if args.json:
         print(json.dumps(diagnosis, indent=2))
     else:
@@ -371,10 +386,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     import json
 
+    from dtrain.explain.goodput import parse_mttf_hours, parse_price
     from dtrain.explain.plan import parse_link, plan, plot, render
     from dtrain.explain.scaling import parse_slots
 
-    doc = plan(args.run_dir, parse_slots(args.slots), args.nodes, parse_link(args.link), probe=args.probe)
+    mttf = parse_mttf_hours(args.mttf) if args.mttf is not None else None
+    price = parse_price(args.price) if args.price is not None else None
+    doc = plan(args.run_dir, parse_slots(args.slots), args.nodes, parse_link(args.link), probe=args.probe,
+               mttf_hours=mttf, price=price)
     # --json is for scripts: it leaves the chart a person asked for earlier alone unless told where to draw.
     png = args.png or (None if args.json else args.run_dir / "plan.png")
     if png is not None:

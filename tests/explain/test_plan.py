@@ -135,3 +135,25 @@ def test_plan_cli_json_leaves_the_chart_alone_and_bad_input_is_one_line(tmp_path
                            (["--link", "200mbit,soon"], "latency")):
         bad = cli_in_process("plan", str(run), *args)
         assert bad.code == 2 and fragment in bad.stderr, bad
+
+
+def test_time_and_cost_to_finish_count_failures_and_advise_the_checkpoint_period(tmp_path):
+    # 1 s per checkpoint every 10 batches of ~8 ms: far too often for a node failing every 10 hours.
+    profile = _profile(checkpoint_seconds=1001.0, wall_seconds=2000.0, train_seconds=900.0, validation_seconds=0.0)
+    run = _run_dir(tmp_path, profile)
+    (run / "config.yaml").write_text("name: x\nmax_length: {batches: 10000000}\nmin_checkpoint_period: {batches: 10}\n")
+    (run / "summary.json").write_text(json.dumps({"batches": 10000, "epochs": 10}))
+    doc = plan(run, [1, 2], mttf_hours=10.0, price=2.0)
+    assert doc["checkpoint_seconds"] == pytest.approx(1.0, rel=0.01)  # 1001 s over 1000 + 1 checkpoints
+    row = next(p for p in doc["predictions"] if p["slots"] == 2 and p["option"] == "base")
+    finish = row["finish"]
+    assert finish["configured"]["seconds"] > 1e7 * row["seconds_per_step"] + 999_000  # 1e6 checkpoints at least
+    assert finish["advice"]["key"] == "min_checkpoint_period" and finish["advice"]["value"]["batches"] > 10
+    assert finish["configured"]["cost"] == pytest.approx(finish["configured"]["seconds"] / 3600 * 2 * 2.0)
+    from dtrain.explain.doctor import add_checkpoint_advice, diagnose
+
+    diagnosis = diagnose(profile)
+    add_checkpoint_advice(diagnosis, finish)
+    assert any(r["key"] == "min_checkpoint_period" for r in diagnosis["recommendations"])
+    bad = cli_in_process("plan", str(run), "--mttf", "soon")
+    assert bad.code == 2 and "mttf" in bad.stderr.lower()

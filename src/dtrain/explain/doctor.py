@@ -153,6 +153,17 @@ def diagnose(profile: ProfileRecord) -> dict[str, Any]:
     }
 
 
+def add_checkpoint_advice(diagnosis: dict[str, Any], finish: dict[str, Any] | None) -> None:
+    """Add the goodput model's ``min_checkpoint_period`` advice (:mod:`dtrain.explain.goodput`) to a diagnosis:
+    a recommendation with its predicted time saving, and ``finish`` (time and cost to finish) as is."""
+    diagnosis["finish"] = finish
+    advice_ = finish.get("advice") if finish else None
+    if advice_:
+        diagnosis["recommendations"].append({"factor": "checkpoints", **{k: advice_[k] for k in (
+            "key", "value", "predicted_speedup", "action", "why")}})
+        diagnosis["recommendations"].sort(key=lambda r: r["predicted_speedup"], reverse=True)
+
+
 def _straggler_factor(profile: ProfileRecord, late: dict[str, Any] | None, step: float, straggler: float,
                       loader: dict[str, Any], scaling: dict[str, Any], predictor: Predictor) -> dict[str, Any]:
     """Name the rank the others wait for (host, lag, slow phase) and what to check there, only for a rank
@@ -414,4 +425,7 @@ def render(diagnosis: dict[str, Any]) -> str:
     # The straggler's too, with no change: it says that ranks take turns, or why one slot fewer would not help.
     notes = "".join(f"  {f['factor']}: {f['why']}\n" for f in diagnosis["factors"][:4]
                     if (f["key"] or f["factor"] == "straggler") and f["share"] >= 0.05)
-    return as_text(table) + f"verdict: {diagnosis['verdict']}\n" + (f"why:\n{notes}" if notes else "")
+    checkpoints = next((r for r in diagnosis["recommendations"] if r["factor"] == "checkpoints"), None)
+    extra = (f"checkpoints: {checkpoints['action']} (predicted {checkpoints['predicted_speedup']:.2f}x less time to "
+             f"finish): {checkpoints['why']}\n") if checkpoints else ""
+    return as_text(table) + f"verdict: {diagnosis['verdict']}\n" + extra + (f"why:\n{notes}" if notes else "")

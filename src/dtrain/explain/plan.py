@@ -17,6 +17,7 @@ from typing import Any
 
 from dtrain.errors import UserError
 from dtrain.explain.costmodel import CostModel, Link, Prediction, Target
+from dtrain.explain.finish import finish, run_costs
 from dtrain.profiling import commprobe
 from dtrain.profiling.record import ProfileRecord, load_run_profile
 
@@ -138,8 +139,10 @@ def build_model(run_dir: Path, link: Link | None = None, probe: bool = False,
 
 
 def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | None = None, probe: bool = False,
-         log: Any = None) -> dict[str, Any]:
-    """The ``--json`` document: one prediction per case, with its interval and the model's inputs."""
+         log: Any = None, mttf_hours: float | None = None, price: float | None = None) -> dict[str, Any]:
+    """The ``--json`` document: one prediction per case, with its interval and the model's inputs; with a
+    per-node ``mttf_hours`` or a ``price`` per slot-hour, each case's expected time and cost to finish
+    (failures, restarts and the measured checkpoint cost included) and its best checkpoint period."""
     if nodes < 1:
         raise UserError(f"--nodes must be >= 1, got {nodes}")
     if nodes > 1 and link is None:
@@ -149,14 +152,24 @@ def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | Non
     if model.link is None and any(n > 1 for n in slot_counts):
         raise UserError(f"{run_dir}: the run had one slot on {p.device} and no link was measured or given; "
                         "run dtrain plan --probe on the host it trained on, or give --link RATE,LATENCY")
-    total = _total_batches(run_dir)
+    costs = run_costs(run_dir, p)
+    total = costs.total_batches
     one = model.predict(Target(1))
-    predictions = [_row(case, model.predict(case.target), one, total) for case in cases(model, p, slot_counts, nodes)]
+    predictions = []
+    for case in cases(model, p, slot_counts, nodes):
+        pred = model.predict(case.target)
+        row = _row(case, pred, one, total)
+        row["finish"] = finish(costs, pred.step, case.target.slots, case.target.nodes, mttf_hours, price)
+        if row["finish"] is not None:
+            row["seconds_to_finish"] = row["finish"]["configured"]["seconds"]
+        predictions.append(row)
     mine = model.predict(model.measured_target())
     return {"run_dir": str(run_dir),
             "measured": {"slots": p.slots, "nodes": p.hosts, "samples_per_second": p.samples_per_second,
                          "model_samples_per_second": mine.samples_per_second},
-            "link": link.label if link else None, "total_batches": total,
+            "link": link.label if link else None, "total_batches": total, "mttf_hours_per_node": mttf_hours,
+            "price_per_slot_hour": price, "checkpoint_seconds": costs.checkpoint_seconds,
+            "restart_seconds": costs.restart_seconds, "checkpoint_period_batches": costs.period_batches,
             "inputs": [{"name": s.name, "value": s.value, "source": s.source} for s in model.sources],
             "interval": "80%", "predictions": predictions}
 
@@ -172,24 +185,6 @@ def _row(case: Case, pred: Prediction, one: Prediction, total: int | None) -> di
             "seconds_to_finish": pred.step * total if total else None}
 
 
-def _total_batches(run_dir: Path) -> int | None:
-    """The run's ``max_length`` in batches (epochs through the run's own batches per epoch)."""
-    import json
-
-    import yaml
-
-    try:
-        config = yaml.safe_load((run_dir / "config.yaml").read_text())
-        length = config.get("max_length") or {}
-        if length.get("batches"):
-            return int(length["batches"])
-        summary = json.loads((run_dir / "summary.json").read_text())
-        per_epoch = summary["batches"] / summary["epochs"]
-        return round(length["epochs"] * per_epoch)
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError, AttributeError):
-        return None
-
-
 def render(doc: dict[str, Any]) -> str:
     from rich.table import Table
 
@@ -198,15 +193,37 @@ def render(doc: dict[str, Any]) -> str:
     m = doc["measured"]
     table = Table(title=f"dtrain plan from {doc['run_dir']} ({m['slots']} slot(s) measured at "
                         f"{m['samples_per_second']:,.0f} samples/s; link {doc['link'] or 'as measured'})")
-    for col in ("slots", "nodes", "change", "samples/s", "80% interval", "efficiency", "ms/step", "to finish"):
+    priced = doc.get("price_per_slot_hour") is not None
+    columns = ["slots", "nodes", "change", "samples/s", "80% interval", "efficiency", "ms/step", "to finish"]
+    for col in [*columns, *(["cost"] if priced else [])]:
         table.add_column(col, justify="left" if col == "change" else "right")
     for p in doc["predictions"]:
-        finish = p["seconds_to_finish"]
-        table.add_row(str(p["slots"]), str(p["nodes"]), p["change"], f"{p['samples_per_second']:,.0f}",
-                      f"{p['low']:,.0f}-{p['high']:,.0f}", f"{100 * p['efficiency']:.0f}%",
-                      f"{1e3 * p['seconds_per_step']:.2f}", f"{finish:,.0f} s" if finish is not None else "-")
+        done = p["seconds_to_finish"]
+        cells = [str(p["slots"]), str(p["nodes"]), p["change"], f"{p['samples_per_second']:,.0f}",
+                 f"{p['low']:,.0f}-{p['high']:,.0f}", f"{100 * p['efficiency']:.0f}%",
+                 f"{1e3 * p['seconds_per_step']:.2f}", _duration(done) if done is not None else "-"]
+        if priced:
+            cost = (p["finish"] or {}).get("configured", {}).get("cost")
+            cells.append(f"{cost:,.2f}" if cost is not None else "-")
+        table.add_row(*cells)
     inputs = "".join(f"  {i['name']}: {i['value']} [{i['source']}]\n" for i in doc["inputs"])
-    return as_text(table, width=150) + f"inputs:\n{inputs}"
+    text = as_text(table, width=160) + f"inputs:\n{inputs}"
+    if doc.get("mttf_hours_per_node") is not None:
+        text += (f"  to finish: {doc['total_batches']} batches, one checkpoint {doc['checkpoint_seconds']:.2f} s, a "
+                 f"restart {doc['restart_seconds']:.2f} s [measured; starting processes not included], a node "
+                 f"failing every {doc['mttf_hours_per_node']:g} h [given]\n")
+        base = next((p for p in doc["predictions"] if p["option"] == "base" and p["slots"] == doc["measured"]["slots"]
+                     and p["nodes"] == doc["measured"]["nodes"]), None)
+        advice = base and base["finish"] and base["finish"]["advice"]
+        if advice:
+            text += f"checkpoints: {advice['action']}: {advice['why']}\n"
+    return text
+
+
+def _duration(seconds: float) -> str:
+    if seconds != seconds or seconds == float("inf"):
+        return "never"
+    return f"{seconds:,.0f} s" if seconds < 3600 else f"{seconds / 3600:,.1f} h"
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
