@@ -98,7 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--price", help="with --mttf: price per slot-hour, to state the saving in money")
 
     plan = sub.add_parser("plan", help="predict other slot/node counts and the doctor's options from one run")
-    plan.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
+    plan.add_argument("run_dir", type=Path, nargs="?", help="a run directory made by 'dtrain run' (or --what-if)")
+    plan.add_argument("--what-if", help="plan on paper, without a run: params=330M,compute=441ms@256,gpus-per-node=8,"
+                      "intra=2400gbit:2us,inter=1600gbit:5us[,global=N|batch=N][,grad-bytes=2][,overhead=MS]"
+                      "[,overlap=no] (docs: dtrain.explain.paper)")
     plan.add_argument("--slots", default="1,2,4,8", help="comma-separated slot counts (default 1,2,4,8)")
     plan.add_argument("--nodes", type=_positive_int, default=1, help="also spread each slot count over N nodes")
     plan.add_argument("--link", help="link between nodes: RATE[,LATENCY] like 200mbit or 1gbit,0.2ms, or measured")
@@ -390,6 +393,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from dtrain.explain.plan import parse_link, plan, plot, render
     from dtrain.explain.scaling import parse_slots
 
+    if args.what_if is not None:
+        from dtrain.explain.paper import plan_on_paper
+
+        if args.run_dir is not None:
+            raise UserError("--what-if plans on paper: give it without a run directory")
+        doc = plan_on_paper(args.what_if, parse_slots(args.slots))
+        png = args.png or (None if args.json else Path("plan-what-if.png"))
+        if png is not None:
+            plot(doc, png)
+        doc["png"] = str(png) if png is not None else None
+        print(json.dumps(doc, indent=2) if args.json else render(doc) + f"chart: {png}")
+        return 0
+    if args.run_dir is None:
+        raise UserError("dtrain plan needs a run directory made by 'dtrain run' (or --what-if SPEC)")
     mttf = parse_mttf_hours(args.mttf) if args.mttf is not None else None
     price = parse_price(args.price) if args.price is not None else None
     doc = plan(args.run_dir, parse_slots(args.slots), args.nodes, parse_link(args.link), probe=args.probe,

@@ -191,8 +191,11 @@ def render(doc: dict[str, Any]) -> str:
     from dtrain.explain.render import as_text
 
     m = doc["measured"]
-    table = Table(title=f"dtrain plan from {doc['run_dir']} ({m['slots']} slot(s) measured at "
-                        f"{m['samples_per_second']:,.0f} samples/s; link {doc['link'] or 'as measured'})")
+    title = (f"dtrain plan on paper ({doc.get('scaling')} scaling; nothing measured: every input given or assumed)"
+             if doc.get("what_if") else
+             f"dtrain plan from {doc['run_dir']} ({m['slots']} slot(s) measured at {m['samples_per_second']:,.0f} "
+             f"samples/s; link {doc['link'] or 'as measured'})")
+    table = Table(title=title)
     priced = doc.get("price_per_slot_hour") is not None
     columns = ["slots", "nodes", "change", "samples/s", "80% interval", "efficiency", "ms/step", "to finish"]
     for col in [*columns, *(["cost"] if priced else [])]:

@@ -1,0 +1,59 @@
+"""``dtrain plan --what-if``: the cost model on paper; every input given, bad specs one line."""
+
+import json
+
+import pytest
+from helpers import cli_in_process
+
+from dtrain.errors import UserError
+from dtrain.explain.paper import parse, plan_on_paper
+
+BERT = "params=330M,compute=441ms@256,gpus-per-node=8,intra=2400gbit:2us,inter=1600gbit:5us,global=65536"
+
+
+def test_strong_scaling_on_paper_is_compute_plus_a_ring_through_the_slower_link():
+    doc = plan_on_paper(BERT + ",grad-bytes=2,overlap=no", [1, 8, 16])
+    by = {p["slots"]: p for p in doc["predictions"]}
+    assert by[1]["parts_seconds"]["exchange"] == 0.0
+    assert by[1]["seconds_per_step"] == pytest.approx(0.441 * 65536 / 256)
+    # 16 GPUs on 2 nodes: 27 buckets of the 0.66 GB of fp16 gradients, each 2(N-1) ring steps at the node
+    # link's latency and 2(N-1)/N of its bytes at 200 GB/s.
+    nbytes, n = 2 * 330e6, 16
+    buckets = 1 + -(-(nbytes - 2**20) // (25 * 2**20))
+    ring = 2 * (n - 1) * buckets * (2e-6 + 5e-6) + 2 * (n - 1) / n * nbytes / 200e9
+    assert by[16]["parts_seconds"]["exchange"] == pytest.approx(ring, rel=1e-6)
+    assert by[16]["efficiency"] < by[8]["efficiency"] <= 1.0
+    assert all(p["low"] < p["samples_per_second"] < p["high"] for p in doc["predictions"])
+    assert {i["source"] for i in doc["inputs"]} <= {"given", "assumed"}
+
+
+def test_weak_scaling_overlaps_the_exchange_with_backward():
+    doc = plan_on_paper("params=25.6M,compute=180ms@32,gpus-per-node=8,intra=160gbit:2us,inter=50gbit:10us", [8, 256])
+    by = {p["slots"]: p for p in doc["predictions"]}
+    assert doc["scaling"] == "weak" and by[256]["parts_seconds"]["compute"] == pytest.approx(0.180)
+    assert by[256]["parts_seconds"]["exchange"] < 0.120  # hidden behind backward but for the last bucket
+
+
+@pytest.mark.parametrize(("spec", "fragment"), [
+    ("params=330M", "needs compute"),
+    (BERT + ",speed=3", "not KEY=VALUE"),
+    (BERT.replace("441ms@256", "441ms"), "give the batch"),
+    (BERT.replace("1600gbit:5us", "fast"), "RATE[:LATENCY]"),
+    (BERT + ",overlap=maybe", "yes or no"),
+    (BERT.replace("330M", "-3"), "positive"),
+])
+def test_bad_specs_are_one_line(spec, fragment):
+    with pytest.raises(UserError, match=fragment.replace("[", r"\[")):
+        parse(spec)
+
+
+def test_what_if_cli_json_and_its_refusals(tmp_path):
+    result = cli_in_process("plan", "--what-if", BERT, "--slots", "8,1024", "--json")
+    assert result.code == 0, result.stderr
+    assert [p["slots"] for p in json.loads(result.stdout)["predictions"]] == [8, 1024]
+    too_many = cli_in_process("plan", "--what-if", BERT, "--slots", "2048")
+    assert too_many.code == 2 and "at most 1024" in too_many.stderr
+    both = cli_in_process("plan", str(tmp_path), "--what-if", BERT)
+    assert both.code == 2 and "without a run directory" in both.stderr
+    neither = cli_in_process("plan")
+    assert neither.code == 2 and "needs a run directory" in neither.stderr
