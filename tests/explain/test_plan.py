@@ -7,7 +7,8 @@ from helpers import cli_in_process
 from profiles import make_profile, write
 
 from dtrain.errors import UserError
-from dtrain.explain.costmodel import CostModel, Target, Work, expected_max
+from dtrain.explain.costmodel import CostModel, Target, expected_max
+from dtrain.explain.facts import Work
 from dtrain.explain.plan import parse_link, plan
 from dtrain.profiling import commprobe
 from dtrain.profiling.commprobe import LocalProbe, fit

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from dtrain.explain.facts import Facts, Work
 from dtrain.profiling.commprobe import LinkFit, fit
 from dtrain.profiling.record import ProfileRecord
 
@@ -129,114 +130,6 @@ class RingLink:
         if world < 2:
             return 0.0
         return 2 * (world - 1) * self.step_latency + ring(world) * nbytes / self.busbw
-
-
-@dataclass(frozen=True, slots=True)
-class Work:
-    """Forward + backward seconds of one slot alone: ``overhead + per_sample x batch`` per thread count."""
-
-    points: dict[int, tuple[float, float]]  # threads -> (overhead, per-sample seconds)
-
-    @classmethod
-    def from_pairs(cls, batch: int, pairs: dict[int, tuple[float, float]]) -> Work:
-        """From (seconds at ``batch``, seconds at twice it) per thread count."""
-        points = {}
-        for threads, (one, two) in pairs.items():
-            per_sample = max(0.0, (two - one) / batch)
-            points[threads] = (max(0.0, one - per_sample * batch), per_sample)
-        return cls(points)
-
-    def seconds(self, batch: float, threads: int) -> float:
-        if threads in self.points or len(self.points) == 1:
-            a, c = self.points.get(threads, next(iter(self.points.values())))
-            return a + c * batch
-        lo, hi = min(self.points), max(self.points)
-        t = min(max(threads, lo), hi)
-        # Amdahl between the fewest and most threads probed: s + p / t through both points.
-        at_lo = self.points[lo][0] + self.points[lo][1] * batch
-        at_hi = self.points[hi][0] + self.points[hi][1] * batch
-        p = (at_lo - at_hi) / (1 / lo - 1 / hi)
-        return at_hi - p / hi + p / t
-
-    def probed(self, threads: int) -> bool:
-        return threads in self.points
-
-
-@dataclass(frozen=True, slots=True)
-class CompressionFacts:
-    """Seconds per exchange of compressing the gradients, and the bytes PowerSGD sends."""
-
-    fp16_seconds: float
-    powersgd_seconds: float
-    powersgd_bytes: float
-
-
-@dataclass(frozen=True, slots=True)
-class Facts:
-    """What the model knows of one configuration that ran (or, on paper, that was described): the inputs of
-    :class:`CostModel`, typed, from :meth:`from_profile` or :mod:`dtrain.explain.paper`."""
-
-    slots: int
-    hosts: int
-    device: str  # "cpu" | "cuda": on a GPU, DDP's all-reduce overlaps the backward compute
-    cores: int  # per host
-    threads: int  # per slot
-    per_slot_batch: int
-    global_batch: int
-    parameters: int
-    aggregation: int
-    compression: str
-    fusion_mb: float | None
-    buckets: float  # per exchange, as measured (0: not measured)
-    data: float  # seconds per step, means over ranks
-    compute: float  # forward + backward
-    backward_share: float  # of compute
-    fixed: float  # optimizer + other
-    step: float
-    work: Work  # one slot alone, by batch and threads
-    threads_probed: bool
-    concurrent_work: float | None  # the probe at the run's batch, all local slots at once
-    load_growth: float  # 0 (per-step) .. 1 (per-sample) of data loading
-    link_points: tuple[tuple[float, float], ...] = ()
-    link_world: int = 0
-    compression_costs: CompressionFacts | None = None
-    train_latency: float = 0.0  # a one-float all-reduce after the run, seconds
-    train_algbw: float = 0.0  # bytes per second the run's own exchanges achieved (0: not measured)
-    jitter: float = 0.0  # standard deviation of a step
-    windows: tuple[float, ...] = ()  # mean step of successive windows of the run
-
-    @classmethod
-    def from_profile(cls, p: ProfileRecord) -> Facts:
-        work, threads_probed = _work(p)
-        costs = p.compression_cost
-        compute = _mean_compute(p)
-        return cls(
-            slots=p.slots, hosts=p.hosts, device=p.device, cores=p.cpu_cores or 1, threads=p.threads_per_slot,
-            per_slot_batch=p.per_slot_batch_size, global_batch=p.global_batch_size, parameters=p.parameters,
-            aggregation=p.aggregation_frequency or 1, compression=p.gradient_compression,
-            fusion_mb=p.tensor_fusion_threshold_mb,
-            buckets=p.comm.buckets_per_step * (p.aggregation_frequency or 1) if p.slots > 1 else 0.0,
-            data=_mean_phase(p, "data"), compute=compute,
-            backward_share=_mean_phase(p, "backward") / compute if compute > 0 else 0.5,
-            fixed=_mean_phase(p, "optimizer") + _mean_phase(p, "other"), step=p.seconds_per_step.step.mean,
-            work=work, threads_probed=threads_probed and p.solo_probe is not None,
-            concurrent_work=p.batch_scaling.work_seconds if p.batch_scaling is not None else None,
-            load_growth=_growth(p)[1],
-            link_points=tuple((c.bytes, c.seconds) for c in p.comm_probe.points) if p.comm_probe else (),
-            link_world=p.comm_probe.world if p.comm_probe else 0,
-            compression_costs=(CompressionFacts(costs.fp16_seconds, costs.powersgd_seconds, costs.powersgd_bytes)
-                               if costs is not None else None),
-            train_latency=p.comm.latency_seconds, train_algbw=p.comm.algbw_bytes_per_second,
-            jitter=p.step_jitter_seconds or 0.0, windows=tuple(p.step_window_seconds or ()))
-
-    @property
-    def local_slots(self) -> int:
-        return max(1, self.slots // self.hosts)
-
-    @property
-    def crowd(self) -> float:
-        """Threads over cores on a host, where beyond one: slots then take turns on the cores."""
-        return max(1.0, self.local_slots * self.threads / self.cores) if self.device == "cpu" else 1.0
 
 
 @dataclass
@@ -447,45 +340,6 @@ def ratio(new: Prediction, base: Prediction) -> tuple[float, float, float]:
     value = new.samples_per_second / base.samples_per_second
     base_sps = base.samples_per_second
     return value, new.samples_per_second_low / base_sps, new.samples_per_second_high / base_sps
-
-
-# -------------------------------------------------------------------------------- the run's figures
-def _mean_phase(p: ProfileRecord, phase: str) -> float:
-    return sum(r.seconds_per_step.of(phase) for r in p.per_rank) / len(p.per_rank)
-
-
-def _mean_compute(p: ProfileRecord) -> float:
-    return _mean_phase(p, "forward") + _mean_phase(p, "backward")
-
-
-def _mean_step(p: ProfileRecord) -> float:
-    return p.seconds_per_step.step.mean
-
-
-def _growth(p: ProfileRecord) -> tuple[float, float]:
-    """(work, loading) growth with the batch, 0 (all per-step overhead) to 1 (all per-sample)."""
-    b = p.batch_scaling
-    if b is None:
-        return 1.0, 1.0
-
-    def share(one: float, two: float) -> float:
-        return min(1.0, max(0.0, two / one - 1.0)) if one > 0 and two > 0 else 1.0
-
-    return share(b.work_seconds, b.work_double_seconds), share(b.load_seconds, b.load_double_seconds)
-
-
-def _work(p: ProfileRecord) -> tuple[Work, bool]:
-    """The solo probe's work by threads; without it the run's own (concurrent) probe, or its measured compute
-    taken as proportional to the batch. Second: whether other thread counts were probed."""
-    b = p.per_slot_batch_size or 1
-    if p.solo_probe is not None and p.solo_probe.points:
-        pairs = {w.threads: (w.work_seconds, w.work_double_seconds) for w in p.solo_probe.points}
-        return Work.from_pairs(p.solo_probe.per_slot_batch_size, pairs), len(pairs) > 1
-    if p.batch_scaling is not None:
-        scaling = p.batch_scaling
-        return Work.from_pairs(b, {p.threads_per_slot: (scaling.work_seconds, scaling.work_double_seconds)}), False
-    compute = _mean_compute(p)
-    return Work({p.threads_per_slot: (0.0, compute / b)}), False
 
 
 def _describe(work: Work) -> str:

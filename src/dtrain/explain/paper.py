@@ -26,7 +26,8 @@ import math
 from typing import Any
 
 from dtrain.errors import UserError
-from dtrain.explain.costmodel import CostModel, Facts, Link, RingLink, Source, Target, Work
+from dtrain.explain.costmodel import CostModel, Link, RingLink, Source, Target
+from dtrain.explain.facts import Facts, Work
 
 KEYS = ("params", "compute", "gpus-per-node", "intra", "inter", "global", "batch", "grad-bytes", "overhead",
         "overlap")
