@@ -163,6 +163,10 @@ class CostModel:
                    link_source: str = "measured") -> CostModel:
         sources = [Source("compute vs batch and threads", _describe(f.work), "measured" if f.threads_probed
                           else "measured at the run's threads only (other thread counts assumed the same)")]
+        busy = f.work.oversubscribed()
+        if busy:
+            sources.append(Source("thread counts probed while the cores were busy", ", ".join(map(str, busy)),
+                                  "measured, not used: fewer threads count instead (re-run on a quiet host)"))
         solo = f.work.seconds(f.per_slot_batch, f.threads)
         concurrent = f.concurrent_work if f.concurrent_work is not None else solo
         contention = max(1.0, concurrent / solo) if f.slots > 1 and solo > 0 and f.threads_probed else 1.0

@@ -24,6 +24,11 @@ class Work:
         return cls(points)
 
     def seconds(self, batch: float, threads: int) -> float:
+        """At ``batch`` samples with ``threads`` threads: never more than with fewer threads probed (a slot
+        can always run fewer; a probe slower with more threads ran while other processes held the cores)."""
+        return min(self._at(batch, t) for t in {threads, *(t for t in self.points if t < threads)})
+
+    def _at(self, batch: float, threads: int) -> float:
         if threads in self.points or len(self.points) == 1:
             a, c = self.points.get(threads, next(iter(self.points.values())))
             return a + c * batch
@@ -34,6 +39,11 @@ class Work:
         at_hi = self.points[hi][0] + self.points[hi][1] * batch
         p = (at_lo - at_hi) / (1 / lo - 1 / hi)
         return at_hi - p / hi + p / t
+
+    def oversubscribed(self) -> list[int]:
+        """Thread counts probed slower than fewer threads (the cores were busy with other work then)."""
+        return [t for t in self.points if any(self._at(2 * 64, t) > 1.5 * self._at(2 * 64, u)
+                                              for u in self.points if u < t)]
 
     def probed(self, threads: int) -> bool:
         return threads in self.points
