@@ -216,6 +216,12 @@ class DeviceFeeder:
             return self._iterator.__next__
         return self.__next__
 
+    def one(self, iterator: Iterator[Any]) -> Any:
+        """The first batch of ``iterator`` on the device, keeping nothing of it: neither the iterator (a
+        loader's worker processes end with it) nor a batch copied ahead."""
+        batch = next(iterator)
+        return batch if self._on_cpu else to_device(batch, self.device)
+
     def __next__(self) -> Any:
         if self._iterator is None:
             raise StopIteration

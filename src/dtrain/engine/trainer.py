@@ -258,8 +258,11 @@ class Trainer:
                 self.callbacks.on_training_epoch_start(epoch)
             # Same seeded permutation on every slot; on resume, skip what was already trained.
             self.sampler.set_start(epoch, position * self.per_slot)
-            self.feeder.start(iter(self.loader))
-            self._fetch = self._synthetic_batch if self.config.data_loader.synthetic else self.feeder.fetcher()
+            if self.config.data_loader.synthetic:
+                self._start_synthetic()
+            else:
+                self.feeder.start(iter(self.loader))
+                self._fetch = self.feeder.fetcher()
             self._iterating = True
         timer = self.ctx.timer
         timer.start_step()
@@ -280,9 +283,19 @@ class Trainer:
         if self.progress.has_bar:  # a terminal's bar; logs get the reports' lines only
             self.progress.advance(self.batches)
 
+    def _start_synthetic(self) -> None:
+        """``data_loader.synthetic``: one real batch (same shapes and dtypes), taken once and kept on the
+        device; the loader is not iterated again. An iterator made every epoch, as for real data, would
+        start the loader's worker processes (``data_loader.num_workers``) every epoch, each loading batches
+        nobody reads on the cores the slots train on, and keep them alive through the epoch: the
+        data-loading bisection (``dtrain doctor --verify``) would measure them instead of no loading."""
+        if self.synthetic_batch is None:
+            self.synthetic_batch = self.feeder.one(iter(self.loader))  # the iterator and its workers end here
+        elif self.sampler.on_epoch_start is not None:  # what iterating the epoch would have announced
+            self.sampler.on_epoch_start(self.sampler.epoch)
+        self._fetch = self._synthetic_batch
+
     def _synthetic_batch(self) -> Any:
-        if self.synthetic_batch is None:  # one real batch, same shapes and dtypes, kept on the device
-            self.synthetic_batch = next(self.feeder)
         return self.synthetic_batch
 
     def _tune_fusion(self) -> None:

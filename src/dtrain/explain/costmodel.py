@@ -193,7 +193,9 @@ class CostModel:
         if f.slots > 1 and found_source in ("measured", "none"):  # no link: the whole exchange is overhead
             model.overhead, model.overhead_source = model._calibrated_overhead(), "measured"
         elif probe_overhead is not None:
-            model.overhead, model.overhead_source = probe_overhead, "probed"
+            # The probe's exchanges waited for its peer already: the run's jitter is added back per slot count.
+            model.overhead = max(0.0, probe_overhead - f.jitter * expected_max(probe_world))
+            model.overhead_source = "probed"
         if model.overhead_source != "none":
             sources.append(Source("exchange cost in training beyond the link", f"{1e3 * model.overhead:.2f} ms",
                                   model.overhead_source))

@@ -117,11 +117,10 @@ def local_probe(run_dir: Path, profile: ProfileRecord, fresh: bool, log: Any) ->
     bare = CostModel.from_profile(profile)
     target = Target(PROBE_WORLD)
     _, threads = bare.local_threads(target)
-    compute = bare.predict(target).parts["compute"]
     buckets = bare.buckets(4.0 * profile.parameters, False)
     log(f"dtrain plan: the run had one slot and measured no link: probing {PROBE_WORLD} local processes "
         f"({threads} thread(s) each; saved as {path.name}) ...")
-    probe = commprobe.probe_local(PROBE_WORLD, threads, buckets, compute)
+    probe = commprobe.probe_local(PROBE_WORLD, threads, buckets, profile.parameters)
     commprobe.save(probe, path)
     return probe
 

@@ -12,7 +12,9 @@ squares on relative error (a 4 KB point weighs as much as a 32 MB one), both ter
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import socket
 import statistics
@@ -107,42 +109,54 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spin(seconds: float, matrix: torch.Tensor) -> None:
-    """Busy for ``seconds`` on this process's threads, as a slot's forward and backward would be."""
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        matrix @ matrix
+def _stand_in(parameters: int) -> torch.nn.Module:
+    """Linear layers holding about ``parameters`` parameters: DDP buckets them as it would the model's."""
+    width = int(min(256, max(8, math.sqrt(parameters))))
+    layers = max(1, round(parameters / (width * width + width)))
+    return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
 
 
-def _worker(rank: int, world: int, port: int, threads: int, buckets: list[float], compute: float, steps: int,
-            out: str) -> None:
+def _worker(rank: int, world: int, port: int, threads: int, parameters: int, steps: int, out: str) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
         points = measure()
-        # Exchanges as training makes them: after a slot's compute, each bucket in turn; the mean counts
-        # (a throughput), waking up and waiting for the slower peer included.
-        tensors = [torch.zeros(max(1, int(b) // 4)) for b in buckets]
-        matrix = torch.randn(64, 64)
-        spent = 0.0
-        for step in range(steps + 5):
-            _spin(compute, matrix)
+        # Exchanges as training makes them: DDP on a stand-in of the model's size, steps with and without
+        # gradient sync in alternating blocks; the difference of their means is what an exchange costs a step
+        # (hooks, buckets, waking up, waiting for the peer) beside the all-reduces themselves.
+        model = DistributedDataParallel(_stand_in(parameters))
+        width = model.module[0].in_features
+        batch = torch.randn(32, width)
+        seconds: dict[bool, list[float]] = {True: [], False: []}
+
+        def step(sync: bool) -> float:
             start = time.perf_counter()
-            for tensor in tensors:
-                dist.all_reduce(tensor)
-            if step >= 5:  # warm-up
-                spent += time.perf_counter() - start
+            with contextlib.nullcontext() if sync else model.no_sync():
+                model(batch).sum().backward()
+            for p in model.parameters():
+                p.grad = None
+            return time.perf_counter() - start
+
+        for _ in range(10):  # warm-up: DDP rebuilds its buckets after the first step
+            step(True)
+        for block in range(2 * max(1, steps // 20)):
+            sync = block % 2 == 0
+            seconds[sync] += [step(sync) for _ in range(10)]
         if rank == 0:
-            Path(out).write_text(json.dumps({"points": points, "exchange_seconds": spent / steps}))
+            synced, alone = statistics.mean(seconds[True]), statistics.mean(seconds[False])
+            Path(out).write_text(json.dumps({"points": points, "exchange_seconds": max(0.0, synced - alone),
+                                             "compute_seconds": alone}))
     finally:
         dist.destroy_process_group()
 
 
 @dataclass(frozen=True, slots=True)
 class LocalProbe:
-    """:func:`probe_local`'s result: all-reduce ``(bytes, seconds)`` points, and the mean seconds of one
-    training-like exchange of ``buckets`` after ``compute`` seconds of work."""
+    """:func:`probe_local`'s result: all-reduce ``(bytes, seconds)`` points, and the mean seconds a DDP step of
+    a stand-in with the model's ``buckets`` spends exchanging gradients (beside ``compute_seconds`` of work)."""
 
     world: int
     threads: int
@@ -157,18 +171,18 @@ class LocalProbe:
         return self.exchange_seconds - sum(link.seconds(b) for b in self.buckets)
 
 
-def probe_local(world: int, threads: int, buckets: list[float], compute_seconds: float, steps: int = 200,
+def probe_local(world: int, threads: int, buckets: list[float], parameters: int, steps: int = 200,
                 timeout: float = 120.0) -> LocalProbe:
     """All-reduces among ``world`` processes on this host over loopback (Gloo), as local slots would talk,
     each with ``threads`` torch threads as the launcher would give it: several sizes back to back, then
-    ``steps`` training-like exchanges of ``buckets`` (bytes) after ``compute_seconds`` of work each."""
+    ``steps`` DDP steps of a stand-in with ``parameters`` parameters (``buckets``: DDP's layout of them)."""
     import tempfile
 
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "probe.json")
-        args = (world, _free_port(), threads, buckets, compute_seconds, steps, out)
+        args = (world, _free_port(), threads, parameters, steps, out)
         ctx = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
@@ -177,8 +191,8 @@ def probe_local(world: int, threads: int, buckets: list[float], compute_seconds:
                     process.kill()
                 raise TimeoutError(f"the local all-reduce probe of {world} processes took over {timeout:.0f} s")
         result = json.loads(Path(out).read_text())
-    return LocalProbe(world, threads, [(float(b), float(s)) for b, s in result["points"]], buckets, compute_seconds,
-                      float(result["exchange_seconds"]))
+    return LocalProbe(world, threads, [(float(b), float(s)) for b, s in result["points"]], buckets,
+                      float(result["compute_seconds"]), float(result["exchange_seconds"]))
 
 
 def save(probe: LocalProbe, path: Path) -> None:
