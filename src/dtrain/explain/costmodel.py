@@ -294,7 +294,8 @@ class CostModel:
                     seconds += 2 * (n - 1) * between.latency_seconds
             times.append(seconds * (crowd if target.nodes == 1 else 1.0))
         wire = sum(times)
-        if f.device == "cuda" and collectives == 1:
+        overlap = f.overlap if f.overlap is not None else f.device == "cuda"
+        if overlap and collectives == 1:
             # DDP launches each bucket as backward fills it: all but the last hide behind the rest of backward.
             wire = max(times[-1], wire - backward)
         # Waking up and waiting for the slowest of n ranks: the run's step jitter, the expected maximum of n.
@@ -323,10 +324,11 @@ class CostModel:
         compute_u = u["compute"]
         if not f.work.probed(threads):
             compute_u += u["threads"]
-        if local > 1 and f.local_slots == 1:
+        if local > 1 and f.local_slots == 1 and f.device == "cpu":
             compute_u += u["contention"]
         batch = (target.global_batch or f.global_batch) / target.slots
-        compute_u += u["batch_extrapolation"] * abs(math.log(batch / f.per_slot_batch))
+        if not f.batch_given:
+            compute_u += u["batch_extrapolation"] * abs(math.log(batch / f.per_slot_batch))
         comm_u = 0.0
         if target.slots > 1:
             comm_u = {"measured": 0.1, "probed": u["link_probe"]}.get(self.link_source, u["link_given"])

@@ -65,7 +65,7 @@ class Facts:
 
     slots: int
     hosts: int
-    device: str  # "cpu" | "cuda": on a GPU, DDP's all-reduce overlaps the backward compute
+    device: str  # "cpu" | "cuda": slots on a CPU host share its cores (and its memory bandwidth)
     cores: int  # per host
     threads: int  # per slot
     per_slot_batch: int
@@ -89,6 +89,8 @@ class Facts:
     compression_costs: CompressionFacts | None = None
     train_latency: float = 0.0  # a one-float all-reduce after the run, seconds
     train_algbw: float = 0.0  # bytes per second the run's own exchanges achieved (0: not measured)
+    overlap: bool | None = None  # whether the all-reduce overlaps backward (None: on a GPU, as DDP does)
+    batch_given: bool = False  # on paper: compute at any batch is given (proportional), not extrapolated
     jitter: float = 0.0  # standard deviation of a step
     windows: tuple[float, ...] = ()  # mean step of successive windows of the run
 

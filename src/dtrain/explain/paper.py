@@ -120,11 +120,12 @@ def model(spec: dict[str, Any]) -> tuple[CostModel, str]:
     b0 = spec["compute_batch"]
     overhead = spec["overhead"] or 0.0
     facts = Facts(
-        slots=1, hosts=1, device="cuda" if spec["overlap"] == "yes" else "cpu", cores=1, threads=1,
+        slots=1, hosts=1, device="cuda", cores=1, threads=1,
         per_slot_batch=b0, global_batch=b0, parameters=int(spec["params"]), aggregation=1,
         compression="fp16" if spec["grad_bytes"] == 2 else "none", fusion_mb=None, buckets=0.0, data=0.0,
         compute=spec["compute"], backward_share=2 / 3, fixed=overhead, step=spec["compute"] + overhead,
-        work=Work({1: (0.0, spec["compute"] / b0)}), threads_probed=True, concurrent_work=None, load_growth=0.0)
+        work=Work({1: (0.0, spec["compute"] / b0)}), threads_probed=True, concurrent_work=None, load_growth=0.0,
+        overlap=spec["overlap"] == "yes", batch_given=True)
     rate, latency = spec["intra"]
     inter_rate, inter_latency = spec["inter"]
     between = Link(inter_rate, inter_latency, f"{inter_rate * 8 / 1e9:g} Gbit/s, {1e6 * inter_latency:g} us")
