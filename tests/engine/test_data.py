@@ -69,3 +69,20 @@ def test_loader_options_are_checked_in_one_line():
         loader_options(prefetch_factor=2)
     with pytest.raises(DataError, match="sets shuffle itself"):
         loader_options(shuffle=True)
+
+
+def test_device_feeder_one_keeps_nothing_of_the_iterator():
+    import weakref
+
+    from torch.utils.data import DataLoader
+
+    from dtrain.engine.data import DeviceFeeder
+
+    feeder = DeviceFeeder(torch.device("cpu"))
+    iterator = iter(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4))
+    alive = weakref.ref(iterator)
+    batch = feeder.one(iterator)
+    del iterator
+    assert alive() is None  # a loader's worker processes end with it
+    assert batch[0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert next(feeder, None) is None  # nothing started, nothing copied ahead

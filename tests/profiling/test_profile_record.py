@@ -43,12 +43,32 @@ def test_a_real_profile_round_trips_byte_for_byte(tmp_path, reference_runs, slot
     assert load_profile(copy) == record
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("slots", [1, 2])
+def test_a_real_run_records_what_the_cost_model_needs_and_reproduces_itself(reference_runs, slots):
+    from dtrain.explain.costmodel import CostModel
+
+    record = load_profile(reference_runs.run_dir(slots) / "profile.json")
+    assert record.solo_probe is not None and {p.threads for p in record.solo_probe.points} >= {1}
+    assert all(p.work_seconds > 0 and p.work_double_seconds > 0 for p in record.solo_probe.points)
+    assert record.compression_cost is not None and record.compression_cost.powersgd_bytes > 0
+    assert record.step_jitter_seconds is not None and record.step_window_seconds
+    # The link is probed among the run's own ranks, at sizes from a few KB to tens of MB.
+    assert (record.comm_probe is not None) == (slots > 1)
+    if slots > 1:
+        sizes = [p.bytes for p in record.comm_probe.points]
+        assert min(sizes) <= 4096 and max(sizes) >= 8 * 2**20 and all(p.seconds > 0 for p in record.comm_probe.points)
+        model = CostModel.from_profile(record)
+        assert model.predict(model.measured_target()).step == pytest.approx(record.seconds_per_step.step.mean)
+
+
 def test_a_built_record_round_trips_and_leaves_unmeasured_sections_out(tmp_path):
     record = make_profile([{"data": 0.001, "forward": 0.002}], optimizer=None, lr_hyperparameter=None)
     path = write(tmp_path, record)
     document = json.loads(path.read_text())
     for absent in ("stragglers", "batch_scaling", "allreduce_probe", "data_load_seconds_per_batch",
-                   "data_load_cpu_share"):
+                   "data_load_cpu_share", "solo_probe", "comm_probe", "compression_cost", "step_jitter_seconds",
+                   "step_window_seconds"):
         assert absent not in document
     assert document["optimizer"] is None and document["lr_hyperparameter"] is None  # null where the run says so
     assert "matmul_tflops" not in document["device_facts"]  # a CUDA fact on a CPU run
