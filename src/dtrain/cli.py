@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--verify", action="store_true", help="measure the top recommendations and bisection "
                         "experiments as short runs beside a baseline; write RUN_DIR/tuned.yaml")
     doctor.add_argument("--steps", type=_step_count, default=60, help="steps per --verify run (default 60)")
-    doctor.add_argument("--repeats", type=_positive_int, default=1, help="--verify rounds; the median of per-round "
+    doctor.add_argument("--repeats", type=_positive_int, default=3, help="--verify rounds; the median of per-round "
                         "ratios over the same round's baseline counts")
     doctor.add_argument("--max-repeats", type=_positive_int, help="--verify: keep adding rounds, up to this many, "
                         "while a ratio's range is wider than --target-spread (default: --repeats, i.e. off)")

@@ -71,18 +71,39 @@ def test_loader_options_are_checked_in_one_line():
         loader_options(shuffle=True)
 
 
-def test_device_feeder_one_keeps_nothing_of_the_iterator():
-    import weakref
+def test_first_batch_is_the_loaders_first_without_starting_its_workers():
+    import multiprocessing
 
-    from torch.utils.data import DataLoader
+    from torch.utils.data import Dataset
 
-    from dtrain.engine.data import DeviceFeeder
+    from dtrain.engine.data import first_batch
 
-    feeder = DeviceFeeder(torch.device("cpu"))
-    iterator = iter(DataLoader(TensorDataset(torch.arange(8.0)), batch_size=4))
-    alive = weakref.ref(iterator)
-    batch = feeder.one(iterator)
-    del iterator
-    assert alive() is None  # a loader's worker processes end with it
-    assert batch[0].tolist() == [0.0, 1.0, 2.0, 3.0]
-    assert next(feeder, None) is None  # nothing started, nothing copied ahead
+    class Batched(Dataset):  # torch's loader reads a batch at once through __getitems__ where it exists
+        def __init__(self):
+            self.calls = []
+
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            raise AssertionError("read one by one")
+
+        def __getitems__(self, indices):
+            self.calls.append(list(indices))
+            return [(torch.tensor([float(i)]), i % 3) for i in indices]
+
+    data = TensorDataset(torch.arange(40.0).unsqueeze(1), torch.arange(40) % 3)
+    for dataset in (data, Batched()):
+        loader, sampler = train_loader(dataset, 4, 1, 2, seed=5, num_workers=2)
+        sampler.set_start(1, 8)  # resumed mid-epoch: the first batch of what is left
+        epochs = []
+        sampler.on_epoch_start = epochs.append
+        children = multiprocessing.active_children()
+        batch = first_batch(loader)
+        assert multiprocessing.active_children() == children and epochs == [1]
+        reference, ref_sampler = train_loader(dataset, 4, 1, 2, seed=5)
+        ref_sampler.set_start(1, 8)
+        expected = next(iter(reference))
+        for got, want in zip(batch, expected, strict=True):
+            assert torch.equal(got, want)
+    assert len(dataset.calls) == 2 and dataset.calls[0] == dataset.calls[1]

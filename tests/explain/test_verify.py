@@ -84,7 +84,7 @@ def _fake_run(tmp_path, monkeypatch, table):
 
     calls = []
 
-    def short_run(config, exp, steps, out, debug):
+    def short_run(config, exp, steps, out, debug, threads):
         round_ = int(out.name.split("-")[0][1:])
         calls.append((round_, exp.action))
         figures = table[exp.action]
@@ -202,3 +202,25 @@ def test_verify_and_bench_bad_round_options(tmp_path, args, fragment):
         result = cli_in_process(*command, *args)
         lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
         assert result.code == 2 and len(lines) == 1 and fragment in lines[0], (command, result)
+
+
+def test_short_runs_last_long_enough_and_the_data_bisection_follows_its_baseline(tmp_path, monkeypatch):
+    """A 10 ms step: 20 steps would measure 0.2 s, shorter than a burst of other work on a shared machine."""
+    from profiles import make_profile
+
+    from dtrain.explain import verify as verify_mod
+    from dtrain.explain.doctor import diagnose
+
+    profile = make_profile([{"data": 0.004, "forward": 0.003, "backward": 0.003}] * 2)
+    planned = verify_mod.plan_experiments(diagnose(profile), profile, 20, top=3)
+    assert [e.kind for e in planned[:2]] == ["baseline", "bisection"] and planned[1].factor == "data_loading"
+    assert planned[1].predicted_speedup is not None
+    table = {"baseline": [100], "a": [150], "b": [120], "bisection": [100]}
+    run, _ = _fake_run(tmp_path, monkeypatch, table)
+    steps_seen = []
+    short = verify_mod._short_run
+    monkeypatch.setattr(verify_mod, "_short_run", lambda config, exp, steps, *rest: steps_seen.append(steps) or
+                        short(config, exp, steps, *rest))
+    lines = []
+    result = verify_mod.verify(run, steps=20, repeats=1, log=lines.append)
+    assert result["steps"] == steps_seen[0] == 200 and any("200 steps per run" in line for line in lines)

@@ -163,6 +163,23 @@ def eval_loader(dataset: Dataset, per_slot: int, rank: int, world_size: int, num
                       **loader_options(num_workers=num_workers, pin_memory=pin_memory, **options))
 
 
+def first_batch(loader: DataLoader) -> Any:
+    """The batch ``loader`` would yield first, read and collated in this process as its workers would
+    (``__getitems__`` where the data set has it): no worker process is started, nothing fetched ahead.
+
+    For synthetic data, which needs one batch: an iterator of a loader with ``num_workers`` would start
+    its workers, and workers started and stopped beside the training slots' threads are a hazard of
+    their own (a fork while another thread holds CPython 3.11's thread-state lock leaves the child
+    hung: cpython#112275; in this repository a later loader worker hung that way in 3 of 80 runs)."""
+    if loader.batch_sampler is None:
+        raise DataError("synthetic data needs a loader with a batch size")
+    indices = next(iter(loader.batch_sampler))  # the sampler's epoch start is announced as usual
+    dataset = loader.dataset
+    getitems = getattr(dataset, "__getitems__", None)
+    samples = getitems(indices) if getitems else [dataset[i] for i in indices]  # type: ignore[index]
+    return loader.collate_fn(samples)
+
+
 def batches_per_epoch(dataset: Sized, global_batch: int) -> int:
     return len(dataset) // global_batch
 
@@ -215,12 +232,6 @@ class DeviceFeeder:
         if self._on_cpu and self._iterator is not None:
             return self._iterator.__next__
         return self.__next__
-
-    def one(self, iterator: Iterator[Any]) -> Any:
-        """The first batch of ``iterator`` on the device, keeping nothing of it: neither the iterator (a
-        loader's worker processes end with it) nor a batch copied ahead."""
-        batch = next(iterator)
-        return batch if self._on_cpu else to_device(batch, self.device)
 
     def __next__(self) -> Any:
         if self._iterator is None:

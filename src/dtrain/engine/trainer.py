@@ -284,13 +284,14 @@ class Trainer:
             self.progress.advance(self.batches)
 
     def _start_synthetic(self) -> None:
-        """``data_loader.synthetic``: one real batch (same shapes and dtypes), taken once and kept on the
-        device; the loader is not iterated again. An iterator made every epoch, as for real data, would
-        start the loader's worker processes (``data_loader.num_workers``) every epoch, each loading batches
-        nobody reads on the cores the slots train on, and keep them alive through the epoch: the
-        data-loading bisection (``dtrain doctor --verify``) would measure them instead of no loading."""
+        """``data_loader.synthetic``: one real batch (same shapes and dtypes), read once in this process
+        and kept on the device; the loader is never iterated. An iterator every epoch, as for real data,
+        started the loader's worker processes (``data_loader.num_workers``) every epoch, which loaded
+        batches nobody read on the cores the slots train on and lived through the epoch (and, never
+        drained, held each rank 5 s per worker at the end): the data-loading bisection of ``dtrain doctor
+        --verify`` measured them rather than no loading."""
         if self.synthetic_batch is None:
-            self.synthetic_batch = self.feeder.one(iter(self.loader))  # the iterator and its workers end here
+            self.synthetic_batch = self.ctx.to_device(data.first_batch(self.loader))
         elif self.sampler.on_epoch_start is not None:  # what iterating the epoch would have announced
             self.sampler.on_epoch_start(self.sampler.epoch)
         self._fetch = self._synthetic_batch

@@ -292,7 +292,7 @@ class CostModel:
                     if between.bytes_per_second is not None:  # the slower link sets the ring's rate
                         seconds += max(0.0, ring(n) * part / between.bytes_per_second - ring(n) * part / link.busbw)
                     seconds += 2 * (n - 1) * between.latency_seconds
-            times.append(seconds * (crowd if target.nodes == 1 else 1.0))
+            times.append(seconds * crowd)
         wire = sum(times)
         overlap = f.overlap if f.overlap is not None else f.device == "cuda"
         if overlap and collectives == 1:
@@ -301,7 +301,9 @@ class CostModel:
         # Waking up and waiting for the slowest of n ranks: the run's step jitter, the expected maximum of n.
         # (The calibrated overhead is what remains beyond this at the run's own slot count.)
         jitter = f.jitter * expected_max(n)
-        return max(0.0, wire + self.overhead + jitter), math_seconds
+        # More processes than cores: every exchange also waits for peers to get a core back, in proportion.
+        waiting = (self.overhead + jitter) * crowd / f.crowd
+        return max(0.0, wire + waiting), math_seconds
 
     def predict(self, target: Target) -> Prediction:
         """Seconds per step of ``target``, by part, with its 80% interval."""

@@ -24,6 +24,7 @@ config names it, as the doctor says).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,8 @@ from dtrain.explain import paired
 from dtrain.profiling.record import ProfileRecord, load_profile, load_run_profile
 
 MIN_STEPS = 10
+# Seconds of training each short run measures at least (steps are raised to reach it).
+MIN_SECONDS = 2.0
 
 
 @dataclass
@@ -57,6 +60,9 @@ def plan_experiments(diagnosis: dict[str, Any], profile: ProfileRecord, steps: i
     from dtrain.explain.advice import batch_change
 
     out = [Experiment("baseline", "baseline", [])]
+    if not profile.synthetic_data:  # right after its baseline: the smallest ceiling is the most drift-prone
+        out.append(Experiment("bisection: data loading off (synthetic data)", "bisection",
+                              ["data_loader.synthetic=true"], None, "data_loading"))
     for rec in diagnosis["recommendations"][:top]:
         sets = [f"{rec['key']}={_yaml(rec['value'])}"]
         if rec["key"] == "hyperparameters.global_batch_size":
@@ -73,23 +79,34 @@ def plan_experiments(diagnosis: dict[str, Any], profile: ProfileRecord, steps: i
         out.append(Experiment("bisection: communication off (aggregation_frequency = steps)", "bisection",
                               [f"optimizations.aggregation_frequency={steps}"],
                               ceiling("communication", "sync_frequency", "straggler"), "communication"))
-    if not profile.synthetic_data:
-        out.append(Experiment("bisection: data loading off (synthetic data)", "bisection",
-                              ["data_loader.synthetic=true"], ceiling("data_loading"), "data_loading"))
+    for exp in out:
+        if exp.factor == "data_loading" and exp.kind == "bisection":
+            exp.predicted_speedup = ceiling("data_loading")
     return out
+
+
+def _threads(exp: Experiment, threads: int | None) -> int | None:
+    """The session's thread count, or the launcher's rule for a change of slot count."""
+    from dtrain.launcher import cpu
+
+    for item in exp.sets:
+        key, _, value = item.partition("=")
+        if key == "resources.slots_per_trial" and value.isdigit():
+            return cpu.for_bench(int(value))[0]
+    return threads
 
 
 def _yaml(value: Any) -> str:
     return json.dumps(value) if not isinstance(value, str) else value
 
 
-def _short_run(config: Path, exp: Experiment, steps: int, out: Path, debug: bool) -> float:
+def _short_run(config: Path, exp: Experiment, steps: int, out: Path, debug: bool, threads: int | None) -> float:
     from dtrain.launcher import runs
 
     sets = [*exp.sets, f"max_length={{batches: {steps}}}", "min_validation_period=null",
             "min_checkpoint_period=null", f"scheduling_unit={steps}", "profiling.enabled=true"]
     plan = runs.prepare(config, sets, run_dir=out, resume=None)
-    failure = runs.execute(plan, quiet=True, debug=debug)
+    failure = runs.execute(plan, quiet=True, debug=debug, threads=_threads(exp, threads))
     if failure is not None:
         raise UserError(f"--verify: {exp.action} failed on rank {failure.rank}: {failure.message} "
                         f"(logs in {out / 'logs'})")
@@ -110,6 +127,15 @@ def verify(run_dir: Path, steps: int, repeats: int = 1, top: int = 3, debug: boo
     budget = paired.check_rounds(repeats, max_repeats, target_spread)
     profile = load_run_profile(run_dir)
     diagnosis = diagnose(profile)
+    # Long enough to outlast a burst of other work on a shared machine: a few dozen 2 ms steps are not.
+    needed = math.ceil(MIN_SECONDS / max(float(diagnosis["step_seconds"]), 1e-9))
+    if needed > steps:
+        log(f"dtrain doctor --verify: {needed} steps per run instead of {steps}, to measure at least "
+            f"{MIN_SECONDS:g} s of training each")
+        steps = needed
+    from dtrain.launcher import cpu
+
+    threads = cpu.for_bench(max(1, profile.slots // profile.hosts))[0]  # one thread rule for the whole session
     config = run_dir / "config.yaml"
     experiments = plan_experiments(diagnosis, profile, steps, top)
     base = experiments[0]
@@ -119,7 +145,8 @@ def verify(run_dir: Path, steps: int, repeats: int = 1, top: int = 3, debug: boo
     while paired.more_rounds(rounds, repeats, budget, [_ratios(e, base) for e in experiments[1:]], target_spread):
         for i, exp in paired.order(list(enumerate(experiments)), rounds, keep_first=True):
             log(f"dtrain doctor --verify: [{rounds + 1}/{planned}] {exp.action} ...")
-            exp.samples_per_second.append(_short_run(config, exp, steps, session / f"r{rounds}-{i:02d}", debug))
+            exp.samples_per_second.append(_short_run(config, exp, steps, session / f"r{rounds}-{i:02d}", debug,
+                                                     threads))
         rounds += 1
     rows = []
     for e in experiments[1:]:
