@@ -158,3 +158,11 @@ def test_quiet_run_ends_in_one_line_and_warns_once(tmp_path, report_page):
     assert len(lines) == 1 and lines[0].startswith("dtrain: done in "), result.stdout
     assert lines[0].endswith(f"; report {tmp_path / 'r' / 'report.html'}")
     assert result.stderr.count("is not divisible by 2 slots") == 1, result.stderr
+
+
+def test_launch_passes_the_scripts_exit_code_through(tmp_path):
+    script = tmp_path / "bad_args.py"
+    script.write_text("import sys\nprint('usage: bad_args.py N', file=sys.stderr)\nsys.exit(2)\n")
+    result = dtrain_cli("launch", "--slots", "1", str(script))
+    assert result.code == 2, (result.code, result.stderr)
+    assert "code 2" in result.stderr

@@ -433,7 +433,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
                      LaunchOptions(slots=args.slots, max_restarts=args.max_restarts, debug=args.debug))
     if failure is not None:
         print(f"{PROG}: error: {failure.headline()}", file=sys.stderr)
-        return failure.exit_code if failure.user_error else 1
+        # The script's own exit code where it chose one (sys.exit(2) stays 2), else 1.
+        return failure.exit_code if failure.exit_code > 0 else 1
     return 0
 
 

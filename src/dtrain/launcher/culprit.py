@@ -166,7 +166,9 @@ def root_cause(failures: dict[int, Any], reports: list[ErrorReport],
         if rank not in reported and failure.exitcode not in _AGENT_KILL:
             how = (f"killed by signal {failure.signal_name()}" if failure.exitcode < 0
                    else f"exited with code {failure.exitcode} without raising an exception")
-            return Failure(rank, 1, describe_death(rank, how, statuses), user_error=False)
+            # Its own exit code (a script's sys.exit(2)), for the launcher to pass through.
+            code = failure.exitcode if failure.exitcode > 0 else 1
+            return Failure(rank, code, describe_death(rank, how, statuses), user_error=False)
     if reports:
         return min(reports, key=lambda r: r.time).failure()
     return None
