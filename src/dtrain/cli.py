@@ -26,6 +26,16 @@ class _Parser(argparse.ArgumentParser):
 DEBUG_HELP = "show tracebacks and the agent's own logs (accepted before or after the command)"
 
 
+def _add_rounds(parser: argparse.ArgumentParser, prefix: str, reference: str) -> None:
+    """Rounds of paired runs (``dtrain bench``, ``doctor --verify``): how many, and until how narrow."""
+    parser.add_argument("--repeats", type=_positive_int, default=3, help=f"{prefix}rounds (default 3); the median "
+                        f"of per-round ratios over {reference} counts")
+    parser.add_argument("--max-repeats", type=_positive_int, help=f"{prefix}keep adding rounds, up to this many, "
+                        "while a ratio's range is wider than --target-spread (default: --repeats, i.e. off)")
+    parser.add_argument("--target-spread", type=float, default=0.10, help=f"{prefix}narrow enough: a range of "
+                        "per-round ratios, (high - low) / median, at most this (default 0.10)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Synchronous data-parallel PyTorch training on N slots.")
     parser.add_argument("--debug", action="store_true", help=DEBUG_HELP)
@@ -46,12 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--slots", default="1,2", help="comma-separated slot counts (default 1,2)")
     bench.add_argument("--synthetic", action="store_true", help="also run with synthetic data (isolates I/O)")
     bench.add_argument("--steps", type=_step_count, default=100, help="training steps per case")
-    bench.add_argument("--repeats", type=_positive_int, default=3, help="rounds of every case (speed-up: median of "
-                       "per-round ratios over the same round's 1-slot run; default 3)")
-    bench.add_argument("--max-repeats", type=_positive_int, help="keep adding rounds, up to this many, while a "
-                       "speed-up's range is wider than --target-spread (default: --repeats, i.e. off)")
-    bench.add_argument("--target-spread", type=float, default=0.10, help="narrow enough: a speed-up's range of "
-                       "per-round ratios, (high - low) / median, at most this (default 0.10)")
+    _add_rounds(bench, "", "the same round's 1-slot run")
     bench.add_argument("--out", type=Path, help="output folder (default runs/bench-<name>-<timestamp>)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
@@ -86,12 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--verify", action="store_true", help="measure the top recommendations and bisection "
                         "experiments as short runs beside a baseline; write RUN_DIR/tuned.yaml")
     doctor.add_argument("--steps", type=_step_count, default=60, help="steps per --verify run (default 60)")
-    doctor.add_argument("--repeats", type=_positive_int, default=3, help="--verify rounds; the median of per-round "
-                        "ratios over the same round's baseline counts")
-    doctor.add_argument("--max-repeats", type=_positive_int, help="--verify: keep adding rounds, up to this many, "
-                        "while a ratio's range is wider than --target-spread (default: --repeats, i.e. off)")
-    doctor.add_argument("--target-spread", type=float, default=0.10, help="--verify: narrow enough: an experiment's "
-                        "range of per-round ratios, (high - low) / median, at most this (default 0.10)")
+    _add_rounds(doctor, "--verify: ", "the same round's baseline")
     doctor.add_argument("--top", type=_positive_int, default=3, help="--verify: how many recommendations to run")
     doctor.add_argument("--mttf", help="mean hours between failures of one node: advise min_checkpoint_period "
                         "(the period that minimizes the expected time to finish, Young/Daly)")

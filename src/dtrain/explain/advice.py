@@ -201,8 +201,3 @@ def probe_growth(probe: BatchScaling | None) -> tuple[float, float]:
     if probe is None:
         return 1.0, 1.0
     return growth(probe.work_seconds, probe.work_double_seconds), growth(probe.load_seconds, probe.load_double_seconds)
-
-
-def scaled(seconds: float, growth_share: float, factor: float) -> float:
-    """``seconds`` of work at the measured batch, at ``factor`` times that batch (linear in the batch)."""
-    return seconds * (1.0 + growth_share * (factor - 1.0))

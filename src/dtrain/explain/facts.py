@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtrain.explain.advice import probe_growth
 from dtrain.profiling.record import ProfileRecord
 
 
@@ -110,7 +111,7 @@ class Facts:
             fixed=_mean_phase(p, "optimizer") + _mean_phase(p, "other"), step=p.seconds_per_step.step.mean,
             work=work, threads_probed=threads_probed and p.solo_probe is not None,
             concurrent_work=p.batch_scaling.work_seconds if p.batch_scaling is not None else None,
-            load_growth=_growth(p)[1],
+            load_growth=probe_growth(p.batch_scaling)[1],
             link_points=tuple((c.bytes, c.seconds) for c in p.comm_probe.points) if p.comm_probe else (),
             link_world=p.comm_probe.world if p.comm_probe else 0,
             compression_costs=(CompressionFacts(costs.fp16_seconds, costs.powersgd_seconds, costs.powersgd_bytes)
@@ -135,22 +136,6 @@ def _mean_phase(p: ProfileRecord, phase: str) -> float:
 
 def _mean_compute(p: ProfileRecord) -> float:
     return _mean_phase(p, "forward") + _mean_phase(p, "backward")
-
-
-def _mean_step(p: ProfileRecord) -> float:
-    return p.seconds_per_step.step.mean
-
-
-def _growth(p: ProfileRecord) -> tuple[float, float]:
-    """(work, loading) growth with the batch, 0 (all per-step overhead) to 1 (all per-sample)."""
-    b = p.batch_scaling
-    if b is None:
-        return 1.0, 1.0
-
-    def share(one: float, two: float) -> float:
-        return min(1.0, max(0.0, two / one - 1.0)) if one > 0 and two > 0 else 1.0
-
-    return share(b.work_seconds, b.work_double_seconds), share(b.load_seconds, b.load_double_seconds)
 
 
 def _work(p: ProfileRecord) -> tuple[Work, bool]:

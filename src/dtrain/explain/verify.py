@@ -127,7 +127,7 @@ def verify(run_dir: Path, steps: int, repeats: int = 1, top: int = 3, debug: boo
     budget = paired.check_rounds(repeats, max_repeats, target_spread)
     profile = load_run_profile(run_dir)
     diagnosis = diagnose(profile)
-    # Long enough to outlast a burst of other work on a shared machine: a few dozen 2 ms steps are not.
+    # Long enough to outlast a burst of other work on a shared machine: a few dozen short steps are not.
     needed = math.ceil(MIN_SECONDS / max(float(diagnosis["step_seconds"]), 1e-9))
     if needed > steps:
         log(f"dtrain doctor --verify: {needed} steps per run instead of {steps}, to measure at least "
