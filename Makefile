@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 demo: $(STAMP)
 	$(BIN)/dtrain run examples/digits/experiment.yaml --slots $(SLOTS)
+	@echo "dtrain is installed in $(VENV): run 'source $(VENV)/bin/activate' for the dtrain command (or use $(BIN)/dtrain)"
 
 # Two pytest processes (pytest-xdist); whole files go to one process, so a module's shared reference runs
 # are trained once (--dist loadfile). Deadlines and the doctor's planted bottlenecks run here too: their

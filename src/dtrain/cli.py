@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = sub.add_parser("run", help="train an experiment config on N slots")
-    run.add_argument("config", type=Path, help="experiment YAML")
+    run.add_argument("config", type=Path, nargs="?", help="experiment YAML (with --resume: default the run's own "
+                     "resolved config, which keeps its --set and --slots)")
     run.add_argument("--slots", type=_slot_count, help="override resources.slots_per_trial")
     run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config key, e.g. --set hyperparameters.lr=0.1 (repeatable)")
@@ -276,7 +277,7 @@ def _run_planned(plan: RunPlan, args: argparse.Namespace) -> int:
     try:
         failure = runs.execute(plan, quiet=args.quiet, debug=args.debug)
     except Stopped as stop:
-        line = resume.stop_line(plan, stop, args.config, started)
+        line = resume.stop_line(plan, stop, started)
         if line is not None:
             print(line, file=sys.stderr)
             return stop.exit_code
@@ -289,15 +290,15 @@ def _run_planned(plan: RunPlan, args: argparse.Namespace) -> int:
             raise
         why = "interrupted" if exc.sigval == signal.SIGINT else \
             f"stopped by {exc.sigval.name} (scancel, preemption or a time limit?)"
-        print(f"{PROG}: {why}; continue from the latest checkpoint with --resume {plan.run_dir} (dtrain run, or "
-              "dtrain slurm to resubmit)", file=sys.stderr)
+        print(f"{PROG}: {why}; continue from the latest checkpoint with {resume.resume_command(plan)} (or dtrain "
+              "slurm --resume to resubmit)", file=sys.stderr)
         return 128 + int(exc.sigval)
     if failure is not None:
         if failure.user_error:
             raise UserError(failure.message)
         print(f"{PROG}: error: {failure.headline()}", file=sys.stderr)
         print(f"{PROG}: full log: {plan.run_dir / 'logs' / f'rank{failure.rank}.log'}; "
-              f"{resume.resume_advice(plan, args.config)}", file=sys.stderr)
+              f"{resume.resume_advice(plan)}", file=sys.stderr)
         return 1
     from dtrain.explain.summary import print_run_summary
 

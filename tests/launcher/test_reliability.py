@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -118,9 +119,12 @@ def test_workers_die_with_their_launcher_and_the_run_dir_is_locked(tmp_path, tar
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_where_the_ranks_agree_and_resumes_bit_identical(tmp_path, reference_runs):
-    cfg = tiny_config(tmp_path, **SLOW)
+    # The file says 1 slot and 12 batches; the run was started with 2 and 24: the command printed at the
+    # stop must continue the run as started, not as the file says.
+    cfg = tiny_config(tmp_path, **SLOW, **{"max_length": {"batches": 12}, "resources.slots_per_trial": 1})
     run_dir = tmp_path / "r"
-    with background(str(cfg), "--run-dir", str(run_dir), "--quiet") as run:
+    with background(str(cfg), "--run-dir", str(run_dir), "--quiet", "--slots", "2",
+                    "--set", "max_length.batches=24") as run:
         run.wait_training(run_dir, ranks=2, batch=3)
         signalled = time.monotonic()
         run.proc.send_signal(signal.SIGTERM)
@@ -129,13 +133,13 @@ def test_sigterm_checkpoints_where_the_ranks_agree_and_resumes_bit_identical(tmp
     assert code == 143, err
     _one_line(err, "dtrain: stopped at batch ")
     batch = int(err.split("stopped at batch ")[1].split()[0])
-    assert f"by SIGTERM; resume with: dtrain run {cfg} --resume {run_dir}" in err
+    assert f"by SIGTERM; resume with: dtrain run --resume {run_dir}" in err
     assert 3 <= batch < 24 and (run_dir / "checkpoints" / "latest").read_text().strip() == str(batch)
     assert took < 15, f"took {took:.1f}s to stop"  # 5 s on an idle machine; this one is shared
     assert not (run_dir / "summary.json").exists()  # an unfinished run has no results yet
 
-    resumed = cli_in_process("run", str(cfg), "--resume", str(run_dir), "--quiet",
-                         "--set", "hyperparameters.sleep_seconds=0")
+    printed = shlex.split(err.split("resume with: ")[1])  # the command as printed: the run's own settings
+    resumed = cli_in_process(*printed[1:], "--quiet", "--set", "hyperparameters.sleep_seconds=0")
     assert resumed.code == 0, resumed.stderr
     straight, after = reference_runs.weights(2), final_weights(run_dir)
     assert straight.keys() == after.keys()
@@ -260,7 +264,8 @@ def test_a_failed_run_gets_one_advice_and_a_finished_one_is_never_rewritten(tmp_
     run_dir = tmp_path / "r"
     failed = cli_in_process("run", str(cfg), "--run-dir", str(run_dir), "--quiet")
     assert failed.code == 1
-    advice = f"resume with: dtrain run {cfg} --resume {run_dir} (no checkpoint was written yet: it starts over"
+    advice = f"no checkpoint was written, so there is nothing to resume: fix the cause, then start again with " \
+             f"dtrain run --resume {run_dir} (the run's settings, from batch 0)"
     assert advice in failed.stderr, failed.stderr
     followed = cli_in_process("run", str(cfg), "--resume", str(run_dir), "--quiet",
                           "--set", "hyperparameters.crash_at_batch=null")  # the advice works

@@ -288,6 +288,16 @@ def check(path: Path) -> dict[str, Any]:
     return meta
 
 
+def read_extra(path: Path) -> dict[str, Any]:
+    """The ``extra`` mapping of a checkpoint that :func:`check` passed (empty where it has none): what the
+    launcher needs of the run's progress before any worker starts."""
+    if "trainer_state.pt" not in verify(path)["files"]:
+        return {}
+    state = _load_data(path / "trainer_state.pt")
+    extra = state.get("extra") if isinstance(state, dict) else None
+    return extra if isinstance(extra, dict) else {}
+
+
 def load(path: Path, rank: int) -> LoadedCheckpoint:
     """Verify and load a checkpoint (data only) for ``rank``; raise :class:`CheckpointError` if it is bad."""
     meta = verify(path)

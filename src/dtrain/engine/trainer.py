@@ -431,7 +431,10 @@ class Trainer:
         if self.fail_nonfinite and not self.ctx.strategy.is_server:
             self.nonfinite.fail_if_any(self.batches, "before the checkpoint")
         start = synchronized_now(self.ctx.device)
-        extra, rank_extra = {"batches": self.batches}, {"train_metrics": self.train_metrics.state_dict()}
+        # The epoch's length lets a later --resume tell, before any worker starts, whether a length in epochs
+        # is already reached.
+        extra = {"batches": self.batches, "batches_per_epoch": self.batches_per_epoch}
+        rank_extra = {"train_metrics": self.train_metrics.state_dict()}
         self.callbacks.save_into(extra, rank_extra)
         path = self.ctx.save_checkpoint(self.ckpt_root, self.batches, extra=extra, rank_extra=rank_extra,
                                         keep_last=self.config.checkpoint_storage.save_trial_latest)

@@ -16,6 +16,7 @@ Three shapes of run:
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import logging
@@ -45,7 +46,8 @@ from dtrain.launcher.agent import LaunchOptions, launch
 from dtrain.launcher.forkstart import WorkerModule
 from dtrain.launcher.join import join
 from dtrain.launcher.rendezvous import JoinError, Rendezvous, parse_endpoint, parse_nnodes
-from dtrain.launcher.resume import resume_checkpoint
+from dtrain.launcher.resume import RUN_CONFIG, announce_changes, resume_checkpoint
+from dtrain.launcher.resume import config_path as resume_config_path
 from dtrain.launcher.runlock import RunLock, lock_run_dir
 from dtrain.launcher.runplan import NodeArgs, RunPlan
 from dtrain.sync import registry
@@ -53,15 +55,18 @@ from dtrain.sync import registry
 log = logging.getLogger(__name__)
 
 
-def prepare(config_path: Path, overrides: list[str], run_dir: Path | None, resume: Path | None,
+def prepare(config_path: Path | None, overrides: list[str], run_dir: Path | None, resume: Path | None,
             nodes: NodeArgs | None = None) -> RunPlan:
     """Validate the config and inputs, create the run directory and write the resolved config.
+
+    ``config_path`` None: the resumed run's own resolved config (``dtrain run --resume RUN_DIR``).
 
     One pipeline for every shape of run: read who started this process, validate (:func:`_validate`),
     then place the run directory the way that shape needs (here, through the join of several nodes, or
     through the store of the launcher that started this worker), each with :func:`_create_run_dir`.
     """
     logging.basicConfig(level=logging.WARNING, format="dtrain: warning: %(message)s")
+    config_path = resume_config_path(config_path, resume)
     nodes = nodes or NodeArgs()
     cluster = read_cluster_env()
     if cluster is not None and cluster.role == "worker":
@@ -101,7 +106,12 @@ def _validate(config: ExperimentConfig, local_slots: int, resume: Path | None, s
     data.per_slot_batch_size(config.global_batch_size, config.resources.slots_per_trial, warn=warn and not servers)
     _check_backend(config, local_slots)
     _check_machine(config, local_slots, started=started)
-    return resume_checkpoint(resume, config) if resume is not None else None
+    if resume is None:
+        return None
+    found = resume_checkpoint(resume, config)
+    if warn:
+        announce_changes(resume, config)
+    return found
 
 
 def _create_run_dir(target: Path, config: ExperimentConfig, resume: Path | None) -> bool:
@@ -348,9 +358,12 @@ def _check_backend(config: ExperimentConfig, slots: int) -> None:
 
 
 def _prepare_run_dir(run_dir: Path, continuing: bool) -> None:
-    if not continuing and (run_dir / "config.yaml").exists():
-        raise UserError(f"run directory {run_dir} already holds a run; continue it with --resume {run_dir} "
-                        "or choose another --run-dir")
+    if not continuing and (run_dir / RUN_CONFIG).exists():
+        if _holds_training(run_dir):
+            raise UserError(f"run directory {run_dir} already holds a run; continue it with dtrain run --resume "
+                            f"{run_dir}, or choose another --run-dir")
+        log.warning("run directory %s holds a run that failed or stopped before its first checkpoint: nothing "
+                    "trained is kept there, so this run starts in it (the old config is kept beside it)", run_dir)
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-test"
@@ -361,8 +374,19 @@ def _prepare_run_dir(run_dir: Path, continuing: bool) -> None:
                         "choose a writable place with --run-dir") from None
 
 
+def _holds_training(run_dir: Path) -> bool:
+    """Whether a run directory holds anything trained: a checkpoint (where its own config says they go, or
+    the default place) or a finished run's results."""
+    if (run_dir / "summary.json").exists():
+        return True
+    places = {run_dir / "checkpoints"}
+    with contextlib.suppress(UserError):  # unreadable: the default place still counts
+        places.add(run_dir / load_config(run_dir / RUN_CONFIG).checkpoint_storage.path)
+    return any(place.is_dir() and any(place.iterdir()) for place in places)
+
+
 def _write_config(config: ExperimentConfig, run_dir: Path) -> None:
-    path = run_dir / "config.yaml"
+    path = run_dir / RUN_CONFIG
     if path.exists():
         old = yaml.safe_load(path.read_text())
         if old != config.model_dump(mode="json"):
