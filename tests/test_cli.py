@@ -19,6 +19,7 @@ def _assert_one_line_error(result, fragment):
     ({"entrypoint": "nosuchmodule:Trial"}, "cannot import module 'nosuchmodule'"),
     ({"entrypoint": "tiny:Missing"}, "has no 'Missing'; Trials there: TinyTrial"),
     ({"entrypoint": "tiny:NotATrial"}, "NotATrial is not a subclass of dtrain.PyTorchTrial"),
+    ({"entrypoint": "tiny:Unfinished"}, "Unfinished does not define train_batch, which every Trial needs"),
     ({"hyperparameters.global_batch_size": 1}, "smaller than slots_per_trial 2"),
     ({"backend": "nccl"}, "backend 'nccl' needs CUDA GPUs"),
 ])

@@ -92,3 +92,8 @@ def _hold_until_stop_requested(while_exists: Path, limit: float = 120.0) -> None
 
 class NotATrial:
     pass
+
+
+class Unfinished(dtrain.PyTorchTrial):  # no train_batch: found before any worker starts
+    def build_training_data(self):
+        return None

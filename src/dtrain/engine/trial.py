@@ -98,4 +98,8 @@ def load_trial_class(entrypoint: str, code_dir: str) -> type[PyTorchTrial]:
                           f"{'; Trials there: ' + ', '.join(names) if names else ''}")
     if not (isinstance(cls, type) and issubclass(cls, PyTorchTrial)):
         raise ConfigError(f"entrypoint {entrypoint!r}: {class_name} is not a subclass of dtrain.PyTorchTrial")
+    missing_methods = sorted(getattr(cls, "__abstractmethods__", ()))
+    if missing_methods:  # found here, in one line, rather than as a TypeError in every worker
+        raise ConfigError(f"entrypoint {entrypoint!r}: {class_name} does not define {', '.join(missing_methods)}, "
+                          "which every Trial needs; add them (see dtrain.PyTorchTrial)")
     return cls

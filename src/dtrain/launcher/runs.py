@@ -363,7 +363,7 @@ def _prepare_run_dir(run_dir: Path, continuing: bool) -> None:
             raise UserError(f"run directory {run_dir} already holds a run; continue it with dtrain run --resume "
                             f"{run_dir}, or choose another --run-dir")
         log.warning("run directory %s holds a run that failed or stopped before its first checkpoint: nothing "
-                    "trained is kept there, so this run starts in it (the old config is kept beside it)", run_dir)
+                    "trained is kept there, so this run starts in it", run_dir)
     try:
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
         probe = run_dir / ".write-test"
