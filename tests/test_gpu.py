@@ -101,3 +101,17 @@ def test_no_host_sync_inside_a_step():
         torch.cuda.set_sync_debug_mode(0)
     assert timer.per_step()["step"] > 0 and metrics.local_means()["loss"] >= 0
     ctx.close()
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+@two_gpus
+@pytest.mark.parametrize("options", [{"sync.strategy": "fsdp"},
+                                     {"sync.strategy": "parameter_server", "sync.parameter_server.mode": "sync"},
+                                     {"sync.strategy": "parameter_server", "sync.parameter_server.mode": "async"}])
+def test_fsdp_and_the_parameter_server_on_two_gpus(tmp_path, options):
+    # The parameter server's async control messages go over a Gloo side group (NCCL has no any-source receive).
+    run = _run(tmp_path, "r", **{"resources.slots_per_trial": 2, "max_length": {"batches": 16}, **options})
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["device"] == "cuda" and summary["batches"] == 16

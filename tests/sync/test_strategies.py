@@ -129,8 +129,12 @@ def _fsdp_memory(rank, world):
     from dtrain.sync.fsdp import FSDPStrategy, local_optimizer_numel
 
     ctx = dtrain.init()
+    # As on a GPU machine running Gloo: torch's default mesh would follow the visible accelerator (a CPU
+    # build cannot make a CUDA mesh, so this fails unless the strategy builds the run's own CPU mesh).
+    torch._C._get_accelerator = lambda: torch.device("cuda")
     strategy = FSDPStrategy(ctx.device)
     model = strategy.setup_model(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)))
+    assert all(p.device.type == "cpu" for p in model.parameters())
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     model(torch.randn(8, 64)).sum().backward()
     opt.step()
@@ -179,3 +183,38 @@ def test_compare_table_and_plot(tmp_path):
     assert matplotlib.image.imread(out / "compare.png").shape[1] > 400
     bad = cli_in_process("compare", str(cfg), "--strategies", "ddp,gossip")
     assert bad.code == 2 and "'gossip' is not a strategy" in bad.stderr
+
+
+def _ps_with_an_idle_server(rank, world, mode):
+    import dtrain
+    from dtrain.sync.options import ParameterServerOptions
+    from dtrain.sync.parameter_server import ParameterServerStrategy
+
+    ctx = dtrain.init(quiet=True)
+    strategy = ParameterServerStrategy(ctx.device, ParameterServerOptions(servers=2, mode=mode))
+    model = strategy.setup_model(nn.Linear(4, 1, bias=False))  # one parameter: the second server owns none
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = model.weight.detach().clone()
+    x = torch.ones(2, 4)
+    for _ in range(3):  # the same gradient each step: 2 * x per output
+        expected -= 0.1 * 2 * x[0]
+    if strategy.is_server:
+        strategy.serve(opt, 3, workers_pull=True)
+    else:
+        for _ in range(3):
+            model(x).sum().backward()
+            strategy.exchange_gradients(opt)
+            opt.zero_grad(set_to_none=True)
+        strategy.refresh()
+    owns = rank in strategy.server_ranks and strategy._owned(strategy.server_ranks.index(rank))
+    result = (strategy.is_server, bool(owns), torch.equal(model.weight.detach(), expected), strategy.stats.updates)
+    ctx.close()
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_parameter_server_that_owns_nothing_exchanges_nothing(mode):
+    worker, owner, idle = run_ranks(_ps_with_an_idle_server, world_size=3, args=(mode,))
+    assert worker[2] and owner[2]  # the worker and the owning server hold the updated weight
+    assert idle[:2] == (True, False) and idle[3] == 3  # the idle server kept step with every update

@@ -41,13 +41,18 @@ class FSDPStrategy(SyncStrategy):
         model = model.to(self.device)
         if not ddist.is_distributed():
             return model
+        # The run's own device type: without a mesh, torch builds one on whatever accelerator is visible, so
+        # a Gloo run on a GPU machine would put its shards on cuda:0 and its inputs beside them.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(self.device.type, (ddist.world_size(),))
         # One FSDP unit per direct child that owns parameters (its all-gather overlaps the previous
         # child's compute), then the root for whatever parameters remain.
         fully_shard = _fsdp().fully_shard
         for child in model.children():
             if any(True for _ in child.parameters()):
-                fully_shard(child)
-        fully_shard(model)
+                fully_shard(child, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         return model
 
     @contextlib.contextmanager

@@ -16,6 +16,11 @@ is None). Everything travels as tensors over torch.distributed: no pickled objec
   iteration c on contain every worker's gradients of iterations before c - staleness. The server asserts
   this bound on every reply and writes its statistics to ``ps_stats.json``.
 
+On NCCL the async control messages (who pushes or pulls, and its clock) travel on a Gloo side group: NCCL
+has no receive from any source, and its tensors must live on the GPU; gradients and weights still go over
+NCCL, between named ranks. A server that owns no parameter (more servers than parameters) exchanges no
+tensor at all, on either side: NCCL has nothing to send for it.
+
 Limitation: an LR scheduler stepped inside ``train_batch`` runs on the workers, not on the servers' optimizer.
 """
 
@@ -53,7 +58,7 @@ def assign_to_servers(params: list[nn.Parameter], servers: int) -> list[int]:
 
 
 def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
@@ -90,6 +95,8 @@ class ParameterServerStrategy(SyncStrategy):
         # Every rank must create every group, in the same order.
         self.dp_group = dist.new_group(self.worker_ranks)
         self.server_groups = [dist.new_group([*self.worker_ranks, s]) for s in self.server_ranks]
+        # Async control messages: a CPU-tensor, any-source channel (the default group unless it is NCCL).
+        self.control = dist.new_group(backend="gloo") if dist.get_backend() == "nccl" else None
         self.params: list[nn.Parameter] = []
         self.owner: list[int] = []
         self.clock = 0  # async: gradients this worker has pushed
@@ -156,6 +163,8 @@ class ParameterServerStrategy(SyncStrategy):
     def _sync_round_worker(self) -> None:
         for j, server in enumerate(self.server_ranks):
             owned = self._owned(j)
+            if not owned:
+                continue
             grads = _flat([p.grad for p in owned])
             dist.reduce(grads, dst=server, group=self.server_groups[j])
             weights = _flat([p.data for p in owned])
@@ -166,8 +175,10 @@ class ParameterServerStrategy(SyncStrategy):
         self.clock += 1
         header = torch.tensor([PUSH, self.clock], dtype=torch.int64)
         for j, server in enumerate(self.server_ranks):
-            dist.send(header, dst=server)
-            dist.send(_flat([p.grad for p in self._owned(j)]), dst=server)
+            dist.send(header, dst=server, group=self.control)
+            owned = self._owned(j)
+            if owned:
+                dist.send(_flat([p.grad for p in owned]), dst=server)
         self._receive_weights()
 
     def refresh(self) -> None:
@@ -175,12 +186,14 @@ class ParameterServerStrategy(SyncStrategy):
         if self.options.mode == "async" and not self.is_server:
             header = torch.tensor([PULL, self.clock], dtype=torch.int64)
             for server in self.server_ranks:
-                dist.send(header, dst=server)
+                dist.send(header, dst=server, group=self.control)
             self._receive_weights()
 
     def _receive_weights(self) -> None:
         for j, server in enumerate(self.server_ranks):
             owned = self._owned(j)
+            if not owned:
+                continue
             weights = _flat([p.data for p in owned])
             dist.recv(weights, src=server)
             _unflatten_into(weights, [p.data for p in owned])
@@ -216,6 +229,9 @@ class ParameterServerStrategy(SyncStrategy):
             self._async_serve_one(optimizer, owned)
 
     def _sync_round_server(self, optimizer: torch.optim.Optimizer, j: int, owned: list[nn.Parameter]) -> None:
+        if not owned:  # the workers send this server nothing either
+            self.stats.updates += 1
+            return
         grads = _flat([torch.zeros_like(p) for p in owned])
         dist.reduce(grads, dst=self.rank, group=self.server_groups[j])
         grads.div_(len(self.worker_ranks))
@@ -239,15 +255,18 @@ class ParameterServerStrategy(SyncStrategy):
 
     def _async_serve_one(self, optimizer: torch.optim.Optimizer, owned: list[nn.Parameter]) -> None:
         header = torch.zeros(2, dtype=torch.int64)
-        worker = dist.recv(header)  # from any worker
+        worker = dist.recv(header, group=self.control)  # from any worker; a global rank
         kind, clock = int(header[0]), int(header[1])
         if kind == PULL:
             self._pulls += 1
             self._send_weights(worker, owned)
             return
-        grads = _flat([torch.zeros_like(p) for p in owned])
-        dist.recv(grads, src=worker)
-        self._apply(optimizer, owned, grads)
+        if owned:
+            grads = _flat([torch.zeros_like(p) for p in owned])
+            dist.recv(grads, src=worker)
+            self._apply(optimizer, owned, grads)
+        else:
+            self.stats.updates += 1
         self._server_clocks[worker] = clock
         self.stats.pushes[worker] = self.stats.pushes.get(worker, 0) + 1
         self._deferred.append(worker)
@@ -263,7 +282,8 @@ class ParameterServerStrategy(SyncStrategy):
                 self._send_weights(worker, owned)
 
     def _send_weights(self, worker: int, owned: list[nn.Parameter]) -> None:
-        dist.send(_flat([p.data for p in owned]), dst=worker)
+        if owned:
+            dist.send(_flat([p.data for p in owned]), dst=worker)
 
     def write_stats(self, run_dir: Path) -> None:
         if not self.is_server:
