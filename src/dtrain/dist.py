@@ -77,10 +77,34 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         ) from None
 
 
+def _visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def bound_per_task(local_slots: int, gpus: int, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether Slurm gave each task a GPU of its own (``srun`` with one task per slot and
+    ``--gpus-per-task=1``/``--gpu-bind``): this process is one slot, started by Slurm itself (not by
+    torchrun or dtrain's agent, whose workers all inherit one environment), and sees exactly one device,
+    named by ``CUDA_VISIBLE_DEVICES``. Each rank then uses its one ``cuda:0``."""
+    env = os.environ if environ is None else environ
+    named = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not (local_slots > 1 and gpus == 1 and len(named) == 1) or "RANK" in env:
+        return False
+    cluster = read_cluster_env(env)
+    return cluster is not None and cluster.source == "Slurm" and cluster.role == "worker"
+
+
+def gpus_for(local_slots: int, environ: Mapping[str, str] | None = None) -> int:
+    """GPUs the ``local_slots`` of this machine have among them: the visible ones, or one each where the
+    scheduler bound a GPU to each task (:func:`bound_per_task`)."""
+    gpus = _visible_gpus()
+    return local_slots if bound_per_task(local_slots, gpus, environ) else gpus
+
+
 def resolve_backend(requested: str, local_slots: int = 1, warn: bool = True) -> str:
     """``auto``: NCCL when this machine has a GPU for each of its ``local_slots``, else Gloo on CPU (with
     a warning when GPUs are visible but too few, so a 2-slot run on a 1-GPU machine still runs)."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = gpus_for(local_slots)
     if requested == "auto":
         if warn and gpus and local_slots > gpus:
             log.warning("backend auto: %d slot(s) on this machine but %d GPU(s): training on CPU with Gloo; use "
@@ -92,9 +116,19 @@ def resolve_backend(requested: str, local_slots: int = 1, warn: bool = True) -> 
 
 
 def device_for(backend: str, env: DistEnv) -> torch.device:
-    if backend == "nccl":
-        return torch.device("cuda", env.local_rank)
-    return torch.device("cpu")
+    """This rank's device: ``cuda:<local rank>`` where the machine's GPUs are all visible to each rank,
+    the one visible GPU where each task was given its own (:func:`bound_per_task`), else the CPU."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    gpus = _visible_gpus()
+    if gpus and env.local_rank >= gpus:
+        if not bound_per_task(env.local_world_size, gpus):
+            raise UserError(f"local rank {env.local_rank} needs a GPU of its own but {gpus} are visible to it; run "
+                            f"at most {gpus} slot(s) per machine, or backend: gloo")
+        log.info("local rank %d: the scheduler gave this task its own GPU (CUDA_VISIBLE_DEVICES=%s): using cuda:0",
+                 env.local_rank, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return torch.device("cuda", 0)
+    return torch.device("cuda", env.local_rank)
 
 
 def limit_cpu_threads(env: DistEnv, environ: Mapping[str, str] | None = None) -> int:
@@ -120,11 +154,11 @@ def init_process_group(env: DistEnv, backend: str, timeout_seconds: float) -> No
     Gloo addresses: ranks then connect to dead peers ("connectFullMesh failed ... Connection refused").
     Prefixing every key with the restart count gives each attempt a clean namespace (pytorch#135712).
     """
+    if backend == "nccl":  # before the early return: code that asks current_device() must get this rank's GPU
+        torch.cuda.set_device(device_for(backend, env))
     if dist.is_initialized():
         return
     timeout = datetime.timedelta(seconds=timeout_seconds)
-    if backend == "nccl":  # pragma: no cover - needs a GPU
-        torch.cuda.set_device(env.local_rank)
     if not env.launched:
         store: dist.Store = dist.HashStore()
     else:
