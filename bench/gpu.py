@@ -73,13 +73,14 @@ def plain_loop(variant: str, steps: int, warmup: int, batch: int) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     loader = torch.utils.data.DataLoader(RandomTokens(records=8192), batch_size=batch, shuffle=True,
                                          drop_last=True, pin_memory=True)
-    start = 0.0
+    start, timed = 0.0, 0
     for i, (tokens, targets) in enumerate(loader):
         if i == warmup:
             torch.cuda.synchronize(device)
             start = time.perf_counter()
         if i == steps:
             break
+        timed += i >= warmup
         tokens, targets = tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=variant == "bf16"):
             loss = lm_loss(model(tokens), targets)
@@ -88,7 +89,9 @@ def plain_loop(variant: str, steps: int, warmup: int, batch: int) -> float:
         opt.step()
     torch.cuda.synchronize(device)
     torch.backends.cuda.matmul.allow_tf32 = False
-    return (steps - warmup) * batch / (time.perf_counter() - start)
+    if not timed:  # the loader ran out before the warm-up ended
+        raise SystemExit(f"--warmup {warmup} leaves no timed step: the loader has {len(loader)} batches")
+    return timed * batch / (time.perf_counter() - start)
 
 
 def dtrain_run(precision: str, profiling: bool, steps: int, warmup: int, batch: int, tmp: Path) -> dict[str, Any]:

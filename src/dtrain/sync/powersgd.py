@@ -185,6 +185,9 @@ def _split(flat: torch.Tensor, shapes: list[torch.Size]) -> list[torch.Tensor]:
 def _done(state: PowerSGDState, bucket: dist.GradBucket, buffer: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     if bucket.is_last():
         state.iteration += 1
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    # On CUDA the future must know the buffer's device: DDP then waits, on its own stream, for the
+    # kernels that wrote it (a future without devices hands over the tensor without that order).
+    devices = [buffer.device] if buffer.device.type == "cuda" else None
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(devices=devices)
     fut.set_result(buffer)
     return fut
