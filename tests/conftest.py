@@ -48,3 +48,17 @@ def reference_runs(tmp_path_factory):
 def report_page(monkeypatch):
     """Runs in this test write report.html at their end, as they do outside the test suite."""
     monkeypatch.setenv("DTRAIN_REPORT", "1")
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_gpu(request, monkeypatch):
+    """Tests not marked ``gpu`` run on Gloo and the CPU whatever the machine has: without this, on a GPU
+    machine ``dtrain.init()`` and ``backend: auto`` pick NCCL and CUDA, and tests that feed CPU tensors
+    fail. Hidden in this process (and ranks forked from it) and for the processes tests start."""
+    if request.node.get_closest_marker("gpu") is not None:
+        return
+    import torch
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
