@@ -115,3 +115,24 @@ def test_fsdp_and_the_parameter_server_on_two_gpus(tmp_path, options):
     run = _run(tmp_path, "r", **{"resources.slots_per_trial": 2, "max_length": {"batches": 16}, **options})
     summary = json.loads((run / "summary.json").read_text())
     assert summary["device"] == "cuda" and summary["batches"] == 16
+
+
+def test_checkpoint_files_hold_cpu_tensors(tmp_path):
+    # torch.load(model.pt) as the README shows it must work on a machine without this GPU.
+    run = _run(tmp_path, "r", **{"max_length": {"batches": 8}})
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    for name in ("model.pt", "optimizer.pt", "rank0.pt"):
+        tensors = []
+        _collect(torch.load(latest / name, weights_only=True), tensors)
+        assert tensors and all(t.device.type == "cpu" for t in tensors), name
+
+
+def _collect(obj, out):
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            _collect(value, out)
+    elif isinstance(obj, (list, tuple)):
+        for value in obj:
+            _collect(value, out)

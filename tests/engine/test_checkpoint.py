@@ -8,6 +8,8 @@ import pytest
 import torch
 from helpers import cli_in_process, final_weights, tiny_config
 
+from dtrain.engine import checkpoint
+
 COMMON = {"hyperparameters.dropout": 0.1, "max_length": {"batches": 24},
           "min_checkpoint_period": {"batches": 10}, "min_validation_period": {"batches": 12}}
 
@@ -126,3 +128,20 @@ def test_resume_without_checkpoint(tmp_path):
     assert result.code == 2 and "no checkpoint found" in result.stderr
     result = cli_in_process("run", str(cfg), "--resume", str(tmp_path / "missing"))
     assert result.code == 2 and "no such run directory" in result.stderr
+
+
+def test_rng_state_holds_this_ranks_gpu_only(monkeypatch):
+    """Saved: the generator of the rank's own device. Restored: into that device; an older checkpoint's
+    list of every GPU's state restores the rank's entry, or nothing where the list is shorter (it used to
+    raise IndexError where fewer GPUs were visible than when it was saved)."""
+    asked, restored = [], []
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device: asked.append(device) or torch.tensor([7]))
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((int(state[0]), device)))
+    gpu1 = torch.device("cuda", 1)
+    state = checkpoint.rng_state(gpu1)
+    assert asked == [gpu1] and torch.equal(state["cuda"], torch.tensor([7]))
+    assert "cuda" not in checkpoint.rng_state(torch.device("cpu"))
+    checkpoint.set_rng_state(state, gpu1)
+    checkpoint.set_rng_state({**state, "cuda": [torch.tensor([5]), torch.tensor([6])]}, gpu1)
+    checkpoint.set_rng_state({**state, "cuda": [torch.tensor([5])]}, gpu1)  # saved where one GPU was visible
+    assert restored == [(7, gpu1), (6, gpu1)]

@@ -77,12 +77,29 @@ def _sha256(path: Path) -> str:
 
 
 def _save(obj: Any, path: Path) -> None:
-    torch.save(obj, path)
+    torch.save(_on_cpu(obj), path)
     _fsync_file(path)
 
 
-def rng_state() -> dict[str, Any]:
-    """This process's torch, numpy and Python RNG states, as tensors and plain values (weights_only-loadable)."""
+def _on_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor on the CPU: a file holding ``cuda:N`` tensors does not load (as the README's
+    ``torch.load(model.pt)`` does) on a machine without that GPU. Loading puts them back: ``load_state_dict``
+    copies into the model's parameters, and optimizers cast their state to each parameter's device."""
+    if isinstance(obj, torch.Tensor):
+        # A DTensor (FSDP's per-rank optimizer state) keeps its device: its mesh names it, and it loads
+        # back only where that mesh exists anyway.
+        return obj.cpu() if obj.device.type != "cpu" and not hasattr(obj, "device_mesh") else obj
+    if isinstance(obj, dict):
+        return {k: _on_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_on_cpu(v) for v in obj)
+    return obj
+
+
+def rng_state(device: torch.device | None = None) -> dict[str, Any]:
+    """This process's torch, numpy and Python RNG states, as tensors and plain values (weights_only-loadable),
+    and the CUDA generator of this rank's ``device`` only: every visible GPU's would not restore where
+    fewer are visible, and the other GPUs' generators belong to other ranks."""
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)  # type: ignore[misc]
     version, internal, gauss_next = random.getstate()
     state: dict[str, Any] = {
@@ -92,13 +109,14 @@ def rng_state() -> dict[str, Any]:
         "python": {"version": int(version), "state": torch.tensor(internal, dtype=torch.int64),
                    "gauss_next": gauss_next},
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore what :func:`rng_state` returned; a malformed state is a :class:`CheckpointError`."""
+def set_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
+    """Restore what :func:`rng_state` returned (the CUDA generator into ``device``'s); a malformed state is
+    a :class:`CheckpointError`."""
     try:
         np_state, py_state = state["numpy"], state["python"]
         keys = np_state["keys"].numpy().astype(np.uint32)
@@ -107,9 +125,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         np.random.set_state((np_state["kind"], keys, int(np_state["pos"]), int(np_state["has_gauss"]),
                              float(np_state["cached_gaussian"])))
         random.setstate((int(py_state["version"]), internal, py_state["gauss_next"]))
-        if "cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
-    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        cuda = state.get("cuda")
+        if isinstance(cuda, list):  # older checkpoints: every GPU the rank saw, indexed by device
+            cuda = cuda[device.index or 0] if device is not None and (device.index or 0) < len(cuda) else None
+        if cuda is not None and device is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(cuda, device)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError, IndexError) as exc:
         raise CheckpointError(f"the RNG state in this checkpoint is malformed ({_first_line(exc)}); resume from "
                               "an older checkpoint or start a new run") from None
 

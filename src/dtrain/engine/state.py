@@ -77,8 +77,8 @@ class TrainingState:
                                         trainer_state=trainer_state,
                                         metadata={"world_size": self.world_size, "strategy": self.strategy.name,
                                                   "finite": _all_finite(models)})
-        rank_state: dict[str, Any] = {"batches": batches, "rng": rng_state(), "extra": dict(rank_extra or {}),
-                                      "strategy": self.strategy.state_dict()}
+        rank_state: dict[str, Any] = {"batches": batches, "rng": rng_state(self.strategy.device),
+                                      "extra": dict(rank_extra or {}), "strategy": self.strategy.state_dict()}
         if self.strategy.replicas_may_differ:
             rank_state["models"] = [self.strategy.unwrap(m).state_dict() for m in self.models]
         if self.strategy.per_rank_optimizer_state:
@@ -192,7 +192,7 @@ class PendingRestore:
         if state.precision is not None:
             state.precision.load_state_dict(self.loaded.trainer_state.get("precision", {}))
         if self.restored.same_layout:
-            set_rng_state(self.rank_state["rng"])
+            set_rng_state(self.rank_state["rng"], state.strategy.device)
             state.strategy.load_state_dict(self.rank_state.get("strategy", {}))
         elif state.rank == 0:
             state._log_layout_change(self.path, self.loaded.metadata.get("world_size"))
