@@ -378,3 +378,7 @@ def test_the_culprit_from_statuses_hung_frozen_or_a_lost_link():
     peer = Status(1, "h0", 13, 20, "backward (gradient all-reduce)", now - 5, now - 0.1, "10.0.0.2")
     assert "the network between host h0 (10.0.0.1) and host h0 (10.0.0.2) is down or blocked" in \
         explain_timeout(0, gloo, now, {0}, {0: waiter, 1: peer})[1]
+    # On CUDA the host runs ahead of its GPU: the phase is the host's, and the line says so.
+    on_gpu = Status(1, "h0", 12, 20, "loading data", now - 21, now - 0.2, "10.0.0.1", gpu=True)
+    assert "stopped in loading data at batch 20 (as the host saw it: its GPU may still have been in an earlier " \
+           "collective), 21 s ago" in explain_timeout(0, gloo, now, {0}, {0: waiter, 1: on_gpu})[1]

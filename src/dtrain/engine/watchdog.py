@@ -153,11 +153,18 @@ class Watchdog(threading.Thread):
         if self.path is None:
             return
         record = {**self.static, "batch": STATUS.batch, "phase": STATUS.phase, "since": STATUS.since,
-                  "time": time.time()}
+                  "time": time.time(), "gpu": _uses_gpu()}
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with self._writing, contextlib.suppress(OSError):
             tmp.write_text(json.dumps(record))
             os.replace(tmp, self.path)
+
+
+def _uses_gpu() -> bool:
+    """Whether this process has started CUDA: then its phase is the host's, and the GPU, which runs behind
+    it, may still be inside an earlier collective (a stalled peer shows where the host next waits)."""
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_initialized())
 
 
 def _address(master: tuple[str, int] | None) -> str:

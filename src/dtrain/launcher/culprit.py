@@ -49,6 +49,7 @@ class Status:
     since: float
     time: float
     address: str = ""
+    gpu: bool = False  # CUDA: the phase is where the host is; the GPU runs behind it
 
     @property
     def communicating(self) -> bool:
@@ -56,7 +57,10 @@ class Status:
         return self.phase in COLLECTIVE_PHASES
 
     def where(self) -> str:
-        return f"{self.phase}" + (f" at batch {self.batch}" if self.batch is not None else "")
+        place = f"{self.phase}" + (f" at batch {self.batch}" if self.batch is not None else "")
+        if self.gpu:
+            place += " (as the host saw it: its GPU may still have been in an earlier collective)"
+        return place
 
     @property
     def place(self) -> str:
@@ -78,7 +82,8 @@ def read_statuses(folder: Path | None) -> dict[int, Status]:
             raw: dict[str, Any] = json.loads(path.read_text())
             status = Status(int(raw["rank"]), str(raw["host"]), int(raw["pid"]),
                             None if raw["batch"] is None else int(raw["batch"]), str(raw["phase"]),
-                            float(raw["since"]), float(raw["time"]), str(raw.get("address", "")))
+                            float(raw["since"]), float(raw["time"]), str(raw.get("address", "")),
+                            bool(raw.get("gpu", False)))
         except (OSError, ValueError, KeyError, TypeError):
             continue
         found[status.rank] = status
