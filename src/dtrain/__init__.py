@@ -8,12 +8,13 @@ Two user APIs, one engine:
 
 from typing import Any
 
-__all__ = ["DistributedContext", "LoopCallback", "PyTorchTrial", "TrialContext", "init"]
+__all__ = ["DistributedContext", "LRScheduler", "LoopCallback", "PyTorchTrial", "StepMode", "TrialContext", "init"]
 __version__ = "0.1.0"
 
 _LAZY = {"DistributedContext": "dtrain.engine.context", "TrialContext": "dtrain.engine.context",
          "init": "dtrain.engine.context", "PyTorchTrial": "dtrain.engine.trial",
-         "LoopCallback": "dtrain.engine.callbacks"}
+         "LoopCallback": "dtrain.engine.callbacks", "LRScheduler": "dtrain.engine.schedulers",
+         "StepMode": "dtrain.engine.schedulers"}
 
 
 def __getattr__(name: str) -> Any:

@@ -172,7 +172,7 @@ def test_load_before_or_after_setup_restores_the_same_state(tmp_path):
 
 
 def test_loader_options_split_and_the_deprecated_shuffle(recwarn):
-    import dtrain.engine.context as context_module
+    from dtrain.engine import data as data_module
 
     ctx = dtrain.init(seed=0, quiet=True)
     try:
@@ -189,7 +189,7 @@ def test_loader_options_split_and_the_deprecated_shuffle(recwarn):
             ctx.loader(data, 4, sampler=None)
         with pytest.raises(UserError, match="split must be 'train' or 'eval'"):
             ctx.loader(data, 4, split="validation")
-        context_module._warned_shuffle = False
+        data_module._warned_shuffle = False
         old = ctx.loader(data, 4, shuffle=False)
         ctx.loader(data, 4, False)  # old positional form
         assert isinstance(old.sampler, ShardSampler)

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 from helpers import TRIALS, cli_in_process, tiny_config
-from profiles import make_profile
+from profiles import make_profile, write
 
 from dtrain.profiling.record import load_profile
 
@@ -276,3 +276,43 @@ def test_changes_within_two_percent_are_not_advised():
     for profile in (_gpu_profile(), _gpu_profile(peak_gb=50), _gpu_profile(precision="bf16-mixed"),
                     _straggler_profile(True), _straggler_profile(False), _straggler_profile(True, probe=None)):
         _assert_true_words(diagnose(profile))
+
+
+# A train_batch that calls loss.backward() / opt.step() itself: its forward, backward, exchange and update are
+# all timed as "other" (the case: 97% "other", and the doctor advised a bigger batch at 1.94x).
+RAW_STEP = {"data": 0.0002, "other": 0.0098}
+
+
+@pytest.mark.parametrize("missing", [["forward", "backward", "comm_exposed", "optimizer"], ["optimizer"]])
+def test_phases_not_observed_are_not_diagnosed(tmp_path, missing):
+    from dtrain.explain.doctor import diagnose, render
+    from dtrain.explain.summary import short_verdict, time_cost_table
+
+    profile = make_profile([RAW_STEP, RAW_STEP], "vm", unobserved_phases=missing, batch_scaling=FLAT_PROBE,
+                           comm={"busy_seconds_per_step": 0.003, "bytes_per_step": 1e6, "buckets_per_step": 1.0,
+                                 "latency_seconds": 1e-4, "algbw_bytes_per_second": 3e8})
+    assert diagnose(make_profile([RAW_STEP, RAW_STEP], "vm"))["recommendations"]  # seen as a whole step, advised
+    diagnosis = diagnose(profile)
+    verdict = diagnosis["verdict"]
+    assert verdict.startswith("the step's phases were not observed: train_batch calls ") and "\n" not in verdict
+    calls = ["self.context.step_optimizer(opt)"] + (["self.context.backward(loss)"] if "forward" in missing else [])
+    assert all(c in verdict for c in calls) and ("backward(loss)" in verdict) == ("forward" in missing)
+    assert diagnosis["phases_observed"] is False and diagnosis["unobserved_phases"] == missing
+    assert diagnosis["top_factor"] is None and diagnosis["recommendations"] == [] and _changes(diagnosis) == []
+    assert "slots_per_trial" not in json.dumps(diagnosis)  # no scaling estimate either: it stands on the phases
+    rows = {f["factor"]: f for f in diagnosis["factors"]}
+    assert set(rows) == {"data_loading", "train_batch"}
+    assert rows["data_loading"]["seconds_per_step"] == pytest.approx(0.0002)
+    assert sum(f["share"] for f in diagnosis["factors"]) == pytest.approx(1.0)
+    assert short_verdict(profile) == f"doctor: {verdict}"  # no change to try
+    assert f"verdict: {verdict}" in render(diagnosis) and "why:" not in render(diagnosis)
+    table = time_cost_table(profile)
+    assert "other*" in table and f"* other includes {', '.join(missing)}: not observed" in table
+    assert not any(line.split("│")[1].strip() in missing for line in table.splitlines() if line.count("│") > 2)
+    # The record keeps it through the file; a profile of a run that saw every phase has no such key.
+    path = write(tmp_path, profile)
+    assert load_profile(path).unobserved_phases == missing
+    write(tmp_path, make_profile([RAW_STEP], "vm"))
+    assert "unobserved_phases" not in json.loads(path.read_text()) and load_profile(path).phases_observed
+    with pytest.raises(ValueError, match="expected phases among"):
+        make_profile([RAW_STEP], "vm", unobserved_phases=["data"])

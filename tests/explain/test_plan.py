@@ -158,3 +158,12 @@ def test_time_and_cost_to_finish_count_failures_and_advise_the_checkpoint_period
     assert any(r["key"] == "min_checkpoint_period" for r in diagnosis["recommendations"])
     bad = cli_in_process("plan", str(run), "--mttf", "soon")
     assert bad.code == 2 and "mttf" in bad.stderr.lower()
+
+
+def test_a_run_whose_phases_were_not_seen_is_not_planned_or_verified(tmp_path):
+    # A trial calling loss.backward() / opt.step() itself: compute would be priced at zero.
+    run = _run_dir(tmp_path, _profile(unobserved_phases=["forward", "backward", "comm_exposed", "optimizer"]))
+    for args in (["plan", str(run)], ["doctor", str(run), "--verify"]):
+        result = cli_in_process(*args)
+        assert result.code == 2 and "the step's phases were not observed" in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1

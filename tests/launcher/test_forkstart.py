@@ -133,7 +133,8 @@ def test_a_trial_module_is_read_again_from_its_own_folder(tmp_path):
         folder.mkdir(exist_ok=True)
         (folder / "samename_trial.py").write_text(
             "from dtrain import PyTorchTrial\n\n"
-            f"class T(PyTorchTrial):\n    version = {value}\n    def train_batch(self, *a):\n        return {{}}\n")
+            f"class T(PyTorchTrial):\n    version = {value}\n    def train_batch(self, *a):\n        return {{}}\n"
+            "    def build_training_data(self):\n        return []\n")
         trial = load_trial_class("samename_trial:T", str(folder))
         assert trial.version == value
 

@@ -11,7 +11,6 @@ import atexit
 import contextlib
 import logging
 import sys
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -22,7 +21,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from dtrain import dist as ddist
 from dtrain.config.schema import ExperimentConfig
-from dtrain.engine import checkpoint, data
+from dtrain.engine import checkpoint, data, schedulers
+from dtrain.engine.hparams import HparamReads
 from dtrain.engine.metrics import MeanAccumulator
 from dtrain.engine.nonfinite import NonFiniteError, gradients_nonfinite
 from dtrain.engine.precision import make_precision
@@ -30,7 +30,7 @@ from dtrain.engine.rollcall import RollCall
 from dtrain.engine.seeding import rank_seed, seed_everything
 from dtrain.engine.state import PendingRestore, TrainingState
 from dtrain.engine.watchdog import STATUS
-from dtrain.errors import CheckpointError, UserError
+from dtrain.errors import CheckpointError
 from dtrain.profiling import NULL_RECORDER, DDPTiming, StepTimer
 from dtrain.sync import registry
 from dtrain.sync.base import SyncStrategy
@@ -50,7 +50,6 @@ def _no_sync(strategy: SyncStrategy, models: list[nn.Module]) -> Iterator[None]:
 
 
 Split = Literal["train", "eval"]
-_warned_shuffle = False  # the deprecated ``shuffle=`` of ctx.loader warns once per process
 
 
 class DistributedContext:
@@ -88,6 +87,10 @@ class DistributedContext:
         self.models: list[nn.Module] = []
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_schedulers: list[Any] = []
+        self.lr_wrapped: list[schedulers.LRScheduler] = []  # with when the Trial's loop steps each
+        # Calls so far: a trial that calls loss.backward() / opt.step() itself leaves them at 0 (see
+        # dtrain.engine.firstbatch); one add per call.
+        self.backward_calls = self.step_optimizer_calls = 0
         self._samplers: list[data.ResumableDistributedSampler] = []
         # Optimizer steps taken (names checkpoints saved without ``batches``; restored with them).
         self.optimizer_steps = 0
@@ -142,9 +145,23 @@ class DistributedContext:
         self._apply_pending()
         return optimizer
 
-    def wrap_lr_scheduler(self, scheduler: Any) -> Any:
-        """Register an LR scheduler so that checkpoints save and restore it; you still call ``step()``."""
+    # The own loop steps its schedulers itself; a Trial's loop steps them every batch unless told otherwise.
+    default_step_mode = schedulers.StepMode.MANUAL_STEP
+    _loop_steps_schedulers = False
+
+    def wrap_lr_scheduler(self, scheduler: Any, step_mode: Any = None, frequency: int = 1) -> Any:
+        """Register an LR scheduler: checkpoints save and restore it, and a Trial's loop steps it.
+
+        ``step_mode`` (:class:`dtrain.engine.schedulers.StepMode`, as Determined's
+        ``LRScheduler.StepMode``, or its name: ``"step_every_batch"``, ``"step_every_optimizer_step"``,
+        ``"step_every_epoch"``, ``"manual_step"``): in a Trial, every batch by default, after
+        ``train_batch``, once per ``frequency`` of them; with :func:`dtrain.init` only ``manual_step`` (the
+        default): call ``scheduler.step()`` yourself. Returns ``scheduler`` itself.
+        """
+        wrapped = schedulers.wrap(scheduler, step_mode, frequency, self.default_step_mode,
+                                  self._loop_steps_schedulers)
         self.lr_schedulers.append(scheduler)
+        self.lr_wrapped.append(wrapped)
         self._apply_pending()
         return scheduler
 
@@ -179,7 +196,7 @@ class DistributedContext:
         ``prefetch_factor`` and further ``options`` go to the DataLoader as given. ``shuffle`` is the old
         name of ``split`` (True: train, False: eval), kept for now.
         """
-        split = self._split(split, shuffle)
+        split = data.loader_split(split, shuffle)
         dp_rank, dp_world = self.strategy.dp_rank, self.strategy.dp_world
         pin = self.device.type == "cuda" if pin_memory is None else pin_memory
         kwargs = dict(num_workers=num_workers, pin_memory=pin, collate_fn=collate_fn,
@@ -191,25 +208,6 @@ class DistributedContext:
         sampler.on_epoch_start = self.rollcall.epoch_started
         self._samplers.append(sampler)
         return loader
-
-    @staticmethod
-    def _split(split: Any, shuffle: bool | None) -> Split:
-        global _warned_shuffle
-        if isinstance(split, bool):  # ctx.loader(data, 32, False): the old positional shuffle
-            shuffle, split = split, None
-        if shuffle is not None:
-            if split is not None:
-                raise UserError("ctx.loader: give split= or the deprecated shuffle=, not both")
-            if not _warned_shuffle:
-                _warned_shuffle = True
-                warnings.warn("ctx.loader(shuffle=...) is deprecated: use split='train' (shuffle=True) or "
-                              "split='eval' (shuffle=False, every record once)", FutureWarning, stacklevel=3)
-            return "train" if shuffle else "eval"
-        if split is None:
-            return "train"
-        if split not in ("train", "eval"):
-            raise UserError(f"ctx.loader: split must be 'train' or 'eval', got {split!r}")
-        return split
 
     def set_epoch(self, epoch: int) -> None:
         """Reshuffle every training loader made by :meth:`loader` for ``epoch``."""
@@ -227,6 +225,7 @@ class DistributedContext:
         first k-1) and exchanged once; the loss is divided by k when ``average_aggregated_gradients``, so
         the update equals one step on a k times bigger batch. With ``16-mixed`` the loss is scaled.
         """
+        self.backward_calls += 1
         if self.aggregation_frequency > 1 and self.average_aggregated_gradients:
             loss = loss / self.aggregation_frequency
         loss = self.precision.scale(loss)
@@ -253,6 +252,7 @@ class DistributedContext:
         """Optional gradient clipping, ``optimizer.step()`` and ``zero_grad``: only on the last batch of an
         aggregation group (every batch when ``aggregation_frequency`` is 1). With ``16-mixed``, gradients
         are unscaled first and a step that overflowed on any rank is skipped on every rank."""
+        self.step_optimizer_calls += 1
         if not self.sync_gradients:
             return
         if self._pending is not None:
@@ -412,6 +412,7 @@ class DistributedContext:
         self.models.clear()
         self.optimizers.clear()
         self.lr_schedulers.clear()
+        self.lr_wrapped.clear()
         self._samplers.clear()
         self.strategy = None  # type: ignore[assignment]
         import gc
@@ -423,11 +424,15 @@ class DistributedContext:
 class TrialContext(DistributedContext):
     """What a :class:`~dtrain.engine.trial.PyTorchTrial` is built with: the engine plus the experiment."""
 
+    default_step_mode = schedulers.StepMode.STEP_EVERY_BATCH
+    _loop_steps_schedulers = True
+
     def __init__(self, config: ExperimentConfig) -> None:
         super().__init__(backend=config.backend, timeout_seconds=config.resources.collective_timeout_seconds,
                          seed=config.seed, config=config, profile=config.profiling.enabled,
                          warmup_steps=config.profiling.warmup_steps, precision=config.precision)
         self.config = config
+        self.hparam_reads = HparamReads(config.hyperparameters)  # which ones the trial reads
         # Slots that train: all of them, except a parameter server's server ranks.
         # The launcher warned about a remainder before any worker started; only a count it could not know
         # (a parameter server's servers hold no data) is worth saying again, by the chief.
@@ -436,14 +441,13 @@ class TrialContext(DistributedContext):
         self.per_slot_batch_size = data.per_slot_batch_size(config.global_batch_size, dp_world, warn=warn)
 
     def get_hparams(self) -> dict[str, Any]:
-        return dict(self.config.hyperparameters)
+        """The experiment's hyperparameters, a dict of the trial's own; the keys read through it are noted
+        (see :mod:`dtrain.engine.hparams`)."""
+        return self.hparam_reads.get_hparams()
 
     def get_hparam(self, name: str) -> Any:
-        if name not in self.config.hyperparameters:
-            known = ", ".join(sorted(self.config.hyperparameters))
-            raise UserError(f"hyperparameter {name!r} is not in the config (have: {known}); add it under "
-                            "hyperparameters:")
-        return self.config.hyperparameters[name]
+        """One hyperparameter; a name the config does not set is a one-line error."""
+        return self.hparam_reads.get_hparam(name)
 
     def get_per_slot_batch_size(self) -> int:
         return self.per_slot_batch_size

@@ -8,13 +8,14 @@ global batch a single slot would see at step i. That is what makes 1 x B and N x
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Iterator, Sized
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from dtrain.errors import DataError
+from dtrain.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -268,3 +269,26 @@ def _record_stream(batch: Any, stream: Any) -> None:
     elif isinstance(batch, dict):
         for item in batch.values():
             _record_stream(item, stream)
+
+
+_warned_shuffle = False  # the deprecated ``shuffle=`` of ctx.loader warns once per process
+
+
+def loader_split(split: Any, shuffle: bool | None) -> str:
+    """``ctx.loader``'s ``split`` ("train" or "eval"), from it or from the deprecated ``shuffle``."""
+    global _warned_shuffle
+    if isinstance(split, bool):  # ctx.loader(data, 32, False): the old positional shuffle
+        shuffle, split = split, None
+    if shuffle is not None:
+        if split is not None:
+            raise UserError("ctx.loader: give split= or the deprecated shuffle=, not both")
+        if not _warned_shuffle:
+            _warned_shuffle = True
+            warnings.warn("ctx.loader(shuffle=...) is deprecated: use split='train' (shuffle=True) or "
+                          "split='eval' (shuffle=False, every record once)", FutureWarning, stacklevel=3)
+        return "train" if shuffle else "eval"
+    if split is None:
+        return "train"
+    if split not in ("train", "eval"):
+        raise UserError(f"ctx.loader: split must be 'train' or 'eval', got {split!r}")
+    return split

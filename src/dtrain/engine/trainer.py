@@ -4,20 +4,19 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from dtrain.config.schema import ExperimentConfig
 from dtrain.dist import all_hostnames
-from dtrain.engine import data
+from dtrain.engine import data, schedulers
 from dtrain.engine.callbacks import Callbacks
 from dtrain.engine.context import TrialContext
+from dtrain.engine.firstbatch import check_first_batch
 from dtrain.engine.metrics import (
     MeanAccumulator,
     MetricsWriter,
@@ -28,6 +27,7 @@ from dtrain.engine.metrics import (
 )
 from dtrain.engine.nonfinite import NonFiniteWatch
 from dtrain.engine.progress import ProgressReporter
+from dtrain.engine.seeding import seed_everything
 from dtrain.engine.stopping import StopVote, write_stopped
 from dtrain.engine.trial import PyTorchTrial, load_trial_class
 from dtrain.engine.watchdog import STATUS
@@ -38,12 +38,6 @@ from dtrain.sync.base import Serving
 from dtrain.sync.fusion import tuner_for_run
 
 log = logging.getLogger(__name__)
-
-
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
 
 
 def run_trial(config: ExperimentConfig, run_dir: Path, resume_from: Path | None, quiet: bool) -> dict[str, Any]:
@@ -139,6 +133,8 @@ class Trainer:
         self._sent: _Sent | None = None  # reports whose all-reduce is in flight, read one step later
         self._carries_stop = False  # whether reports carry the stop vote (and may wait for it): set in fit
         self.vote: StopVote | None = None  # set when the loop starts (see dtrain.engine.stopping)
+        # Step phases the trial's train_batch leaves unmarked (dtrain.engine.firstbatch), after its first batch.
+        self.unobserved_phases: list[str] = []
         self._group_start = 0.0
         self.writer = MetricsWriter(run_dir) if context.is_chief else None
         self.progress = ProgressReporter(self.total_batches, 0, context.is_chief, quiet)
@@ -199,6 +195,10 @@ class Trainer:
             self.ctx.gradient_sync(True)
         unit, total, tuner = self.config.scheduling_unit, self.total_batches, self.tuner
         step_end = self.callbacks.step_end
+        # After a restore: the schedulers' own counts are where stepping resumes.
+        lr_step = schedulers.stepper(self.ctx.lr_wrapped, self.batches_per_epoch, self.ctx.aggregation_frequency,
+                                     self.ctx.is_chief)
+        first = self.batches + 1
         self.callbacks.on_trial_startup(self.batches, str(self.resumed_from) if self.resumed_from else None)
         self.callbacks.on_training_start()
         self._open_window()
@@ -208,6 +208,10 @@ class Trainer:
             else:
                 with self.ctx.gradient_sync(sync):
                     self._train_step()
+            if lr_step is not None:  # before this batch's checkpoint, which then holds the step
+                lr_step(b, sync)
+            if b == first:
+                self.unobserved_phases = check_first_batch(self.ctx)
             if step_end is not None:  # only where a callback overrides a per-step hook
                 step_end(b)
             if self._sent is not None:  # the previous batch's reports: their all-reduce had a step to finish

@@ -23,6 +23,10 @@ to what it can deliver: a change predicted within 2% of today is not advised (no
 about exchanging gradients); a rank is named, with what to check on its host, only when it is chronically
 last (``stragglers.chronic_rank``); and one change has one predicted speed-up wherever it appears (one
 slot: the scaling estimate's; more loader workers: one loader plan).
+
+The doctor diagnoses only phases it saw: a trial that calls ``loss.backward()`` / ``opt.step()`` itself
+leaves them in ``other`` (``profile.json``'s ``unobserved_phases``), and then gets one line saying so, the
+measured data wait and the rest of the step, and no change or prediction.
 """
 
 from __future__ import annotations
@@ -70,8 +74,46 @@ class Predictor:
         return value
 
 
+def unobserved_note(profile: ProfileRecord) -> str:
+    """One line: which phases the run did not see and why (its trial calls loss.backward() / opt.step()),
+    and the fix; empty when every phase was seen."""
+    missing = profile.unobserved_phases or []
+    if not missing:
+        return ""
+    calls = [c for c, phase in (("self.context.backward(loss)", "forward"),
+                                ("self.context.step_optimizer(opt)", "optimizer")) if phase in missing]
+    raw = [c for c, phase in (("loss.backward()", "forward"), ("opt.step()", "optimizer")) if phase in missing]
+    return (f"the step's phases were not observed: train_batch calls {' / '.join(raw)} itself, not "
+            f"{' / '.join(calls)}, so {', '.join(missing)} are counted in 'other'; call {' and '.join(calls)} "
+            "for a diagnosis")
+
+
+def _unobserved_diagnosis(profile: ProfileRecord) -> dict[str, Any]:
+    """A step whose phases were not all seen: only what was measured whatever train_batch does (the step and
+    the wait for its batch), and no factor, change or prediction built on the phases not seen."""
+    ranks = [r.seconds_per_step for r in profile.per_rank]
+    step = sum(r.step for r in ranks) / len(ranks)
+    data = min(r.data for r in ranks)
+    rest = max(0.0, step - data)
+    factors = [
+        {"factor": "data_loading", "share": data / step, "seconds_per_step": data, **_factor(
+            None, None, "the wait for the next batch, measured before train_batch whatever it calls", None)},
+        {"factor": "train_batch", "share": rest / step, "seconds_per_step": rest, **_factor(
+            None, None, f"not split into phases ({', '.join(profile.unobserved_phases or [])} not observed)",
+            None)},
+    ]
+    factors.sort(key=lambda f: f["seconds_per_step"], reverse=True)
+    return {"slots": profile.slots, "samples_per_second": profile.samples_per_second, "step_seconds": step,
+            "top_factor": None, "phases_observed": False, "unobserved_phases": list(profile.unobserved_phases or []),
+            "verdict": unobserved_note(profile), "factors": factors, "recommendations": [],
+            "scaling": {"estimated_one_slot_speedup": None, "slower_than_one_slot": False}}
+
+
 def diagnose(profile: ProfileRecord) -> dict[str, Any]:
-    """Ranked factors, recommendations and a verdict (the ``--json`` document)."""
+    """Ranked factors, recommendations and a verdict (the ``--json`` document). A profile whose step phases
+    were not all observed gets no diagnosis of them (:func:`unobserved_note` says why)."""
+    if not profile.phases_observed:
+        return _unobserved_diagnosis(profile)
     predictor = Predictor(profile)
     ranks = [r.seconds_per_step for r in profile.per_rank]
     slots = profile.slots
@@ -146,6 +188,7 @@ def diagnose(profile: ProfileRecord) -> dict[str, Any]:
         "samples_per_second": profile.samples_per_second,
         "step_seconds": step,
         "top_factor": top,
+        "phases_observed": True,
         "verdict": _verdict(top, table[0], scaling, slots, profile),
         "factors": table,
         "recommendations": recommendations,

@@ -130,6 +130,10 @@ def build_model(run_dir: Path, link: Link | None = None, probe: bool = False,
     """The run's profile and cost model, with a local probe for a one-slot run (see :func:`local_probe`)."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     profile = load_run_profile(run_dir)
+    if not profile.phases_observed:  # compute would be priced at zero: a confident wrong prediction
+        from dtrain.explain.doctor import unobserved_note
+
+        raise UserError(f"dtrain plan cannot predict {run_dir}: {unobserved_note(profile)}")
     measured_link = profile.slots > 1 and profile.comm_probe is not None
     found = None if measured_link and not probe else local_probe(run_dir, profile, probe, log)
     if found is None:

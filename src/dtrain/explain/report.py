@@ -404,6 +404,8 @@ def _action(factor: dict[str, Any]) -> str:
 def _recommendation_list(diagnosis: dict[str, Any]) -> str:
     recs = diagnosis.get("recommendations") or []
     if not recs:
+        if diagnosis.get("phases_observed") is False:  # the verdict says why there is nothing to predict
+            return ""
         return "<p>No config change is predicted to help by more than 2%.</p>"
     items = "".join(f"<li><code>{_esc(r['action'])}</code> ({_esc(_speedup(r['predicted_speedup']))}, "
                     f"{_esc(r['factor'])})</li>" for r in recs[:TOP_RECOMMENDATIONS])

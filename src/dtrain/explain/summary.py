@@ -14,27 +14,37 @@ from dtrain.profiling.record import ProfileRecord, load_profile
 
 
 def time_cost_table(profile: ProfileRecord) -> str:
-    """Per-phase ms per step (min / mean / max across ranks) and share of the step, plus communication."""
+    """Per-phase ms per step (min / mean / max across ranks) and share of the step, plus communication.
+    Phases the run did not observe get no row: their time is in ``other``, marked ``other*``, and a line
+    below the table says why."""
     spread = profile.seconds_per_step
     step = spread.step.mean
     profiled, timed = profile.profiled_steps, profile.timed_steps
     sampled = f", {timed} timed" if timed != profiled else ""  # profiling.sample_every
+    missing = set(profile.unobserved_phases or [])
     # The counts go below the table: in the title they made it wrap on a narrow table.
     table = Table(title=f"time cost per step ({profile.slots} slot(s))",
                   caption=f"{profiled} steps profiled{sampled}")
     for col in ("phase", "min ms", "mean ms", "max ms", "share"):
         table.add_column(col, justify="left" if col == "phase" else "right")
     for phase in (*profile.phases, "step"):
+        if phase in missing:
+            continue
         s = spread.of(phase)
         share = f"{100 * s.mean / step:.0f}%" if step else "-"
-        table.add_row(phase, f"{1e3 * s.min:.3f}", f"{1e3 * s.mean:.3f}", f"{1e3 * s.max:.3f}", share)
+        name = "other*" if phase == "other" and missing else phase
+        table.add_row(name, f"{1e3 * s.min:.3f}", f"{1e3 * s.mean:.3f}", f"{1e3 * s.max:.3f}", share)
     comm = profile.comm
     text = as_text(table)
+    if missing:  # the doctor's verdict below gives the fix
+        text += f"* other includes {', '.join(p for p in profile.phases if p in missing)}: not observed\n"
     if profile.slots > 1:
+        exposed = ("not observed" if "comm_exposed" in missing
+                   else f"{1e3 * comm.exposed_seconds_per_step:.3f} ms")
         text += (
             f"communication: {comm.bytes_per_step / 1e6:.3f} MB all-reduced per step in "
             f"{comm.buckets_per_step:.0f} bucket(s), busy {1e3 * comm.busy_seconds_per_step:.3f} ms "
-            f"(exposed {1e3 * comm.exposed_seconds_per_step:.3f} ms), "
+            f"(exposed {exposed}), "
             f"{comm.algbw_bytes_per_second / 1e9:.3f} GB/s algbw, "
             f"{comm.busbw_bytes_per_second / 1e9:.3f} GB/s busbw, "
             f"latency {1e3 * comm.latency_seconds:.3f} ms\n")

@@ -126,6 +126,10 @@ def verify(run_dir: Path, steps: int, repeats: int = 1, top: int = 3, debug: boo
                         "warm-up, left out of samples/s)")
     budget = paired.check_rounds(repeats, max_repeats, target_spread)
     profile = load_run_profile(run_dir)
+    if not profile.phases_observed:  # nothing to verify: the doctor made no recommendation it could stand by
+        from dtrain.explain.doctor import unobserved_note
+
+        raise UserError(f"dtrain doctor --verify cannot test {run_dir}: {unobserved_note(profile)}")
     diagnosis = diagnose(profile)
     # Long enough to outlast a burst of other work on a shared machine: a few dozen short steps are not.
     needed = math.ceil(MIN_SECONDS / max(float(diagnosis["step_seconds"]), 1e-9))

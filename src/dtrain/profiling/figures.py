@@ -249,6 +249,9 @@ def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
         "wall_seconds": wall_seconds,
         "step_window_seconds": list(timer.windows) if timer.enabled and timer.windows else None,
     }
+    unobserved = getattr(trainer, "unobserved_phases", None)
+    if unobserved:  # train_batch calls loss.backward() / opt.step() itself: those phases are in "other"
+        facts["unobserved_phases"] = list(unobserved)
     if timer.enabled and ctx.is_chief:
         from dtrain.profiling.device import device_facts
 

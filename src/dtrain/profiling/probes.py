@@ -155,7 +155,10 @@ def batch_probe(trainer: Any, repeats: int | None = None) -> dict[str, float]:
     if repeats is None:
         last = ctx.timer.last_step_seconds
         repeats = int(max(MIN_REPEATS, min(MAX_REPEATS, BUDGET_SECONDS / (3 * last)))) if last > 0 else MIN_REPEATS
-        repeats = _agree(repeats, ctx)
+        # A trial that calls opt.step() itself would step its optimizer here: no probe (0 on any rank: none).
+        repeats = _agree(0 if "optimizer" in getattr(trainer, "unobserved_phases", ()) else repeats, ctx)
+    if repeats < 1:
+        return zeros
     try:
         _, _, one = _load(loader, per_slot)
         batches = {1: ctx.to_device(one), 2: ctx.to_device(_double(one))}

@@ -251,7 +251,7 @@ class ProfileRecord(_Section):
     OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
         {"device_facts", "stragglers", "batch_scaling", "allreduce_probe", "data_load_seconds_per_batch",
          "data_load_cpu_share", "solo_probe", "comm_probe", "compression_cost", "step_jitter_seconds",
-         "step_window_seconds"})
+         "step_window_seconds", "unobserved_phases"})
 
     schema_version: int = SCHEMA_VERSION
     # What the run was (also summary.json's head: dtrain.profiling.figures.run_facts).
@@ -290,6 +290,10 @@ class ProfileRecord(_Section):
     resumed_at_batch: int
     # Where the time went.
     phases: list[str]
+    # Phases the trial never marked (its train_batch calls loss.backward() / opt.step() rather than
+    # context.backward / context.step_optimizer): their time is in "other", and they read as zero. Absent
+    # from the file when every phase was seen (and from profiles written before it existed).
+    unobserved_phases: list[str] | None = None
     seconds_per_step: PhaseSpread
     per_rank: list[RankFigures]
     comm: Comm
@@ -313,6 +317,18 @@ class ProfileRecord(_Section):
         if tuple(phases) != PHASES:
             raise ValueError(f"expected {list(PHASES)}")
         return phases
+
+    @field_validator("unobserved_phases")
+    @classmethod
+    def _known_unobserved(cls, phases: list[str] | None) -> list[str] | None:
+        if phases is not None and not set(phases) <= set(PHASES) - {"data", "other"}:
+            raise ValueError(f"expected phases among {list(PHASES[1:-1])}")
+        return phases
+
+    @property
+    def phases_observed(self) -> bool:
+        """Whether every phase of the step was marked (the doctor diagnoses only then)."""
+        return not self.unobserved_phases
 
     @property
     def hosts(self) -> int:
