@@ -97,8 +97,8 @@ def test_only_the_optimizer_step_unobserved_is_named_alone():
     assert "did not call self.context.step_optimizer(opt) in its first batch" in line and "backward(loss)" not in line
     ctx.strategy = SimpleNamespace(exchanges_in_step=True, name="allreduce", dp_world=2)
     assert unobserved_phases(ctx) == ["comm_exposed", "optimizer"]
-    with pytest.raises(UserError, match="sync.strategy allreduce exchanges the gradients there, so the slots would "
-                                        "train apart"):
+    with pytest.raises(UserError, match=r"sync.strategy allreduce exchanges the gradients there, so the slots would "
+                                        r"train apart"):
         check_first_batch(ctx)  # the slots would diverge: refused, not a warning
     ctx.step_optimizer_calls = 1
     assert unobserved_phases(ctx) == [] and phases_warning(ctx) is None
