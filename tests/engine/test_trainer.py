@@ -176,3 +176,43 @@ def test_synthetic_data_reads_one_batch_and_starts_no_loader_worker(tmp_path):
     assert [s[2] for s in steps] == [children] * 12  # no loader worker alive during any step
     assert [s[3] for s in steps] == [s[0] for s in steps]  # each epoch still announced (the roll call)
     assert steps[-1][4] == 16  # the batch kept, read in the rank itself: no worker started, nothing ahead
+
+
+def _epoch_starts(rank, world, config, run_dir):
+    """Whether a timed step was open each time an epoch's iterator was started."""
+    from pathlib import Path
+
+    from dtrain.config.schema import load_config
+    from dtrain.engine import data
+    from dtrain.engine.trainer import run_trial
+    from dtrain.profiling.timer import StepTimer
+
+    inside, seen = [False], []
+    start_step, end_step, feeder_start = StepTimer.start_step, StepTimer.end_step, data.DeviceFeeder.start
+
+    def opened(self):
+        inside[0] = True
+        start_step(self)
+
+    def closed(self):
+        inside[0] = False
+        end_step(self)
+
+    def started(self, iterator):
+        seen.append(inside[0])
+        feeder_start(self, iterator)
+
+    StepTimer.start_step, StepTimer.end_step, data.DeviceFeeder.start = opened, closed, started
+    (Path(run_dir) / "logs").mkdir(parents=True)
+    run_trial(load_config(config), Path(run_dir), None, quiet=True)
+    return seen
+
+
+def test_the_first_batch_of_each_epoch_is_loaded_inside_its_step(tmp_path):
+    # On CUDA the feeder loads and copies an epoch's first batch when it starts: time the step waits for data.
+    from helpers import run_ranks
+
+    cfg = tiny_config(tmp_path, **{"resources.slots_per_trial": 1, "hyperparameters.train_size": 64,
+                                   "max_length": {"batches": 12}})  # 4 batches an epoch: 3 epochs
+    seen = run_ranks(_epoch_starts, world_size=1, timeout=90, args=(str(cfg), str(tmp_path / "r")))[0]
+    assert seen == [True, True, True]

@@ -257,9 +257,14 @@ class Trainer:
 
     def _train_step(self) -> None:
         epoch, position = divmod(self.batches, self.batches_per_epoch)
+        timer = self.ctx.timer
         if position == 0 or not self._iterating:
             if position == 0:
                 self.callbacks.on_training_epoch_start(epoch)
+            # The step starts before the epoch's iterator does: starting it loads the first batch (and on
+            # CUDA copies it), time this step waits for data.
+            timer.start_step()
+            STATUS.enter("loading data", self.batches)
             # Same seeded permutation on every slot; on resume, skip what was already trained.
             self.sampler.set_start(epoch, position * self.per_slot)
             if self.config.data_loader.synthetic:
@@ -268,9 +273,9 @@ class Trainer:
                 self.feeder.start(iter(self.loader))
                 self._fetch = self.feeder.fetcher()
             self._iterating = True
-        timer = self.ctx.timer
-        timer.start_step()
-        STATUS.enter("loading data", self.batches)
+        else:
+            timer.start_step()
+            STATUS.enter("loading data", self.batches)
         batch = self._fetch()
         timer.lap("data")
         STATUS.enter("train_batch")
