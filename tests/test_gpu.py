@@ -136,3 +136,16 @@ def _collect(obj, out):
     elif isinstance(obj, (list, tuple)):
         for value in obj:
             _collect(value, out)
+
+
+@two_gpus
+@pytest.mark.parametrize("compression", ["fp16", "powersgd"])
+def test_communication_under_compression_hooks_is_timed_on_the_device(tmp_path, compression):
+    # Host stamps around NCCL calls only say when they were queued (busy time of microseconds, absurd
+    # bandwidths); the hooks' CUDA events and the last-gradient stamp give the device's own times.
+    run = _run(tmp_path, "r", **{"resources.slots_per_trial": 2, "max_length": {"batches": 60},
+                                 "optimizations.gradient_compression": compression,
+                                 "hyperparameters.hidden": 1024, "hyperparameters.extra_layers": 2})
+    comm = json.loads((run / "profile.json").read_text())["comm"]
+    assert comm["busy_seconds_per_step"] > 1e-5 and comm["exposed_seconds_per_step"] > 0
+    assert comm["algbw_bytes_per_second"] < 1e12  # below a terabyte per second: a real link's figure

@@ -237,3 +237,29 @@ def test_the_last_gradient_is_stamped_where_ddp_says_backward_ends():
         assert recorder.settle is None  # settled: no further look at DDP's data
     finally:
         ctx.close()
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_collectives_are_timed_by_the_steps_clock(deferred):
+    """A comm hook's buckets are stamped with the step's own clock: CUDA events (deferred) on a GPU, resolved
+    with the window, never host times around asynchronous NCCL calls, which only say when they were queued."""
+    # start 0, data 1, forward 3; buckets launched at 4 and 5, completed at 6 and 8 (overlapping: busy 4);
+    # last gradient 7; backward end 10, other 11, optimizer 12, end 13
+    times = [0.0, 1.0, 3.0, 4.0, 5.0, 6.0, 8.0, 10.0, 11.0, 12.0, 13.0]
+    t = _timer(times, deferred)
+    t.start_step()
+    t.lap("data")
+    t.backward_begin()
+    t.recorder.launch(1000)
+    t.recorder.launch(1000)
+    t.recorder.complete()
+    t.recorder.complete()
+    t.recorder.grad_ready, t.recorder.grad_ready_seen = 7.0, True
+    t.backward_end()
+    t.lap("other")
+    t.lap("optimizer")
+    t.end_step()
+    step = t.per_step()
+    assert step["comm_busy"] == 4.0 and step["comm_bytes"] == 2000 and step["comm_buckets"] == 2
+    assert step["comm_exposed"] == 3.0 and step["backward"] == 4.0 and step["step"] == 13.0
+    assert t.clock.synchronized == (1 if deferred else 0)

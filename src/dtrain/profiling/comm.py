@@ -51,13 +51,19 @@ class CommRecorder:
 
     # ---------------------------------------------------------------------------- exchanges
     def launch(self, nbytes: int) -> None:
-        """A collective of ``nbytes`` (as sent on the wire) starts now."""
-        self.launches.append(time.perf_counter())
+        """A collective of ``nbytes`` (as sent on the wire) starts now.
+
+        Stamps come from the step's clock: on CUDA an event on the current stream, which the collective's
+        stream waits for (so the stamp is when its input was ready on the device, not when the host queued
+        it); on CPU ``perf_counter``."""
+        self.launches.append(self.clock.stamp())
         self.bytes += nbytes
 
     def complete(self) -> None:
-        """The oldest collective still in flight has finished."""
-        self.completions.append(time.perf_counter())
+        """The oldest collective still in flight has finished. On CUDA an event on the current stream,
+        which by now waits for the collective (a blocking call's ``wait``, or a future's callback, which
+        runs with the current stream ordered after the collective): when it finished on the device."""
+        self.completions.append(self.clock.stamp())
 
     def collective(self, nbytes: int) -> "CommRecorder":
         """``with recorder.collective(nbytes): <blocking exchange>``. Returns itself (no allocation):
@@ -94,17 +100,23 @@ class CommRecorder:
         self.grad_ready_seen = False
 
     def busy_seconds(self, lo: float = float("-inf"), hi: float = float("inf")) -> float:
-        """Length of the union of [launch, completion] intervals (buckets can be in flight together),
-        clipped to [lo, hi]. Host times: exact on CPU, launch-side on CUDA."""
-        spans = sorted(zip(self.launches, self.completions, strict=False))
-        busy, end = 0.0, lo
-        for start, stop in spans:
-            stop = min(stop, hi)
-            if stop <= end:
-                continue
-            busy += stop - max(start, end)
-            end = stop
-        return busy
+        """Length of the union of [launch, completion] intervals, clipped to [lo, hi]: host stamps (CPU).
+        CUDA events are resolved by the step timer once per window (:func:`union_seconds`)."""
+        return union_seconds(self.launches, self.completions, lo, hi)
+
+
+def union_seconds(launches: list[float], completions: list[float], lo: float = float("-inf"),
+                  hi: float = float("inf")) -> float:
+    """Length of the union of [launch, completion] intervals (buckets can be in flight together), clipped
+    to [lo, hi]."""
+    busy, end = 0.0, lo
+    for start, stop in sorted(zip(launches, completions, strict=False)):
+        stop = min(stop, hi)
+        if stop <= end:
+            continue
+        busy += stop - max(start, end)
+        end = stop
+    return busy
 
 
 class _NullRecorder(CommRecorder):
@@ -176,12 +188,18 @@ class DDPTiming:
         self._unsettled: list[Any] = []  # DDPs whose gradients' order is not known yet
         self._tries = 0
 
-    def attach(self, ddp: Any, model: nn.Module) -> None:
+    def attach_grad_ready(self, ddp: Any, model: nn.Module) -> None:
+        """Only the last-gradient stamp, for a DDP whose comm hook reports its own buckets (compression):
+        on CUDA the stamp is what splits backward from the wait for communication, since host times around
+        the hook's asynchronous collectives say nothing of when they ran."""
         first = next((p for p in model.parameters() if p.requires_grad), None)
         if first is not None:
             self._hook(first)
             self._unsettled.append(ddp)
             self.recorder.settle = self._settle
+
+    def attach(self, ddp: Any, model: nn.Module) -> None:
+        self.attach_grad_ready(ddp, model)
         if self.native:
             try:
                 ddp._set_ddp_runtime_logging_sample_rate(NATIVE_SAMPLE_RATE)

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from dtrain.profiling.clock import clock_for
-from dtrain.profiling.comm import CommRecorder
+from dtrain.profiling.comm import CommRecorder, union_seconds
 from dtrain.profiling.phases import PHASES
 from dtrain.profiling.stragglers import STEP_COLUMN, LagSampler
 
@@ -98,6 +98,10 @@ class StepTimer:
         # (first edge, edge count, weight (0: warm-up), comm busy seconds, comm bytes, comm buckets, exchanging?).
         self._phase: list[int] = []
         self._stamp: list[Any] = []
+        # CUDA: the collectives' launch and completion events of the pending steps, flat, and per step that
+        # had any (its index in _steps, first event, launches, completions): resolved with the edges.
+        self._comm_events: list[Any] = []
+        self._deferred_busy: list[tuple[int, int, int, int]] = []
         self._steps: list[tuple[int, int, int, float, float, float, bool]] = []
         self._step_first = 0
         # An edge is two appends and a clock read, done in place by its caller (no helper call): a step
@@ -179,12 +183,32 @@ class StepTimer:
         weight = 0 if self.steps <= self.warmup_steps else 1 if self.steps <= self._dense_until else self.sample_every
         first = self._step_first
         if rec.launches:
-            self._steps.append((first, len(self._phase) - first, weight, rec.busy_seconds(), float(rec.bytes),
+            busy = self._defer_busy(rec) if self.clock.deferred else rec.busy_seconds()
+            self._steps.append((first, len(self._phase) - first, weight, busy, float(rec.bytes),
                                 float(len(rec.launches)), self.exchanging))
         else:  # no timed collective in this step (one slot, DDP's native timers, accumulating steps)
             self._steps.append((first, len(self._phase) - first, weight, 0.0, 0.0, 0.0, self.exchanging))
         if len(self._steps) >= FLUSH_EVERY:
             self.flush()
+
+    def _defer_busy(self, rec: CommRecorder) -> float:
+        """Keep this step's collective events (CUDA) for :meth:`flush`; 0 until then."""
+        events = self._comm_events
+        self._deferred_busy.append((len(self._steps), len(events), len(rec.launches), len(rec.completions)))
+        events.extend(rec.launches)
+        events.extend(rec.completions)
+        return 0.0
+
+    def _resolve_busy(self, first_event: Any) -> None:
+        """Each pending step's busy communication time from its events (synchronized already)."""
+        clock, events, steps = self.clock, self._comm_events, self._steps
+        for index, at, launched, completed in self._deferred_busy:
+            seconds = [clock.seconds(first_event, e) for e in events[at:at + launched + completed]]
+            busy = union_seconds(seconds[:launched], seconds[launched:])
+            first, count, weight, _, nbytes, buckets, exchanging = steps[index]
+            steps[index] = (first, count, weight, busy, nbytes, buckets, exchanging)
+        self._deferred_busy.clear()
+        events.clear()
 
     # ------------------------------------------------------------------------------ resolving
     def flush(self) -> None:
@@ -198,6 +222,8 @@ class StepTimer:
             first_event = self._stamp[0]                  # subtraction per edge, as for host stamps
             for i, event in enumerate(self._stamp):
                 stamps[i] = clock.seconds(first_event, event)
+            if self._deferred_busy:
+                self._resolve_busy(first_event)
         else:
             stamps = self._stamp  # perf_counter floats already
         phases = self._phase

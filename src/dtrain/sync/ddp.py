@@ -110,13 +110,18 @@ class DDPStrategy(SyncStrategy):
         # DDP broadcasts rank 0's parameters and buffers at construction, so replicas start identical
         # even if a trial forgot to seed its initialisation.
         ddp = DistributedDataParallel(model, device_ids=device_ids, bucket_cap_mb=bucket_cap_mb)
+        if self.compression == "none":
+            if self.timing is not None:
+                self.timing.attach(ddp, model)
+            return ddp
         if self.compression == "powersgd":
             ddp.register_comm_hook(self._powersgd_state(model), powersgd_hook)
-        elif self.compression != "none":
+        else:
             ddp.register_comm_hook(CompressionHookState(COMPRESSORS[self.compression], self.recorder),
                                    compressed_allreduce_hook)
-        elif self.timing is not None:
-            self.timing.attach(ddp, model)
+        if self.timing is not None and self.device.type == "cuda":
+            # On CPU the hook's own stamps split backward from the wait; on CUDA only the last gradient can.
+            self.timing.attach_grad_ready(ddp, model)
         return ddp
 
     def _powersgd_state(self, model: nn.Module) -> PowerSGDState:
