@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     search.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config key, e.g. --set searcher.max_trials=8 (repeatable)")
 
-    check = sub.add_parser("check", help="validate a config and its entrypoint without starting anything")
+    check = sub.add_parser("check", help="validate a config, its entrypoint and the trial's data as dtrain run "
+                           "would (the trial is built in this process; no worker starts)")
     check.add_argument("config", type=Path, help="experiment YAML")
     check.add_argument("--slots", type=_slot_count, help="override resources.slots_per_trial")
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -337,7 +338,8 @@ def cmd_search(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    """``dtrain check``: validate config and entrypoint as ``dtrain run`` would, print what a run would use."""
+    """``dtrain check``: validate config, entrypoint and the trial's data as ``dtrain run`` would (the trial is
+    built in this process, no worker started), print what a run would use."""
     from dtrain.config.safeyaml import dump
     from dtrain.launcher import runs
 
@@ -347,6 +349,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(dump(result.config.model_dump(mode="json")), end="")
     print(f"# per-slot batch: {result.per_slot_batch} ({result.config.global_batch_size} global over "
           f"{result.training_slots} training slot(s))")
+    facts = result.trial_data
+    if facts is not None:  # the trial was built in this process (see dtrain.launcher.dryrun)
+        validation = (f"{facts.validation_records:,} validation records" if facts.validation_records is not None
+                      else "no validation data")
+        print(f"# data: {facts.training_records:,} training records, {facts.batches_per_epoch:,} global batch(es) of "
+              f"{result.per_slot_batch * result.training_slots} per epoch (max_length: {facts.total_batches:,} "
+              f"batches); {validation}")
     for warning in result.warnings:
         print(f"# warning: {warning}")
     return 0

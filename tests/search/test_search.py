@@ -13,13 +13,15 @@ import sys
 import time
 from pathlib import Path
 
+import optuna
 import pytest
 import yaml
 from helpers import ROOT, dtrain_cli, tiny_config
 
 from dtrain.cli import main
-from dtrain.config.schema import load_config
+from dtrain.config.schema import Length, SearcherConfig, load_config
 from dtrain.errors import ConfigError
+from dtrain.search import asha, runner
 from dtrain.search.space import load_plan
 
 ASHA = {"name": "adaptive_asha", "metric": "mse", "max_trials": 3, "divisor": 2, "max_rungs": 2}
@@ -196,3 +198,68 @@ def test_asha_search_stops_early_and_resumes_after_ctrl_c(tmp_path):
     assert trials[1]["state"] == "stopped" and trials[1]["batches"] == 4  # stopped early by ASHA
     assert json.loads((out / "trials.json").read_text())["total_batches"] == 12
     assert yaml.safe_load((out / "best.yaml").read_text())["hyperparameters"]["lr"] == 0.0
+
+
+# -------------------------------------------------------------------- a search too small for its rungs
+
+TOO_FEW = ("searcher: max_trials 4 is too few for adaptive_asha's 5 rungs with divisor 4: keeping the best 1/4 at "
+           "each rung needs at least 256 trials (4^4); with fewer, a rung promotes from fewer than 4 trials (the first "
+           "to finish a rung always goes on), so a poor trial can train to the full length; raise searcher.max_trials "
+           "to 256, or lower searcher.max_rungs to 2")
+
+
+def test_asha_warns_when_max_trials_is_too_small_for_its_rungs(tmp_path, monkeypatch, capsys):
+    searcher = {**ASHA, "max_trials": 4, "max_rungs": 5, "divisor": 4}
+    plan = load_plan(search_config(tmp_path, searcher, max_length={"batches": 1024}))
+    assert plan.lengths == (4, 16, 64, 256, 1024) and plan.warnings == (TOO_FEW,)
+    enough = load_plan(search_config(tmp_path, {**searcher, "max_trials": 256}, max_length={"batches": 1024}))
+    assert enough.warnings == ()
+    assert load_plan(search_config(tmp_path, ASHA)).warnings == ()
+    assert load_plan(ROOT / "examples" / "digits" / "search.yaml").warnings == ()  # 16 trials, 3 rungs of 3
+    # Said when the search starts (no trial runs here).
+    monkeypatch.setattr(runner.Search, "run", lambda self, progress: None)
+    runner.run_search(search_config(tmp_path, searcher, max_length={"batches": 1024}), tmp_path / "s", None, 1, [])
+    assert f"dtrain search: warning: {TOO_FEW}\n" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("divisor", [2, 3, 4, 5])
+def test_the_warning_asks_exactly_for_divisor_to_the_rungs_less_one(divisor):
+    for rungs in range(1, 6):
+        for trials in range(1, divisor ** 5 + 2):
+            searcher = SearcherConfig(name="adaptive_asha", metric="m", max_trials=trials, divisor=divisor,
+                                      max_rungs=rungs)
+            warning = asha.too_few_trials(searcher, Length(batches=divisor ** 6))
+            needed = divisor ** (rungs - 1)
+            assert (warning is not None) == (trials < needed), (divisor, rungs, trials)
+            if warning is not None:
+                assert f"raise searcher.max_trials to {needed}," in warning
+                fits = asha.rungs_for(divisor, trials)  # the most rungs these trials select at
+                assert divisor ** (fits - 1) <= trials < divisor ** fits and fits < rungs
+                assert (f"lower searcher.max_rungs to {fits}" if fits > 1 else "searcher.name: random") in warning
+
+
+def test_promotions_are_optunas_successive_halving(tmp_path):
+    """What the warning describes, on the plan's own pruner (no trial runs): the first trial to finish a rung
+    goes on however poor it is; once a rung has `divisor` results, a trial outside their best 1/divisor
+    stops."""
+    plan = load_plan(search_config(tmp_path, {**ASHA, "max_trials": 5, "max_rungs": 3, "divisor": 4},
+                                   max_length={"batches": 16}))
+    assert plan.lengths == (1, 4, 16)
+    study = optuna.create_study(direction=plan.direction, pruner=plan.pruner())
+
+    def rungs_passed(mse):
+        trial = study.ask()
+        for length in plan.lengths[:-1]:
+            trial.report(mse, length)
+            if trial.should_prune():
+                return length
+        return plan.lengths[-1]
+
+    assert rungs_passed(1e9) == 16  # alone at every rung: promoted through all of them
+    assert [rungs_passed(0.1) for _ in range(3)] == [16, 16, 16]  # each the best so far
+    assert rungs_passed(5.0) == 1  # 5 results at rung 1: only the best one goes on
+
+
+def test_rungs_of_a_huge_max_rungs_are_found_at_once(tmp_path):
+    plan = load_plan(search_config(tmp_path, {**ASHA, "max_rungs": 10**9}, max_length={"batches": 10}))
+    assert plan.lengths == (1, 2, 4, 10) and "using 4 rung(s)" in plan.notes[0]

@@ -7,6 +7,7 @@ launcher, before any worker starts; workers re-read the resolved ``config.yaml``
 
 from __future__ import annotations
 
+import copy
 import difflib
 import math
 import re
@@ -291,14 +292,22 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
     """Read, override and validate an experiment config; raise :class:`ConfigError` with one clear line.
 
     The file goes through :mod:`dtrain.config.safeyaml` (bounded size, nesting and aliases; no duplicate keys)
-    before anything else looks at it; ``--set`` values go through the same reader.
+    before anything else looks at it; ``--set`` values go through the same reader. A value of the file that
+    an override replaces must be valid too (:func:`dtrain.config.filevalues.check_replaced`).
     """
     path = Path(path)
     raw = _read_yaml(path)
+    written = copy.deepcopy(raw) if overrides else raw
     for item in overrides or []:
         apply_override(raw, item)
     raw.setdefault("code_dir", str(path.resolve().parent))
-    return config_from_dict(raw, source=safeyaml.plain(str(path)))
+    source = safeyaml.plain(str(path))
+    config = config_from_dict(raw, source=source)
+    if overrides:
+        from dtrain.config.filevalues import check_replaced  # it builds on this module
+
+        check_replaced(written, overrides, source)
+    return config
 
 
 def config_from_dict(raw: dict[str, Any], source: str = "config") -> ExperimentConfig:
@@ -429,11 +438,15 @@ def _describe(exc: ValidationError, source: str) -> str:
     msg = safeyaml.plain(err["msg"].removeprefix("Value error, "), 400)
     if err["type"] == "missing":
         return f"{source}: required key '{loc}' is missing; add it to the config"
-    expected = re.sub(r"^(Input should be |(String|List|Dictionary) should have )", "", msg)
-    if expected.startswith(("greater", "less")):
-        expected = f"a value {expected}"
+    expected = expected_phrase(msg)
     received = err.get("input")
     if isinstance(received, dict) or err["type"].startswith("value_error"):
         return f"{source}: {loc + ': ' if loc else ''}{msg}"
     return (f"{source}: {loc}: got {safeyaml.show(received)} ({type(received).__name__}); expected {expected}"
             f"; fix it in the config or with --set {loc}=...")
+
+
+def expected_phrase(message: str) -> str:
+    """What a pydantic message says was expected, as the end of "expected ...": "a valid integer"."""
+    expected = re.sub(r"^(Input should be |(String|List|Dictionary) should have )", "", message)
+    return f"a value {expected}" if expected.startswith(("greater", "less")) else expected

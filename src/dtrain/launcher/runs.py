@@ -28,13 +28,12 @@ import uuid
 from dataclasses import astuple, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 import yaml
 
 from dtrain.config.schema import ExperimentConfig, dump_config, load_config
-from dtrain.dist import ClusterEnv, read_cluster_env, read_env, resolve_backend
+from dtrain.dist import ClusterEnv, gpus_for, read_cluster_env, read_env, resolve_backend
 from dtrain.engine import data
 from dtrain.engine.failures import Failure, read_reports
 from dtrain.engine.precision import check_precision
@@ -51,6 +50,9 @@ from dtrain.launcher.resume import config_path as resume_config_path
 from dtrain.launcher.runlock import RunLock, lock_run_dir
 from dtrain.launcher.runplan import NodeArgs, RunPlan
 from dtrain.sync import registry
+
+if TYPE_CHECKING:
+    from dtrain.launcher.dryrun import DataFacts
 
 log = logging.getLogger(__name__)
 
@@ -125,17 +127,23 @@ def _create_run_dir(target: Path, config: ExperimentConfig, resume: Path | None)
 
 @dataclass(frozen=True)
 class CheckResult:
-    """What ``dtrain check`` found: the resolved config, the per-slot batch and the warnings."""
+    """What ``dtrain check`` found: the resolved config, the per-slot batch, the warnings and what the dry run
+    learnt of the trial's data (None where the trial could not be built in this process: see the warnings)."""
 
     config: ExperimentConfig
     per_slot_batch: int
     training_slots: int
     warnings: list[str]
+    trial_data: DataFacts | None = None
 
 
 def check(config_path: Path, overrides: list[str]) -> CheckResult:
-    """Every check ``dtrain run`` makes on one machine before it starts workers, and nothing else: no run
-    directory, no process. Raises :class:`UserError` with one line."""
+    """Every check ``dtrain run`` makes on one machine before training, and nothing else: no run directory,
+    no process. That includes what its workers check of the trial's data: the trial is built in this
+    process (:mod:`dtrain.launcher.dryrun`). Raises :class:`UserError` with one line."""
+    from dtrain.launcher import dryrun
+    from dtrain.search.asha import too_few_trials
+
     with preflight.collect_warnings() as warnings:
         config = load_config(config_path, overrides)
         load_trial_class(config.entrypoint, config.code_dir)
@@ -145,7 +153,18 @@ def check(config_path: Path, overrides: list[str]) -> CheckResult:
         _check_backend(config, slots)
         warnings.extend(preflight.check_machine(config, slots))
         preflight.check_storage(config.checkpoint_storage.path)
-    return CheckResult(config, per_slot, training, list(warnings))
+        facts = None
+        obstacle = dryrun.obstacle()
+        if obstacle is None:
+            facts = dryrun.check_trial_data(config, training, per_slot)
+        else:
+            warnings.append(f"the trial's data was not checked ({obstacle}): dtrain run checks it against the "
+                            "global batch when its workers start; run dtrain check in a process of its own")
+        searcher = config.searcher
+        too_few = too_few_trials(searcher, searcher.max_length or config.max_length) if searcher else None
+        if too_few is not None:  # a dtrain search of this config would say it at its start
+            warnings.append(too_few)
+    return CheckResult(config, per_slot, training, list(warnings), facts)
 
 
 def _check_machine(config: ExperimentConfig, local_slots: int, started: bool = False) -> None:
@@ -351,9 +370,10 @@ def _check_backend(config: ExperimentConfig, slots: int) -> None:
     """The backend (and so the device) this machine gives ``slots`` local workers, and what the
     precision needs of it."""
     backend = resolve_backend(config.backend, slots)
-    if backend == "nccl" and slots > torch.cuda.device_count():
-        raise UserError(f"{slots} slots with NCCL need {slots} GPUs but {torch.cuda.device_count()} are visible; "
-                        f"use --slots {torch.cuda.device_count()} or backend: gloo")
+    gpus = gpus_for(slots)
+    if backend == "nccl" and slots > gpus:
+        raise UserError(f"{slots} slots with NCCL need {slots} GPUs but {gpus} are visible; use --slots {gpus} or "
+                        "backend: gloo")
     check_precision(config.precision, "cuda" if backend == "nccl" else "cpu")
 
 

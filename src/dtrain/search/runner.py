@@ -325,6 +325,8 @@ def run_search(config: Path | None, out: Path | None, resume: Path | None, slots
               f"on {slots} slot(s); {plan.searcher.metric} at {lengths} {plan.unit}; directory {out}", flush=True)
         for note in plan.notes:
             print(f"dtrain search: note: {note}", flush=True)
+        for warning in plan.warnings:
+            print(f"dtrain search: warning: {warning}", file=sys.stderr, flush=True)
         if resume is not None:
             print(f"dtrain search: resuming: {search.kept} finished trial(s) kept, {len(search.queue)} interrupted "
                   "trial(s) continue", flush=True)

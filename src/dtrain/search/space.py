@@ -27,6 +27,7 @@ import numpy as np
 import optuna
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dtrain.config.filevalues import check_replaced
 from dtrain.config.schema import (
     HPARAM_TYPES,
     ExperimentConfig,
@@ -36,6 +37,7 @@ from dtrain.config.schema import (
     config_from_dict,
 )
 from dtrain.errors import ConfigError
+from dtrain.search.asha import rung_lengths, too_few_trials
 
 Scalar = str | int | float | bool | None  # what Optuna can store as a categorical choice
 
@@ -270,6 +272,7 @@ class SearchPlan:
     lengths: tuple[int, ...]  # training length at each rung end, in `unit`; the last: a full trial
     max_trials: int
     notes: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()  # said at the start of the search, as the notes are, but louder
 
     @property
     def direction(self) -> str:
@@ -315,10 +318,14 @@ class SearchPlan:
 def load_plan(path: Path, overrides: list[str] | None = None) -> SearchPlan:
     """Read a search config (ranges in ``hyperparameters``, a ``searcher`` section) and validate all of it."""
     raw = _read_yaml(path)
+    written = copy.deepcopy(raw) if overrides else raw
     for item in overrides or []:
         apply_override(raw, item)
     raw.setdefault("code_dir", str(path.resolve().parent))
-    return plan_from_raw(raw, str(path))
+    plan = plan_from_raw(raw, str(path))
+    if overrides:  # as dtrain run: the file's own values, where --set replaces them, must be valid too
+        check_replaced(written, overrides, str(path))
+    return plan
 
 
 def plan_from_raw(raw: dict[str, Any], source: str) -> SearchPlan:
@@ -337,19 +344,9 @@ def plan_from_raw(raw: dict[str, Any], source: str) -> SearchPlan:
                           "trial would write its checkpoints to the same place; use a relative path (each trial's "
                           "run directory holds its own)")
     length = searcher.max_length or config.max_length
-    unit: Literal["batches", "epochs"] = "batches" if length.batches is not None else "epochs"
-    total = int(length.batches if length.batches is not None else length.epochs)  # type: ignore[arg-type]
-    notes: list[str] = []
-    lengths: tuple[int, ...] = (total,)
-    if searcher.name == "adaptive_asha" and searcher.max_rungs > 1:
-        d, rungs = searcher.divisor, searcher.max_rungs
-        while rungs > 1 and total // d ** (rungs - 1) < 1:
-            rungs -= 1
-        if rungs < searcher.max_rungs:
-            notes.append(f"searcher.max_rungs {searcher.max_rungs} would make the first rung shorter than one "
-                         f"{unit[:-1]} of {total}; using {rungs} rung(s)")
-        first = total // d ** (rungs - 1)
-        lengths = (*(first * d ** k for k in range(rungs - 1)), total)
+    unit, lengths, note = rung_lengths(searcher, length)
+    notes: list[str] = [note] if note else []
+    too_few = too_few_trials(searcher, length)
     if searcher.name == "grid":
         points = math.prod(len(v) for v in space.grid(source).values())
         max_trials = min(points, searcher.max_trials or points)
@@ -359,4 +356,5 @@ def plan_from_raw(raw: dict[str, Any], source: str) -> SearchPlan:
         max_trials = 1
     else:
         max_trials = int(searcher.max_trials)  # type: ignore[arg-type]
-    return SearchPlan(raw, source, config, searcher, space, unit, lengths, max_trials, tuple(notes))
+    return SearchPlan(raw, source, config, searcher, space, unit, lengths, max_trials, tuple(notes),
+                      (too_few,) if too_few else ())
