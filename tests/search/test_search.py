@@ -263,3 +263,13 @@ def test_promotions_are_optunas_successive_halving(tmp_path):
 def test_rungs_of_a_huge_max_rungs_are_found_at_once(tmp_path):
     plan = load_plan(search_config(tmp_path, {**ASHA, "max_rungs": 10**9}, max_length={"batches": 10}))
     assert plan.lengths == (1, 2, 4, 10) and "using 4 rung(s)" in plan.notes[0]
+
+
+def test_gpu_slots_are_the_devices_the_search_was_given(monkeypatch):
+    from dtrain.search.procs import SlotPool
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,7")  # an allocation's GPUs, as Slurm hands them over
+    pool = SlotPool(2, 1, gpus=True)
+    assert pool.env([1])["CUDA_VISIBLE_DEVICES"] == "7" and pool.env([0, 1])["CUDA_VISIBLE_DEVICES"] == "4,7"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert SlotPool(2, 1, gpus=True).env([1])["CUDA_VISIBLE_DEVICES"] == "1"

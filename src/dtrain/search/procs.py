@@ -32,6 +32,10 @@ class SlotPool:
         self.total, self.per_trial, self.gpus = total, per_trial, gpus
         self.free = list(range(total))
         self.cores = machine_cores()
+        # GPU slot i is the i-th device this search may use: inside an allocation (Slurm, a container) that
+        # is the i-th of the CUDA_VISIBLE_DEVICES it inherited, not physical device i.
+        inherited = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        self.devices = inherited if len(inherited) >= total else [str(i) for i in range(total)]
 
     def take(self) -> tuple[int, ...] | None:
         if len(self.free) < self.per_trial:
@@ -55,7 +59,7 @@ class SlotPool:
         also size their thread pools from the CPU affinity set by :func:`spawn`)."""
         env = {"OMP_NUM_THREADS": str(max(1, len(self.cores_of(slots)) // len(slots)))}
         if self.gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(s) for s in slots)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(self.devices[s] for s in slots)
         return env
 
 
