@@ -52,7 +52,7 @@ def test_a_torchrun_style_trial_is_named_and_not_diagnosed(tmp_path):
     assert "aggregation_frequency, 16-mixed loss scaling, on_nonfinite" in phases[0]
     hparams = [w for w in warnings if w.startswith("hyperparameters set but never read")]
     assert hparams == ["hyperparameters set but never read by the trial: learning_rate (did you mean lr?); they "
-                       "change nothing (checked after its first batch)"], warnings
+                       "change nothing (no rank read them during the run)"], warnings
     assert len(out.read_text()) == 12  # the trained batches only: no end-of-run probe stepped its optimizer
 
     profile = load_profile(tmp_path / "run" / "profile.json")
@@ -116,7 +116,7 @@ def test_hyperparameter_reads_are_tracked_through_every_way_of_reading():
     assert hp.get("hidden") == 8 and hp["optimizer"]["momentum"] == 0.9
     assert reads.unread() == ["learning_rate", "optimizer.nesterov"]
     assert reads.warning() == ("hyperparameters set but never read by the trial: learning_rate (did you mean lr?), "
-                               "optimizer.nesterov; they change nothing (checked after its first batch)")
+                               "optimizer.nesterov; they change nothing (no rank read them during the run)")
     for read_all in (lambda h: list(h.items()), lambda h: list(h.values()), lambda h: h.copy(), json.dumps,
                      pickle.dumps, copy.deepcopy, yaml.safe_dump):
         again = HparamReads(config)
@@ -145,3 +145,26 @@ def test_did_you_mean_finds_spellings_and_initials_among_the_names_read():
     assert suggest("model.dept", read) == "model.depth"
     assert suggest("depth", read) is None  # another nesting level
     assert suggest("batch_norm", read) is None
+
+
+def _reads_on_two_ranks(rank, world):
+    from types import SimpleNamespace
+
+    import dtrain
+    from dtrain.engine.firstbatch import _merge_reads
+
+    ctx = dtrain.init(quiet=True)
+    reads = HparamReads({"global_batch_size": 4, "lr": 0.1, "sleep_seconds": 1.0, "learning_rate": 0.01})
+    reads.get_hparam("lr")
+    if rank == 1:  # read on one rank only, as a trial's rank-specific code does
+        reads.get_hparam("sleep_seconds")
+    _merge_reads(SimpleNamespace(strategy=SimpleNamespace(dp_group=None), hparam_reads=reads))
+    ctx.close()
+    return reads.unread()
+
+
+@pytest.mark.slow
+def test_a_hyperparameter_read_on_one_rank_only_is_read():
+    from helpers import run_ranks
+
+    assert run_ranks(_reads_on_two_ranks, world_size=2) == [["learning_rate"], ["learning_rate"]]

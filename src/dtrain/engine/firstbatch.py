@@ -5,7 +5,8 @@ silently.
   aggregation, loss scaling, ``on_nonfinite`` and the profile's phases need ``context.backward`` and
   ``context.step_optimizer``. The phases not seen are recorded (``profile.json``'s ``unobserved_phases``),
   and the doctor does not diagnose them.
-* a hyperparameter set but never read (``learning_rate`` where the trial reads ``lr``) changes nothing.
+* a hyperparameter set but never read (``learning_rate`` where the trial reads ``lr``) changes nothing:
+  named at the end of the run, once every rank's reads are known.
 
 Each is one warning line from the chief; nothing here runs per step.
 """
@@ -15,6 +16,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch.distributed as tdist
+
+from dtrain import dist as ddist
 from dtrain.errors import UserError
 from dtrain.profiling.phases import PHASES
 
@@ -61,8 +65,26 @@ def check_first_batch(ctx: Any) -> list[str]:
         raise UserError(f"train_batch did not call self.context.step_optimizer(opt) in its first batch: sync.strategy "
                         f"{strategy.name} exchanges the gradients there, so the slots would train apart; call "
                         "self.context.step_optimizer(opt) instead of opt.step()")
-    if ctx.is_chief:
-        for line in (phases_warning(ctx), ctx.hparam_reads.warning()):
-            if line is not None:
-                log.warning("%s", line)
+    if ctx.is_chief and (line := phases_warning(ctx)) is not None:
+        log.warning("%s", line)
     return unobserved_phases(ctx)
+
+
+def warn_unread_hyperparameters(ctx: Any) -> None:
+    """At the end of a run, on every training rank (a collective): the chief names the hyperparameters no
+    rank read. Not after the first batch: a trial may read one only at some batch or epoch, or on one rank."""
+    _merge_reads(ctx)
+    if ctx.is_chief and (line := ctx.hparam_reads.warning()) is not None:
+        log.warning("%s", line)
+
+
+def _merge_reads(ctx: Any) -> None:
+    """Every training rank's reads, once: a trial may read a hyperparameter on one rank only (a test's
+    ``sleep_rank``, a rank-0-only logger), and that is still read."""
+    group = ctx.strategy.dp_group
+    if not ddist.is_distributed(group):
+        return
+    gathered: list[Any] = [None] * ddist.world_size(group)
+    tdist.all_gather_object(gathered, sorted(ctx.hparam_reads.read), group=group)
+    for names in gathered:
+        ctx.hparam_reads.read.update(names or [])

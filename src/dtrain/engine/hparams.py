@@ -145,7 +145,7 @@ class HparamReads:
             return None
         names = [f"{n} (did you mean {m}?)" if (m := suggest(n, self.read)) else n for n in unread]
         return (f"hyperparameters set but never read by the trial: {', '.join(names)}; they change nothing "
-                "(checked after its first batch)")
+                "(no rank read them during the run)")
 
 
 def _initials(name: str) -> str:

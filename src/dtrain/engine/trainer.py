@@ -16,7 +16,7 @@ from dtrain.dist import all_hostnames
 from dtrain.engine import data, schedulers
 from dtrain.engine.callbacks import Callbacks
 from dtrain.engine.context import TrialContext
-from dtrain.engine.firstbatch import check_first_batch
+from dtrain.engine.firstbatch import check_first_batch, warn_unread_hyperparameters
 from dtrain.engine.metrics import (
     MeanAccumulator,
     MetricsWriter,
@@ -472,6 +472,7 @@ class Trainer:
         STATUS.enter("end-of-run gather")
         self.progress.close()
         timer = self.ctx.timer
+        warn_unread_hyperparameters(self.ctx)  # a collective: every rank's reads
         per_rank, latency, hosts, comm_points = collect_rank_figures(self.ctx, self)  # collectives and probes
         run = run_facts(self, wall_seconds)
         run["resumed_at_batch"] = self.resumed_at  # a resumed run's figures cover its own part only
