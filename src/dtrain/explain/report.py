@@ -297,6 +297,10 @@ def _breakdown_section(run: _Run) -> str:
         return title + _note("No step profile (profile.json): the run has not finished or ran with "
                              "profiling.enabled: false, so there is no time breakdown.") + "\n</section>"
     chart = _img(_plot_breakdown(run.profile), "stacked bar of ms per step per phase, one bar per rank")
+    if not run.profile.phases_observed:  # the chart's zero phases are unseen, not free
+        from dtrain.explain.doctor import unobserved_note
+
+        chart = _note(unobserved_note(run.profile)) + "\n" + chart
     return (f"{title}{chart}\n<h3>Per phase across ranks (ms / step)</h3>\n{_phase_table(run.profile)}\n"
             f"{_straggler_table(run.profile)}<h3>Communication</h3>\n{_comm_table(run.profile)}\n</section>")
 
