@@ -423,3 +423,56 @@ def test_check_prints_resolved_config_batch_and_warnings(tmp_path: Path) -> None
     assert raw["resources"]["slots_per_trial"] == 3 and raw["hyperparameters"]["lr"] == 0.001
     assert raw["optimizations"]["tensor_fusion_threshold"] == 10.0
     assert not list(tmp_path.glob("runs*")) and not (ROOT / "runs" / "tiny").exists()  # nothing created
+
+
+# ------------------------------------------------------------------- Determined experiment configs
+
+DETERMINED = ROOT / "tests" / "config" / "determined_yaml" / "const.yaml"
+DET_PATHS = [("searcher", "max_length", "records"), ("min_validation_period", "records"), ("searcher", "time_metric"),
+             ("searcher", "max_time"), ("searcher", "name"), ("searcher", "divisor"), ("searcher", "mode"),
+             ("searcher", "bracket_rungs"), ("searcher", "source_trial_id"), ("reproducibility", "experiment_seed"),
+             ("reproducibility",), ("entrypoint",), ("optimizations", "mixed_precision"), ("data",),
+             ("optimizations", "gradient_compression"), ("resources", "slots_per_trial"), ("environment",),
+             ("checkpoint_storage", "type"), ("checkpoint_storage", "save_trial_latest"), ("searcher",),
+             ("hyperparameters", "n_classes"), ("hyperparameters", "global_batch_size"), ("records_per_epoch",)]
+DET_VALUES: list[Any] = [*RETYPES, *EXTREMES, "O1", "O2", "batches", "records", "async_halving", "pbt", "standard",
+                         [100] * 70, {"type": "const", "val": 2}, {"records": 0}, {"epochs": 0}, ["python3", "x.py"],
+                         "python3 -m determined.launch.torch_distributed --trial model_def:MNistTrial", "s3", 2.5]
+
+
+def test_determined_keys_never_give_a_traceback(tmp_path: Path) -> None:
+    """Seeded mutations of a Determined config's own keys through dtrain check: one line, or valid."""
+    shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
+    (tmp_path / "model_def.py").write_text("from tiny import TinyTrial as MNistTrial  # noqa: F401\n")
+    base = safeyaml.load_text(DETERMINED.read_text(), "const.yaml")
+    shutil.copy(DETERMINED, tmp_path / "const.yaml")  # warm-up: the trial's first import is not the validator's
+    assert check_in_process(tmp_path / "const.yaml", [])[0] == 0
+    rng, problems, codes = random.Random(SEED), [], Counter()
+    for i in range(120):
+        tree = yaml.safe_load(yaml.safe_dump(base))
+        ops = []
+        for _ in range(rng.randint(1, 3)):
+            path = rng.choice(DET_PATHS)
+            if rng.random() < 0.2 and path[0] in tree:
+                tree.pop(path[0])
+            else:
+                _set(tree, path, rng.choice(DET_VALUES))
+            ops.append(".".join(path))
+        path = tmp_path / f"d{i:03d}.yaml"
+        path.write_text(yaml.safe_dump(tree, allow_unicode=True))
+        code, seconds, out, err = check_in_process(path, [])
+        codes[code] += 1
+        label = f"#{i} {'+'.join(ops)}"
+        if code == 2 and not (err.count("\n") == 1 and err.startswith("dtrain: error: ") and not out):
+            problems.append(f"{label}: not one clean line: {err[:300]!r}")
+        elif code == 0:
+            try:
+                assert_valid(out)
+            except Exception as exc:  # reported with the mutation's label
+                problems.append(f"{label}: accepted but invalid: {type(exc).__name__}: {exc}")
+        elif code != 2:
+            problems.append(f"{label}: {code}: {err[-800:]}")
+        if seconds > MAX_SECONDS:
+            problems.append(f"{label}: took {seconds:.2f}s")
+    assert not problems, "\n".join(problems[:20])
+    assert codes[2] > 20 and codes[0] > 10, codes

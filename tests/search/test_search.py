@@ -93,9 +93,18 @@ def test_run_refuses_ranges_and_search_needs_a_searcher(tmp_path, capsys):
 
 
 def test_asha_rungs_shrink_to_fit(tmp_path):
-    plan = load_plan(search_config(tmp_path, {**ASHA, "divisor": 3, "max_rungs": 5}, max_length={"epochs": 10}))
+    searcher = {**ASHA, "divisor": 3, "max_rungs": 5, "max_trials": 16}
+    plan = load_plan(search_config(tmp_path, searcher, max_length={"epochs": 10}))
     assert plan.unit == "epochs" and plan.lengths == (1, 3, 10)
     assert "using 3 rung(s)" in plan.notes[0]
+
+
+def test_rungs_end_where_determined_ends_them(tmp_path):
+    """Rung k of r ends at max_length // divisor^(r-1-k), as in Determined's adaptive_asha (not at
+    first * divisor^k: 25, not 24)."""
+    plan = load_plan(search_config(tmp_path, {**ASHA, "divisor": 4, "max_rungs": 3, "max_trials": 16},
+                                   max_length={"batches": 100}))
+    assert plan.lengths == (6, 25, 100) and plan.warnings == ()
 
 
 # ------------------------------------------------------------------------------------------ searches
@@ -203,17 +212,16 @@ def test_asha_search_stops_early_and_resumes_after_ctrl_c(tmp_path):
 # -------------------------------------------------------------------- a search too small for its rungs
 
 TOO_FEW = ("searcher: max_trials 4 is too few for adaptive_asha's 5 rungs with divisor 4: keeping the best 1/4 at "
-           "each rung needs at least 256 trials (4^4); with fewer, a rung promotes from fewer than 4 trials (the first "
-           "to finish a rung always goes on), so a poor trial can train to the full length; raise searcher.max_trials "
-           "to 256, or lower searcher.max_rungs to 2")
+           "each rung needs at least 256 trials (4^4); using 2 rung(s), as Determined does; raise searcher.max_trials "
+           "to 256 for 5 rungs")
 
 
-def test_asha_warns_when_max_trials_is_too_small_for_its_rungs(tmp_path, monkeypatch, capsys):
+def test_asha_uses_the_rungs_max_trials_can_select_at_and_says_so(tmp_path, monkeypatch, capsys):
     searcher = {**ASHA, "max_trials": 4, "max_rungs": 5, "divisor": 4}
     plan = load_plan(search_config(tmp_path, searcher, max_length={"batches": 1024}))
-    assert plan.lengths == (4, 16, 64, 256, 1024) and plan.warnings == (TOO_FEW,)
+    assert plan.lengths == (256, 1024) and plan.warnings == (TOO_FEW,)
     enough = load_plan(search_config(tmp_path, {**searcher, "max_trials": 256}, max_length={"batches": 1024}))
-    assert enough.warnings == ()
+    assert enough.warnings == () and enough.lengths == (4, 16, 64, 256, 1024)
     assert load_plan(search_config(tmp_path, ASHA)).warnings == ()
     assert load_plan(ROOT / "examples" / "digits" / "search.yaml").warnings == ()  # 16 trials, 3 rungs of 3
     # Said when the search starts (no trial runs here).
@@ -228,21 +236,24 @@ def test_the_warning_asks_exactly_for_divisor_to_the_rungs_less_one(divisor):
         for trials in range(1, divisor ** 5 + 2):
             searcher = SearcherConfig(name="adaptive_asha", metric="m", max_trials=trials, divisor=divisor,
                                       max_rungs=rungs)
-            warning = asha.too_few_trials(searcher, Length(batches=divisor ** 6))
+            length = Length(batches=divisor ** 6)
+            warning = asha.too_few_trials(searcher, length)
             needed = divisor ** (rungs - 1)
             assert (warning is not None) == (trials < needed), (divisor, rungs, trials)
+            fits = asha.rungs_for(divisor, trials)  # the most rungs these trials select at
+            used = len(asha.rung_lengths(searcher, length)[1])
+            assert used == min(rungs, fits), (divisor, rungs, trials)
             if warning is not None:
-                assert f"raise searcher.max_trials to {needed}," in warning
-                fits = asha.rungs_for(divisor, trials)  # the most rungs these trials select at
+                assert f"raise searcher.max_trials to {needed} for {rungs} rungs" in warning
                 assert divisor ** (fits - 1) <= trials < divisor ** fits and fits < rungs
-                assert (f"lower searcher.max_rungs to {fits}" if fits > 1 else "searcher.name: random") in warning
+                assert f"using {fits} rung(s)" in warning
 
 
 def test_promotions_are_optunas_successive_halving(tmp_path):
     """What the warning describes, on the plan's own pruner (no trial runs): the first trial to finish a rung
     goes on however poor it is; once a rung has `divisor` results, a trial outside their best 1/divisor
     stops."""
-    plan = load_plan(search_config(tmp_path, {**ASHA, "max_trials": 5, "max_rungs": 3, "divisor": 4},
+    plan = load_plan(search_config(tmp_path, {**ASHA, "max_trials": 16, "max_rungs": 3, "divisor": 4},
                                    max_length={"batches": 16}))
     assert plan.lengths == (1, 4, 16)
     study = optuna.create_study(direction=plan.direction, pruner=plan.pruner())
@@ -261,8 +272,9 @@ def test_promotions_are_optunas_successive_halving(tmp_path):
 
 
 def test_rungs_of_a_huge_max_rungs_are_found_at_once(tmp_path):
-    plan = load_plan(search_config(tmp_path, {**ASHA, "max_rungs": 10**9}, max_length={"batches": 10}))
-    assert plan.lengths == (1, 2, 4, 10) and "using 4 rung(s)" in plan.notes[0]
+    plan = load_plan(search_config(tmp_path, {**ASHA, "max_rungs": 10**9, "max_trials": 16},
+                                   max_length={"batches": 10}))
+    assert plan.lengths == (1, 2, 5, 10) and "using 4 rung(s)" in plan.notes[0]
 
 
 def test_gpu_slots_are_the_devices_the_search_was_given(monkeypatch):

@@ -20,6 +20,7 @@ from pydantic_core import ErrorDetails
 
 from dtrain.config import safeyaml
 from dtrain.config.bounds import MAX_GLOBAL_BATCH
+from dtrain.config.determined import translate
 from dtrain.config.schema import (
     HPARAM_TYPES,
     ExperimentConfig,
@@ -38,10 +39,13 @@ _SECTION_RULE = "value_error"
 _INT_OR_FLOAT = {"int_type": int, "float_type": float}
 
 
-def check_replaced(written: dict[str, Any], overrides: list[str], source: str) -> None:
+def check_replaced(written: dict[str, Any], overrides: list[str], source: str, batch_hint: int | None = None) -> None:
     """Refuse, in one line, a value of the file (``written``: as read, before overrides) under a key that
     an override replaces, when the schema would refuse it. Call after the overridden config validated:
-    any other wrong value of the file has been refused already."""
+    any other wrong value of the file has been refused already. A Determined config is judged in dtrain's
+    vocabulary, as the config that runs is (its warning was given once already); ``batch_hint``: the
+    global batch size that runs, to convert the file's records with when the file leaves it to ``--set``."""
+    written = translate(written, source, batch_hint).raw
     replaced = _replaced(written, overrides)
     if not replaced:
         return

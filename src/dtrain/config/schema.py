@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import logging
 import math
 import re
 from pathlib import Path, PurePosixPath
@@ -36,7 +37,8 @@ from dtrain.sync.options import DEFAULT_FUSION_MB, LocalSGDOptions, ParameterSer
 
 
 class Length(Strict):
-    """A training length or period: exactly one of ``batches`` or ``epochs``."""
+    """A training length or period: exactly one of ``batches`` or ``epochs`` (a Determined config's
+    ``records`` are batches by the time the schema sees them: :mod:`dtrain.config.determined`)."""
 
     batches: int | None = Field(default=None, ge=1, le=MAX_BATCHES)
     epochs: int | None = Field(default=None, ge=1, le=MAX_EPOCHS)
@@ -176,14 +178,20 @@ class SearcherConfig(Strict):
     metric: str
     smaller_is_better: bool = True
     # Trials to sample (random, adaptive_asha); grid runs every point of its grid (at most max_trials if given).
-    max_trials: int | None = Field(default=None, ge=1)
+    max_trials: int | None = Field(default=None, ge=1, le=MAX_STEPS)
     # Training length of one trial (ASHA: of a trial that reaches the top rung); default: max_length.
     max_length: Length | None = None
     # 0: as many trials at once as the search's slots hold.
     max_concurrent_trials: int = Field(default=0, ge=0)
     # ASHA: keep the best 1/divisor at each rung; rung lengths are max_length / divisor^k.
-    divisor: int = Field(default=4, ge=2)
+    divisor: int = Field(default=4, ge=2, le=1024)
     max_rungs: int = Field(default=5, ge=1)
+    # ASHA's brackets, as Determined's: aggressive runs one (max_rungs rungs), standard and conservative also
+    # run brackets of fewer rungs, each with its share of max_trials (dtrain.search.asha). Determined's
+    # default is standard; dtrain's is one bracket (the plan's note says so).
+    mode: Literal["aggressive", "standard", "conservative"] | None = None
+    # Rungs per bracket, given explicitly (instead of mode), as Determined's bracket_rungs.
+    bracket_rungs: list[Annotated[int, Field(ge=1, le=64)]] = Field(default_factory=list, max_length=64)
 
     @model_validator(mode="after")
     def _check_trials(self) -> SearcherConfig:
@@ -230,6 +238,8 @@ class ExperimentConfig(Strict):
     profiling: Profiling = Field(default_factory=Profiling)
     sync: SyncOptions = Field(default_factory=SyncOptions)
     searcher: SearcherConfig | None = None
+    # Determined's `data`: free-form settings for loading the data, read with context.get_data_config().
+    data: dict[str, Any] = Field(default_factory=dict)
     # Folder the entrypoint module is imported from; set from the config file's location.
     code_dir: str = Field(default=".", min_length=1, max_length=4096)
 
@@ -252,6 +262,12 @@ class ExperimentConfig(Strict):
         if not (trial.isidentifier() and all(part.isidentifier() for part in module.split("."))):
             raise ValueError(f"expected 'module:TrialClass' (Python names), e.g. 'model_def:DigitsTrial', "
                              f"got {safeyaml.show(value)}")
+        return value
+
+    @field_validator("data")
+    @classmethod
+    def _plain_data(cls, value: dict[str, Any]) -> dict[str, Any]:
+        _check_plain(value, "data")
         return value
 
     @field_validator("hyperparameters")
@@ -306,12 +322,21 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
     if overrides:
         from dtrain.config.filevalues import check_replaced  # it builds on this module
 
-        check_replaced(written, overrides, source)
+        check_replaced(written, overrides, source, config.global_batch_size)
     return config
 
 
-def config_from_dict(raw: dict[str, Any], source: str = "config") -> ExperimentConfig:
-    """Validate a plain mapping (as read from YAML) into an :class:`ExperimentConfig`."""
+def config_from_dict(raw: dict[str, Any], source: str = "config", warn: bool = True) -> ExperimentConfig:
+    """Validate a plain mapping (as read from YAML) into an :class:`ExperimentConfig`. A Determined experiment
+    config is read as it is (:mod:`dtrain.config.determined`); ``warn``: log the one line naming the
+    Determined keys it ignored."""
+    from dtrain.config.determined import translate
+
+    translation = translate(raw, source)
+    raw = translation.raw
+    warning = translation.warning(source)
+    if warn and warning is not None:
+        logging.getLogger(__name__).warning("%s", warning)
     _reject_unknown_keys(raw, ExperimentConfig, prefix="", source=source)
     try:
         return ExperimentConfig.model_validate(raw)

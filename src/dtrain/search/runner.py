@@ -91,7 +91,7 @@ class Search:
                 self._tell(ft.number, ft.intermediate_values[last])
                 done += 1
             else:
-                self.queue.append((ft.number, self.plan.next_length(last)))
+                self.queue.append((ft.number, self.plan.next_length(last, ft.number)))
         return done
 
     def _trial(self, number: int) -> optuna.trial.Trial:
@@ -163,7 +163,7 @@ class Search:
                 self.study.tell(n, state=TrialState.PRUNED)
                 self.progress.event(f"trial {n} stopped: {shown}")
             else:
-                nxt = self.plan.next_length(seg.target)
+                nxt = self.plan.next_length(seg.target, n)
                 self.queue.appendleft((n, nxt))
                 self.progress.event(f"trial {n} promoted to {nxt} {self.plan.unit}: {shown}")
             return
@@ -215,7 +215,8 @@ class Search:
             if self.queue:
                 number, target = self.queue.popleft()
             elif len(self.study.get_trials(deepcopy=False)) < self.plan.max_trials:
-                number, target = self._ask(), self.plan.lengths[0]
+                number = self._ask()
+                target = self.plan.lengths_of(number)[0]
             else:
                 return
             slots = self.pool.take()
@@ -320,7 +321,7 @@ def run_search(config: Path | None, out: Path | None, resume: Path | None, slots
     start = time.perf_counter()
     with _locked(out), _sigterm_as_interrupt():
         search = Search(plan, out, slots, gpus)
-        lengths = ", ".join(str(n) for n in plan.lengths)
+        lengths = plan.rungs_text()
         print(f"dtrain search: {plan.searcher.name}, {plan.max_trials} trial(s), {search.concurrent} at a time "
               f"on {slots} slot(s); {plan.searcher.metric} at {lengths} {plan.unit}; directory {out}", flush=True)
         for note in plan.notes:

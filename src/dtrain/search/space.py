@@ -18,7 +18,7 @@ from __future__ import annotations
 import copy
 import difflib
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,6 +27,7 @@ import numpy as np
 import optuna
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from dtrain.config.determined import translate
 from dtrain.config.filevalues import check_replaced
 from dtrain.config.schema import (
     HPARAM_TYPES,
@@ -37,7 +38,7 @@ from dtrain.config.schema import (
     config_from_dict,
 )
 from dtrain.errors import ConfigError
-from dtrain.search.asha import rung_lengths, too_few_trials
+from dtrain.search.asha import Brackets, brackets, too_few_trials
 
 Scalar = str | int | float | bool | None  # what Optuna can store as a categorical choice
 
@@ -259,20 +260,68 @@ class _GridSampler(optuna.samplers.GridSampler):
         return None
 
 
+class _BracketView:
+    """The trials of one ASHA bracket, as Optuna's successive halving reads a study: each bracket selects
+    among its own trials only (Optuna's HyperbandPruner filters its brackets the same way)."""
+
+    def __init__(self, study: optuna.Study, keep: Callable[[int], bool]) -> None:
+        self._study, self._keep = study, keep
+
+    @property
+    def direction(self) -> optuna.study.StudyDirection:
+        return self._study.direction
+
+    @property
+    def _storage(self) -> Any:  # where the pruner records a trial's completed rungs
+        return self._study._storage
+
+    def get_trials(self, deepcopy: bool = True, states: Any = None) -> list[optuna.trial.FrozenTrial]:
+        return [t for t in self._study.get_trials(deepcopy=deepcopy, states=states) if self._keep(t.number)]
+
+
+class _RungPruner(optuna.pruners.BasePruner):
+    """Optuna's ``SuccessiveHalvingPruner`` on rung numbers: a report at the end of rung k (its length in the
+    plan, Determined's ``max_length // divisor ** (r - 1 - k)``) is shown to it at step ``divisor ** k``,
+    where it looks for rung k; among the trials of the same bracket only."""
+
+    def __init__(self, plan: SearchPlan) -> None:
+        self._plan = plan
+        self._halving = optuna.pruners.SuccessiveHalvingPruner(min_resource=1, reduction_factor=plan.searcher.divisor,
+                                                               min_early_stopping_rate=0)
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        lengths, step = self._plan.lengths_of(trial.number), trial.last_step
+        if step is None or step not in lengths:
+            return False
+        shown = copy.copy(trial)
+        rung = lengths.index(step)
+        shown.intermediate_values = {self._plan.searcher.divisor ** rung: trial.intermediate_values[step]}
+        brackets = self._plan.brackets
+        if len(brackets.trials) == 1:
+            return self._halving.prune(study, shown)
+        mine = brackets.of(trial.number)
+        return self._halving.prune(_BracketView(study, lambda n: brackets.of(n) == mine), shown)  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True)
 class SearchPlan:
     """Everything a search needs to know before its first trial, checked once."""
 
-    raw: dict[str, Any]  # the config as written, overrides applied, code_dir made absolute
+    raw: dict[str, Any]  # the config in dtrain's vocabulary, overrides applied, code_dir made absolute
     source: str
     config: ExperimentConfig  # validated with a value inside every range
     searcher: SearcherConfig
     space: SearchSpace
     unit: Literal["batches", "epochs"]
-    lengths: tuple[int, ...]  # training length at each rung end, in `unit`; the last: a full trial
+    lengths: tuple[int, ...]  # rung ends of the first bracket (the most rungs), in `unit`; the last: a full trial
     max_trials: int
     notes: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()  # said at the start of the search, as the notes are, but louder
+    brackets: Brackets | None = None  # every bracket's rungs and trials (None: one bracket, `lengths`)
+
+    def __post_init__(self) -> None:
+        if self.brackets is None:
+            object.__setattr__(self, "brackets", Brackets(self.unit, (self.lengths,), (self.max_trials,)))
 
     @property
     def direction(self) -> str:
@@ -280,11 +329,25 @@ class SearchPlan:
 
     @property
     def is_asha(self) -> bool:
-        return len(self.lengths) > 1
+        return any(len(lengths) > 1 for lengths in self.brackets.lengths)  # type: ignore[union-attr]
 
-    def next_length(self, done: int | None) -> int:
-        """The length a trial trains to next, given the length of its last reported rung (None: none yet)."""
-        return next(n for n in self.lengths if done is None or n > done)
+    def lengths_of(self, number: int) -> tuple[int, ...]:
+        """The rung ends of trial ``number``'s bracket."""
+        return self.brackets.lengths[self.brackets.of(number)]  # type: ignore[union-attr]
+
+    def next_length(self, done: int | None, number: int = 0) -> int:
+        """The length trial ``number`` trains to next, given the length of its last reported rung (None: none
+        yet)."""
+        return next(n for n in self.lengths_of(number) if done is None or n > done)
+
+    def rungs_text(self) -> str:
+        """The rung ends, bracket by bracket: "3, 9, 27" or "3, 9, 27 (11 trials) | 9, 27 (5 trials)"."""
+        b = self.brackets
+        assert b is not None
+        if len(b.trials) == 1:
+            return ", ".join(map(str, b.lengths[0]))
+        return " | ".join(f"{', '.join(map(str, ls))} ({n} trial{'s' if n != 1 else ''})"
+                          for ls, n in zip(b.lengths, b.trials, strict=True))
 
     def trial_config(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """A plain ``dtrain run`` config: single hyperparameter values, the full length, no searcher."""
@@ -309,10 +372,7 @@ class SearchPlan:
     def pruner(self) -> optuna.pruners.BasePruner:
         if not self.is_asha:
             return optuna.pruners.NopPruner()
-        # Rung k ends at lengths[0] * divisor^k, exactly where Optuna's successive halving looks.
-        return optuna.pruners.SuccessiveHalvingPruner(min_resource=self.lengths[0],
-                                                      reduction_factor=self.searcher.divisor,
-                                                      min_early_stopping_rate=0)
+        return _RungPruner(self)
 
 
 def load_plan(path: Path, overrides: list[str] | None = None) -> SearchPlan:
@@ -324,17 +384,21 @@ def load_plan(path: Path, overrides: list[str] | None = None) -> SearchPlan:
     raw.setdefault("code_dir", str(path.resolve().parent))
     plan = plan_from_raw(raw, str(path))
     if overrides:  # as dtrain run: the file's own values, where --set replaces them, must be valid too
-        check_replaced(written, overrides, str(path))
+        check_replaced(written, overrides, str(path), plan.config.global_batch_size)
     return plan
 
 
 def plan_from_raw(raw: dict[str, Any], source: str) -> SearchPlan:
+    """The plan of a search config; a Determined config is read in dtrain's vocabulary first (the plan keeps
+    that form: trials never see Determined's keys), its ignored keys named in one of the plan's warnings."""
+    translation = translate(raw, source)
+    raw, ignored = translation.raw, translation.warning(source)
     hparams = raw.get("hyperparameters")
     if not isinstance(hparams, dict):
         raise ConfigError(f"{source}: hyperparameters must be a mapping with at least global_batch_size; "
                           f"got {type(hparams).__name__}")
     space = SearchSpace.parse(hparams, source)
-    config = config_from_dict({**raw, "hyperparameters": space.example()}, source)
+    config = config_from_dict({**raw, "hyperparameters": space.example()}, source, warn=False)
     searcher = config.searcher
     if searcher is None:
         raise ConfigError(f"{source}: no 'searcher' section; add one, e.g. searcher: {{name: random, "
@@ -344,9 +408,12 @@ def plan_from_raw(raw: dict[str, Any], source: str) -> SearchPlan:
                           "trial would write its checkpoints to the same place; use a relative path (each trial's "
                           "run directory holds its own)")
     length = searcher.max_length or config.max_length
-    unit, lengths, note = rung_lengths(searcher, length)
-    notes: list[str] = [note] if note else []
-    too_few = too_few_trials(searcher, length)
+    plan_brackets = brackets(searcher, length)
+    notes: list[str] = [plan_brackets.note] if plan_brackets.note else []
+    if searcher.name == "adaptive_asha" and searcher.mode is None and not searcher.bracket_rungs:
+        notes.append("searcher.mode not given: one bracket of ASHA (mode aggressive); Determined's default, "
+                     "standard, also runs brackets of fewer rungs: set searcher.mode: standard for that")
+    warnings = [w for w in (ignored, too_few_trials(searcher, length)) if w]
     if searcher.name == "grid":
         points = math.prod(len(v) for v in space.grid(source).values())
         max_trials = min(points, searcher.max_trials or points)
@@ -355,6 +422,6 @@ def plan_from_raw(raw: dict[str, Any], source: str) -> SearchPlan:
     elif searcher.name == "single":
         max_trials = 1
     else:
-        max_trials = int(searcher.max_trials)  # type: ignore[arg-type]
-    return SearchPlan(raw, source, config, searcher, space, unit, lengths, max_trials, tuple(notes),
-                      (too_few,) if too_few else ())
+        max_trials = sum(plan_brackets.trials)  # max_trials, but a bracket always has a trial
+    return SearchPlan(raw, source, config, searcher, space, plan_brackets.unit, plan_brackets.lengths[0], max_trials,
+                      tuple(notes), tuple(warnings), plan_brackets if searcher.name == "adaptive_asha" else None)

@@ -135,6 +135,8 @@ def write_outputs(study: Any, plan: SearchPlan, out: Path, wall_seconds: float) 
     result = {
         "searcher": s.name, "metric": s.metric, "smaller_is_better": s.smaller_is_better,
         "unit": plan.unit, "rungs": list(plan.lengths), "max_trials": plan.max_trials,
+        "brackets": [{"rungs": list(ls), "trials": n} for ls, n in zip(plan.brackets.lengths,  # type: ignore[union-attr]
+                                                                        plan.brackets.trials, strict=True)],
         "total_batches": sum(r["batches"] or 0 for r in rows),
         "best": None if best is None else {k: best[k] for k in ("trial", "hyperparameters", "value", "batches")},
         "wall_seconds_last_invocation": wall_seconds,
@@ -188,7 +190,7 @@ def render_html(result: dict[str, Any], rows: list[dict[str, Any]], plan: Search
     names = list(plan.space.searched)
     facts = [("searcher", plan.searcher.name), ("metric", f"{plan.searcher.metric} "
              f"({'smaller' if plan.searcher.smaller_is_better else 'larger'} is better)"),
-             ("trials", str(len(rows))), ("rung lengths", ", ".join(f"{n} {plan.unit}" for n in plan.lengths)),
+             ("trials", str(len(rows))), ("rung lengths", f"{plan.rungs_text()} {plan.unit}"),
              ("batches trained, all trials", f"{result['total_batches']:,}"),
              ("best", "none completed" if best is None else f"trial {best['trial']}: {_fmt(best['value'])}"),
              ("written", time.strftime("%Y-%m-%d %H:%M:%S"))]
