@@ -120,7 +120,9 @@ def test_a_context_that_fails_leaves_no_group_and_is_not_blamed_on_the_trial(tmp
         tdist.init_process_group("gloo", store=tdist.HashStore(), rank=0, world_size=1)
         raise RuntimeError("Gloo: no usable network interface\nmore detail")
 
-    monkeypatch.setattr(dryrun, "TrialContext", failing_context)
+    from dtrain.engine.trial import PyTorchTrial
+
+    monkeypatch.setattr(PyTorchTrial, "context_class", failing_context)  # the context the dry run builds
     _one_line_error(_check(tiny_config(tmp_path)), "making a one-process group to build the trial in (each worker "
                     "of dtrain run makes one too) failed with RuntimeError: Gloo: no usable network interface at ")
     assert not tdist.is_initialized()

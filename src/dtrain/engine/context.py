@@ -38,6 +38,7 @@ from dtrain.sync.base import SyncStrategy
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=nn.Module)
 _NOTHING = contextlib.nullcontext()  # reusable: holds no state
+Clip = float | Callable[[list[torch.Tensor]], Any] | None  # a max gradient norm, or a function of the parameters
 
 
 @contextlib.contextmanager
@@ -75,6 +76,7 @@ class DistributedContext:
         self.max_nonfinite_skips = opts.max_nonfinite_skips if opts is not None else 0
         self.nonfinite_skipped = False  # whether the last optimizer step was skipped for non-finite gradients
         self.nonfinite_in_row = 0
+        self.zero_grads = True  # False: the trial zeroes gradients itself (Determined's auto_zero_grads=False)
         self.strategy: SyncStrategy = registry.build(config, self.device,
                                                      self.timer.recorder if profile else NULL_RECORDER)
         if profile and hasattr(self.strategy, "timing"):
@@ -248,10 +250,11 @@ class DistributedContext:
         self.timer.exchanging = sync  # only exchanging steps tell how late each rank arrives
         return _NOTHING if sync else _no_sync(self.strategy, self.models)
 
-    def step_optimizer(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None = None) -> None:
-        """Optional gradient clipping, ``optimizer.step()`` and ``zero_grad``: only on the last batch of an
-        aggregation group (every batch when ``aggregation_frequency`` is 1). With ``16-mixed``, gradients
-        are unscaled first and a step that overflowed on any rank is skipped on every rank."""
+    def step_optimizer(self, optimizer: torch.optim.Optimizer, clip_grad_norm: Clip = None) -> None:
+        """Optional gradient clipping (a max norm, or a callable given the parameters), ``optimizer.step()``
+        and ``zero_grad``: only on the last batch of an aggregation group (every batch when
+        ``aggregation_frequency`` is 1). With ``16-mixed``, gradients are unscaled first and a step that
+        overflowed on any rank is skipped on every rank."""
         self.step_optimizer_calls += 1
         if not self.sync_gradients:
             return
@@ -271,7 +274,7 @@ class DistributedContext:
             self.timer.lap("optimizer")
         STATUS.enter(before)
 
-    def _exchange_and_update(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None) -> None:
+    def _exchange_and_update(self, optimizer: torch.optim.Optimizer, clip_grad_norm: Clip) -> None:
         """For strategies that communicate around the update (parameter server, local SGD, explicit
         all-reduce): each exchange is timed as exposed communication."""
         timer, strategy, precision = self.timer, self.strategy, self.precision
@@ -291,7 +294,8 @@ class DistributedContext:
         STATUS.enter("weight sync")
         strategy.after_step(optimizer)  # before zero_grad: torch's averager skips grad-less params
         timer.lap("comm_exposed")
-        optimizer.zero_grad(set_to_none=True)
+        if self.zero_grads:
+            optimizer.zero_grad(set_to_none=True)
         timer.lap("optimizer")
 
     def _local_skip(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -302,19 +306,23 @@ class DistributedContext:
             return self._skip_nonfinite(optimizer)
         return False
 
-    def _update(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None) -> None:
+    def _update(self, optimizer: torch.optim.Optimizer, clip_grad_norm: Clip) -> None:
         """The update of a strategy whose gradients were exchanged in backward (its hooks still called)."""
         strategy = self.strategy
         strategy.exchange_gradients(optimizer)
         self._apply(optimizer, clip_grad_norm, self._local_skip(optimizer))
         strategy.after_step(optimizer)
-        optimizer.zero_grad(set_to_none=True)
+        if self.zero_grads:
+            optimizer.zero_grad(set_to_none=True)
 
-    def _apply(self, optimizer: torch.optim.Optimizer, clip_grad_norm: float | None, skip: bool) -> None:
+    def _apply(self, optimizer: torch.optim.Optimizer, clip_grad_norm: Clip, skip: bool) -> None:
         """Clip, step unless skipped, and let the loss scaler adapt."""
         if clip_grad_norm is not None:
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+            if callable(clip_grad_norm):
+                clip_grad_norm(params)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
         if not skip:
             self.strategy.step(optimizer)
         self.precision.update()
@@ -426,6 +434,7 @@ class TrialContext(DistributedContext):
 
     default_step_mode = schedulers.StepMode.STEP_EVERY_BATCH
     _loop_steps_schedulers = True
+    run_dir: Path | None = None  # the run's directory, once the loop is given one
 
     def __init__(self, config: ExperimentConfig) -> None:
         super().__init__(backend=config.backend, timeout_seconds=config.resources.collective_timeout_seconds,

@@ -48,6 +48,8 @@ def checked_metrics(metrics: Mapping[str, Any]) -> dict[str, torch.Tensor | floa
     """A step's metrics checked once (see :func:`_checked`), for both the non-finite watch and the
     accumulator: the trainer reads a CPU loss on the host once per step, not once per consumer."""
     if type(metrics) is not dict and not isinstance(metrics, Mapping):  # the ABC check only when not a dict
+        if isinstance(metrics, torch.Tensor):  # a bare loss, as Determined's train_batch may return
+            return {"loss": _checked("loss", metrics)}
         raise UserError(f"train_batch returned a {type(metrics).__name__}; return a dict of scalar metrics, "
                         "e.g. {'loss': loss}")
     return {name: _checked(name, value) for name, value in metrics.items()}

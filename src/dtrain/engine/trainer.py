@@ -9,13 +9,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import torch
-
 from dtrain.config.schema import ExperimentConfig
 from dtrain.dist import all_hostnames
 from dtrain.engine import data, schedulers
 from dtrain.engine.callbacks import Callbacks
 from dtrain.engine.context import TrialContext
+from dtrain.engine.evaluation import Validation
 from dtrain.engine.firstbatch import check_first_batch, warn_unread_hyperparameters
 from dtrain.engine.metrics import (
     MeanAccumulator,
@@ -43,8 +42,24 @@ log = logging.getLogger(__name__)
 def run_trial(config: ExperimentConfig, run_dir: Path, resume_from: Path | None, quiet: bool) -> dict[str, Any]:
     """Build the trial on this slot, restore if asked, train to ``max_length``; returns the summary."""
     seed_everything(config.seed)  # identical initial weights on every slot (and DDP broadcasts rank 0's)
-    context = TrialContext(config)
-    trial = load_trial_class(config.entrypoint, config.code_dir)(context)
+    trial_class = load_trial_class(config.entrypoint, config.code_dir)
+    context = trial_class.context_class(config)  # TrialContext, or the trial's own subclass of it
+    context.run_dir = run_dir
+    trial = trial_class(context)
+    summary = fit_trial(context, trial, config, run_dir, resume_from, quiet)
+    # Not on failure: leaving the process group closes this rank's connections, and its peers would fail
+    # ("connection reset") and be reported before this rank had written why it failed. A failing worker
+    # writes its report first, then exits, which closes them (dtrain.engine.worker).
+    del trial
+    context.close()  # after the trial and its wrapped models are gone
+    return summary
+
+
+def fit_trial(context: TrialContext, trial: PyTorchTrial, config: ExperimentConfig, run_dir: Path,
+              resume_from: Path | None, quiet: bool, validate_first: bool = False) -> dict[str, Any]:
+    """Train a trial built on ``context`` (seeded alike on every slot) to ``config.max_length``, from
+    ``resume_from`` if given (``validate_first``: a validation before training); returns the summary. The
+    context stays open."""
     # Stochastic layers (dropout) must differ between slots, as they would between samples of one batch.
     seed_everything(config.seed + 7919 * context.rank)
     trainer = Trainer(context, trial, config, run_dir, quiet)
@@ -52,13 +67,9 @@ def run_trial(config: ExperimentConfig, run_dir: Path, resume_from: Path | None,
         trainer.restore(resume_from)
     elif trainer.writer is not None:
         truncate_metrics(trainer.writer.path, 0)  # a run started over in place: its old records go
-    summary = trainer.fit()
-    # Not on failure: leaving the process group closes this rank's connections, and its peers would fail
-    # ("connection reset") and be reported before this rank had written why it failed. A failing worker
-    # writes its report first, then exits, which closes them (dtrain.engine.worker).
-    del trainer, trial
-    context.close()  # after the trial and its wrapped models are gone
-    return summary
+    if validate_first:
+        trainer._validate()
+    return trainer.fit()
 
 
 def _next_boundary(period: int | None, after: int) -> int:
@@ -98,11 +109,11 @@ class Trainer:
         self.global_batch = context.get_global_batch_size()
         workers = config.data_loader.num_workers
         train_set = trial.build_training_data()
-        self.loader = context.loader(train_set, self.per_slot, split="train", num_workers=workers)
+        self.loader = context.loader(train_set, self.per_slot, split="train",
+                                     **{"num_workers": workers, **trial.loader_options("train")})
         self.sampler: data.ResumableDistributedSampler = self.loader.sampler  # type: ignore[assignment]
-        val_set = trial.build_validation_data()
-        self.val_loader = (context.loader(val_set, self.per_slot, split="eval", num_workers=workers)
-                           if val_set is not None else None)
+        self.validation = Validation(trial, context, trial.build_validation_data(), self.per_slot,
+                                     {"num_workers": workers, **trial.loader_options("eval")})
         self.feeder = data.DeviceFeeder(context.device)
         self._fetch: Any = None  # the next batch, set when an epoch's iteration starts
         self.synthetic_batch: Any = None
@@ -234,7 +245,7 @@ class Trainer:
         self._read_report()
         self._close_window()
         strategy.refresh()
-        if self.val_loader is not None and last_val != self.batches:
+        if self.validation.enabled and last_val != self.batches:
             self._validate()
         if last_ckpt != self.batches:
             self._checkpoint()  # a final checkpoint is always written
@@ -404,21 +415,12 @@ class Trainer:
 
     def _validate(self) -> None:
         self._read_report("before validation")  # the training record comes first
-        if self.val_loader is None:
+        if not self.validation.enabled:
             return
         STATUS.enter("validation")
         start = synchronized_now(self.ctx.device)
         self.callbacks.on_validation_start()
-        for model in self.ctx.models:
-            model.eval()
-        acc = MeanAccumulator()
-        with torch.no_grad():
-            for i, batch in enumerate(self.val_loader):
-                metrics = self.trial.evaluate_batch(self.ctx.to_device(batch), i)
-                acc.add(metrics, weight=data.batch_size_of(batch))  # exact: sums over records, not mean of means
-        for model in self.ctx.models:
-            model.train()
-        self.last_validation = acc.global_means(self.ctx.strategy.dp_group)
+        self.last_validation = self.validation.run()
         self.callbacks.on_validation_end(self.last_validation)
         self._excluded(start, "validation_seconds")
         if self.writer is not None:

@@ -6,10 +6,11 @@ import contextlib
 import importlib
 import sys
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
+from dtrain.engine import data
 from dtrain.engine.callbacks import LoopCallback
 from dtrain.engine.context import TrialContext
 from dtrain.errors import ConfigError
@@ -23,6 +24,10 @@ class PyTorchTrial(ABC):
     ``context.backward(loss)`` and ``context.step_optimizer(opt)`` and return metrics. To act at the loop's
     hooks (epochs, steps, validation, checkpoints), return callbacks from ``build_callbacks``.
     """
+
+    # The context class dtrain builds for this trial (a subclass of TrialContext adds an API of its own, as
+    # dtrain.determined's PyTorchTrialContext does).
+    context_class: ClassVar[type[TrialContext]] = TrialContext
 
     def __init__(self, context: TrialContext) -> None:
         self.context = context
@@ -42,6 +47,22 @@ class PyTorchTrial(ABC):
     def evaluate_batch(self, batch: Any, batch_idx: int) -> dict[str, Any]:
         """Metrics for one validation batch, as means over its records (dtrain weights them exactly)."""
         raise NotImplementedError("override evaluate_batch to validate")
+
+    def evaluate_full_dataset(self, data_loader: DataLoader) -> dict[str, Any]:
+        """Instead of ``evaluate_batch``: metrics over the whole validation set, computed by the first slot
+        alone from an unsharded loader (the other slots wait) and handed to every slot. Overriding it
+        selects it."""
+        raise NotImplementedError("override evaluate_full_dataset or evaluate_batch to validate")
+
+    def get_batch_length(self, batch: Any) -> int:
+        """Records in a validation batch (weights its metrics); override for batch types without a leading
+        tensor dimension."""
+        return data.batch_size_of(batch)
+
+    def loader_options(self, split: str) -> dict[str, Any]:
+        """Extra DataLoader options for the ``"train"`` or ``"eval"`` loader (``collate_fn``, ``num_workers``,
+        ...: see :meth:`TrialContext.loader`); dtrain still shards and batches."""
+        return {}
 
     def build_callbacks(self) -> dict[str, LoopCallback]:
         """Callbacks the loop calls at its hooks (:class:`dtrain.LoopCallback`), by name: a callback's name

@@ -68,11 +68,12 @@ def check_trial_data(config: ExperimentConfig, training_slots: int, per_slot: in
     is None."""
     built = False  # past the context: what fails from then on is the trial's own code
     try:
-        with _world_of_one(config) as context:
+        trial_class = load_trial_class(config.entrypoint, config.code_dir)
+        with _world_of_one(config, trial_class.context_class) as context:
             built = True
             # A rank of the real run is handed its share of the global batch, not the world of one's.
             context.per_slot_batch_size = per_slot
-            trial = load_trial_class(config.entrypoint, config.code_dir)(context)
+            trial = trial_class(context)
             try:
                 return _check(trial, context, config, training_slots, per_slot)
             finally:
@@ -119,7 +120,7 @@ def _dry_config(config: ExperimentConfig) -> ExperimentConfig:
 
 
 @contextlib.contextmanager
-def _world_of_one(config: ExperimentConfig) -> Iterator[TrialContext]:
+def _world_of_one(config: ExperimentConfig, context_class: type[TrialContext] = TrialContext) -> Iterator[TrialContext]:
     """A TrialContext over a one-rank process group, seeded as :func:`dtrain.engine.trainer.run_trial` seeds
     it; on leaving, the group is destroyed and the thread count and RNG states are as they were."""
     dry = _dry_config(config)
@@ -129,7 +130,7 @@ def _world_of_one(config: ExperimentConfig) -> Iterator[TrialContext]:
     try:
         with torch.random.fork_rng(devices=devices):
             seed_everything(config.seed)
-            yield TrialContext(dry)
+            yield context_class(dry)  # the trial's own context type, as run_trial builds it
     finally:
         # Not TrialContext.close(): its garbage collection and pause (a fifth of a second) let a DDP reducer
         # die before Gloo's threads are joined, and in a world of one every strategy leaves the models
