@@ -167,3 +167,82 @@ def test_evaluate_full_dataset_runs_on_the_chief_and_a_trial_can_stop_every_slot
     stopped = json.loads((tmp_path / "stopped" / "logs" / "stopped.json").read_text())["batch"]
     assert 10 <= stopped < 24  # every slot stopped after the same batch, with a checkpoint there
     assert (tmp_path / "stopped" / "checkpoints" / "latest").read_text().strip() == str(stopped)
+
+
+# The same experiment as CONFIG, as a Determined user wrote it: lengths in records, the launch layer's
+# entrypoint, cluster settings dtrain ignores (named in one warning line), Determined's seed key.
+DETERMINED_YAML = """\
+name: det
+description: the trial above, as Determined ran it
+labels: [tests]
+workspace: Research
+project: dtrain
+data:
+  train_size: 128
+hyperparameters:
+  global_batch_size: 16
+  hidden: {type: const, val: 16}
+  lr: 0.05
+  out: OUT
+records_per_epoch: 128
+searcher:
+  name: single
+  metric: mse
+  smaller_is_better: true
+  max_length:
+    records: 384
+min_validation_period:
+  records: 128
+min_checkpoint_period:
+  batches: 8
+scheduling_unit: 8
+resources:
+  slots_per_trial: 2
+  resource_pool: cpu-pool
+environment:
+  image: determinedai/pytorch-ngc:0.35.0
+bind_mounts:
+  - host_path: /data
+    container_path: /data
+checkpoint_storage:
+  type: s3
+  bucket: checkpoints
+  save_trial_latest: 2
+reproducibility:
+  experiment_seed: 3
+entrypoint: python3 -m determined.launch.torch_distributed --trial determined_mlp:DetMLP
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_determined_experiment_yaml_runs_unchanged_and_trains_as_dtrains_own(det_runs, tmp_path, caplog):
+    shutil.copy(TRIALS / "determined_mlp.py", tmp_path / "determined_mlp.py")
+    cfg = tmp_path / "const.yaml"
+    cfg.write_text(DETERMINED_YAML.replace("OUT", str(tmp_path)))
+    result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "run"), "--quiet",
+                            "--set", "profiling.enabled=false")
+    assert result.code == 0, result.stderr
+    ignored = [r.getMessage() for r in caplog.records if "Determined settings without effect" in r.getMessage()]
+    assert len(ignored) == 1 and "environment" in ignored[0] and "bind_mounts" in ignored[0], caplog.text
+    a, b = final_weights(det_runs(2)), final_weights(tmp_path / "run")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert records(tmp_path / "run") == records(det_runs(2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_determined_adaptive_search_runs_unchanged(tmp_path):
+    shutil.copy(TRIALS / "determined_mlp.py", tmp_path / "determined_mlp.py")
+    search = DETERMINED_YAML.replace("OUT", str(tmp_path)).replace(
+        "  lr: 0.05\n", "  lr: {type: log, minval: -2.0, maxval: -0.5, base: 10}\n").replace(
+        "  name: single\n", "  name: adaptive_asha\n  max_trials: 2\n  max_rungs: 2\n  divisor: 2\n"
+                           "  max_concurrent_trials: 1\n")
+    cfg = tmp_path / "adaptive.yaml"
+    cfg.write_text(search)
+    out = tmp_path / "search"
+    result = cli_in_process("search", str(cfg), "--out", str(out), "--slots", "2")
+    assert result.code == 0, result.stderr
+    best = yaml.safe_load((out / "best.yaml").read_text())
+    assert 10 ** -2.0 <= best["hyperparameters"]["lr"] <= 10 ** -0.5
