@@ -109,8 +109,11 @@ class Trainer:
         self.global_batch = context.get_global_batch_size()
         workers = config.data_loader.num_workers
         train_set = trial.build_training_data()
+        # Loader processes live through the run: started again every epoch, each epoch's first batches waited
+        # for their start-up and first load, which on short epochs cost more than they hid.
         self.loader = context.loader(train_set, self.per_slot, split="train",
-                                     **{"num_workers": workers, **trial.loader_options("train")})
+                                     **{"num_workers": workers, "persistent_workers": workers > 0,
+                                        **trial.loader_options("train")})
         self.sampler: data.ResumableDistributedSampler = self.loader.sampler  # type: ignore[assignment]
         self.validation = Validation(trial, context, trial.build_validation_data(), self.per_slot,
                                      {"num_workers": workers, **trial.loader_options("eval")})
