@@ -38,13 +38,20 @@ def setup_logging(run_dir: Path, env: DistEnv, quiet: bool) -> None:
 
 
 def resume_point(run_dir: Path, ckpt_path: str, resume_from: Path | None, env: DistEnv) -> Path | None:
-    """After an elastic restart, continue from this run's newest checkpoint; else from ``--resume-from``."""
-    if env.restart_count > 0:
-        own = checkpoint.latest(run_dir / ckpt_path)
-        if own is not None:
-            log.warning("restart %d: resuming from %s", env.restart_count, own)
-            return own
-    return resume_from
+    """This run's newest checkpoint, else ``--resume-from``.
+
+    A run directory holds no checkpoint when its job starts, except the one it resumes in place (the
+    launcher refuses any other): a newer one was written by this very job, before an elastic restart or a
+    membership change. A node that joined the job later, whose agent has not restarted, resumes from it as
+    well. Every worker of the job has stopped before any worker of the next world starts, so it is complete.
+    """
+    own = checkpoint.latest(run_dir / ckpt_path)
+    if own is None or (resume_from is not None and own.resolve() == resume_from.resolve()):
+        return resume_from
+    if env.is_chief:
+        log.warning("continuing this run from its own checkpoint %s (restart %d, world size %d)", own,
+                    env.restart_count, env.world_size)
+    return own
 
 
 def _log_to_file_only() -> None:
@@ -70,7 +77,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = load_config(args.run_dir / "config.yaml")
         resume = resume_point(args.run_dir, config.checkpoint_storage.path, args.resume_from, env)
-        run_trial(config, args.run_dir, resume, args.quiet)
+        summary = run_trial(config, args.run_dir, resume, args.quiet)
+        # For the launcher (an elastic job's agent): stopped at an agreed batch, or finished.
+        stopped = summary.get("stopped_at") if isinstance(summary, dict) else None
+        watchdog.STATUS.enter("stopped" if stopped is not None else "finished", stopped)
+        watchdog.publish_now()
     except UserError as exc:
         # Bad input found inside a worker (e.g. the trial's data): one line from the launcher, exit 2.
         _log_to_file_only()

@@ -9,10 +9,13 @@ starts each node's agent with what the join settled (:class:`~dtrain.launcher.jo
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
+import signal
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,8 +30,9 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtrain.engine import watchdog
 from dtrain.engine.failures import Failure, read_reports
-from dtrain.launcher import cpu, forkstart
+from dtrain.launcher import cpu, forkstart, membership
 from dtrain.launcher.culprit import read_statuses, root_cause
+from dtrain.launcher.elastic import ElasticSetup, JobStopped, Left, launch_elastic
 from dtrain.launcher.join import JoinError, NodeLaunch
 from dtrain.launcher.supervise import Stopped, Supervisor
 
@@ -49,6 +53,8 @@ class LaunchOptions:
     grace_seconds: float = 30.0
     # torch threads per worker (None: dtrain.launcher.cpu.for_run's rule, which respects the user's OMP_NUM_THREADS).
     threads: int | None = None
+    # Where the run's checkpoints go (an elastic job records each membership change against them).
+    checkpoints: Path | None = None
 
 
 def _quiet_agent(debug: bool) -> None:
@@ -124,18 +130,35 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
         signals_to_handle="SIGHUP,SIGQUIT",
         **rdzv,
     )
-    with _status_dir(options.run_dir) as status_dir:
+    elastic = _is_elastic(options)
+    started = time.time()
+    # A node joining a running job leaves the running ranks' statuses alone.
+    with _status_dir(options.run_dir, keep=nodes is not None and nodes.late) as status_dir:
         # Workers die with this process (watchdog.die_with_launcher) and publish where they are here.
         os.environ[watchdog.LAUNCHER_PID_ENV] = str(os.getpid())
         os.environ[watchdog.STATUS_DIR_ENV] = str(status_dir)
+        # An elastic node that is signalled leaves the job: the other nodes count it before they meet again.
+        leaving = functools.partial(membership.note_leaving, status_dir, nodes.log_name, nodes.is_host) \
+            if elastic and nodes is not None else None
         try:
-            with Supervisor(options.grace_seconds, options.clean_stop, status_dir) as supervisor:
+            with Supervisor(options.grace_seconds, options.clean_stop, status_dir, on_signal=leaving) as supervisor:
                 try:
                     with forkstart.forking() if fork else contextlib.nullcontext():
-                        elastic_launch(config, entrypoint)(*argv)
+                        if elastic:
+                            launch_elastic(config, entrypoint, argv, _setup(options, status_dir, supervisor))
+                        else:
+                            elastic_launch(config, entrypoint)(*argv)
                 except ChildFailedError as exc:
                     if supervisor.signum is None:
                         return _root_cause(exc, status_dir, options.slots if nodes is None else None)
+                except Left:  # the others go on, unless this node served the rendezvous (then they stop too)
+                    raise Stopped(supervisor.signum or signal.SIGTERM, left=nodes is not None and not nodes.is_host) \
+                        from None
+                except JobStopped as exc:
+                    if _finished_since(options.run_dir, started):  # it ended while this node came to join it
+                        logging.getLogger("dtrain").warning("the job finished before this node could join it")
+                        return None
+                    return Failure(0, 1, f"the job stopped: {exc}", user_error=False, standalone=True)
                 except SignalException as exc:  # the agent stopped the workers (SIGHUP, SIGQUIT, or no grace left)
                     raise Stopped(int(exc.sigval)) from None
                 except RendezvousError as exc:
@@ -150,12 +173,34 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
     return None
 
 
+def _finished_since(run_dir: Path | None, since: float) -> bool:
+    """Whether the run's summary (written once it reached max_length) was written after ``since``."""
+    summary = run_dir / "summary.json" if run_dir is not None else None
+    return summary is not None and summary.is_file() and summary.stat().st_mtime >= since
+
+
+def _is_elastic(options: LaunchOptions) -> bool:
+    """Whether nodes may come and go while the job runs: a c10d node range, dtrain's own workers."""
+    nodes = options.nodes
+    return (nodes is not None and nodes.rdzv_backend == "c10d" and nodes.min_nodes < nodes.max_nodes
+            and options.clean_stop and options.run_dir is not None)
+
+
+def _setup(options: LaunchOptions, status_dir: Path, supervisor: Supervisor) -> ElasticSetup:
+    nodes, run_dir = options.nodes, options.run_dir
+    assert nodes is not None and run_dir is not None
+    return ElasticSetup(run_dir=run_dir, logs=status_dir, ckpt_root=options.checkpoints or run_dir / "checkpoints",
+                        node=nodes.log_name, min_nodes=nodes.min_nodes, is_host=nodes.is_host, late=nodes.late,
+                        grace_seconds=options.grace_seconds, signalled=lambda: supervisor.signalled_at)
+
+
 @contextlib.contextmanager
-def _status_dir(run_dir: Path | None) -> Iterator[Path]:
-    """Where ranks publish their status and error reports: the run's logs/, else a temporary folder."""
+def _status_dir(run_dir: Path | None, keep: bool = False) -> Iterator[Path]:
+    """Where ranks publish their status and error reports: the run's logs/, else a temporary folder.
+    A previous attempt's statuses are removed, unless ``keep`` (they belong to a job that is running)."""
     if run_dir is not None:
         logs = run_dir / "logs"
-        for stale in logs.glob(watchdog.STATUS_FILE.format(rank="*")):  # a previous attempt's
+        for stale in [] if keep else logs.glob(watchdog.STATUS_FILE.format(rank="*")):
             stale.unlink(missing_ok=True)
         yield logs
         return

@@ -49,6 +49,8 @@ from dtrain.launcher.rendezvous import (
 )
 
 log = logging.getLogger("dtrain")
+# On the store itself (no job's prefix): the rendezvous id of the job formed there.
+RUNNING_JOB = "dtrain-join-running"
 
 
 # ------------------------------------------------------------------------------------ the protocol
@@ -97,7 +99,13 @@ def join(rdzv: Rendezvous, config_dict: Mapping[str, Any], slots_per_node: int, 
     key = _announce(store, rdzv, report)
     if node.is_host:
         decision = _host_decide(store, node, report, key, deadline, host_prepare)
+        server.set(RUNNING_JOB, rdzv.rdzv_id)
     else:
+        running = server.get(RUNNING_JOB).decode() if server.check([RUNNING_JOB]) else rdzv.rdzv_id
+        if running != rdzv.rdzv_id:
+            raise JoinError(f"{node.label}: the job at {rdzv.endpoint} is {running!r}, not {rdzv.rdzv_id!r}: only "
+                            f"nodes of the same job join it; pass --rdzv-id {running} (and its config), or another "
+                            "--master port for a job of your own")
         raw = wait_key(store, Keys.DECISION, deadline + 30)
         if raw is None:
             raise JoinError(f"{node.label} joined, but the node hosting {rdzv.endpoint} never answered; is it still "
@@ -106,9 +114,11 @@ def join(rdzv: Rendezvous, config_dict: Mapping[str, Any], slots_per_node: int, 
         store.add(Keys.seen(Keys.DECISION), 1)
         if not decision.ok:
             raise JoinError(decision.message)
+        if key not in decision.names:  # a running job: nobody checked this node's config against it
+            _check_late(store, decision, report)
 
     # Settle this node's interface and check it reaches the host's address on that network.
-    ifname = decision.names.get(key) or _late_interface(decision, report, node.label)
+    ifname = decision.names.get(key) or ("lo" if node.loopback else _late_interface(decision, report, node.label))
     iface = next((netif.Interface.from_json(i) for i in report.interfaces if i["name"] == ifname), None)
     local_ip = "127.0.0.1" if node.loopback else _address_on(iface, decision.network) if iface else node.src_ip
     os.environ["GLOO_SOCKET_IFNAME"] = ifname
@@ -274,7 +284,7 @@ def _host_decide(store: Any, node: _Node, mine: NodeReport, key: str, deadline: 
                                                  if i["name"] == host_ifname)
     try:
         plan = host_prepare()
-    except UserError as exc:
+    except Exception as exc:  # bad input, or a resumed run that already finished: every node hears why
         _refuse(store, f"{node.label}: {exc}", len(reports) - 1, raise_as=exc)
     decision = Decision(
         ok=True, names=dict(zip(keys, choice.names, strict=True)), network=choice.network,
@@ -366,12 +376,22 @@ def _node_launch(node: _Node, decision: Decision, key: str, ifname: str, local_i
     else:
         configs = {"join_timeout": int(max(1, rdzv.join_timeout)), "is_host": node.is_host,
                    "last_call_timeout": 5 if rdzv.min_nodes < rdzv.max_nodes else 1}
-    log_name = f"node{rdzv.node_rank}" if rdzv.node_rank is not None else f"{node.hostname}-{local_ip}"
+    # c10d: the arrival number too, as two nodes may share a host name and address (containers, one machine).
+    log_name = f"node{rdzv.node_rank}" if rdzv.node_rank is not None else f"{node.hostname}-{local_ip}-{key}"
     return NodeLaunch(
         min_nodes=rdzv.min_nodes, max_nodes=rdzv.max_nodes, rdzv_backend=rdzv.backend,
         rdzv_endpoint=f"{node.master_ip}:{rdzv.port}", rdzv_configs=configs, run_id=decision.run_id,
         local_addr=local_ip, log_name=log_name, ifname=ifname, is_host=node.is_host, label=node.label, store=server,
-        interface_reason=decision.reason if key in decision.names else "joined late: the job's network")
+        interface_reason=decision.reason if key in decision.names else "joined late: the job's network",
+        late=key not in decision.names)
+
+
+def _check_late(store: Any, decision: Decision, mine: NodeReport) -> None:
+    """A node arriving after the decision (c10d scale-up) joins only a job of the same config and slots."""
+    first = min(decision.names, key=int)
+    message = _check_reports([get_message(store.get(Keys.node(first)), NodeReport)], mine)
+    if message is not None:
+        raise JoinError(f"{mine.label} cannot join the running job {decision.run_id!r}: {message}")
 
 
 def _late_interface(decision: Decision, report: NodeReport, label: str) -> str:

@@ -57,6 +57,8 @@ class NodeLaunch:
     interface_reason: str
     is_host: bool
     label: str
+    # It arrived after the job was formed (c10d): it joins a running job, and must not touch its files.
+    late: bool = False
     # The pre-rendezvous TCPStore: held until the agent is done, because torch's rendezvous reuses its
     # server (multi-tenant) on the store-hosting node.
     store: Any = field(default=None, compare=False, repr=False)

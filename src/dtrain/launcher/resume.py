@@ -167,6 +167,11 @@ def stop_line(plan: RunPlan, stop: Stopped, started: float) -> str | None:
     finished anyway (the signal came during its last moments, ``started``: ``time.time()`` at launch)."""
     resume = f"resume with: {resume_command(plan)}"
     batch = read_stopped(plan.run_dir / "logs")
+    if stop.left:
+        at = f" at batch {batch}" if batch is not None else ""
+        return (f"dtrain: this node left the elastic job{at} ({stop.signal_name}); the other nodes go on without "
+                f"it while --nnodes's minimum remain (else they stop there too); rejoin with the same command, or "
+                f"{resume}")
     summary = plan.run_dir / "summary.json"
     if batch is None and summary.is_file() and summary.stat().st_mtime >= started:
         return None

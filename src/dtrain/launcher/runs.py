@@ -20,6 +20,7 @@ import contextlib
 import ipaddress
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -40,7 +41,7 @@ from dtrain.engine.precision import check_precision
 from dtrain.engine.stopping import STOPPED_FILE
 from dtrain.engine.trial import load_trial_class
 from dtrain.errors import UserError
-from dtrain.launcher import netif, preflight
+from dtrain.launcher import membership, netif, preflight
 from dtrain.launcher.agent import LaunchOptions, launch
 from dtrain.launcher.forkstart import WorkerModule
 from dtrain.launcher.join import join
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
     from dtrain.launcher.dryrun import DataFacts
 
 log = logging.getLogger(__name__)
+JOB_FILE = ".dtrain-job"  # the running job's token, from the node hosting the rendezvous (see _prepare_nodes)
 
 
 def prepare(config_path: Path | None, overrides: list[str], run_dir: Path | None, resume: Path | None,
@@ -227,6 +229,8 @@ def _rendezvous(args: NodeArgs, config: ExperimentConfig, cluster: ClusterEnv | 
     if cluster is not None and cluster.role == "node" and cluster.nproc_per_node not in (None, slots // high):
         raise UserError(f"{cluster.source} gives {cluster.nproc_per_node} process(es) per node but "
                         f"resources.slots_per_trial {slots} over {high} nodes means {slots // high}; make them agree")
+    if backend == "c10d" and low < high:
+        _check_elastic_batch(config, low, high, slots // high, str(args.nnodes))
     rdzv_id = args.rdzv_id or f"dtrain-{config.name}"
     return Rendezvous(backend, host, port, low, high, node_rank, rdzv_id, config.resources.join_timeout_seconds,
                       source)
@@ -234,7 +238,9 @@ def _rendezvous(args: NodeArgs, config: ExperimentConfig, cluster: ClusterEnv | 
 
 def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | None, resume: Path | None) -> RunPlan:
     per_node = config.resources.slots_per_trial // rdzv.max_nodes
-    resume_from = _validate(config, per_node, resume)
+    # Checkpoints are read by the host alone, while no worker of the job runs: a node joining a running job
+    # must not read one that is being written or pruned.
+    _validate(config, per_node, None)
     shared = config.model_dump(mode="json")
     shared.pop("code_dir", None)  # where the code sits may differ between machines
     created: list[Path] = []
@@ -243,10 +249,16 @@ def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | N
     def host_prepare() -> dict:
         target = run_dir if run_dir is not None else _default_run_dir(config, resume)
         locks.append(lock_run_dir(target))
+        resume_from = None
+        if resume is not None:
+            resume_from = resume_checkpoint(resume, config)
+            announce_changes(resume, config)
         if _create_run_dir(target, config, resume):
             created.append(target)
+        membership.clear(target / "logs")
         token = uuid.uuid4().hex
-        (target / f".join-{token}").write_text("written by the node hosting the rendezvous\n")
+        # Kept while the job runs: a node joining it later checks it sees the same directory.
+        (target / JOB_FILE).write_text(token)
         return {"run_dir": str(target.resolve()), "token": token,
                 "resume_from": str(resume_from.resolve()) if resume_from else None}
 
@@ -255,7 +267,7 @@ def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | N
         if run_dir is not None and run_dir.resolve() != target:
             raise UserError(f"this node got --run-dir {run_dir} but the node hosting the rendezvous uses {target}; "
                             "pass the same --run-dir (on shared storage) to every node, or none")
-        if not (target / f".join-{plan['token']}").exists():
+        if _job_token(target) != plan["token"]:
             raise UserError(f"run directory {target}, made by the node hosting the rendezvous, is not visible on "
                             f"this host: multi-machine runs need the run directory on storage every node mounts; "
                             "pass --run-dir on a shared filesystem")
@@ -269,11 +281,31 @@ def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | N
     nodes, plan = join(rdzv, shared, per_node, config.resources.network_interface, host_prepare, node_check,
                        host_abort)
     target = Path(plan["run_dir"])
-    if nodes.is_host:
-        (target / f".join-{plan['token']}").unlink(missing_ok=True)
     print(f"dtrain: {nodes.label}: network interface {nodes.ifname} ({nodes.interface_reason})", flush=True)
     resume_point = Path(plan["resume_from"]) if plan.get("resume_from") else None
     return RunPlan(config, target, resume_point, nodes=nodes, chief=nodes.is_host, lock=locks[0] if locks else None)
+
+
+def _job_token(run_dir: Path) -> str | None:
+    try:
+        return (run_dir / JOB_FILE).read_text().strip()
+    except OSError:
+        return None
+
+
+def _check_elastic_batch(config: ExperimentConfig, low: int, high: int, per_node: int, nnodes: str) -> None:
+    """An elastic job keeps its global batch at every size it may take: it must divide each of them."""
+    if registry.lookup(config.sync.strategy).has_server_ranks:
+        return  # a parameter server's servers hold no data: its workers' count is not the slot count
+    batch = config.global_batch_size
+    bad = [n for n in range(low, high + 1) if batch % (n * per_node)]
+    if bad:
+        sizes = [n * per_node for n in range(low, high + 1)]
+        lcm = math.lcm(*sizes)
+        raise UserError(f"hyperparameters.global_batch_size {batch} does not divide across {bad[0] * per_node} slots "
+                        f"({bad[0]} nodes of --nnodes {nnodes}): an elastic job keeps its global batch at every size "
+                        f"it may take ({', '.join(map(str, sizes))} slots); use a multiple of {lcm}, or a node "
+                        "range whose slot counts divide it")
 
 
 # ------------------------------------------------------------------------ inside torchrun or srun
@@ -417,7 +449,8 @@ def _write_config(config: ExperimentConfig, run_dir: Path) -> None:
 def execute(plan: RunPlan, quiet: bool, debug: bool, threads: int | None = None) -> Failure | None:
     """Start the workers (``threads``: torch threads per worker; None: :func:`dtrain.launcher.cpu.for_run`); None on
     success, else the root-cause failure. Raises :class:`Stopped` on a signal."""
-    (plan.run_dir / "logs" / STOPPED_FILE).unlink(missing_ok=True)  # a previous stop's, now being resumed
+    if plan.chief:  # a previous stop's, now being resumed (not a running job's, which a late node joins)
+        (plan.run_dir / "logs" / STOPPED_FILE).unlink(missing_ok=True)
     args = ["--run-dir", str(plan.run_dir)]
     if plan.resume_from is not None:
         args += ["--resume-from", str(plan.resume_from)]
@@ -430,6 +463,7 @@ def execute(plan: RunPlan, quiet: bool, debug: bool, threads: int | None = None)
         slots //= plan.nodes.max_nodes
     options = LaunchOptions(slots=slots, max_restarts=plan.config.max_restarts, run_dir=plan.run_dir, debug=debug,
                             nodes=plan.nodes, clean_stop=True,
+                            checkpoints=plan.run_dir / plan.config.checkpoint_storage.path,
                             grace_seconds=plan.config.resources.preemption_grace_seconds, threads=threads)
     return launch(WorkerModule("dtrain.engine.worker", tuple(args)), options)
 

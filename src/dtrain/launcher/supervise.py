@@ -25,7 +25,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,10 +37,11 @@ POLL_SECONDS = 0.2
 class Stopped(Exception):
     """The run was stopped by a signal to the launcher (not a failure)."""
 
-    def __init__(self, signum: int, batch: int | None = None, clean: bool = False) -> None:
+    def __init__(self, signum: int, batch: int | None = None, clean: bool = False, left: bool = False) -> None:
         self.signum = signum
         self.batch = batch
         self.clean = clean  # the ranks stopped together and checkpointed at ``batch``
+        self.left = left  # this node left an elastic job; the other nodes may go on without it
         super().__init__(f"stopped by {self.signal_name}")
 
     @property
@@ -95,10 +96,14 @@ def _kill(pid: int, sig: int) -> None:
 class Supervisor:
     """``with Supervisor(grace, clean=True) as sup:`` around the agent; ``sup.signum`` tells what stopped it."""
 
-    def __init__(self, grace_seconds: float, clean: bool, status_dir: Path | None = None) -> None:
+    def __init__(self, grace_seconds: float, clean: bool, status_dir: Path | None = None,
+                 on_signal: Callable[[], None] | None = None) -> None:
         self.grace = grace_seconds if clean else min(grace_seconds, SCRIPT_GRACE_SECONDS)
         self.clean = clean
         self.status_dir = status_dir
+        # Called at the first signal, before any worker is told (an elastic node announces that it leaves).
+        self.on_signal = on_signal
+        self.signalled_at: float | None = None  # time.time() of the first signal
         self._pending: set[int] = set()  # workers still to be told to stop (not ready for SIGUSR1 yet)
         self.signum: int | None = None
         self.deadline: float | None = None
@@ -126,6 +131,10 @@ class Supervisor:
         if self.signum is not None:  # asked again (or the grace period is over): stop now
             self._stop_now()
         self.signum = signum
+        self.signalled_at = time.time()
+        if self.on_signal is not None:
+            with contextlib.suppress(Exception):  # a note for the other nodes must not stop this stop
+                self.on_signal()
         self.deadline = time.monotonic() + self.grace
         if not self.clean:  # the agent starts each worker in a session of its own: signal its whole group
             for pid in children():

@@ -1,0 +1,252 @@
+"""Elastic jobs: nodes join and leave a running job (``--nnodes 1:2 --rdzv-backend c10d``), two nodes on this
+machine, one slot each, one shared run directory.
+
+Every test waits for states (a rank's status, a file, a record), never for moments; every process it
+started is killed when it ends, whatever happens. The tiny trial holds at ``hold_at_batch`` until its rank
+is asked to stop: a node's arrival then always finds the first node mid-run, and the first stop lands at
+a known batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import ROOT, cli_in_process, final_weights, free_port, tiny_config
+
+HOLD_AT = 8  # the first node holds while training batch index 8: asked to stop, it stops after batch 9
+TOTAL = 160
+NO_HOLD = ("--set", "hyperparameters.hold_at_batch=null", "--set", "hyperparameters.sleep_seconds=0")
+
+
+def _config(tmp: Path, **extra: object) -> Path:
+    return tiny_config(tmp, **{
+        "resources.join_timeout_seconds": 60, "resources.collective_timeout_seconds": 30,
+        "max_length": {"batches": TOTAL}, "min_checkpoint_period": {"batches": 40},
+        # Rank 0 sleeps a little every batch: the run lasts long enough for a node to leave mid-run.
+        "hyperparameters.sleep_rank": 0, "hyperparameters.sleep_seconds": 0.04,
+        "hyperparameters.hold_at_batch": HOLD_AT, "hyperparameters.hold_file": str(tmp / "hold"), **extra})
+
+
+class Job:
+    """The nodes of one elastic job, each ``dtrain run`` in a session of its own; :meth:`close` kills them all."""
+
+    def __init__(self, tmp: Path, cfg: Path) -> None:
+        self.tmp, self.cfg, self.run_dir = tmp, cfg, tmp / "r"
+        self.port = free_port()
+        self.nodes: dict[str, subprocess.Popen] = {}
+        self.workers: set[int] = set()
+
+    def start(self, name: str, *extra: str, cfg: Path | None = None) -> subprocess.Popen:
+        argv = [sys.executable, "-m", "dtrain.cli", "run", str(cfg or self.cfg), "--run-dir", str(self.run_dir),
+                "--quiet", "--nnodes", "1:2", "--rdzv-backend", "c10d", "--master", f"127.0.0.1:{self.port}", *extra]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with (self.tmp / f"{name}.out").open("w") as out, (self.tmp / f"{name}.err").open("w") as err:
+            proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
+        self.nodes[name] = proc
+        return proc
+
+    def err(self, name: str) -> str:
+        return (self.tmp / f"{name}.err").read_text()
+
+    def statuses(self) -> dict[int, dict]:
+        found = {}
+        for path in (self.run_dir / "logs").glob("status.rank*.json"):
+            with contextlib.suppress(OSError, ValueError):
+                record = json.loads(path.read_text())
+                found[record["rank"]] = record
+        self.workers |= {s["pid"] for s in found.values()}
+        return found
+
+    def records(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [r for r in map(json.loads, lines) if r.get("kind") == "membership"]
+
+    def wait(self, what: str, ready, timeout: float = 90) -> object:
+        """Until ``ready()`` gives something true (polled); fails naming ``what`` and every node's output."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = ready()
+            if found:
+                return found
+            time.sleep(0.1)
+        raise AssertionError(f"{what}: not within {timeout:.0f}s; statuses {self.statuses()}\n"
+                             + "\n".join(f"--- {n}: {self.err(n)[-3000:]}" for n in self.nodes))
+
+    def training(self, world: int, past: int) -> bool:
+        """Every rank of a ``world``-rank job trained past batch ``past``."""
+        found = self.statuses()
+        return (set(found) >= set(range(world)) and all((found[r]["batch"] or 0) > past for r in range(world))
+                and all(s.get("phase") not in ("stopped", "finished") for r, s in found.items() if r < world))
+
+    def finish(self, name: str, timeout: float = 120) -> int:
+        return self.nodes[name].wait(timeout=timeout)
+
+    def close(self) -> None:
+        for proc in self.nodes.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        for pid in self.workers:  # in sessions of their own (they die with their launcher anyway)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for proc in self.nodes.values():
+            with contextlib.suppress(Exception):
+                proc.wait(timeout=10)
+
+
+@pytest.fixture
+def job(tmp_path):
+    (tmp_path / "hold").write_text("hold")
+    made = Job(tmp_path, _config(tmp_path))
+    try:
+        yield made
+    finally:
+        made.close()
+
+
+def _reference(tmp: Path, cfg: Path, worlds: list[tuple[int, int]]) -> dict:
+    """The run that went through the same world sizes at the same batches: ``worlds`` is (from batch, world
+    size) in order, from batch 0; each part resumes the one before on another slot count."""
+    run = tmp / "reference"
+    for i, (start, world) in enumerate(worlds):
+        until = worlds[i + 1][0] if i + 1 < len(worlds) else TOTAL
+        where = ("--run-dir", str(run)) if start == 0 else ("--resume", str(run))
+        result = cli_in_process("run", str(cfg), *where, "--quiet", "--slots", str(world), "--set",
+                                f"max_length.batches={until}", *NO_HOLD)
+        assert result.code == 0, result.stderr
+    return final_weights(run)
+
+
+def _assert_same_weights(expected: dict, got: dict) -> None:
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_joins_then_one_leaves_and_the_run_matches_the_same_world_sizes(job, tmp_path):
+    job.start("a")
+    job.wait("node a holds at batch 8", lambda: job.statuses().get(0, {}).get("batch") == HOLD_AT)
+
+    # A node of another job (another config) is refused, and the running job does not notice.
+    (tmp_path / "other").mkdir()
+    other = _config(tmp_path / "other", **{"hyperparameters.lr": 0.1,
+                                           "hyperparameters.hold_file": str(tmp_path / "hold")})
+    job.start("stranger", cfg=other)
+    assert job.finish("stranger", timeout=90) == 2
+    line = job.err("stranger").strip()
+    assert line.startswith("dtrain: error: ") and "cannot join the running job 'dtrain-tiny'" in line, line
+    assert "different experiment config" in line and "hyperparameters.lr: 0.1 vs None" in line, line
+    assert len(line.splitlines()) == 1
+
+    started = time.time()
+    job.start("b")  # the same command: it joins
+    [join] = job.wait("the join is recorded", job.records)
+    assert (join["cause"], join["batches"], join["old_world_size"], join["new_world_size"]) == ("join", 9, 1, 2)
+    assert join["lost_batches"] == 0 and 0 < join["seconds"] <= 30, join
+    assert (job.run_dir / "logs" / "agent" / join["node"]).is_dir() and not join["node"].endswith("-0")
+    assert join["time"] >= started
+    assert "membership change: " in (job.run_dir / "logs" / "rank0.log").read_text()
+    (tmp_path / "hold").unlink()
+
+    job.wait("two ranks train", lambda: job.training(2, 12))
+    job.nodes["b"].send_signal(signal.SIGTERM)
+    records = job.wait("the leave is recorded", lambda: job.records()[1:])
+    leave = records[0]
+    assert (leave["cause"], leave["old_world_size"], leave["new_world_size"]) == ("leave", 2, 1), leave
+    assert leave["lost_batches"] == 0 and 0 < leave["seconds"] <= 30 and leave["node"] == join["node"], leave
+
+    assert job.finish("b") == 143
+    [stop_line] = job.err("b").strip().splitlines()
+    assert stop_line.startswith(f"dtrain: this node left the elastic job at batch {leave['batches']} (SIGTERM)")
+    assert job.finish("a") == 0, job.err("a")
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert summary["batches"] == TOTAL
+    assert not (job.run_dir / "logs" / "elastic" / "pending.json").exists()
+
+    expected = _reference(tmp_path, job.cfg, [(0, 1), (9, 2), (leave["batches"], 1)])
+    _assert_same_weights(expected, final_weights(job.run_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_nodes_started_together_train_as_one_job(job, tmp_path):
+    (tmp_path / "hold").unlink()
+    job.start("a")
+    job.start("b")
+    assert job.finish("a") == 0, job.err("a")
+    assert job.finish("b") == 0, job.err("b")
+    summary = json.loads((job.run_dir / "summary.json").read_text())
+    assert summary["batches"] == TOTAL
+    # Either both met at once (one world of 2 from batch 0), or the second joined the first's job: never a
+    # refusal, never a second run in the directory.
+    records = job.records()
+    assert all(r["cause"] == "join" and r["new_world_size"] == 2 and r["lost_batches"] == 0 for r in records)
+    worlds = [(0, 1), (records[0]["batches"], 2)] if records else [(0, 2)]
+    _assert_same_weights(_reference(tmp_path, job.cfg, worlds), final_weights(job.run_dir))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_node_killed_outright_costs_at_most_the_work_since_the_last_checkpoint(job, tmp_path):
+    job.start("a")
+    job.wait("node a holds at batch 8", lambda: job.statuses().get(0, {}).get("batch") == HOLD_AT)
+    job.start("b")
+    job.wait("the join is recorded", job.records)
+    (tmp_path / "hold").unlink()
+    job.wait("two ranks train past the first periodic checkpoint", lambda: job.training(2, 44))
+    os.killpg(job.nodes["b"].pid, signal.SIGKILL)  # the node's launcher; its workers die with it
+    records = job.wait("the loss is recorded", lambda: job.records()[1:], timeout=120)
+    lost = records[0]
+    assert (lost["cause"], lost["old_world_size"], lost["new_world_size"]) == ("lost", 2, 1), lost
+    assert lost["node"] == job.records()[0]["node"], lost  # named: the node missing from the new world
+    assert lost["batches"] % 40 == 0 and lost["batches"] >= 40 and 0 <= lost["lost_batches"] <= 40, lost
+    # Within the collective timeout plus the rendezvous's (dead-node detection, last call), with slack.
+    assert lost["seconds"] <= 30 + 60, lost
+    assert job.finish("a") == 0, job.err("a")
+    assert "went away" in job.err("a") or "gone: " in job.err("a")
+    expected = _reference(tmp_path, job.cfg, [(0, 1), (9, 2), (lost["batches"], 1)])
+    _assert_same_weights(expected, final_weights(job.run_dir))
+
+
+# ------------------------------------------------------------------------------------------- no workers
+
+
+def test_an_elastic_range_needs_a_global_batch_that_every_size_divides(tmp_path):
+    cfg = tiny_config(tmp_path, **{"resources.slots_per_trial": 3})
+    result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--nnodes", "2:3", "--rdzv-backend",
+                            "c10d", "--master", "127.0.0.1:1")
+    assert result.code == 2, result.stderr
+    assert result.stderr.strip() == (
+        "dtrain: error: hyperparameters.global_batch_size 16 does not divide across 3 slots (3 nodes of --nnodes "
+        "2:3): an elastic job keeps its global batch at every size it may take (2, 3 slots); use a multiple of 6, "
+        "or a node range whose slot counts divide it")
+    assert not (tmp_path / "r").exists()
+
+
+def test_the_first_node_to_see_a_change_names_its_cause_and_the_record_reads_as_one_line(tmp_path):
+    from dtrain.launcher import membership
+
+    logs = tmp_path / "logs"
+    assert membership.note_event(logs, "join", "vm-10.0.0.2-1", when=100.0)
+    assert not membership.note_event(logs, "lost", "a node")  # one change at a time: the first cause stays
+    assert membership.pending_event(logs) == {"cause": "join", "node": "vm-10.0.0.2-1", "time": 100.0}
+    membership.note_leaving(logs, "vm-10.0.0.3-2", hosts_store=False)
+    assert [r["node"] for r in membership.leaving_since(logs, time.time() - 60)] == ["vm-10.0.0.3-2"]
+    assert membership.leaving_since(logs, time.time() + 60) == []  # an earlier world's leaver is not counted
+    membership.clear(logs)
+    assert membership.pending_event(logs) is None and membership.leaving_since(logs, 0) == []
+    line = membership.describe({"cause": "leave", "node": "vm-10.0.0.3-2", "old_world_size": 4, "new_world_size": 2,
+                                "batches": 120, "seconds": 6.46, "lost_batches": 0})
+    assert line == ("membership change: vm-10.0.0.3-2 left; world size 4 -> 2 slot(s) at batch 120; 6.5 s from the "
+                    "event to the first step at 2 slot(s); 0 batch(es) lost")
