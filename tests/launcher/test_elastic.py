@@ -173,6 +173,11 @@ def test_a_node_joins_then_one_leaves_and_the_run_matches_the_same_world_sizes(j
     summary = json.loads((job.run_dir / "summary.json").read_text())
     assert summary["batches"] == TOTAL
     assert not (job.run_dir / "logs" / "elastic" / "pending.json").exists()
+    from dtrain.profiling.record import load_profile  # the changes travel into the run's profile
+
+    changes = load_profile(job.run_dir / "profile.json").membership_changes
+    assert [(c.cause, c.batches, c.new_world_size) for c in changes or []] == [
+        ("join", 9, 2), ("leave", leave["batches"], 1)]
 
     expected = _reference(tmp_path, job.cfg, [(0, 1), (9, 2), (leave["batches"], 1)])
     _assert_same_weights(expected, final_weights(job.run_dir))

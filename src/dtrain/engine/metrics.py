@@ -7,6 +7,7 @@ whatever the number of metrics; the trainer's reports launch it and read it one 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -239,3 +240,16 @@ def truncate_metrics(path: Path, keep_up_to_batches: int) -> None:
     if len(kept) != len([ln for ln in lines if ln.strip()]):
         path.with_name(path.name + ".before-resume").write_text("\n".join(lines) + "\n")
         path.write_text("".join(ln + "\n" for ln in kept))
+
+
+def membership_records(run_dir: Path) -> list[dict[str, Any]]:
+    """The elastic job's membership changes, in order, from the run's ``metrics.jsonl`` (``kind:
+    membership`` lines, written by the launcher: dtrain.launcher.membership), without their ``kind``."""
+    path = run_dir / "metrics.jsonl"
+    found = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        with contextlib.suppress(ValueError):
+            record = json.loads(line)
+            if isinstance(record, dict) and record.get("kind") == "membership":
+                found.append({k: v for k, v in record.items() if k != "kind"})
+    return found

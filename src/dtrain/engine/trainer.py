@@ -22,6 +22,7 @@ from dtrain.engine.metrics import (
     SumInFlight,
     checked_metrics,
     means_of,
+    membership_records,
     truncate_metrics,
 )
 from dtrain.engine.nonfinite import NonFiniteWatch
@@ -481,6 +482,8 @@ class Trainer:
         per_rank, latency, hosts, comm_points = collect_rank_figures(self.ctx, self)  # collectives and probes
         run = run_facts(self, wall_seconds)
         run["resumed_at_batch"] = self.resumed_at  # a resumed run's figures cover its own part only
+        if self.writer is not None and (changes := membership_records(self.run_dir)):
+            run["membership_changes"] = changes  # an elastic job's joins and leaves (dtrain.launcher.membership)
         summary = {**run, "batches": self.batches, "epochs": self.batches / self.batches_per_epoch,
                    "step_breakdown_seconds": per_rank[0] if timer.enabled else {},
                    "validation": self.last_validation, "nonfinite_skipped_steps": self.nonfinite_skips}

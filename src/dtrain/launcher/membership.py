@@ -178,18 +178,6 @@ class ChangeRecorder:
         print(f"dtrain: {line}", flush=True)
 
 
-def records(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's membership changes, in order, from its ``metrics.jsonl`` (for its summary and profile)."""
-    path = run_dir / "metrics.jsonl"
-    found = []
-    for line in path.read_text().splitlines() if path.is_file() else []:
-        with contextlib.suppress(ValueError):
-            record = json.loads(line)
-            if isinstance(record, dict) and record.get("kind") == "membership":
-                found.append(record)
-    return found
-
-
 def clear_pending(logs: Path) -> None:
     (elastic_dir(logs) / PENDING).unlink(missing_ok=True)
 

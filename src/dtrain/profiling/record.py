@@ -244,6 +244,22 @@ class CompressionCost(_Section):
     powersgd_rank: int
 
 
+class MembershipChange(_Section):
+    """An elastic job's change of members (dtrain.launcher.membership): at which batch, why, which node, the
+    world sizes, seconds from the event to the first step at the new size, and the batches lost."""
+
+    batches: int
+    cause: str
+    node: str | None
+    old_world_size: int | None
+    new_world_size: int
+    seconds: float
+    lost_batches: int
+    event_time: float
+    first_step_time: float
+    time: float
+
+
 class ProfileRecord(_Section):
     """The whole of ``profile.json`` (docs/profile.md): run facts, per-phase spreads, per-rank figures,
     communication, and the sections only some runs measure (None: absent from the file)."""
@@ -251,7 +267,7 @@ class ProfileRecord(_Section):
     OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
         {"device_facts", "stragglers", "batch_scaling", "allreduce_probe", "data_load_seconds_per_batch",
          "data_load_cpu_share", "solo_probe", "comm_probe", "compression_cost", "step_jitter_seconds",
-         "step_window_seconds", "unobserved_phases"})
+         "step_window_seconds", "unobserved_phases", "membership_changes"})
 
     schema_version: int = SCHEMA_VERSION
     # What the run was (also summary.json's head: dtrain.profiling.figures.run_facts).
@@ -309,6 +325,8 @@ class ProfileRecord(_Section):
     # over each window of 16 timed steps, in order (drift over the run).
     step_jitter_seconds: float | None = None
     step_window_seconds: list[float] | None = None
+    # An elastic job's membership changes, in order (absent where its members never changed).
+    membership_changes: list[MembershipChange] | None = None
 
     @field_validator("phases")
     @classmethod
