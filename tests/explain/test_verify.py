@@ -30,7 +30,9 @@ def test_verify_measures_the_recommended_change(tmp_path, case):
     if factor is not None:
         assert diagnosis["top_factor"] == factor
     first = diagnosis["recommendations"][0]
-    verified = cli_in_process("doctor", str(run), "--verify", "--steps", "40", "--top", "1", "--json")
+    # Two rounds: both planted gains measure several times the 1.3x asserted (4.8x and 7.4x on this machine).
+    verified = cli_in_process("doctor", str(run), "--verify", "--steps", "40", "--top", "1", "--repeats", "2",
+                              "--json")
     assert verified.code == 0, verified.stderr
     doc = json.loads(verified.stdout)
     rows = {r["action"]: r for r in doc["verified"]}
