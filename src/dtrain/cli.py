@@ -297,6 +297,9 @@ def _run_planned(plan: RunPlan, args: argparse.Namespace) -> int:
     if failure is not None:
         if failure.user_error:
             raise UserError(failure.message)
+        if failure.clean_stop:  # every rank stopped at a checkpoint: not an error, but not finished either
+            print(f"{PROG}: {failure.headline()}; {resume.resume_advice(plan)}", file=sys.stderr)
+            return 1
         print(f"{PROG}: error: {failure.headline()}", file=sys.stderr)
         print(f"{PROG}: full log: {plan.run_dir / 'logs' / f'rank{failure.rank}.log'}; "
               f"{resume.resume_advice(plan)}", file=sys.stderr)

@@ -106,3 +106,21 @@ def test_resume_parses_without_config():
     assert args.config is None and args.resume == Path("runs/r")
     with pytest.raises(UserError):
         resume.config_path(None, None)
+
+
+def test_a_job_that_stopped_cleanly_says_so_without_an_error(tmp_path, monkeypatch):
+    # An elastic job left with fewer nodes than --nnodes's minimum: every rank stopped at a checkpoint.
+    from dtrain.engine.failures import Failure
+
+    cfg = tiny_config(tmp_path)
+    stopped = Failure(0, 1, "the job stopped: node b left the job: 1 node(s) remain, fewer than --nnodes's minimum 2",
+                      user_error=False, standalone=True, clean_stop=True)
+
+    def execute(plan, quiet, debug, threads=None):
+        _fake_checkpoint(plan.run_dir, 8)
+        return stopped
+
+    monkeypatch.setattr(runs, "execute", execute)
+    result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
+    assert result.code == 1 and "error" not in result.stderr and "Traceback" not in result.stderr
+    assert result.stderr.strip() == (f"dtrain: {stopped.message}; resume with: dtrain run --resume {tmp_path / 'r'}")

@@ -35,6 +35,8 @@ class Failure:
     user_error: bool
     # The message is a whole sentence about the job (it names the ranks itself), not one rank's error.
     standalone: bool = False
+    # Not an error: the job stopped cleanly at a checkpoint (an elastic job left with too few nodes).
+    clean_stop: bool = False
 
     def headline(self) -> str:
         return self.message if self.standalone else f"worker rank {self.rank} failed: {self.message}"

@@ -158,7 +158,8 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
                     if _finished_since(options.run_dir, started):  # it ended while this node came to join it
                         logging.getLogger("dtrain").warning("the job finished before this node could join it")
                         return None
-                    return Failure(0, 1, f"the job stopped: {exc}", user_error=False, standalone=True)
+                    return Failure(0, 1, f"the job stopped: {exc}", user_error=False, standalone=True,
+                                   clean_stop=True)
                 except SignalException as exc:  # the agent stopped the workers (SIGHUP, SIGQUIT, or no grace left)
                     raise Stopped(int(exc.sigval)) from None
                 except RendezvousError as exc:
