@@ -13,9 +13,9 @@ import pytest
 import yaml
 from helpers import TRIALS, dtrain_cli, tiny_config
 
+from dtrain.config import rungs as asha
 from dtrain.config.schema import Length, SearcherConfig
 from dtrain.errors import ConfigError
-from dtrain.search import asha
 from dtrain.search.space import load_plan
 
 FIXTURES = Path(__file__).parents[1] / "config" / "determined_yaml"

@@ -19,9 +19,10 @@ import yaml
 from helpers import ROOT, dtrain_cli, tiny_config
 
 from dtrain.cli import main
+from dtrain.config import rungs as asha
 from dtrain.config.schema import Length, SearcherConfig, load_config
 from dtrain.errors import ConfigError
-from dtrain.search import asha, runner
+from dtrain.search import runner
 from dtrain.search.space import load_plan
 
 ASHA = {"name": "adaptive_asha", "metric": "mse", "max_trials": 3, "divisor": 2, "max_rungs": 2}

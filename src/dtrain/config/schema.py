@@ -187,7 +187,7 @@ class SearcherConfig(Strict):
     divisor: int = Field(default=4, ge=2, le=1024)
     max_rungs: int = Field(default=5, ge=1)
     # ASHA's brackets, as Determined's: aggressive runs one (max_rungs rungs), standard and conservative also
-    # run brackets of fewer rungs, each with its share of max_trials (dtrain.search.asha). Determined's
+    # run brackets of fewer rungs, each with its share of max_trials (dtrain.config.rungs). Determined's
     # default is standard; dtrain's is one bracket (the plan's note says so).
     mode: Literal["aggressive", "standard", "conservative"] | None = None
     # Rungs per bracket, given explicitly (instead of mode), as Determined's bracket_rungs.

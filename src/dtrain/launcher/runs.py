@@ -143,8 +143,8 @@ def check(config_path: Path, overrides: list[str]) -> CheckResult:
     """Every check ``dtrain run`` makes on one machine before training, and nothing else: no run directory,
     no process. That includes what its workers check of the trial's data: the trial is built in this
     process (:mod:`dtrain.launcher.dryrun`). Raises :class:`UserError` with one line."""
+    from dtrain.config.rungs import too_few_trials
     from dtrain.launcher import dryrun
-    from dtrain.search.asha import too_few_trials
 
     with preflight.collect_warnings() as warnings:
         config = load_config(config_path, overrides)

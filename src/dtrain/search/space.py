@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from dtrain.config.determined import translate
 from dtrain.config.filevalues import check_replaced
+from dtrain.config.rungs import Brackets, brackets, too_few_trials
 from dtrain.config.schema import (
     HPARAM_TYPES,
     ExperimentConfig,
@@ -38,7 +39,6 @@ from dtrain.config.schema import (
     config_from_dict,
 )
 from dtrain.errors import ConfigError
-from dtrain.search.asha import Brackets, brackets, too_few_trials
 
 Scalar = str | int | float | bool | None  # what Optuna can store as a categorical choice
 
