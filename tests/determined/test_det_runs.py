@@ -229,20 +229,3 @@ def test_a_determined_experiment_yaml_runs_unchanged_and_trains_as_dtrains_own(d
     for name in a:
         assert torch.equal(a[name], b[name]), name
     assert records(tmp_path / "run") == records(det_runs(2))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(180)
-def test_a_determined_adaptive_search_runs_unchanged(tmp_path):
-    shutil.copy(TRIALS / "determined_mlp.py", tmp_path / "determined_mlp.py")
-    search = DETERMINED_YAML.replace("OUT", str(tmp_path)).replace(
-        "  lr: 0.05\n", "  lr: {type: log, minval: -2.0, maxval: -0.5, base: 10}\n").replace(
-        "  name: single\n", "  name: adaptive_asha\n  max_trials: 2\n  max_rungs: 2\n  divisor: 2\n"
-                           "  max_concurrent_trials: 1\n")
-    cfg = tmp_path / "adaptive.yaml"
-    cfg.write_text(search)
-    out = tmp_path / "search"
-    result = cli_in_process("search", str(cfg), "--out", str(out), "--slots", "2")
-    assert result.code == 0, result.stderr
-    best = yaml.safe_load((out / "best.yaml").read_text())
-    assert 10 ** -2.0 <= best["hyperparameters"]["lr"] <= 10 ** -0.5

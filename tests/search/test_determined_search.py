@@ -112,16 +112,17 @@ def test_records_with_a_searched_batch_size_are_refused(tmp_path):
 def test_a_determined_search_runs_its_brackets(tmp_path):
     """A Determined 0.38-style adaptive search (launch-module entrypoint, time_metric/max_time, mode standard,
     cluster keys) runs as it is: every trial finishes its bracket's rungs or is stopped at one of them."""
-    shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
+    # A trial written against Determined's API (two import lines changed), as its users bring it.
+    shutil.copy(TRIALS / "determined_mlp.py", tmp_path / "determined_mlp.py")
     config = {
-        "name": "tiny_adaptive", "description": "as Determined 0.38 wrote it",
-        "hyperparameters": {"global_batch_size": 16, "train_size": 64,
+        "name": "tiny_adaptive", "description": "as Determined 0.38 wrote it", "data": {"train_size": 64},
+        "hyperparameters": {"global_batch_size": 16,
                             "lr": {"type": "categorical", "vals": [0.0, 0.01, 0.05, 0.1]}},
         "searcher": {"name": "adaptive_asha", "metric": "mse", "time_metric": "batches", "max_time": 8,
                      "max_trials": 4, "mode": "standard", "divisor": 2, "max_rungs": 3},
         "resources": {"slots_per_trial": 1, "resource_pool": "cpu"}, "backend": "gloo",
         "environment": {"image": "determinedai/pytorch-ngc:0.35.0"}, "seed": 3,
-        "entrypoint": "python3 -m determined.launch.torch_distributed --trial tiny:TinyTrial"}
+        "entrypoint": "python3 -m determined.launch.torch_distributed --trial determined_mlp:DetMLP"}
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "search"
     result = dtrain_cli("search", str(tmp_path / "s.yaml"), "--slots", "2", "--out", str(out), timeout=180)
