@@ -40,6 +40,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 import testhosts  # noqa: E402
 from helpers import free_port, tiny_config  # noqa: E402  (the trial with planted holds lives with the tests)
 
+from dtrain.engine.metrics import membership_records  # noqa: E402
+from dtrain.launcher.culprit import read_statuses  # noqa: E402
+
 TOTAL = 400
 HOLD_AT = 8
 
@@ -78,21 +81,6 @@ class Nodes:
         return proc
 
 
-def _records(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [r for r in map(json.loads, lines) if r.get("kind") == "membership"]
-
-
-def _statuses(run: Path) -> dict[int, dict]:
-    found = {}
-    for path in (run / "logs").glob("status.rank*.json"):
-        with contextlib.suppress(OSError, ValueError):
-            record = json.loads(path.read_text())
-            found[record["rank"]] = record
-    return found
-
-
 def _wait(what: str, ready: Callable[[], object], procs: list[subprocess.Popen], timeout: float = 120) -> object:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -105,9 +93,14 @@ def _wait(what: str, ready: Callable[[], object], procs: list[subprocess.Popen],
     raise RuntimeError(f"{what}: not within {timeout:.0f}s")
 
 
+def _holding(run: Path) -> bool:
+    status = read_statuses(run / "logs").get(0)
+    return status is not None and status.batch == HOLD_AT
+
+
 def _training(run: Path, world: int, past: int) -> bool:
-    found = _statuses(run)
-    return set(found) >= set(range(world)) and all((found[r]["batch"] or 0) > past for r in range(world))
+    found = read_statuses(run / "logs")
+    return set(found) >= set(range(world)) and all((found[r].batch or 0) > past for r in range(world))
 
 
 def trial(where: str, crash: bool, tmp: Path) -> list[dict]:
@@ -122,9 +115,9 @@ def trial(where: str, crash: bool, tmp: Path) -> list[dict]:
         argv = [sys.executable, "-m", "dtrain.cli", "run", str(cfg), "--run-dir", str(run), "--quiet", "--nnodes",
                 "1:2", "--rdzv-backend", "c10d", "--master", nodes.master(free_port())]
         a = nodes.start(0, argv, tmp / "a")
-        _wait("A holds", lambda: (_statuses(run).get(0, {}).get("batch") == HOLD_AT), nodes.procs)
+        _wait("A holds", lambda: _holding(run), nodes.procs)
         b = nodes.start(1, argv, tmp / "b")
-        _wait("B joined", lambda: _records(run), nodes.procs)
+        _wait("B joined", lambda: membership_records(run), nodes.procs)
         (tmp / "hold").unlink()
         _wait("both train", lambda: _training(run, 2, 44 if crash else 12), nodes.procs)
         event = time.time()
@@ -132,8 +125,8 @@ def trial(where: str, crash: bool, tmp: Path) -> list[dict]:
             os.killpg(b.pid, signal.SIGKILL)
         else:
             b.send_signal(signal.SIGTERM)
-        records = _wait("the change after the join", lambda: _records(run)[1:], nodes.procs)
-        records = _records(run)
+        records = _wait("the change after the join", lambda: membership_records(run)[1:], nodes.procs)
+        records = membership_records(run)
         records[1]["event_time"] = event  # this script's clock: from the signal or the kill itself
         a.wait(timeout=180)
         for record in records:
