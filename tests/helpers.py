@@ -56,8 +56,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout: float = 60.0
     from dtrain.launcher import forkstart
 
     # Fork where dtrain's launcher would (a CPU build; each rank sets one thread above): the ranks inherit
-    # this process's torch instead of importing it again (about 4 s of CPU per rank).
-    fork = forkstart.can_fork(1)
+    # this process's torch instead of importing it again (about 4 s of CPU per rank). Forked from this
+    # process itself: it serves no store (rank 0 does), so no thread here looks up names while it forks.
+    fork = forkstart.can_fork()
     if fork:
         forkstart.preload_torch()
     ctx = mp.get_context("fork" if fork else "spawn")
@@ -128,10 +129,10 @@ def cli_in_process(*args: str, cwd: Path | None = None) -> CliResult:
     For bad input and generators, which never start a worker, and for runs whose test does not signal or
     kill the launcher, nor reads what the workers print: a subprocess would pay torch's and matplotlib's
     imports again (a tiny run: about 6.6 s in a fresh process, 1.9 s once they are loaded), and the workers
-    forked from this process (dtrain.launcher.forkstart) inherit them too. The launcher's changes to the environment
-    and signal handlers are undone afterwards, so one run cannot leak its thread count or status folder
-    into the next test. A hang is still bounded: the run's collective timeout and watchdog, then
-    pytest-timeout.
+    forked from this process's fork server (dtrain.launcher.forkstart), which lives on, find them imported
+    there. The launcher's changes to the environment and signal handlers are undone afterwards, so one run
+    cannot leak its thread count or status folder into the next test. A hang is still bounded: the run's
+    collective timeout and watchdog, then pytest-timeout.
     """
     import contextlib
     import io

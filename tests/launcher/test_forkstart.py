@@ -1,11 +1,11 @@
-"""Workers forked from the launcher: when it is safe, what a forked worker looks like, and that it trains
+"""Workers forked from the fork server: when it is safe, what a forked worker looks like, and that it trains
 exactly as a worker started as a new interpreter does."""
 
 import os
 import signal
 import sys
-import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,29 +15,63 @@ from dtrain.engine.trial import load_trial_class
 from dtrain.launcher import forkstart
 
 
-def test_fork_only_with_one_thread_per_worker_on_a_cpu_build(monkeypatch):
+def test_fork_on_a_cpu_build_with_any_thread_count_unless_told_not_to(monkeypatch):
     monkeypatch.delenv(forkstart.START_ENV, raising=False)
-    cpu_build = not torch.backends.cuda.is_built()
-    assert forkstart.can_fork(1) is cpu_build
-    assert forkstart.can_fork(2) is False  # GNU OpenMP's pool does not survive a fork
+    assert forkstart.can_fork() is not torch.backends.cuda.is_built()
     monkeypatch.setenv(forkstart.START_ENV, "exec")
-    assert forkstart.can_fork(1) is False
+    assert forkstart.can_fork() is False
 
 
-def test_a_forked_child_has_its_own_session_default_signals_and_real_streams():
+def _proc(pid: int, name: str) -> str:
+    return Path(f"/proc/{pid}/{name}").read_text(errors="replace")
+
+
+def _sleep_in_worker() -> None:
+    time.sleep(60)
+
+
+def test_workers_fork_from_a_one_thread_server_and_the_supervisor_finds_them_there():
+    """The suite's 4-slot resume once lost its last rank before its first line: forked from the launcher
+    while the agent's store thread held the C library's resolver lock, it waited forever on its first name
+    lookup. The fork server has no other thread whose locks a child could inherit."""
+    import multiprocessing
+
+    from dtrain.launcher.supervise import children
+
+    forkstart.start_server("dtrain.engine.worker")
+    with forkstart.forking():
+        worker = multiprocessing.get_context("forkserver").Process(target=_sleep_in_worker, daemon=True)
+        worker.start()
+    try:
+        server = int(_proc(worker.pid, "stat").rsplit(")", 1)[1].split()[1])  # its parent
+        assert server != os.getpid()
+        assert forkstart.HELPER_MARKS[0] in _proc(server, "cmdline")
+        assert "Threads:\t1\n" in _proc(server, "status")
+        found = children()
+        assert worker.pid in found and server not in found  # the server itself is not signalled as a worker
+        assert not any(forkstart.HELPER_MARKS[1] in _proc(pid, "cmdline") for pid in found)
+    finally:
+        worker.kill()
+        worker.join()
+
+
+def test_a_forked_worker_has_the_launchers_environment_its_own_session_default_signals_and_line_streams(
+        monkeypatch):
     read, write = os.pipe()
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
-        with forkstart.forking():
-            pid = os.fork()
-        if pid == 0:  # the child: report, then leave without running pytest's teardown
+        if (pid := os.fork()) == 0:  # the child: report, then leave without running pytest's teardown
             try:
-                facts = [os.getsid(0) == os.getpid(),
+                # As a fork server's child: the server's environment, and what the agent set for this rank.
+                os.environ.update({"RANK": "3", "STALE": "server's"})
+                forkstart.become_worker({"FROM_LAUNCHER": "1", "RANK": "0"}, {"STALE": "server's", "RANK": "0"})
+                facts = [os.environ.get("FROM_LAUNCHER") == "1", os.environ.get("RANK") == "3",
+                         "STALE" not in os.environ,
+                         os.getsid(0) == os.getpid(),
                          signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                          signal.getsignal(signal.SIGINT) is signal.default_int_handler,
                          sys.stdout.fileno() == 1 and sys.stderr.fileno() == 2,
-                         sys.stdout.line_buffering and sys.stderr.line_buffering,
-                         sys.stdout is not sys.__stdout__]  # fresh objects, not the launcher's
+                         sys.stdout.line_buffering and sys.stderr.line_buffering]
                 os.write(write, "".join("1" if f else "0" for f in facts).encode())
             finally:
                 os._exit(0)
@@ -45,60 +79,17 @@ def test_a_forked_child_has_its_own_session_default_signals_and_real_streams():
         signal.signal(signal.SIGTERM, previous)
     os.close(write)
     _, status = os.waitpid(pid, 0)
-    assert os.read(read, 16) == b"111111" and status == 0
+    assert os.read(read, 16) == b"11111111" and status == 0
     os.close(read)
-    # Outside forking(), a fork (a DataLoader's worker, say) is left as it is.
-    if (pid := os.fork()) == 0:
-        os._exit(0 if os.getsid(0) != os.getpid() else 1)
-    assert os.waitpid(pid, 0)[1] == 0
-
-
-def test_a_child_forked_while_another_thread_writes_to_a_stream_can_still_print(monkeypatch, tmp_path):
-    """The stream's lock may be held by the writing thread at the fork; the child must not wait for it."""
-    sink = open(tmp_path / "sink", "w")  # noqa: SIM115 (closed below)
-    monkeypatch.setattr(sys, "__stdout__", sink)  # the launcher's stream a thread of it writes to
-    monkeypatch.setattr(sys, "stdout", sink)
-    writing = threading.Event()
-
-    def write_on() -> None:
-        while not writing.is_set():
-            sink.write("x" * 200 + "\n")
-            sink.flush()
-
-    writer = threading.Thread(target=write_on, daemon=True)
-    writer.start()
-    hung = 0
-    try:
-        for _ in range(20):  # with the launcher's own stream object, nearly every child hung
-            with forkstart.forking():
-                pid = os.fork()
-            if pid == 0:
-                try:
-                    print("started", flush=True)
-                finally:
-                    os._exit(0)
-            deadline = time.monotonic() + 10
-            while os.waitpid(pid, os.WNOHANG) == (0, 0):
-                if time.monotonic() > deadline:
-                    hung += 1
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    break
-                time.sleep(0.01)
-    finally:
-        writing.set()
-        writer.join()
-        sink.close()
-    assert hung == 0
 
 
 def test_a_forked_child_stopped_before_its_main_leaves_its_stack(capfd):
     """The agent stops a child stuck at startup with SIGTERM: its log (fd 2) must say where it was."""
     read, write = os.pipe()
-    with forkstart.forking():
-        pid = os.fork()
-    if pid == 0:
+    if (pid := os.fork()) == 0:
         try:
+            forkstart.become_worker(dict(os.environ), {})
+
             def stuck_before_the_worker_main() -> None:
                 os.write(write, b"1")
                 time.sleep(60)

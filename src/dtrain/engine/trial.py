@@ -79,8 +79,9 @@ def _import_fresh(module_name: str, code_dir: str) -> None:
     """Make the next import of ``module_name`` read its file now, from ``code_dir`` first.
 
     One process can load several trials: ``--verify`` and bench runs, a test suite, and every worker
-    forked from a launcher (:mod:`dtrain.launcher.forkstart`) inherits the launcher's modules. A module of the same
-    name imported earlier may come from another folder, or from the file before it was edited.
+    forked from dtrain's fork server (:mod:`dtrain.launcher.forkstart`) inherits the server's modules. A
+    module of the same name imported earlier may come from another folder, or from the file before it was
+    edited.
     """
     with contextlib.suppress(ValueError):
         sys.path.remove(code_dir)

@@ -44,7 +44,9 @@ _PR_SET_PDEATHSIG = 1
 def die_with_launcher() -> None:
     """Have the kernel SIGKILL this process when its launcher dies (no-op outside ``dtrain``'s agent).
 
-    The signal fires when the *thread* that forked us exits: the agent runs in the launcher's main thread.
+    The signal fires when the *thread* that forked us exits: the agent runs in the launcher's main thread,
+    and a worker forked from dtrain's fork server (whose pid it puts here) dies with the server, which exits
+    as soon as the launcher is gone.
     """
     expected = os.environ.get(LAUNCHER_PID_ENV, "")
     if not expected.isdigit() or not sys.platform.startswith("linux"):
@@ -195,8 +197,8 @@ _WATCHDOG: Watchdog | None = None
 
 
 def _start_fresh_in_child() -> None:
-    """A forked process (a worker forked from the launcher) starts in its own "startup": else its status
-    would say it had been starting up since the launcher imported this module. And it has no watchdog:
+    """A forked process (a worker forked from the fork server) starts in its own "startup": else its status
+    would say it had been starting up since the server imported this module. And it has no watchdog:
     the parent's thread is not in the child, so a worker starts its own (and a DataLoader worker, forked
     from a rank, does not publish the rank's status)."""
     global _WATCHDOG

@@ -85,8 +85,9 @@ def _cheap_rendezvous_event_names() -> None:
 def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) -> Failure | None:
     """Run ``command`` (a Python module or script and its args) on ``options.slots`` local workers.
 
-    dtrain's own worker (a :class:`~dtrain.launcher.forkstart.WorkerModule`) is forked from this process where
-    that is safe, which spares each worker torch's imports; anything else starts as a new interpreter.
+    dtrain's own worker (a :class:`~dtrain.launcher.forkstart.WorkerModule`) is forked from a fork server that
+    has imported torch where that is safe, which spares each worker torch's imports; anything else starts as
+    a new interpreter.
 
     Returns None on success, else the first (root-cause) failure; raises :class:`~dtrain.launcher.supervise.Stopped`
     when a signal stopped the run.
@@ -119,10 +120,10 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
         rdzv = dict(min_nodes=nodes.min_nodes, max_nodes=nodes.max_nodes, run_id=nodes.run_id,
                     rdzv_backend=nodes.rdzv_backend, rdzv_endpoint=nodes.rdzv_endpoint,
                     rdzv_configs=dict(nodes.rdzv_configs), local_addr=nodes.local_addr)
-    fork, entrypoint, argv = forkstart.how_to_start(command, threads)
+    fork, entrypoint, argv = forkstart.how_to_start(command)
     config = LaunchConfig(
         nproc_per_node=options.slots,
-        start_method="fork" if fork else "spawn",  # (only function entrypoints have a start method)
+        start_method="forkserver" if fork else "spawn",  # (only function entrypoints have a start method)
         max_restarts=options.max_restarts,
         monitor_interval=0.1,
         logs_specs=logs_specs,

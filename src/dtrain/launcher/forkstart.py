@@ -1,24 +1,35 @@
-"""Starting dtrain's own workers by forking the launcher, which has already imported torch.
+"""Starting dtrain's own workers from a fork server that has already imported torch.
 
 A worker started as a new interpreter spends about 4 s of CPU before its first step importing torch and
 ``torch._dynamo`` (DDP's constructor reaches into it), on every slot and on every elastic restart; on a
-busy machine that is most of a short run. A forked worker inherits those imports. torch's elastic agent
-starts function entrypoints by fork (``LaunchConfig(start_method="fork")``), so dtrain keeps the agent
-and only decides when a fork is safe and makes the child look like a freshly started worker:
+busy machine that is most of a short run. A forked worker inherits those imports.
 
+The workers are forked from Python's fork server (``multiprocessing``'s ``forkserver``, which torch's elastic
+agent offers as a start method), not from the launcher. The launcher has threads: the agent's rendezvous
+store serves the workers from one of them, and it looks up the name of every peer that connects
+(``getnameinfo``). A process forked while that thread held the C library's resolver lock inherits it held,
+and waits forever on its own first lookup, before its first line: seen in the suite as a 4-slot run whose
+last rank never started. The fork server is a process of its own, with one thread, that never opens a
+connection, so nothing it forks can inherit a held lock. It imports torch, ``torch._dynamo`` and the
+worker's module once, when the launcher first needs it (:func:`start_server`), and lives as long as the
+launcher: every later run and every elastic restart of this process forks from it.
+
+dtrain makes each forked child look like a freshly started worker (:class:`ForkedMain`):
+
+* the launcher's current environment, not the one the fork server was started with, plus what the agent
+  sets for each rank;
 * a session of its own (as the agent gives an exec'd worker), so that a stop signals its process group;
-* the signal handlers a new interpreter has, not the launcher's supervisor's;
-* new standard stream objects on the process's file descriptors, even where the launcher's Python
-  streams were replaced (a notebook, a test capturing output): the agent redirects a rank's output by
-  descriptor, and a launcher's stream may have been locked by one of its threads at the fork;
-* exactly as many torch threads as ``OMP_NUM_THREADS`` says, which the inherited runtime no longer reads.
+* the signal handlers a new interpreter has;
+* exactly as many torch threads as ``OMP_NUM_THREADS`` says, which the inherited runtime no longer reads
+  (any number: the fork server never runs an operation, so no OpenMP pool is inherited, which GNU OpenMP's
+  would not survive);
+* the launcher's ``__main__`` is not imported again in the worker (an exec'd ``python -m`` worker does not
+  run it either): a script without a ``__main__`` guard would otherwise start training inside each worker.
 
-A fork is not safe, and workers are started as new interpreters as before, when:
+Workers are started as new interpreters instead when:
 
-* torch is built for CUDA or ROCm: their runtimes do not survive a fork once initialised, and the
-  launcher may have touched them (``torch.cuda.is_available()`` already does);
-* a worker gets more than one torch thread: GNU OpenMP's thread pool does not survive a fork. Measured
-  here: after the parent ran a 2-thread op, a forked child's first 2-thread op hung (1 thread: fine);
+* torch is built for CUDA or ROCm: kept on the tested path (a CUDA runtime must not be initialised before
+  a fork, which the fork server never does, but no GPU run has checked it yet);
 * not on Linux, or ``DTRAIN_WORKER_START=exec`` (the escape hatch, should a user's setup disagree).
 """
 
@@ -28,10 +39,12 @@ import contextlib
 import faulthandler
 import gc
 import importlib
+import multiprocessing
+import multiprocessing.forkserver
+import multiprocessing.spawn
 import os
 import signal
 import sys
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -40,9 +53,13 @@ import torch
 
 START_ENV = "DTRAIN_WORKER_START"
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+# Part of the fork server's command line (and of its resource tracker's): how the launcher tells these
+# helpers from its workers among its child processes.
+HELPER_MARKS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 
-# True only while the agent forks our workers: other forks of the process (a DataLoader's) are left alone.
-_forking = False
+# The environment the fork server was started with (in the launcher): a child's variables that differ
+# from it are the ones the agent set for its rank.
+_server_env: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -58,23 +75,22 @@ class WorkerModule:
         return ["-u", "-m", self.module, *self.argv]
 
 
-def can_fork(threads: int) -> bool:
-    """Whether workers with ``threads`` torch threads each may be forked from this process (see above)."""
+def can_fork() -> bool:
+    """Whether dtrain's workers may be forked from the fork server (see above)."""
     if os.environ.get(START_ENV, "fork") == "exec" or not sys.platform.startswith("linux"):
         return False
-    if torch.backends.cuda.is_built() or getattr(torch.version, "hip", None):
-        return False
-    return threads == 1
+    return not (torch.backends.cuda.is_built() or getattr(torch.version, "hip", None))
 
 
-def how_to_start(command: list[str] | WorkerModule, threads: int) -> tuple[bool, Any, list[str]]:
-    """(fork?, the agent's entrypoint, its arguments) for ``command``: dtrain's own worker forked where
-    :func:`can_fork` allows (its imports done here first), else a new interpreter running ``command``."""
+def how_to_start(command: list[str] | WorkerModule) -> tuple[bool, Any, list[str]]:
+    """(fork?, the agent's entrypoint, its arguments) for ``command``: dtrain's own worker forked from the fork
+    server where :func:`can_fork` allows (the server started here), else a new interpreter running
+    ``command``. A forked start uses the agent's ``forkserver`` start method, within :func:`forking`."""
     if not isinstance(command, WorkerModule):
         return False, sys.executable, command
-    if not can_fork(threads):
+    if not can_fork():
         return False, sys.executable, command.command
-    preload(command)
+    start_server(command.module)
     return True, ForkedMain(command), list(command.argv)
 
 
@@ -84,67 +100,80 @@ def preload_torch() -> None:
     importlib.import_module("torch._dynamo")
 
 
-def preload(worker: WorkerModule) -> None:
-    """Import, once in the launcher, what every worker would import: the forks inherit it."""
-    preload_torch()
-    importlib.import_module(worker.module)
+def start_server(module: str) -> None:
+    """Start this process's fork server, which imports torch and ``module`` once, unless it runs already.
+
+    It returns at once: the server imports while the launcher goes on, and the first fork waits for it.
+    """
+    global _server_env
+    if _server_env is None:
+        multiprocessing.forkserver.set_forkserver_preload(["torch", "torch._dynamo", module])
+    # Also restarts a server that died (the user killed it): its children get this environment.
+    multiprocessing.forkserver.ensure_running()
+    if _server_env is None:
+        _server_env = dict(os.environ)
+
+
+def _without_main(name: str) -> dict[str, Any]:
+    data = _preparation_data(name)
+    data.pop("init_main_from_name", None)
+    data.pop("init_main_from_path", None)
+    return data
+
+
+_preparation_data = multiprocessing.spawn.get_preparation_data
 
 
 @contextlib.contextmanager
 def forking() -> Iterator[None]:
-    """Within: forks of this process become workers (:func:`_make_worker_process`)."""
-    global _forking
-    _forking = True
+    """Within: processes started by the fork server do not import the launcher's ``__main__`` (which
+    ``multiprocessing`` does for a process that runs a function of it; a worker runs dtrain's)."""
+    multiprocessing.spawn.get_preparation_data = _without_main
     try:
-        with warnings.catch_warnings():
-            # Python 3.12+ warns on fork in a threaded process. The launcher's threads (the supervisor,
-            # torch's rendezvous keep-alive and store server) hold no lock that the worker takes: it only
-            # opens its own connections, and Python resets its own locks (import, logging) in the child.
-            warnings.filterwarnings("ignore", message=r".*use of fork\(\) may lead to deadlocks",
-                                    category=DeprecationWarning)
-            yield
+        yield
     finally:
-        _forking = False
+        multiprocessing.spawn.get_preparation_data = _preparation_data
 
 
-def _make_worker_process() -> None:
-    """Run in every forked child, before torch's agent wraps the entrypoint."""
-    global _forking
-    if not _forking:
-        return
-    _forking = False
-    # Everything inherited from the launcher (torch, its modules, a test runner's heap) lives as long as
-    # the worker: frozen, the worker's collections skip it (the Python docs' advice for fork without
-    # exec). Otherwise the gc.collect() before leaving the process group walks the whole inherited heap in
-    # every forked worker (a test runner's, say), copying every page it touches.
+def become_worker(launcher_env: dict[str, str], server_env: dict[str, str]) -> None:
+    """Run first in every forked worker: make it look as a freshly started one (see above)."""
+    _take_environment(launcher_env, server_env)
+    # What the fork server imported lives as long as the worker: frozen, the worker's collections skip it
+    # (the Python docs' advice for fork without exec).
     gc.freeze()
     os.setsid()
     for sig in _STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    # Before anything that could wait on something inherited: until the worker installs its own stop
-    # handlers, the agent's SIGTERM (it stops the survivors of a failed rank) first writes every thread's
-    # Python stack to the rank's log (fd 2, where the agent points it), so a child stuck before it started
-    # says where. (After the resets above, which would replace it.)
+    # Until the worker installs its own stop handlers, the agent's SIGTERM (it stops the survivors of a
+    # failed rank) first writes every thread's Python stack to the rank's log (fd 2, where the agent points
+    # it), so a child stuck before it started says where.
     faulthandler.register(signal.SIGTERM, file=2, all_threads=True, chain=True)
     _fresh_standard_streams()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+
+
+def _take_environment(launcher_env: dict[str, str], server_env: dict[str, str]) -> None:
+    """The launcher's environment at the fork, plus what the agent set for this rank: the variables in
+    which this process differs from the fork server's start. The watchdog's parent is the fork server: the
+    worker dies with it (it exits as soon as the launcher is gone)."""
+    from dtrain.engine import watchdog
+
+    for_rank = {k: v for k, v in os.environ.items() if server_env.get(k) != v}
+    os.environ.clear()
+    os.environ.update(launcher_env)
+    os.environ.update(for_rank)
+    if watchdog.LAUNCHER_PID_ENV in os.environ:
+        os.environ[watchdog.LAUNCHER_PID_ENV] = str(os.getppid())
 
 
 def _fresh_standard_streams() -> None:
-    """New ``sys.stdout``/``sys.stderr`` on descriptors 1 and 2, line-buffered as ``python -u`` would be.
-
-    Not the launcher's stream objects: one of its threads may have been writing to one when it forked, and
-    the child inherits that stream's lock held by a thread that does not exist here, so its first flush
-    waits forever (the agent flushes both before redirecting them). Measured with a thread writing to a
-    stream while the main thread forks 300 children that flush it: 298 hung; with fresh objects: none. (A
-    rank of the suite's 4-slot resume test once hung before its first line, its log empty: the likeliest
-    such lock.) The inherited objects stay referenced by ``sys.__stdout__``/``sys.__stderr__``: freed, they
-    would flush, and take that lock; the worker ends with ``os._exit`` (multiprocessing's fork), which
-    never frees them. The launcher's unflushed lines stay the launcher's instead of being written twice.
-    """
+    """New ``sys.stdout``/``sys.stderr`` on descriptors 1 and 2, line-buffered as ``python -u`` would be:
+    the fork server's own are block-buffered where its output is not a terminal, so a rank's lines would
+    reach its log (where the agent points descriptors 1 and 2) late, or not at all if it is killed."""
     for name, fd in (("stdout", 1), ("stderr", 2)):
         inherited = getattr(sys, f"__{name}__")
-        if inherited is None:  # a launcher without this stream: nothing to replace
+        if inherited is None:  # a process without this stream: nothing to replace
             continue
         # Lives as long as the process; closefd=False: descriptor 1 or 2 is not this object's to close.
         fresh = open(fd, "w", buffering=1, encoding=inherited.encoding,  # noqa: SIM115
@@ -152,19 +181,24 @@ def _fresh_standard_streams() -> None:
         setattr(sys, name, fresh)
 
 
-os.register_at_fork(after_in_child=_make_worker_process)
-
-
 class ForkedMain:
-    """The agent's entrypoint for forked workers: ``main(argv)`` of :attr:`worker`'s module."""
+    """The agent's entrypoint for forked workers: ``main(argv)`` of :attr:`worker`'s module.
+
+    Sent to the fork server's child by pickle, which takes the launcher's environment at that moment.
+    """
 
     def __init__(self, worker: WorkerModule) -> None:
         self.worker = worker
         # torch's agent names the entrypoint in its logs
         self.__name__ = self.__qualname__ = f"{worker.module}.main"
+        self.launcher_env: dict[str, str] = {}
+        self.server_env: dict[str, str] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "launcher_env": dict(os.environ), "server_env": dict(_server_env or {})}
 
     def __call__(self, *argv: str) -> None:
-        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+        become_worker(self.launcher_env, self.server_env)
         main = importlib.import_module(self.worker.module).main
         try:
             main(list(argv))

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dtrain.launcher.forkstart import HELPER_MARKS
+
 # Without a clean-stop protocol, how long the workers get to exit after SIGTERM.
 SCRIPT_GRACE_SECONDS = 3.0
 POLL_SECONDS = 0.2
@@ -71,13 +73,32 @@ def terminate_as_stop() -> Iterator[None]:
 
 
 def children(pid: int | None = None) -> list[int]:
-    """Direct child processes of ``pid`` (default: this process), from /proc."""
-    pid = pid or os.getpid()
+    """The workers of ``pid`` (default: this process), from /proc: its child processes, where the fork
+    server it forks workers from (dtrain.launcher.forkstart) stands for the server's children, and without
+    the server's resource tracker."""
+    found: list[int] = []
+    for child in _direct_children(pid or os.getpid()):
+        cmdline = _cmdline(child)
+        if HELPER_MARKS[0] in cmdline:
+            found.extend(_direct_children(child))
+        elif not any(mark in cmdline for mark in HELPER_MARKS):
+            found.append(child)
+    return found
+
+
+def _direct_children(pid: int) -> list[int]:
     found: list[int] = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         with contextlib.suppress(OSError, ValueError):
             found.extend(int(c) for c in (task / "children").read_text().split())
     return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def process_state(pid: int) -> str | None:
