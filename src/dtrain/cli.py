@@ -247,6 +247,9 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from dtrain.launcher import forkstart
+
+    forkstart.start_early(forkstart.DTRAIN_WORKER)  # its torch imports overlap the two below
     from dtrain.launcher import resume, runs  # keeps `dtrain --help` fast: torch is imported only when needed
     from dtrain.launcher.runplan import NodeArgs
 

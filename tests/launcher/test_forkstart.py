@@ -22,6 +22,23 @@ def test_fork_on_a_cpu_build_with_any_thread_count_unless_told_not_to(monkeypatc
     assert forkstart.can_fork() is False
 
 
+def test_the_launcher_starts_the_fork_server_early_only_on_a_cpu_build(monkeypatch):
+    """Early, its torch imports overlap the launcher's; judged from torch's metadata, not by importing it."""
+    started: list[str] = []
+    monkeypatch.setattr(forkstart, "start_server", started.append)
+    monkeypatch.delenv(forkstart.START_ENV, raising=False)
+    for version, expected in (("2.13.0+cpu", [forkstart.DTRAIN_WORKER]), ("2.13.0", []), ("2.13.0+cu128", [])):
+        started.clear()
+        monkeypatch.setattr(forkstart.importlib.metadata, "version", lambda _name, v=version: v)
+        forkstart.start_early(forkstart.DTRAIN_WORKER)
+        assert started == expected, version
+    started.clear()
+    monkeypatch.setenv(forkstart.START_ENV, "exec")
+    monkeypatch.setattr(forkstart.importlib.metadata, "version", lambda _name: "2.13.0+cpu")
+    forkstart.start_early(forkstart.DTRAIN_WORKER)
+    assert started == []
+
+
 def _proc(pid: int, name: str) -> str:
     return Path(f"/proc/{pid}/{name}").read_text(errors="replace")
 

@@ -39,6 +39,7 @@ import contextlib
 import faulthandler
 import gc
 import importlib
+import importlib.metadata
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.spawn
@@ -49,9 +50,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 START_ENV = "DTRAIN_WORKER_START"
+DTRAIN_WORKER = "dtrain.engine.worker"  # the module of dtrain's own worker
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 # Part of the fork server's command line (and of its resource tracker's): how the launcher tells these
 # helpers from its workers among its child processes.
@@ -79,6 +79,8 @@ def can_fork() -> bool:
     """Whether dtrain's workers may be forked from the fork server (see above)."""
     if os.environ.get(START_ENV, "fork") == "exec" or not sys.platform.startswith("linux"):
         return False
+    import torch  # here, not at the top: the light supervisor imports this module's HELPER_MARKS
+
     return not (torch.backends.cuda.is_built() or getattr(torch.version, "hip", None))
 
 
@@ -92,6 +94,21 @@ def how_to_start(command: list[str] | WorkerModule) -> tuple[bool, Any, list[str
         return False, sys.executable, command.command
     start_server(command.module)
     return True, ForkedMain(command), list(command.argv)
+
+
+def start_early(module: str) -> None:
+    """Start the fork server for ``module`` before this process imports torch, where it will very likely be
+    used: its imports then run beside the launcher's instead of after them. Judged without importing torch
+    (a ``+cpu`` build, by its installed metadata); :func:`how_to_start` still decides, and a server that
+    ends up unused exits with this process."""
+    if os.environ.get(START_ENV, "fork") == "exec" or not sys.platform.startswith("linux"):
+        return
+    try:
+        version = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return
+    if version.endswith("+cpu"):
+        start_server(module)
 
 
 def preload_torch() -> None:
@@ -150,6 +167,8 @@ def become_worker(launcher_env: dict[str, str], server_env: dict[str, str]) -> N
     # it), so a child stuck before it started says where.
     faulthandler.register(signal.SIGTERM, file=2, all_threads=True, chain=True)
     _fresh_standard_streams()
+    import torch
+
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
 

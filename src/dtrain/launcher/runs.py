@@ -43,7 +43,7 @@ from dtrain.engine.trial import load_trial_class
 from dtrain.errors import UserError
 from dtrain.launcher import membership, netif, preflight
 from dtrain.launcher.agent import LaunchOptions, launch
-from dtrain.launcher.forkstart import WorkerModule
+from dtrain.launcher.forkstart import DTRAIN_WORKER, WorkerModule
 from dtrain.launcher.join import join
 from dtrain.launcher.rendezvous import JoinError, Rendezvous, parse_endpoint, parse_nnodes
 from dtrain.launcher.resume import RUN_CONFIG, announce_changes, resume_checkpoint
@@ -465,7 +465,7 @@ def execute(plan: RunPlan, quiet: bool, debug: bool, threads: int | None = None)
                             nodes=plan.nodes, clean_stop=True,
                             checkpoints=plan.run_dir / plan.config.checkpoint_storage.path,
                             grace_seconds=plan.config.resources.preemption_grace_seconds, threads=threads)
-    return launch(WorkerModule("dtrain.engine.worker", tuple(args)), options)
+    return launch(WorkerModule(DTRAIN_WORKER, tuple(args)), options)
 
 
 def _train_in_place(args: list[str], plan: RunPlan) -> Failure | None:
