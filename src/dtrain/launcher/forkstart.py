@@ -35,6 +35,7 @@ Workers are started as new interpreters instead when:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import faulthandler
 import gc
@@ -125,10 +126,21 @@ def start_server(module: str) -> None:
     global _server_env
     if _server_env is None:
         multiprocessing.forkserver.set_forkserver_preload(["torch", "torch._dynamo", module])
+        atexit.register(_stop_server)
     # Also restarts a server that died (the user killed it): its children get this environment.
     multiprocessing.forkserver.ensure_running()
     if _server_env is None:
         _server_env = dict(os.environ)
+
+
+def _stop_server() -> None:
+    """At this process's exit, stop its fork server at once: it notices the exit by itself only once its
+    imports are done, seconds after a launcher that failed early, and meanwhile holds the launcher's standard
+    streams (a caller reading them to the end waits). Its children, if any are left, die with it."""
+    pid = multiprocessing.forkserver._forkserver._forkserver_pid
+    if pid is not None:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGTERM)
 
 
 def _without_main(name: str) -> dict[str, Any]:
@@ -167,6 +179,7 @@ def become_worker(launcher_env: dict[str, str], server_env: dict[str, str]) -> N
     # it), so a child stuck before it started says where.
     faulthandler.register(signal.SIGTERM, file=2, all_threads=True, chain=True)
     _fresh_standard_streams()
+    _leave_the_fork_server()
     import torch
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -184,6 +197,20 @@ def _take_environment(launcher_env: dict[str, str], server_env: dict[str, str]) 
     os.environ.update(for_rank)
     if watchdog.LAUNCHER_PID_ENV in os.environ:
         os.environ[watchdog.LAUNCHER_PID_ENV] = str(os.getppid())
+
+
+def _leave_the_fork_server() -> None:
+    """Close this child's end of the launcher's "alive" pipe, which the fork server gives each child for
+    forking from it in turn: held by a worker, it kept the server (and so the worker) alive after the
+    launcher was killed. Were the worker to use a fork server, it starts its own."""
+    # Python's default start method again, as in a new interpreter: the child of a "forkserver" process
+    # inherits that method, which would also start the trial's DataLoader workers through a fork server.
+    multiprocessing.set_start_method(None, force=True)
+    server = multiprocessing.forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+    server._forkserver_alive_fd = server._forkserver_address = server._forkserver_pid = None
 
 
 def _fresh_standard_streams() -> None:
