@@ -10,9 +10,12 @@ store serves the workers from one of them, and it looks up the name of every pee
 (``getnameinfo``). A process forked while that thread held the C library's resolver lock inherits it held,
 and waits forever on its own first lookup, before its first line: seen in the suite as a 4-slot run whose
 last rank never started. The fork server is a process of its own, with one thread, that never opens a
-connection, so nothing it forks can inherit a held lock. It imports torch, ``torch._dynamo`` and the
-worker's module once, when the launcher first needs it (:func:`start_server`), and lives as long as the
-launcher: every later run and every elastic restart of this process forks from it.
+connection, so nothing it forks can inherit a held lock (nor a thread pool: it imports with one thread per
+library). It imports torch, ``torch._dynamo`` and the worker's module once, started by ``dtrain run`` before
+the launcher imports torch itself (:func:`start_early`) so that both import at once, and lives as long as
+the launcher: every later run and every elastic restart of this process forks from it. It costs a second
+import of torch (about 2.5 s of CPU per launcher, beside the launcher's own) where a fork of the launcher
+cost none.
 
 dtrain makes each forked child look like a freshly started worker (:class:`ForkedMain`):
 
@@ -23,6 +26,8 @@ dtrain makes each forked child look like a freshly started worker (:class:`Forke
 * exactly as many torch threads as ``OMP_NUM_THREADS`` says, which the inherited runtime no longer reads
   (any number: the fork server never runs an operation, so no OpenMP pool is inherited, which GNU OpenMP's
   would not survive);
+* Python's default start method, not the fork server's (a trial's DataLoader workers fork from it), and
+  no hold on the fork server's "alive" pipe, which would keep the server up after the launcher died;
 * the launcher's ``__main__`` is not imported again in the worker (an exec'd ``python -m`` worker does not
   run it either): a script without a ``__main__`` guard would otherwise start training inside each worker.
 
@@ -124,13 +129,33 @@ def start_server(module: str) -> None:
     It returns at once: the server imports while the launcher goes on, and the first fork waits for it.
     """
     global _server_env
+    server = multiprocessing.forkserver._forkserver
     if _server_env is None:
-        multiprocessing.forkserver.set_forkserver_preload(["torch", "torch._dynamo", module])
+        server.set_forkserver_preload(["torch", "torch._dynamo", module])
         atexit.register(_stop_server)
-    # Also restarts a server that died (the user killed it): its children get this environment.
-    multiprocessing.forkserver.ensure_running()
-    if _server_env is None:
-        _server_env = dict(os.environ)
+    before = server._forkserver_pid
+    with _one_thread_libraries():
+        # Also restarts a server that died (the user killed it).
+        server.ensure_running()
+        if server._forkserver_pid != before or _server_env is None:
+            _server_env = dict(os.environ)
+
+
+@contextlib.contextmanager
+def _one_thread_libraries() -> Iterator[None]:
+    """Within: the environment of a fork server whose imports start no thread pool (numpy's BLAS starts one
+    per core at import). A worker gets its thread counts from the launcher's environment (see above)."""
+    names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(dict.fromkeys(names, "1"))
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _stop_server() -> None:
