@@ -21,12 +21,13 @@ demo: $(STAMP)
 	@echo "dtrain is installed in $(VENV): run 'source $(VENV)/bin/activate' for the dtrain command (or use $(BIN)/dtrain)"
 
 # Two pytest processes (pytest-xdist); whole files go to one process, so a module's shared reference runs
-# are trained once (--dist loadfile). Deadlines and the doctor's planted bottlenecks run here too: their
+# are trained once (--dist loadfile), in tests/conftest.py's order: files with the most multi-process tests
+# first, so that neither process ends working alone. Deadlines and the doctor's planted bottlenecks run here too: their
 # margins hold under this load (measured). The one speed comparison (marker `timing`) needs a quiet
 # machine and is left out: `DTRAIN_TIMING_TESTS=1 .venv/bin/python -m pytest -m timing` runs it alone.
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests bench examples
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile -m "not timing"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not timing"
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

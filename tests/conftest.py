@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 # One torch thread per rank (the tests' rule), also for 1-slot runs and before anything imports torch: the
-# launcher then forks its workers (dtrain.launcher.forkstart) instead of starting interpreters that import torch.
+# launcher then forks its workers from its fork server (dtrain.launcher.forkstart), whose imports are done.
 os.environ["OMP_NUM_THREADS"] = "1"
 # report.html costs about a second of matplotlib per run; tests of the page turn it back on (report_page).
 os.environ["DTRAIN_REPORT"] = "0"
@@ -16,6 +16,17 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from helpers import cli_in_process, final_weights, tiny_config
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with the most multi-process tests (marked ``slow``) first: `make test` hands whole files to two
+    pytest processes in this order (``--no-loadscope-reorder``), and a long file started last would leave
+    one process working alone at the end."""
+    weight: dict[str, tuple[int, int]] = {}
+    for item in items:
+        slow, count = weight.get(item.nodeid.split("::")[0], (0, 0))
+        weight[item.nodeid.split("::")[0]] = (slow + (item.get_closest_marker("slow") is not None), count + 1)
+    items.sort(key=lambda item: tuple(-n for n in weight[item.nodeid.split("::")[0]]))  # stable: file order kept
 
 
 class ReferenceRuns:
