@@ -1,6 +1,7 @@
 """Workers forked from the fork server: when it is safe, what a forked worker looks like, and that it trains
 exactly as a worker started as a new interpreter does."""
 
+import contextlib
 import os
 import signal
 import sys
@@ -74,13 +75,21 @@ def test_workers_fork_from_a_one_thread_server_and_the_supervisor_finds_them_the
 
 def test_a_forked_worker_has_the_launchers_environment_its_own_session_default_signals_and_line_streams(
         monkeypatch):
+    """And it leaves the fork server: Python's default start method (its DataLoader workers fork), and no hold
+    on the server's "alive" pipe (held, it kept the server and the worker up after the launcher was killed)."""
+    import multiprocessing
+    import multiprocessing.forkserver
+
     read, write = os.pipe()
+    alive_read, alive_write = os.pipe()
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         if (pid := os.fork()) == 0:  # the child: report, then leave without running pytest's teardown
             try:
                 # As a fork server's child: the server's environment, and what the agent set for this rank.
                 os.environ.update({"RANK": "3", "STALE": "server's"})
+                multiprocessing.set_start_method("forkserver", force=True)
+                multiprocessing.forkserver._forkserver._forkserver_alive_fd = alive_write
                 forkstart.become_worker({"FROM_LAUNCHER": "1", "RANK": "0"}, {"STALE": "server's", "RANK": "0"})
                 facts = [os.environ.get("FROM_LAUNCHER") == "1", os.environ.get("RANK") == "3",
                          "STALE" not in os.environ,
@@ -88,16 +97,24 @@ def test_a_forked_worker_has_the_launchers_environment_its_own_session_default_s
                          signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                          signal.getsignal(signal.SIGINT) is signal.default_int_handler,
                          sys.stdout.fileno() == 1 and sys.stderr.fileno() == 2,
-                         sys.stdout.line_buffering and sys.stderr.line_buffering]
+                         sys.stdout.line_buffering and sys.stderr.line_buffering,
+                         multiprocessing.get_start_method(allow_none=True) is None,
+                         multiprocessing.forkserver._forkserver._forkserver_alive_fd is None]
+                os.close(alive_read)
+                with contextlib.suppress(OSError):
+                    os.fstat(alive_write)
+                    facts.append(False)  # still open
                 os.write(write, "".join("1" if f else "0" for f in facts).encode())
             finally:
                 os._exit(0)
     finally:
         signal.signal(signal.SIGTERM, previous)
     os.close(write)
+    os.close(alive_write)
     _, status = os.waitpid(pid, 0)
-    assert os.read(read, 16) == b"11111111" and status == 0
+    assert os.read(read, 16) == b"1" * 10 and status == 0
     os.close(read)
+    os.close(alive_read)
 
 
 def test_a_forked_child_stopped_before_its_main_leaves_its_stack(capfd):
