@@ -148,6 +148,12 @@ def test_a_node_joins_then_one_leaves_and_the_run_matches_the_same_world_sizes(j
     assert line.startswith("dtrain: error: ") and "cannot join the running job 'dtrain-tiny'" in line, line
     assert "different experiment config" in line and "hyperparameters.lr: 0.1 vs None" in line, line
     assert len(line.splitlines()) == 1
+    # So is a node that names another job at the same address.
+    job.start("other-id", "--rdzv-id", "another-job")
+    assert job.finish("other-id", timeout=90) == 2
+    line = job.err("other-id").strip()
+    assert line.startswith("dtrain: error: ") and "is 'dtrain-tiny', not 'another-job'" in line, line
+    assert "--rdzv-id dtrain-tiny" in line and len(line.splitlines()) == 1
 
     started = time.time()
     job.start("b")  # the same command: it joins
