@@ -22,11 +22,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files with the most multi-process tests (marked ``slow``) first: `make test` hands whole files to two
     pytest processes in this order (``--no-loadscope-reorder``), and a long file started last would leave
     one process working alone at the end."""
+    def file_of(item: pytest.Item) -> str:
+        return item.nodeid.split("::")[0]
+
     weight: dict[str, tuple[int, int]] = {}
     for item in items:
-        slow, count = weight.get(item.nodeid.split("::")[0], (0, 0))
-        weight[item.nodeid.split("::")[0]] = (slow + (item.get_closest_marker("slow") is not None), count + 1)
-    items.sort(key=lambda item: tuple(-n for n in weight[item.nodeid.split("::")[0]]))  # stable: file order kept
+        slow, count = weight.get(file_of(item), (0, 0))
+        weight[file_of(item)] = (slow + (item.get_closest_marker("slow") is not None), count + 1)
+    items.sort(key=lambda item: tuple(-n for n in weight[file_of(item)]))  # stable: file order kept
 
 
 class ReferenceRuns:

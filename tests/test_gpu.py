@@ -29,10 +29,10 @@ def test_one_slot_on_nccl_trains_on_the_gpu(tmp_path):
     assert profile["device_facts"]["type"] == "cuda" and profile["device_facts"]["matmul_tflops"]["fp32"] > 0
 
 
-def test_cuda_timing_adds_up_to_the_wall_time(tmp_path):
-    # Enough device work per step that host bookkeeping is small: the timed steps must account for the
-    # device-synchronized training time (goal: within 3%).
-    run = _run(tmp_path, "r", **{"max_length": {"batches": 200}, "hyperparameters.train_size": 65536,
+def _assert_steps_add_up_to_the_training_time(tmp_path, train_size: int) -> None:
+    """Enough device work per step that host bookkeeping is small: the timed steps must account for the
+    device-synchronized training time (goal: within 3%)."""
+    run = _run(tmp_path, "r", **{"max_length": {"batches": 200}, "hyperparameters.train_size": train_size,
                                  "hyperparameters.global_batch_size": 4096, "hyperparameters.hidden": 2048,
                                  "hyperparameters.extra_layers": 4, "profiling.warmup_steps": 0,
                                  "min_validation_period": None, "min_checkpoint_period": None,
@@ -43,18 +43,14 @@ def test_cuda_timing_adds_up_to_the_wall_time(tmp_path):
     assert timed == pytest.approx(profile["train_seconds"], rel=0.03), (timed, profile["train_seconds"])
 
 
+def test_cuda_timing_adds_up_to_the_wall_time(tmp_path):
+    _assert_steps_add_up_to_the_training_time(tmp_path, train_size=65536)
+
+
 def test_steps_that_start_an_epoch_are_timed_too(tmp_path):
     # Two batches an epoch: every other step starts an epoch, whose first batch the feeder loads and copies
-    # as the epoch's iterator starts. That work must fall inside a timed step, or the steps' sum falls short
-    # of the device-synchronized training time.
-    run = _run(tmp_path, "r", **{"max_length": {"batches": 200}, "hyperparameters.train_size": 8192,
-                                 "hyperparameters.global_batch_size": 4096, "hyperparameters.hidden": 2048,
-                                 "hyperparameters.extra_layers": 4, "profiling.warmup_steps": 0,
-                                 "min_validation_period": None, "min_checkpoint_period": None,
-                                 "scheduling_unit": 100})
-    profile = json.loads((run / "profile.json").read_text())
-    timed = profile["steps"] * profile["seconds_per_step"]["step"]["mean"]
-    assert timed == pytest.approx(profile["train_seconds"], rel=0.03), (timed, profile["train_seconds"])
+    # as the epoch's iterator starts. That work must fall inside a timed step, or the steps' sum falls short.
+    _assert_steps_add_up_to_the_training_time(tmp_path, train_size=8192)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "tf32", "bf16-mixed", "16-mixed"])

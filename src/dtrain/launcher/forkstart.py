@@ -83,11 +83,16 @@ class WorkerModule:
 
 def can_fork() -> bool:
     """Whether dtrain's workers may be forked from the fork server (see above)."""
-    if os.environ.get(START_ENV, "fork") == "exec" or not sys.platform.startswith("linux"):
+    if not _fork_allowed_here():
         return False
     import torch  # here, not at the top: the light supervisor imports this module's HELPER_MARKS
 
     return not (torch.backends.cuda.is_built() or getattr(torch.version, "hip", None))
+
+
+def _fork_allowed_here() -> bool:
+    """Linux, and not turned off with ``DTRAIN_WORKER_START=exec``: the checks that need no torch."""
+    return os.environ.get(START_ENV, "fork") != "exec" and sys.platform.startswith("linux")
 
 
 def how_to_start(command: list[str] | WorkerModule) -> tuple[bool, Any, list[str]]:
@@ -107,7 +112,7 @@ def start_early(module: str) -> None:
     used: its imports then run beside the launcher's instead of after them. Judged without importing torch
     (a ``+cpu`` build, by its installed metadata); :func:`how_to_start` still decides, and a server that
     ends up unused exits with this process."""
-    if os.environ.get(START_ENV, "fork") == "exec" or not sys.platform.startswith("linux"):
+    if not _fork_allowed_here():
         return
     try:
         version = importlib.metadata.version("torch")
