@@ -193,11 +193,38 @@ def _commit(root: Path, tmp: Path, final: Path, payload: CheckpointPayload) -> N
     if final.exists():  # the same step saved again after a resume: the new one replaces it
         shutil.rmtree(final)
     os.replace(tmp, final)
-    latest_tmp = root / f".{LATEST}.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    _fsync_file(latest_tmp)
-    os.replace(latest_tmp, root / LATEST)
+    _point_latest(root, final.name)
+
+
+def _point_latest(root: Path, name: str | None) -> None:
+    """``latest`` names ``name`` (written by rename), or is removed (None)."""
+    if name is None:
+        (root / LATEST).unlink(missing_ok=True)
+    else:
+        latest_tmp = root / f".{LATEST}.tmp"
+        latest_tmp.write_text(name + "\n")
+        _fsync_file(latest_tmp)
+        os.replace(latest_tmp, root / LATEST)
     _fsync_dir(root)
+
+
+def withdraw(root: Path, batches: int, only_if_extra: str) -> bool:
+    """Take back the checkpoint at ``batches`` if its ``extra`` holds the key ``only_if_extra`` (a survivor
+    save the survivors turned out to disagree on): it is renamed away in one step and ``latest`` names the
+    newest one left (or goes). Whether it was taken back."""
+    path = root / str(batches)
+    try:
+        if only_if_extra not in read_extra(path):
+            return False
+    except CheckpointError:
+        return False
+    doomed = root / f".deleting-{path.name}"
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.replace(path, doomed)
+    done = [p for p in root.iterdir() if p.is_dir() and p.name.isdigit() and (p / "metadata.json").is_file()]
+    _point_latest(root, max(done, key=lambda p: int(p.name)).name if done else None)
+    shutil.rmtree(doomed, ignore_errors=True)
+    return True
 
 
 def _prune(root: Path, keep_last: int) -> None:

@@ -29,6 +29,7 @@ from dtrain.engine.nonfinite import NonFiniteWatch
 from dtrain.engine.progress import ProgressReporter
 from dtrain.engine.seeding import seed_everything
 from dtrain.engine.stopping import StopVote, write_stopped
+from dtrain.engine.survivor import keep_state
 from dtrain.engine.trial import PyTorchTrial, load_trial_class
 from dtrain.engine.watchdog import STATUS
 from dtrain.profiling.clock import synchronized_now
@@ -48,9 +49,8 @@ def run_trial(config: ExperimentConfig, run_dir: Path, resume_from: Path | None,
     context.run_dir = run_dir
     trial = trial_class(context)
     summary = fit_trial(context, trial, config, run_dir, resume_from, quiet)
-    # Not on failure: leaving the process group closes this rank's connections, and its peers would fail
-    # ("connection reset") and be reported before this rank had written why it failed. A failing worker
-    # writes its report first, then exits, which closes them (dtrain.engine.worker).
+    # Not on failure: leaving the group would close this rank's connections before it wrote why it failed,
+    # and its peers' "connection reset" would be reported instead (dtrain.engine.worker writes, then exits).
     del trial
     context.close()  # after the trial and its wrapped models are gone
     return summary
@@ -70,7 +70,12 @@ def fit_trial(context: TrialContext, trial: PyTorchTrial, config: ExperimentConf
         truncate_metrics(trainer.writer.path, 0)  # a run started over in place: its old records go
     if validate_first:
         trainer._validate()
-    return trainer.fit()
+    start_steps = context.optimizer_steps
+    try:
+        return trainer.fit()
+    except Exception as exc:  # a lost peer: the survivors keep the last complete step
+        keep_state(trainer, exc, start_steps)
+        raise
 
 
 def _next_boundary(period: int | None, after: int) -> int:
@@ -136,8 +141,7 @@ class Trainer:
         # where host clocks around asynchronous kernels are not.
         self.train_seconds = 0.0
         self.steps = 0
-        self._window_start = 0.0
-        self._window_steps = 0
+        self._window_start, self._window_steps = 0.0, 0
         self._iterating = False
         self.tuner = tuner_for_run(context, config.optimizations, run_dir)
         # Non-finite losses: tracked on the device each step, compared across ranks where the loop syncs anyway.

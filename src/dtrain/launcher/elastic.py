@@ -47,6 +47,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
 from torch.distributed.launcher.api import LaunchConfig
 
+from dtrain.engine import survivor
 from dtrain.engine.failures import ERROR_FILE, is_secondary
 from dtrain.engine.watchdog import STATUS_FILE
 from dtrain.launcher import membership
@@ -147,6 +148,7 @@ class ElasticAgent(LocalElasticAgent):
             self._continue_after_stop(worker_group)
             return RunResult(state=WorkerState.HEALTHY)
         if result.state == WorkerState.FAILED and self._peer_lost(worker_group, result):
+            self._await_survivors(worker_group)
             last = membership.last_batch(self.setup.logs)
             membership.note_event(self.setup.logs, "lost", "a node", last_batch=last)
             log.warning("%s: a peer's connection failed (a node went away?); meeting the other nodes again",
@@ -199,6 +201,20 @@ class ElasticAgent(LocalElasticAgent):
                 return result
             time.sleep(_POLL_SECONDS)
         return None
+
+    def _await_survivors(self, worker_group: WorkerGroup) -> None:
+        """Let every local worker keep its state before any is stopped (:mod:`dtrain.engine.survivor`):
+        each votes, saved or not, then exits; one that does not within the grace period is stopped anyway
+        (a checkpoint is committed whole or not at all)."""
+        workers = worker_group.workers
+        if not workers:
+            return
+        deadline = time.monotonic() + self.setup.grace_seconds
+        while time.monotonic() < deadline:
+            voted = survivor.voters(self.setup.logs)
+            if all(w.id in voted for w in workers):
+                return
+            time.sleep(_POLL_SECONDS)
 
     def _peer_lost(self, worker_group: WorkerGroup, result: RunResult) -> bool:
         """Whether every local worker failed only because a peer's connection closed (a node went away):

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dtrain.engine import checkpoint
+from dtrain.engine import checkpoint, survivor
+from dtrain.errors import CheckpointError
 from dtrain.launcher.culprit import read_statuses
 
 log = logging.getLogger("dtrain")
@@ -114,6 +115,7 @@ class Change:
     old_world: int | None
     new_world: int
     global_rank0_pid: int
+    recovered: dict[str, Any]  # a lost node: what the new world resumed from (see :func:`recovery`)
 
 
 class ChangeRecorder:
@@ -143,7 +145,7 @@ class ChangeRecorder:
             clear_pending(self.logs)
             return
         self.current = Change(cause, int(meta.get("batches", found.name)), old if isinstance(old, int) else None,
-                              new_world, rank0_pid)
+                              new_world, rank0_pid, recovery(self.logs, found) if cause["cause"] == "lost" else {})
 
     def poll(self) -> dict[str, Any] | None:
         """Once rank 0 has trained past the resumed batch: write the record; returns it (None: not yet)."""
@@ -163,7 +165,8 @@ class ChangeRecorder:
                   "old_world_size": change.old_world, "new_world_size": change.new_world,
                   "seconds": round(max(0.0, first_step - float(cause["time"])), 3),
                   "lost_batches": max(0, int(lost) - change.batches) if lost is not None else 0,
-                  "event_time": float(cause["time"]), "first_step_time": first_step, "time": time.time()}
+                  "event_time": float(cause["time"]), "first_step_time": first_step, "time": time.time(),
+                  **change.recovered}
         self._write(record)
         clear_pending(self.logs)
         return record
@@ -178,6 +181,20 @@ class ChangeRecorder:
         print(f"dtrain: {line}", flush=True)
 
 
+def recovery(logs: Path, resumed: Path) -> dict[str, Any]:
+    """Where a world that lost a node continued from: ``recovered_from`` "survivors" (the state they held,
+    :mod:`dtrain.engine.survivor`) or "checkpoint" (the latest periodic one), and why it fell back."""
+    with contextlib.suppress(CheckpointError):
+        if "survivor" in checkpoint.read_extra(resumed):
+            return {"recovered_from": "survivors"}
+    folder = survivor.newest_world(logs)
+    votes = survivor.read_votes(folder) if folder is not None else {}
+    reasons = [v.reason for v in sorted(votes.values(), key=lambda v: v.rank) if not v.saved and v.reason
+               and not v.reason.startswith("kept")]
+    why = reasons[0] if reasons else "no survivor saved its state"
+    return {"recovered_from": "checkpoint", "fallback_reason": why}
+
+
 def clear_pending(logs: Path) -> None:
     (elastic_dir(logs) / PENDING).unlink(missing_ok=True)
 
@@ -188,6 +205,11 @@ def describe(record: dict[str, Any]) -> str:
     old, new = record.get("old_world_size"), record["new_world_size"]
     sizes = f"{old if old is not None else '?'} -> {new} slot(s)"
     lost = record.get("lost_batches", 0)
-    return (f"membership change: {record['node']} {cause}; world size {sizes} at batch {record['batches']}; "
+    line = (f"membership change: {record['node']} {cause}; world size {sizes} at batch {record['batches']}; "
             f"{record['seconds']:.1f} s from the event to the first step at {new} slot(s); "
             f"{lost} batch(es) lost")
+    if record.get("recovered_from") == "survivors":
+        return line + "; continued from the state the survivors held"
+    if record.get("recovered_from") == "checkpoint":
+        return line + f"; fell back to the latest checkpoint ({record.get('fallback_reason', 'no survivor state')})"
+    return line

@@ -258,6 +258,8 @@ class MembershipChange(_Section):
     event_time: float
     first_step_time: float
     time: float
+    recovered_from: str | None = None  # a lost node: "survivors" (the state they held) or "checkpoint"
+    fallback_reason: str | None = None  # why it went back to the latest checkpoint
 
 
 class ProfileRecord(_Section):
