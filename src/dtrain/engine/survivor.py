@@ -162,9 +162,6 @@ def exchanges_between(after: int, upto: int, k: int, total: int) -> int:
 def _save_or_compare(trainer: Trainer, folder: Path, batch: int) -> tuple[bool, str]:
     """Claim the save for this world (the first survivor wins) and save, or compare with the claim."""
     root = trainer.ckpt_root
-    held = checkpoint.latest(root)
-    if held is not None and held.name.isdigit() and int(held.name) >= batch:
-        return False, f"kept: the checkpoint at batch {held.name} already holds batch {batch}"
     me = {"rank": trainer.ctx.rank, "batch": batch}
     if not _write_new(folder / CLAIM, me):
         claim = _read(folder / CLAIM) or {}
@@ -175,6 +172,9 @@ def _save_or_compare(trainer: Trainer, folder: Path, batch: int) -> tuple[bool, 
         return False, (f"the survivors disagree on the last complete step (rank {claim.get('rank')}: batch "
                        f"{claim.get('batch')}, this rank: {batch})"
                        + (" (survivor checkpoint withdrawn)" if withdrawn else ""))
+    held = checkpoint.latest(root)
+    if held is not None and held.name.isdigit() and int(held.name) >= batch:
+        return False, f"the latest checkpoint (batch {held.name}) already holds the last complete step"
     _save(trainer, batch)
     if (folder / DISAGREE).exists():  # seen after the commit: the other side may have looked too early
         _withdraw(root, batch)
