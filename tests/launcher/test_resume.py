@@ -124,3 +124,26 @@ def test_a_job_that_stopped_cleanly_says_so_without_an_error(tmp_path, monkeypat
     result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
     assert result.code == 1 and "error" not in result.stderr and "Traceback" not in result.stderr
     assert result.stderr.strip() == (f"dtrain: {stopped.message}; resume with: dtrain run --resume {tmp_path / 'r'}")
+
+
+def test_a_finished_run_counted_in_epochs_is_advised_in_epochs_and_the_advice_works(tmp_path):
+    """The config gives epochs: advice in batches would be refused ("give exactly one of 'batches' or
+    'epochs'"), as would the README's example followed literally."""
+    import torch
+
+    from dtrain.engine import checkpoint
+
+    cfg = tiny_config(tmp_path, max_length={"epochs": 1})
+    run_dir = tmp_path / "r"
+    _prepare(cfg, [], run_dir, None)
+    payload = checkpoint.CheckpointPayload(16, [{"w": torch.ones(2)}], [], {"extra": {
+        "batches": 16, "batches_per_epoch": 16}}, {"world_size": 2})
+    checkpoint.save(run_dir / "checkpoints", payload, {"batches": 16, "rng": {}}, 0, keep_last=2)
+    with pytest.raises(resume.AlreadyFinished) as finished:
+        _prepare(None, [], None, run_dir)
+    advice = str(finished.value)
+    assert "(max_length {epochs: 1})" in advice and advice.endswith("e.g. --set max_length.epochs=2"), advice
+    plan = _prepare(None, [advice.rsplit("--set ", 1)[1]], None, run_dir)  # followed: accepted, resumes at 16
+    assert plan.config.max_length.epochs == 2 and plan.resume_from == run_dir / "checkpoints" / "16"
+    result = cli_in_process("run", "--resume", str(run_dir), "--set", "max_length.batches=32")
+    assert result.code == 2 and "give exactly one of 'batches' or 'epochs'" in result.stderr

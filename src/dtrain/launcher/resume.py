@@ -126,11 +126,14 @@ def check_not_finished(run_dir: Path, config: ExperimentConfig, done: int,
             return  # the worker checks again once it knows the data (Trainer.fit)
         total = round(config.max_length.epochs * per_epoch)  # type: ignore[operator]
     if done >= total:
-        unit = f"batches: {config.max_length.batches}" if config.max_length.batches else \
-            f"epochs: {config.max_length.epochs}"
+        # The advice is in the unit the config counts in: the other unit beside it would be refused.
+        if config.max_length.batches:
+            unit, longer = f"batches: {config.max_length.batches}", f"max_length.batches={2 * done}"
+        else:
+            epochs = config.max_length.epochs or 0
+            unit, longer = f"epochs: {epochs}", f"max_length.epochs={2 * epochs}"
         raise AlreadyFinished(f"run {run_dir} already finished: it trained {done} batches (max_length {{{unit}}}); "
-                              "nothing to do. To train it longer, raise max_length, e.g. --set "
-                              f"max_length.batches={2 * done}")
+                              f"nothing to do. To train it longer, raise max_length, e.g. --set {longer}")
 
 
 def _batches_per_epoch(run_dir: Path, extra: dict[str, Any]) -> float | None:
