@@ -175,8 +175,13 @@ def write_stopped(logs: Path, batch: int) -> None:
     (logs / STOPPED_FILE).write_text(json.dumps({"batch": batch, "time": time.time()}))
 
 
-def read_stopped(logs: Path) -> int | None:
+def read_stopped(logs: Path, since: float | None = None) -> int | None:
+    """The batch every rank last stopped at, if they did at or after ``since`` (a wall-clock time; an elastic
+    job's earlier stop for a membership change is not this one)."""
     try:
-        return int(json.loads((logs / STOPPED_FILE).read_text())["batch"])
-    except (OSError, ValueError, KeyError, TypeError):
+        record = json.loads((logs / STOPPED_FILE).read_text())
+        if since is not None and float(record.get("time", 0)) < since:
+            return None
+        return int(record["batch"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None

@@ -67,8 +67,12 @@ def print_run_summary(run_dir: Path, seconds: float, quiet: bool = False) -> Non
         return
     s = json.loads(path.read_text())
     val = "  ".join(f"{k} {v:.4f}" for k, v in s.get("validation", {}).items())
-    done = (f"dtrain: done in {seconds:.1f}s: {s['batches']} batches on {s['slots']} slot(s), "
-            f"{s['samples_per_second']:,.0f} samples/s" + (f"; validation: {val}" if val else ""))
+    done = f"dtrain: done in {seconds:.1f}s: {s['batches']} batches on {s['slots']} slot(s), "
+    since = int(s.get("resumed_at_batch") or 0)
+    if since and s.get("membership_changes"):  # an elastic job: the figures cover its last world only
+        done = (f"dtrain: done in {seconds:.1f}s: {s['batches']} batches, {len(s['membership_changes'])} membership "
+                f"change(s); the last stretch (batches {since}-{s['batches']}) on {s['slots']} slot(s): ")
+    done += f"{s['samples_per_second']:,.0f} samples/s" + (f"; validation: {val}" if val else "")
     report = _write_report(run_dir)
     if quiet:
         print(done + (f"; report {report}" if report is not None else ""))

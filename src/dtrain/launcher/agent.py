@@ -142,7 +142,8 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
         leaving = functools.partial(membership.note_leaving, status_dir, nodes.log_name, nodes.is_host) \
             if elastic and nodes is not None else None
         try:
-            with Supervisor(options.grace_seconds, options.clean_stop, status_dir, on_signal=leaving) as supervisor:
+            with Supervisor(options.grace_seconds, options.clean_stop, status_dir, on_signal=leaving,
+                            shared_world=elastic) as supervisor:
                 try:
                     with forkstart.forking() if fork else contextlib.nullcontext():
                         if elastic:
@@ -153,8 +154,8 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
                     if supervisor.signum is None:
                         return _root_cause(exc, status_dir, options.slots if nodes is None else None)
                 except Left:  # the others go on, unless this node served the rendezvous (then they stop too)
-                    raise Stopped(supervisor.signum or signal.SIGTERM, left=nodes is not None and not nodes.is_host) \
-                        from None
+                    raise Stopped(supervisor.signum or signal.SIGTERM, clean=True, signalled_at=supervisor.signalled_at,
+                                  left=nodes is not None and not nodes.is_host) from None
                 except JobStopped as exc:
                     if _finished_since(options.run_dir, started):  # it ended while this node came to join it
                         logging.getLogger("dtrain").warning("the job finished before this node could join it")
@@ -162,13 +163,15 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
                     return Failure(0, 1, f"the job stopped: {exc}", user_error=False, standalone=True,
                                    clean_stop=True)
                 except SignalException as exc:  # the agent stopped the workers (SIGHUP, SIGQUIT, or no grace left)
-                    raise Stopped(int(exc.sigval)) from None
+                    # An elastic node leaves all the same (not cleanly: the others continue from their state).
+                    raise Stopped(int(exc.sigval), left=elastic and nodes is not None and not nodes.is_host,
+                                  signalled_at=supervisor.signalled_at) from None
                 except RendezvousError as exc:
                     # A node that passed dtrain's pre-rendezvous but never reached torch's (it died in between).
                     raise JoinError(f"torch's rendezvous at {nodes.rdzv_endpoint if nodes else 'localhost'} failed: "
                                     f"{exc}; check that every node is still running") from None
             if supervisor.signum is not None:
-                raise Stopped(supervisor.signum)
+                raise Stopped(supervisor.signum, signalled_at=supervisor.signalled_at)
         finally:
             os.environ.pop(watchdog.LAUNCHER_PID_ENV, None)
             os.environ.pop(watchdog.STATUS_DIR_ENV, None)

@@ -108,7 +108,8 @@ class ElasticAgent(LocalElasticAgent):
         self.nodes = [store.get(_NODE_KEY.format(group_rank=r)).decode() for r in range(worker_group.group_world_size)]
 
     def _initialize_workers(self, worker_group: WorkerGroup) -> None:
-        if self._first and self.setup.late:
+        joining = self._first and self.setup.late
+        if joining:
             membership.note_event(self.setup.logs, "join", self.setup.node)
         self._first = False
         self._forget_statuses(worker_group)
@@ -116,11 +117,14 @@ class ElasticAgent(LocalElasticAgent):
         self._world_started = time.time()
         workers = worker_group.workers
         gone = [n for n in self._previous if n not in self.nodes]
-        if self._previous and self._previous != self.nodes:
+        if joining:
+            self._say(f"joined the running job; training at world size {workers[0].world_size} on "
+                      f"{len(self.nodes)} node(s)")
+        elif self._previous and self._previous != self.nodes:
             came = [n for n in self.nodes if n not in self._previous]
             parts = ([f"joined: {', '.join(came)}"] if came else []) + ([f"gone: {', '.join(gone)}"] if gone else [])
-            log.warning("%s: the job now runs on %d node(s), world size %d (%s)", self.setup.node, len(self.nodes),
-                        workers[0].world_size, "; ".join(parts))
+            self._say(f"the job now runs on {len(self.nodes)} node(s), world size {workers[0].world_size} "
+                      f"({'; '.join(parts)})")
         rank0 = workers[0].id if worker_group.group_rank == 0 else None
         self.recorder.started(worker_group.group_rank, workers[0].world_size, rank0, gone)
 
@@ -159,6 +163,10 @@ class ElasticAgent(LocalElasticAgent):
             self.recorder.poll()
         return result
 
+    def _say(self, what: str) -> None:
+        """One line on this node's console (stdout, beside the membership records): not a warning, news."""
+        print(f"dtrain: {self.setup.node}: {what}", flush=True)
+
     # ------------------------------------------------------------------------------------ the steps
     def _restart(self, worker_group: WorkerGroup) -> None:
         """Stop what is left of the workers, meet the other nodes again, start the new world's workers."""
@@ -170,6 +178,7 @@ class ElasticAgent(LocalElasticAgent):
         signalled = self.setup.signalled()
         if signalled is not None:
             membership.note_event(self.setup.logs, "leave", self.setup.node, when=signalled)
+            self._say("every rank stopped at one batch with a checkpoint; leaving the job")
             raise Left(self.setup.node)
         leaving = membership.leaving_since(self.setup.logs, self._world_started)
         names = ", ".join(sorted(str(r["node"]) for r in leaving))

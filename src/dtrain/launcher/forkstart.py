@@ -136,7 +136,7 @@ def start_server(module: str) -> None:
     global _server_env
     server = multiprocessing.forkserver._forkserver
     if _server_env is None:
-        server.set_forkserver_preload(["torch", "torch._dynamo", module])
+        server.set_forkserver_preload(["dtrain.launcher.forkserver_init", "torch", "torch._dynamo", module])
         atexit.register(_stop_server)
     before = server._forkserver_pid
     with _one_thread_libraries():

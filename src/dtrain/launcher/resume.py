@@ -169,14 +169,16 @@ def stop_line(plan: RunPlan, stop: Stopped, started: float) -> str | None:
     """The one line for a run stopped by a signal, with the command that continues it; None when the run
     finished anyway (the signal came during its last moments, ``started``: ``time.time()`` at launch)."""
     resume = f"resume with: {resume_command(plan)}"
-    batch = read_stopped(plan.run_dir / "logs")
+    batch = read_stopped(plan.run_dir / "logs", since=stop.signalled_at)
     if stop.left:
-        at = f" at batch {batch}" if batch is not None else ""
-        return (f"dtrain: this node left the elastic job{at} ({stop.signal_name}); the other nodes go on without "
-                f"it while --nnodes's minimum remain (else they stop there too); rejoin with the same command, or "
-                f"{resume}")
+        at = f" at batch {batch}" if batch is not None and stop.clean else ""
+        how = "" if stop.clean else ", its workers stopped before they could agree on a batch"
+        return (f"dtrain: this node left the elastic job{at} ({stop.signal_name}{how}); the other nodes go on "
+                f"without it while --nnodes's minimum remain (else they stop there too); rejoin with the same "
+                f"command, or {resume}")
     summary = plan.run_dir / "summary.json"
-    if batch is None and summary.is_file() and summary.stat().st_mtime >= started:
+    # On one node of several, the summary may be the job's, finished elsewhere: this node was still stopped.
+    if batch is None and plan.nodes is None and summary.is_file() and summary.stat().st_mtime >= started:
         return None
     if batch is not None:
         return f"dtrain: stopped at batch {batch} by {stop.signal_name}; {resume}"

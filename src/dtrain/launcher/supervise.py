@@ -39,11 +39,13 @@ POLL_SECONDS = 0.2
 class Stopped(Exception):
     """The run was stopped by a signal to the launcher (not a failure)."""
 
-    def __init__(self, signum: int, batch: int | None = None, clean: bool = False, left: bool = False) -> None:
+    def __init__(self, signum: int, batch: int | None = None, clean: bool = False, left: bool = False,
+                 signalled_at: float | None = None) -> None:
         self.signum = signum
         self.batch = batch
         self.clean = clean  # the ranks stopped together and checkpointed at ``batch``
         self.left = left  # this node left an elastic job; the other nodes may go on without it
+        self.signalled_at = signalled_at  # time.time() of the signal: a stop record before it is another stop's
         super().__init__(f"stopped by {self.signal_name}")
 
     @property
@@ -118,9 +120,12 @@ class Supervisor:
     """``with Supervisor(grace, clean=True) as sup:`` around the agent; ``sup.signum`` tells what stopped it."""
 
     def __init__(self, grace_seconds: float, clean: bool, status_dir: Path | None = None,
-                 on_signal: Callable[[], None] | None = None) -> None:
+                 on_signal: Callable[[], None] | None = None, shared_world: bool = False) -> None:
         self.grace = grace_seconds if clean else min(grace_seconds, SCRIPT_GRACE_SECONDS)
         self.clean = clean
+        # The workers share a world with other nodes' (an elastic job): killing one that is still starting
+        # would fail those others' workers too, so it is asked to stop once it is ready, like the rest.
+        self.shared_world = shared_world
         self.status_dir = status_dir
         # Called at the first signal, before any worker is told (an elastic node announces that it leaves).
         self.on_signal = on_signal
@@ -164,7 +169,8 @@ class Supervisor:
             return
         self._pending = set(children())
         training = self._statuses()
-        if not self._pending or any(training.get(pid) is None for pid in self._pending):
+        starting = any(training.get(pid) is None for pid in self._pending)
+        if not self._pending or (starting and not self.shared_world):
             # No worker yet, or one still starting: no step ran since the last checkpoint, so there is
             # nothing to save, and waiting for the start to finish could take longer than the grace period.
             self._stop_now()
