@@ -1,0 +1,82 @@
+"""A node of an elastic job stopped by a signal leaves; it never turns into a crash for the other nodes.
+
+Found by a user: a node signalled as its workers started (just after it joined, or as a new world began)
+killed them at once (a worker that has trained nothing since the last checkpoint costs nothing to kill, on
+one node), and the workers of the other nodes, in the same world, failed with "connection reset". In-process
+here: the supervisor and one stand-in worker process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dtrain.launcher.supervise import Stopped, Supervisor
+
+# Stands in for a worker still starting: it says when its stop handler is in place, then waits for SIGUSR1.
+WORKER = """
+import pathlib, signal, sys, time
+folder = pathlib.Path(sys.argv[1])
+signal.signal(signal.SIGUSR1, lambda *_: ((folder / "asked").write_text("stop"), sys.exit(0)))
+(folder / "handler").write_text("ready")
+time.sleep(60)
+"""
+
+
+def _wait_for(path: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def starting_worker(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path)])
+    try:
+        _wait_for(tmp_path / "handler")
+        yield proc
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_an_elastic_node_signalled_while_its_workers_start_asks_them_to_stop_once_ready(tmp_path, starting_worker):
+    supervisor = Supervisor(30, clean=True, status_dir=tmp_path, shared_world=True)
+    supervisor._on_signal(signal.SIGTERM, None)  # no status yet: the worker is starting
+    assert starting_worker.poll() is None and starting_worker.pid in supervisor._pending
+    (tmp_path / "status.rank1.json").write_text(json.dumps({"pid": starting_worker.pid, "batch": None}))
+    supervisor._tell_ready()  # its watchdog runs: now it is asked, and the job stops at one batch
+    assert starting_worker.wait(timeout=30) == 0
+    assert (tmp_path / "asked").read_text() == "stop"
+
+
+def test_a_signalled_node_of_several_never_reads_as_finished(tmp_path):
+    """The stop line of an elastic node that left uncleanly, and of one whose run's summary another node
+    wrote: 130/143 with a line, never exit 0; an earlier world's stop record is not this stop's batch."""
+    from types import SimpleNamespace
+
+    from dtrain.engine.stopping import write_stopped
+    from dtrain.launcher.resume import stop_line
+
+    logs = tmp_path / "r" / "logs"
+    logs.mkdir(parents=True)
+    write_stopped(logs, 280)  # the stop for the join, before this node's signal
+    (tmp_path / "r" / "summary.json").write_text("{}")
+    plan = SimpleNamespace(run_dir=tmp_path / "r", nodes=object(),
+                           config=SimpleNamespace(checkpoint_storage=SimpleNamespace(path="checkpoints")))
+    line = stop_line(plan, Stopped(signal.SIGINT, left=True, signalled_at=time.time() + 1), time.time() - 60)
+    assert line is not None and line.startswith("dtrain: this node left the elastic job (SIGINT, its workers "
+                                                "stopped before they could agree on a batch)"), line
+    line = stop_line(plan, Stopped(signal.SIGTERM, signalled_at=time.time() + 1), time.time() - 60)
+    assert line is not None and "batch 280" not in line, line
+    assert Stopped(signal.SIGTERM).exit_code == 143
