@@ -25,6 +25,7 @@ import yaml
 
 from dtrain.errors import UserError
 from dtrain.explain.doctor import diagnose
+from dtrain.explain.membership_view import membership_section
 from dtrain.explain.render import pyplot
 from dtrain.profiling.record import ProfileRecord, load_run_profile
 
@@ -91,12 +92,11 @@ def render_report(run_dir: Path) -> str:
     # The answer first (the doctor's verdict and what to try), then where the time goes, then the curves;
     # the config, which the reader wrote and knows, last and folded.
     sections = [_header_section(run), _doctor_section(run), _breakdown_section(run), _throughput_section(run),
-                _curves_section(run), _config_section(run)]
+                _curves_section(run), membership_section(run.run_dir), _config_section(run)]
     return _page(run.name, "\n".join(sections))
 
 
 # --------------------------------------------------------------------------------------------- loading
-
 
 def _load_run(run_dir: Path) -> _Run:
     missing: list[str] = []
