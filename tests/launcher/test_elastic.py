@@ -24,6 +24,7 @@ from helpers import ROOT, cli_in_process, final_weights, free_port, tiny_config
 
 HOLD_AT = 8  # the first node holds while training batch index 8: asked to stop, it stops after batch 9
 TOTAL = 160
+LONG = 480  # long enough at one slot for a node started again to rejoin before the end
 NO_HOLD = ("--set", "hyperparameters.hold_at_batch=null", "--set", "hyperparameters.sleep_seconds=0")
 
 
@@ -116,12 +117,12 @@ def job(tmp_path):
         made.close()
 
 
-def _reference(tmp: Path, cfg: Path, worlds: list[tuple[int, int]]) -> dict:
+def _reference(tmp: Path, cfg: Path, worlds: list[tuple[int, int]], total: int = TOTAL) -> dict:
     """The run that went through the same world sizes at the same batches: ``worlds`` is (from batch, world
     size) in order, from batch 0; each part resumes the one before on another slot count."""
     run = tmp / "reference"
     for i, (start, world) in enumerate(worlds):
-        until = worlds[i + 1][0] if i + 1 < len(worlds) else TOTAL
+        until = worlds[i + 1][0] if i + 1 < len(worlds) else total
         where = ("--run-dir", str(run)) if start == 0 else ("--resume", str(run))
         result = cli_in_process("run", str(cfg), *where, "--quiet", "--slots", str(world), "--set",
                                 f"max_length.batches={until}", *NO_HOLD)
@@ -212,7 +213,16 @@ def test_two_nodes_started_together_train_as_one_job(job, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_node_killed_outright_costs_at_most_one_step_the_survivors_keep_their_state(job, tmp_path):
+def test_a_node_killed_outright_costs_at_most_one_step_and_rejoins_with_the_same_command(tmp_path):
+    (tmp_path / "hold").write_text("hold")
+    job = Job(tmp_path, _config(tmp_path, max_length={"batches": LONG}))
+    try:
+        _killed_and_rejoined(job, tmp_path)
+    finally:
+        job.close()
+
+
+def _killed_and_rejoined(job: Job, tmp_path: Path) -> None:
     job.start("a")
     job.wait("node a holds at batch 8", lambda: job.statuses().get(0, {}).get("batch") == HOLD_AT)
     job.start("b")
@@ -229,9 +239,14 @@ def test_a_node_killed_outright_costs_at_most_one_step_the_survivors_keep_their_
     assert lost["recovered_from"] == "survivors", lost
     assert lost["batches"] >= before and lost["lost_batches"] <= 1, lost  # not back to batch 40
     assert lost["seconds"] <= 30, lost  # dead-node detection (6 s) and the restart, with slack for this load
+    assert "continued from the state the survivors held" in job.out("a")
+    job.start("b-again")  # the crashed node, started again with the same command
+    records = job.wait("the rejoin is recorded", lambda: job.records()[2:], timeout=120)
+    rejoin = records[0]
+    assert (rejoin["cause"], rejoin["old_world_size"], rejoin["new_world_size"]) == ("join", 1, 2), rejoin
     assert job.finish("a") == 0, job.err("a")
-    assert "continued from the state the survivors held" in job.err("a") + job.out("a")
-    expected = _reference(tmp_path, job.cfg, [(0, 1), (9, 2), (lost["batches"], 1)])
+    assert job.finish("b-again") == 0, job.err("b-again")
+    expected = _reference(tmp_path, job.cfg, [(0, 1), (9, 2), (lost["batches"], 1), (rejoin["batches"], 2)], LONG)
     _assert_same_weights(expected, final_weights(job.run_dir))
 
 
@@ -266,3 +281,23 @@ def test_the_first_node_to_see_a_change_names_its_cause_and_the_record_reads_as_
                                 "batches": 120, "seconds": 6.46, "lost_batches": 0})
     assert line == ("membership change: vm-10.0.0.3-2 left; world size 4 -> 2 slot(s) at batch 120; 6.5 s from the "
                     "event to the first step at 2 slot(s); 0 batch(es) lost")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_node_hosting_the_rendezvous_killed_stops_the_job_in_one_line_with_the_resume_command(job, tmp_path):
+    job.start("a")  # the first node: its launcher serves the rendezvous
+    job.wait("node a holds at batch 8", lambda: job.statuses().get(0, {}).get("batch") == HOLD_AT)
+    job.start("b")
+    job.wait("the join is recorded", job.records)
+    (tmp_path / "hold").unlink()
+    job.wait("two ranks train past batch 20", lambda: job.training(2, 20))
+    before = min(s["batch"] for s in job.statuses().values())
+    os.killpg(job.nodes["a"].pid, signal.SIGKILL)
+    assert job.finish("b", timeout=90) == 1, job.err("b")
+    [line] = [ln for ln in job.err("b").splitlines() if ln.startswith("dtrain: ")]
+    assert "the node hosting the rendezvous" in line and line.endswith(
+        f"resume with: dtrain run --resume {job.run_dir} (on every node, with the same --nnodes/--master/--rdzv-* "
+        "options)"), line
+    # The survivor kept its state: the resume starts from where the job was, not from the checkpoint at 9.
+    assert int((job.run_dir / "checkpoints" / "latest").read_text()) >= before

@@ -196,7 +196,8 @@ def _setup(options: LaunchOptions, status_dir: Path, supervisor: Supervisor) -> 
     assert nodes is not None and run_dir is not None
     return ElasticSetup(run_dir=run_dir, logs=status_dir, ckpt_root=options.checkpoints or run_dir / "checkpoints",
                         node=nodes.log_name, min_nodes=nodes.min_nodes, is_host=nodes.is_host, late=nodes.late,
-                        grace_seconds=options.grace_seconds, signalled=lambda: supervisor.signalled_at)
+                        grace_seconds=options.grace_seconds, signalled=lambda: supervisor.signalled_at,
+                        endpoint=nodes.rdzv_endpoint)
 
 
 @contextlib.contextmanager

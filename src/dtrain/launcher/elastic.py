@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ class ElasticSetup:
     late: bool  # it arrived while the job was running
     grace_seconds: float
     signalled: Callable[[], float | None]  # when this node's launcher got SIGTERM/SIGINT (None: not)
+    endpoint: str = ""  # the rendezvous's host:port (served by the host node's launcher)
 
 
 class Left(Exception):
@@ -83,6 +85,10 @@ class Left(Exception):
 class JobStopped(Exception):
     """The job cannot continue at any size (too few nodes remain, the rendezvous host left, or the job ended
     elsewhere while this node waited); every rank stopped at the latest checkpoint."""
+
+
+class HostLost(JobStopped):
+    """The node that served the rendezvous went away: nobody is left to meet at (its store is gone)."""
 
 
 class ElasticAgent(LocalElasticAgent):
@@ -153,6 +159,9 @@ class ElasticAgent(LocalElasticAgent):
             return RunResult(state=WorkerState.HEALTHY)
         if result.state == WorkerState.FAILED and self._peer_lost(worker_group, result):
             self._await_survivors(worker_group)
+            if not self.setup.is_host and not _reachable(self.setup.endpoint):
+                raise HostLost(f"the node hosting the rendezvous ({self.setup.endpoint}) went away, and the "
+                               "rendezvous with it: the other nodes cannot meet again")
             last = membership.last_batch(self.setup.logs)
             membership.note_event(self.setup.logs, "lost", "a node", last_batch=last)
             log.warning("%s: a peer's connection failed (a node went away?); meeting the other nodes again",
@@ -298,6 +307,9 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
         close = False
         _leave_round(handler)
         raise
+    except HostLost:
+        close = False  # its store is gone: closing it would only fail (and print torch's C++ trace)
+        raise
     except RendezvousClosedError:
         raise JobStopped("the job ended on another node while this one waited to meet the others (it finished, "
                          "or failed: see that node's output)") from None
@@ -312,6 +324,19 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
             os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         else:
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = previous
+
+
+def _reachable(endpoint: str, timeout: float = 2.0) -> bool:
+    """Whether anything answers at ``host:port`` (the rendezvous's store); a plain TCP connection, so that a
+    dead store is told without torch's store client (which prints a C++ stack trace as it fails)."""
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        return True  # not known here: torch's rendezvous will tell
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            return True
+    except OSError:
+        return False
 
 
 def _leave_round(handler: Any) -> None:
