@@ -114,3 +114,25 @@ def test_the_record_says_where_the_job_continued_from_and_why(tmp_path):
                          "the training state on each rank (not replicated))")
     _fake_save(_loop(tmp_path, batches=47, steps=47), 47)
     assert membership.recovery(logs, root / "47") == {"recovered_from": "survivors"}
+
+
+def test_a_second_crash_while_the_survivor_saves_leaves_the_latest_checkpoint_and_says_so(tmp_path, monkeypatch):
+    """The save is cut midway (the disk, a kill): nothing half-written is used; the vote says why, and the
+    job falls back to the checkpoint before."""
+    loop = _loop(tmp_path, batches=47, steps=47)
+    _periodic(loop.ckpt_root, 40)
+    monkeypatch.setattr(survivor, "_save", _fake_save)
+    monkeypatch.setattr(survivor, "dist", SimpleNamespace(world_size=lambda: 2))  # as in a job of two
+
+    def cut(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_commit", cut)
+    survivor.keep_state(loop, RuntimeError("Connection reset by peer"), 0)
+    assert checkpoint.latest(loop.ckpt_root).name == "40"
+    [vote] = survivor.read_votes(survivor.world_folder(tmp_path / "logs", 0, 2)).values()
+    assert vote.batch is None and not vote.saved and "the survivor save failed (OSError" in vote.reason
+    assert membership.recovery(tmp_path / "logs", loop.ckpt_root / "40")["recovered_from"] == "checkpoint"
+    # An error of the rank's own (not a lost peer) keeps nothing and votes nothing.
+    survivor.keep_state(loop, RuntimeError("CUDA out of memory"), 0)
+    assert len(survivor.read_votes(survivor.world_folder(tmp_path / "logs", 0, 2))) == 1
