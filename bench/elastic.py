@@ -8,13 +8,14 @@ on two network-namespace test hosts (``--where hosts``, root; scripts/testhosts.
 * **join + leave**: node A trains alone and holds at batch 8; node B starts with the same command and joins;
   once both ranks train, B gets SIGTERM and leaves; A ends the run alone.
 * **crash**: as above up to the join; once both ranks trained past the first periodic checkpoint, B's
-  launcher is SIGKILLed (its workers die with it); A continues alone from the latest checkpoint.
+  launcher is SIGKILLed (its workers die with it); A saves the state it holds (the last step both finished)
+  and continues alone from it (``recovered_from: survivors``), else from the latest checkpoint.
 
 For each change: seconds from the event (B's agent starting to meet the job; the SIGTERM; the SIGKILL, by
 this script's clock) to the end of the first step at the new world size, and the batches lost (trained,
 then trained again after resuming), from the ``membership`` records of the run's metrics.jsonl.
 
-    .venv/bin/python bench/elastic.py [--where local|hosts|both] [--trials 3] [--json out.json]
+    .venv/bin/python bench/elastic.py [--where local|hosts|both] [--trials 5] [--json out.json]
 
 Prints a Markdown table. About a minute per trial and place on a 2-core machine.
 """
@@ -138,7 +139,7 @@ def trial(where: str, crash: bool, tmp: Path) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--where", choices=["local", "hosts", "both"], default="local")
-    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     places = ["local", "hosts"] if args.where == "both" else [args.where]
@@ -155,14 +156,16 @@ def main() -> int:
     table: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
         table.setdefault((row["where"], row["cause"]), []).append(row)
-    print("| where | event | world | event -> first step at new size (s): median [min, max] | batches lost |")
-    print("|---|---|---|---|---|")
+    print("| where | event | world | event -> first step at new size (s): median [min, max] | batches lost: "
+          "median [min, max] | continued from |")
+    print("|---|---|---|---|---|---|")
     for (where, cause), found in table.items():
         secs = [r["measured_seconds"] for r in found]
-        lost = sorted({r["lost_batches"] for r in found})
+        lost = [r["lost_batches"] for r in found]
         world = f"{found[0]['old_world_size']} -> {found[0]['new_world_size']}"
+        sources = sorted({str(r.get("recovered_from", "agreed checkpoint")) for r in found})
         print(f"| {where} | {cause} | {world} | {statistics.median(secs):.1f} [{min(secs):.1f}, {max(secs):.1f}] "
-              f"| {', '.join(map(str, lost))} |")
+              f"| {statistics.median(lost):g} [{min(lost)}, {max(lost)}] | {', '.join(sources)} |")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
