@@ -123,6 +123,7 @@ def test_a_second_crash_while_the_survivor_saves_leaves_the_latest_checkpoint_an
     _periodic(loop.ckpt_root, 40)
     monkeypatch.setattr(survivor, "_save", _fake_save)
     monkeypatch.setattr(survivor, "dist", SimpleNamespace(world_size=lambda: 2))  # as in a job of two
+    monkeypatch.setenv(survivor.ENABLE_ENV, "1")  # an elastic job's worker
 
     def cut(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -41,6 +41,9 @@ from dtrain.engine.watchdog import STATUS
 
 log = logging.getLogger(__name__)
 
+# Set by the elastic agent (dtrain.launcher.elastic) for its workers: a job of fixed size stops on a lost
+# rank and resumes from its latest checkpoint, as before.
+ENABLE_ENV = "DTRAIN_SURVIVORS_KEEP_STATE"
 SURVIVORS = "elastic/survivors"  # under the run's logs/
 VOTE = "rank{rank}.json"
 CLAIM = "claim.json"
@@ -109,7 +112,7 @@ class Trainer(Protocol):
 def keep_state(trainer: Trainer, exc: BaseException, start_steps: int) -> None:
     """Called with the exception that ends the loop: on a lost peer, save the last complete step (or say why
     not) before the worker reports its failure. Never raises: the failure report must still follow."""
-    if not is_secondary(str(exc)) or dist.world_size() < 2:
+    if os.environ.get(ENABLE_ENV) != "1" or not is_secondary(str(exc)) or dist.world_size() < 2:
         return
     ctx = trainer.ctx
     folder = world_folder(trainer.run_dir / "logs", trainer.resumed_at, ctx.world_size)

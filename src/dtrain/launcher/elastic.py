@@ -293,6 +293,7 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
     # Gloo addresses under the same keys (the restart count does not change on a membership change).
     previous = os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ[survivor.ENABLE_ENV] = "1"  # a lost node: the survivors keep their state (dtrain.engine.survivor)
     handler = rdzv_registry.get_rendezvous_handler(params)
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
                       args=tuple(args), rdzv_handler=handler, max_restarts=config.max_restarts,
@@ -317,6 +318,7 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
         close = False  # torch's rule: a node stopped by a signal does not end the job for the others
         raise
     finally:
+        os.environ.pop(survivor.ENABLE_ENV, None)
         if close:
             with contextlib.suppress(Exception):
                 handler.shutdown()
