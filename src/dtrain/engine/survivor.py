@@ -25,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -82,6 +83,11 @@ def read_votes(folder: Path) -> dict[int, Vote]:
 def voters(logs: Path) -> set[int]:
     """The process ids of every survivor that voted, in any world (the agent waits for its own workers')."""
     return {vote.pid for folder in (logs / SURVIVORS).glob("from*-world*") for vote in read_votes(folder).values()}
+
+
+def forget(logs: Path) -> None:
+    """Remove every world's votes and claims (a new job, or the change they were for is recorded)."""
+    shutil.rmtree(logs / SURVIVORS, ignore_errors=True)
 
 
 def newest_world(logs: Path) -> Path | None:

@@ -79,6 +79,7 @@ def clear(logs: Path) -> None:
     (folder / PENDING).unlink(missing_ok=True)
     for path in (folder / LEAVING).glob("*.json"):
         path.unlink(missing_ok=True)
+    survivor.forget(logs)
 
 
 def note_leaving(logs: Path, node: str, hosts_store: bool) -> None:
@@ -169,6 +170,7 @@ class ChangeRecorder:
                   **change.recovered}
         self._write(record)
         clear_pending(self.logs)
+        survivor.forget(self.logs)  # every worker of the world that lost a node has exited: its votes are spent
         return record
 
     def _write(self, record: dict[str, Any]) -> None:
