@@ -132,6 +132,8 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
         **rdzv,
     )
     elastic = _is_elastic(options)
+    # A signalled node of an elastic job leaves it; the others go on (unless it hosts the rendezvous).
+    leaves = elastic and nodes is not None and not nodes.is_host
     started = time.time()
     # A node joining a running job leaves the running ranks' statuses alone.
     with _status_dir(options.run_dir, keep=nodes is not None and nodes.late) as status_dir:
@@ -164,14 +166,13 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
                                    clean_stop=True)
                 except SignalException as exc:  # the agent stopped the workers (SIGHUP, SIGQUIT, or no grace left)
                     # An elastic node leaves all the same (not cleanly: the others continue from their state).
-                    raise Stopped(int(exc.sigval), left=elastic and nodes is not None and not nodes.is_host,
-                                  signalled_at=supervisor.signalled_at) from None
+                    raise Stopped(int(exc.sigval), left=leaves, signalled_at=supervisor.signalled_at) from None
                 except RendezvousError as exc:
                     # A node that passed dtrain's pre-rendezvous but never reached torch's (it died in between).
                     raise JoinError(f"torch's rendezvous at {nodes.rdzv_endpoint if nodes else 'localhost'} failed: "
                                     f"{exc}; check that every node is still running") from None
             if supervisor.signum is not None:
-                raise Stopped(supervisor.signum, signalled_at=supervisor.signalled_at)
+                raise Stopped(supervisor.signum, signalled_at=supervisor.signalled_at, left=leaves)
         finally:
             os.environ.pop(watchdog.LAUNCHER_PID_ENV, None)
             os.environ.pop(watchdog.STATUS_DIR_ENV, None)
