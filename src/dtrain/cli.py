@@ -370,6 +370,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
+    from dtrain.explain import membership_view
     from dtrain.explain.doctor import diagnose, render
     from dtrain.explain.summary import time_cost_table
     from dtrain.profiling.record import load_run_profile
@@ -399,6 +400,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         print(time_cost_table(profile), end="")
         print(render(diagnosis), end="")
+        print(membership_view.doctor_note(args.run_dir), end="")  # an elastic run: which world the figures are
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dtrain.explain.membership_view import membership_section
+from dtrain.explain.membership_view import doctor_note, membership_section
 from dtrain.explain.report import render_report
 
 RECORDS = [
@@ -29,9 +29,12 @@ def test_each_change_is_a_row_and_the_note_names_every_slot_count(tmp_path):
            "state</td>" in section
     assert "the latest checkpoint (sync.strategy fsdp keeps part of the state on each rank)" in section
     assert 'id="membership"' in render_report(tmp_path)
+    assert doctor_note(tmp_path) == ("membership: this run trained at 1, 2, 1 slot(s) in turn (3 change(s); see "
+                                     "report.html); the figures above are the last world's, from batch 80 on 1 "
+                                     "slot(s)\n")
 
 
 def test_a_run_without_changes_has_no_section(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"kind": "training", "batches": 8}) + "\n")
-    assert membership_section(tmp_path) == ""
+    assert membership_section(tmp_path) == "" and doctor_note(tmp_path) == ""
     assert 'id="membership"' not in render_report(tmp_path)

@@ -33,6 +33,18 @@ def membership_section(run_dir: Path) -> str:
             f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>\n</section>")
 
 
+def doctor_note(run_dir: Path) -> str:
+    """``dtrain doctor``'s line for a run whose nodes changed (its profile is the last world's), else ""."""
+    records = membership_records(Path(run_dir))
+    if not records:
+        return ""
+    last = records[-1]
+    worlds = ", ".join(str(w) for w in _worlds(records))
+    return (f"membership: this run trained at {worlds} slot(s) in turn ({len(records)} change(s); see report.html); "
+            f"the figures above are the last world's, from batch {last.get('batches', '?')} on "
+            f"{last.get('new_world_size', '?')} slot(s)\n")
+
+
 def _worlds(records: list[dict[str, Any]]) -> list[int]:
     """The world sizes in the order the run trained at them (the first world's, then each change's)."""
     first = records[0].get("old_world_size")
