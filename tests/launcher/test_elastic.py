@@ -301,3 +301,22 @@ def test_the_node_hosting_the_rendezvous_killed_stops_the_job_in_one_line_with_t
         "options)"), line
     # The survivor kept its state: the resume starts from where the job was, not from the checkpoint at 9.
     assert int((job.run_dir / "checkpoints" / "latest").read_text()) >= before
+
+
+def test_after_a_lost_node_the_survivors_meet_after_a_short_last_call_then_the_usual_one_again():
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousSettings, RendezvousTimeout
+
+    from dtrain.launcher.elastic import LOST_LAST_CALL_SECONDS, ElasticAgent
+
+    usual = RendezvousSettings("job", 1, 2, RendezvousTimeout(last_call=timedelta(seconds=5)), timedelta(seconds=2), 3)
+    executor = SimpleNamespace(_settings=usual)
+    group = SimpleNamespace(spec=SimpleNamespace(rdzv_handler=SimpleNamespace(_op_executor=executor)))
+    agent = SimpleNamespace(_usual_settings=None)
+    ElasticAgent._quick_last_call(agent, group)
+    assert executor._settings.timeout.last_call == timedelta(seconds=LOST_LAST_CALL_SECONDS)
+    assert executor._settings.timeout.join == usual.timeout.join and executor._settings.run_id == "job"
+    ElasticAgent._restore_last_call(agent, group)
+    assert executor._settings is usual and agent._usual_settings is None

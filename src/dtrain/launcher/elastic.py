@@ -28,6 +28,7 @@ takes itself out of the rendezvous instead of closing it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -36,6 +37,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 from torch.distributed.launcher.api import LaunchConfig
 
 from dtrain.engine import survivor
@@ -60,6 +63,8 @@ KEEP_ALIVE_SECONDS = 2
 KEEP_ALIVE_ATTEMPTS = 3
 _POLL_SECONDS = 0.1
 _NODE_KEY = "dtrain/node/{group_rank}"
+# The rendezvous's last call after a lost node (the usual one, 5 s, lets nodes that start together meet).
+LOST_LAST_CALL_SECONDS = 2
 
 
 @dataclass(frozen=True)
@@ -103,10 +108,14 @@ class ElasticAgent(LocalElasticAgent):
         self._world_started = time.time()
         self._first = True
         self._ended: RunResult | None = None  # the workers finished during a clean stop
+        self._usual_settings: Any = None  # the rendezvous's settings while a short last call replaces them
 
     # -------------------------------------------------------------------------------- torch's steps
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        super()._rendezvous(worker_group)
+        try:
+            super()._rendezvous(worker_group)
+        finally:
+            self._restore_last_call(worker_group)
         # Every agent names itself in this round's store (prefixed by the round): who joined, who went away.
         store = worker_group.store
         store.set(_NODE_KEY.format(group_rank=worker_group.group_rank), self.setup.node)
@@ -162,6 +171,7 @@ class ElasticAgent(LocalElasticAgent):
             if not self.setup.is_host and not _reachable(self.setup.endpoint):
                 raise HostLost(f"the node hosting the rendezvous ({self.setup.endpoint}) went away, and the "
                                "rendezvous with it: the other nodes cannot meet again")
+            self._quick_last_call(worker_group)
             last = membership.last_batch(self.setup.logs)
             membership.note_event(self.setup.logs, "lost", "a node", last_batch=last)
             log.warning("%s: a peer's connection failed (a node went away?); meeting the other nodes again",
@@ -171,6 +181,28 @@ class ElasticAgent(LocalElasticAgent):
         if result.state == WorkerState.HEALTHY:
             self.recorder.poll()
         return result
+
+    def _quick_last_call(self, worker_group: WorkerGroup) -> None:
+        """After a lost node nobody is expected to arrive: the survivors, already waiting when its heartbeats
+        expire, meet after a short last call rather than the one that lets starting nodes gather. torch has
+        no public setting per round: its executor's settings are replaced where they have the expected shape."""
+        executor = getattr(worker_group.spec.rdzv_handler, "_op_executor", None)
+        settings = getattr(executor, "_settings", None)
+        timeout = getattr(settings, "timeout", None)
+        if settings is None or not isinstance(timeout, RendezvousTimeout) or self._usual_settings is not None:
+            return
+        quick = RendezvousTimeout(join=timeout.join, last_call=timedelta(seconds=LOST_LAST_CALL_SECONDS),
+                                  close=timeout.close, heartbeat=timeout.heartbeat)
+        with contextlib.suppress(TypeError, ValueError, AttributeError):
+            executor._settings = dataclasses.replace(settings, timeout=quick)
+            self._usual_settings = settings
+
+    def _restore_last_call(self, worker_group: WorkerGroup) -> None:
+        if self._usual_settings is not None:
+            executor = getattr(worker_group.spec.rdzv_handler, "_op_executor", None)
+            with contextlib.suppress(AttributeError):
+                executor._settings = self._usual_settings  # type: ignore[union-attr]
+            self._usual_settings = None
 
     def _say(self, what: str) -> None:
         """One line on this node's console (stdout, beside the membership records): not a warning, news."""
