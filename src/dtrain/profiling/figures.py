@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.profiling import commprobe, stragglers
+from dtrain.profiling.device import cpu_cores, device_facts
 from dtrain.profiling.probes import PROBE_FIELDS, SOLO_THREADS, batch_probe
 from dtrain.profiling.record import (
     BatchScaling,
@@ -182,11 +183,6 @@ def collect_rank_figures(ctx: Any, trainer: Any = None) -> tuple[list[dict[str, 
     return per_rank, latency, all_hostnames(), points
 
 
-def cpu_cores() -> int:
-    """CPU cores this process may run on (its affinity: a container's or Slurm's share, not the host's)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
 def _memory_total() -> float:
     """This host's physical memory (bytes), for batch-size advice on CPU."""
     try:
@@ -253,7 +249,5 @@ def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
     if unobserved:  # train_batch calls loss.backward() / opt.step() itself: those phases are in "other"
         facts["unobserved_phases"] = list(unobserved)
     if timer.enabled and ctx.is_chief:
-        from dtrain.profiling.device import device_facts
-
         facts["device_facts"] = device_facts(ctx.device)
     return facts

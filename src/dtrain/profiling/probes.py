@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from dtrain import dist as ddist
+from dtrain.profiling.device import cpu_cores
 
 # Thread counts the solo probe tries: the run's own, one, and every core (at most this many).
 SOLO_THREADS = 3
@@ -88,8 +89,6 @@ def _solo(trainer: Any, batches: dict[int, Any], repeats: int) -> dict[str, floa
     """On the first rank only, while the others wait: the work at each of :func:`thread_counts`, so the
     cost model knows what one slot does alone with the cores (another slot count changes both) and how
     much the run's slots slowed each other down (the same probe on every rank at once, beside it)."""
-    from dtrain.profiling.figures import cpu_cores
-
     ctx = trainer.ctx
     out: dict[str, float] = {}
     # Threads only shape CPU compute; and a sharded model's forward gathers from the other ranks (the others
