@@ -34,7 +34,7 @@ from dtrain.engine.watchdog import STATUS
 from dtrain.profiling.clock import synchronized_now
 from dtrain.profiling.figures import build_profile, collect_rank_figures, run_facts
 from dtrain.profiling.record import write_profile
-from dtrain.sync.base import Serving
+from dtrain.sync.base import Rebucketable, Serving
 from dtrain.sync.fusion import tuner_for_run
 
 log = logging.getLogger(__name__)
@@ -328,9 +328,9 @@ class Trainer:
         now = synchronized_now(self.ctx.device)
         seconds, self._group_start = now - self._group_start, now
         switch_to = self.tuner.after_step(seconds)  # type: ignore[union-attr]
-        if switch_to is not None:
+        if switch_to is not None and isinstance(strategy := self.ctx.strategy, Rebucketable):
             for model in self.ctx.models:
-                self.ctx.strategy.rebuild(model, switch_to)  # type: ignore[attr-defined]
+                strategy.rebuild(model, switch_to)
 
     # ---------------------------------------------------------------------------- time windows
     def _open_window(self) -> None:

@@ -94,7 +94,7 @@ def _solo(trainer: Any, batches: dict[int, Any], repeats: int) -> dict[str, floa
     # Threads only shape CPU compute; and a sharded model's forward gathers from the other ranks (the others
     # wait at a barrier: it would hang). DDP's buffer broadcast is off here: the probe's rounds on every rank
     # ran under no_sync, after which DDP skips it.
-    if ctx.device.type != "cpu" or ctx.strategy.name == "fsdp":
+    if ctx.device.type != "cpu" or ctx.strategy.forward_needs_every_rank:
         return out
     before = torch.get_num_threads()
     try:  # never raises: the other ranks wait at a barrier for this one
