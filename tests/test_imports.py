@@ -122,3 +122,11 @@ def test_the_finder_sees_function_level_and_type_checking_imports(tmp_path):
                       "def f():\n    import dtrain.dist\n")
     modules = {"dtrain.errors": source, "dtrain.dist": source, "dtrain": source}
     assert imports_of("m", source, modules) == {"dtrain.errors", "dtrain.dist"}
+
+
+def test_docs_architecture_lists_every_source_file():
+    # A row names a file by its path, or by its bare name beside the first file of its folder ("`a.py`, `b.py`").
+    doc = (SRC.parent / "docs" / "architecture.md").read_text()
+    missing = [path.relative_to(SRC / PACKAGE).as_posix() for path in sorted((SRC / PACKAGE).rglob("*.py"))
+               if f"{path.name}`" not in doc]
+    assert not missing, f"docs/architecture.md does not list: {', '.join(missing)}"
