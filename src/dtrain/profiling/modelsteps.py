@@ -21,7 +21,7 @@ import copy
 import logging
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -82,9 +82,10 @@ def as_precision(name: str, precision: SwitchablePrecision, device: torch.device
 def restored(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
              device: torch.device) -> Iterator[None]:
     """Put the models' parameters and buffers, the optimizers' state and every random generator back as
-    they were, whatever ran inside; gradients are cleared."""
-    weights = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
-    states = [copy.deepcopy(opt.state_dict()) for opt in optimizers]
+    they were, whatever ran inside; gradients are cleared. The copies are kept in host memory: a model that
+    fills its GPU has no room for a second copy there."""
+    weights = [_host_copy(m.state_dict()) for m in models]
+    states = [_host_copy(opt.state_dict()) for opt in optimizers]
     cpu_rng, py_rng, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     try:
@@ -101,6 +102,22 @@ def restored(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optim
         np.random.set_state(np_rng)
         if cuda_rng is not None:
             torch.cuda.set_rng_state(cuda_rng, device)
+
+
+def _to_host(value: object) -> object:
+    """``value`` (tensors in dicts and lists) copied, its tensors into host memory."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_host(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_host(v) for v in value]
+    return copy.deepcopy(value)
+
+
+def _host_copy(state: Mapping[str, object]) -> dict[str, object]:
+    """A state dict copied into host memory."""
+    return {k: _to_host(v) for k, v in state.items()}
 
 
 def _step(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], batch: object) -> None:
@@ -121,17 +138,21 @@ def _too_big(exc: Exception) -> bool:
 
 def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                      device: torch.device, batch: object, double: object, per_slot: int,
-                     steps: int = STEPS_TIMED) -> ModelSteps:
+                     steps: int = STEPS_TIMED, keep_state: bool = True) -> ModelSteps:
     """The model's steps timed as the module's docstring says; run on one rank with gradient exchange
-    off. Never raises for a setting that fails: it is skipped with its reason."""
+    off. Never raises for a setting that fails: it is skipped with its reason. ``keep_state`` False: the
+    caller restores the models, optimizers and random generators itself (:func:`restored`)."""
     start = time.perf_counter()
     run = hooks.precision.name
     names, skipped = precisions_for(device)
+    if run not in names:  # tf32 on a CPU runs as float32: timed under the run's own name all the same
+        names.insert(0, run)
+        skipped.pop(run, None)
     settings: dict[str, tuple[str, object]] = {name: (name, batch) for name in names}
     settings["double"] = (run, double)
     best = dict.fromkeys(settings, float("inf"))
     failed: dict[str, str] = {}
-    with restored(models, optimizers, device):
+    with restored(models, optimizers, device) if keep_state else contextlib.nullcontext():
         for round_ in range(steps + 1):  # round 0 warms each setting up
             for key, (name, data) in settings.items():
                 if key in failed:
