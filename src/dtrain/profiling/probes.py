@@ -9,9 +9,12 @@ stepping the optimizer, and one batch of each size is loaded in this thread. The
 overhead) to 2 (all per-sample), extrapolate linearly to other batch sizes.
 
 Each size runs once untimed (new shapes: autograd and allocator warm-up), then ``repeats`` times
-alternating; the minimum counts (the least disturbed by other processes on a shared machine). Weights are
-not changed: no optimizer step, and gradients are zeroed again. Skipped (zeros) for strategies with
-server ranks, and on any error (a trial that cannot take another batch size).
+alternating; the minimum counts (the least disturbed by other processes on a shared machine). Then the
+first rank alone, the others waiting at a barrier, repeats it at other thread counts (CPU), prices gradient
+compression, and times the model's whole training steps under each precision
+(:mod:`dtrain.profiling.modelsteps`). Models, optimizer state and random generators are restored after
+all of it, gradients cleared: the run ends as it would have without the probes. Skipped (zeros) for
+strategies with server ranks, and on any error (a trial that cannot take another batch size).
 """
 
 from __future__ import annotations
