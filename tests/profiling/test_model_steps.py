@@ -220,3 +220,12 @@ def test_a_gpu_times_every_precision_it_has(monkeypatch, bf16):
     timed, skipped = modelsteps.precisions_for(torch.device("cuda", 0))
     assert timed == ["32-true", "tf32", *(["bf16-mixed"] if bf16 else []), "16-mixed"]
     assert skipped == ({} if bf16 else {"bf16-mixed": "Tesla V100 has no bfloat16"})
+
+
+def test_long_steps_are_timed_fewer_times(monkeypatch):
+    from dtrain.profiling import modelsteps
+
+    monkeypatch.setattr(modelsteps, "BUDGET_SECONDS", 0.0)  # every step "too long": one timed round
+    model = nn.Linear(8, 1)
+    record = _probe(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 8), torch.randn(4, 1))
+    assert record.steps_timed == 1 and all(s > 0 for s in record.seconds_per_step.values())

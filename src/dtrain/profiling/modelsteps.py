@@ -6,8 +6,9 @@ softmax, norms, element-wise work, casts, the optimizer and memory traffic speed
 (bf16 autocast on a CPU casts every weight at every forward). So at the end of a profiled run, on the first
 rank alone (the others wait), a few of the trial's own steps run on one of its batches: ``train_batch``
 (forward and backward, gradients not exchanged) and every optimizer's ``step``, once untimed per setting
-(new kernels, allocator) then :data:`STEPS_TIMED` times, the settings interleaved round by round so that a
-disturbance hits them alike; the least time counts. Settings: every precision the device has
+(new kernels, allocator) then :data:`STEPS_TIMED` times (fewer, at least once, where that would take over
+:data:`BUDGET_SECONDS`), the settings interleaved round by round so that a disturbance hits them alike; the
+least time counts. Settings: every precision the device has
 (:func:`precisions_for`), and the run's precision at twice the per-slot batch.
 
 Training is left as it was: the models' and optimizers' state and the random generators are saved before
@@ -33,6 +34,8 @@ from dtrain.profiling.runfacts import ProbeHooks, SwitchablePrecision
 # Timed steps per setting, after one warm-up step each: enough for a least time on a shared machine, few
 # enough that the probe stays a small part of a run.
 STEPS_TIMED = 3
+# Seconds the timed rounds may take together, judged by the warm-up round (a step of every setting).
+BUDGET_SECONDS = 10.0
 # The autocast dtype of each precision (None: float32, no autocast).
 AUTOCAST: dict[str, torch.dtype | None] = {"32-true": None, "tf32": None, "bf16-mixed": torch.bfloat16,
                                            "16-mixed": torch.float16}
@@ -136,6 +139,32 @@ def _too_big(exc: Exception) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
+           settings: dict[str, tuple[str, object]], failed: dict[str, str], best: dict[str, float],
+           timed: bool) -> float:
+    """One step of every setting not failed yet; its time lowers ``best`` where ``timed``. A setting that
+    fails is entered in ``failed`` with its reason. Returns the round's seconds."""
+    began_round = time.perf_counter()
+    for key, (name, data) in settings.items():
+        if key in failed:
+            continue
+        try:
+            with as_precision(name, hooks.precision, device):
+                _sync(device)
+                began = time.perf_counter()
+                _step(hooks, optimizers, data)
+                _sync(device)
+        except Exception as exc:  # a setting the model or the memory cannot take: said, not fatal
+            failed[key] = ("out of memory" if _too_big(exc) else f"failed: {exc}".splitlines()[0])[:200]
+            log.info("model-step probe: %s %s", key, failed[key])
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        if timed:
+            best[key] = min(best[key], time.perf_counter() - began)
+    return time.perf_counter() - began_round
+
+
 def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                      device: torch.device, batch: object, double: object, per_slot: int,
                      steps: int = STEPS_TIMED, keep_state: bool = True) -> ModelSteps:
@@ -153,24 +182,11 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
     best = dict.fromkeys(settings, float("inf"))
     failed: dict[str, str] = {}
     with restored(models, optimizers, device) if keep_state else contextlib.nullcontext():
-        for round_ in range(steps + 1):  # round 0 warms each setting up
-            for key, (name, data) in settings.items():
-                if key in failed:
-                    continue
-                try:
-                    with as_precision(name, hooks.precision, device):
-                        _sync(device)
-                        began = time.perf_counter()
-                        _step(hooks, optimizers, data)
-                        _sync(device)
-                except Exception as exc:  # a setting the model or the memory cannot take: said, not fatal
-                    failed[key] = ("out of memory" if _too_big(exc) else f"failed: {exc}".splitlines()[0])[:200]
-                    log.info("model-step probe: %s %s", key, failed[key])
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                    continue
-                if round_:
-                    best[key] = min(best[key], time.perf_counter() - began)
+        warm_up = _round(hooks, optimizers, device, settings, failed, best, timed=False)
+        # A model whose steps are long gets fewer timed rounds (at least one): the probe stays a small cost.
+        steps = max(1, min(steps, int(BUDGET_SECONDS / warm_up))) if warm_up > 0 else steps
+        for _ in range(steps):
+            _round(hooks, optimizers, device, settings, failed, best, timed=True)
     skipped.update({k: v for k, v in failed.items() if k != "double"})
     return ModelSteps(per_slot_batch_size=per_slot, run_precision=run, steps_timed=steps,
                       seconds_per_step={k: best[k] for k in names if k not in failed},
