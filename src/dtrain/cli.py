@@ -391,11 +391,11 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         from dtrain.explain.goodput import parse_mttf_hours, parse_price
 
         price = parse_price(args.price) if args.price is not None else None
-        found = finish(run_costs(args.run_dir, profile), diagnosis["step_seconds"], profile.slots, profile.hosts,
+        found = finish(run_costs(args.run_dir, profile), diagnosis.step_seconds, profile.slots, profile.hosts,
                        parse_mttf_hours(args.mttf), price)
         add_checkpoint_advice(diagnosis, found)
     if args.json:
-        print(json.dumps(diagnosis, indent=2))
+        print(json.dumps(diagnosis.to_json(), indent=2))
     else:
         print(time_cost_table(profile), end="")
         print(render(diagnosis), end="")

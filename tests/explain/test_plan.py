@@ -155,7 +155,7 @@ def test_time_and_cost_to_finish_count_failures_and_advise_the_checkpoint_period
 
     diagnosis = diagnose(profile)
     add_checkpoint_advice(diagnosis, finish)
-    assert any(r["key"] == "min_checkpoint_period" for r in diagnosis["recommendations"])
+    assert any(r.key == "min_checkpoint_period" for r in diagnosis.recommendations)
     bad = cli_in_process("plan", str(run), "--mttf", "soon")
     assert bad.code == 2 and "mttf" in bad.stderr.lower()
 

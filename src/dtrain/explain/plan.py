@@ -16,8 +16,11 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import UserError
+from dtrain.explain import precision
 from dtrain.explain.costmodel import CostModel, Link, Prediction, Target
+from dtrain.explain.doctor import unobserved_note
 from dtrain.explain.finish import finish, run_costs
+from dtrain.explain.predictor import target_at
 from dtrain.profiling import commprobe
 from dtrain.profiling.record import ProfileRecord, load_run_profile
 
@@ -64,39 +67,35 @@ class Case:
 
     target: Target
     option: str = "base"
+    precision: str | None = None  # the "precision" option's config name
 
     @property
     def label(self) -> str:
         t = self.target
         return {"base": "as measured", "aggregation": f"aggregation_frequency: {t.aggregation}",
                 "compression": f"gradient_compression: {t.compression}", "fusion": "one fused bucket",
-                "precision": f"lower precision ({t.precision_gain:.1f}x matmuls)"}[self.option]
-
-
-def precision_gain(profile: ProfileRecord) -> float | None:
-    """The doctor's measured matmul speed-up of a lower precision (GPU with tensor cores), or None."""
-    from dtrain.explain.doctor import _precision_gain
-
-    found = _precision_gain(profile)
-    return found[1] if found is not None else None
+                "precision": f"precision: {self.precision} (compute {t.precision_gain:.2f}x, measured)"}[self.option]
 
 
 def cases(model: CostModel, p: ProfileRecord, slot_counts: list[int], nodes: int) -> list[Case]:
-    """Every slot count on one node (and on ``nodes`` where it divides), with the doctor's options."""
-    gain = precision_gain(p)
+    """Every slot count on one node (and on ``nodes`` where it divides), with the doctor's options, each
+    target built as the doctor builds it (:func:`dtrain.explain.predictor.target_at`). A lower precision is
+    shown only where the model's own steps were timed in it: a matmul peak ratio only bounds it."""
+    lower = precision.best(p)
+    gain = lower.gain if lower is not None else None
     out = []
     for n in slot_counts:
         for hosts in sorted({1, nodes} if nodes > 1 and n % nodes == 0 and n >= nodes else {1}):
-            out.append(Case(Target(n, hosts)))
+            out.append(Case(target_at(model, n, hosts)))
             if n > 1:
-                out.append(Case(Target(n, hosts, aggregation=4), "aggregation"))
+                out.append(Case(target_at(model, n, hosts, aggregation=4), "aggregation"))
                 for compression in ("fp16", "powersgd"):
                     if compression in p.strategy_compressions and compression != p.gradient_compression:
-                        out.append(Case(Target(n, hosts, compression=compression), "compression"))
+                        out.append(Case(target_at(model, n, hosts, compression=compression), "compression"))
                 if len(model.buckets(4.0 * p.parameters, False)) > 1:
-                    out.append(Case(Target(n, hosts, one_bucket=True), "fusion"))
-            if gain:
-                out.append(Case(Target(n, hosts, precision_gain=gain), "precision"))
+                    out.append(Case(target_at(model, n, hosts, one_bucket=True), "fusion"))
+            if lower is not None and gain is not None:
+                out.append(Case(target_at(model, n, hosts, precision_gain=gain), "precision", lower.precision))
     return out
 
 
@@ -131,8 +130,6 @@ def build_model(run_dir: Path, link: Link | None = None, probe: bool = False,
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     profile = load_run_profile(run_dir)
     if not profile.phases_observed:  # compute would be priced at zero: a confident wrong prediction
-        from dtrain.explain.doctor import unobserved_note
-
         raise UserError(f"dtrain plan cannot predict {run_dir}: {unobserved_note(profile)}")
     measured_link = profile.slots > 1 and profile.comm_probe is not None
     found = None if measured_link and not probe else local_probe(run_dir, profile, probe, log)
@@ -158,15 +155,17 @@ def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | Non
     costs = run_costs(run_dir, p)
     total = costs.total_batches
     one = model.predict(Target(1))
+    mine = model.predict(model.measured_target())
     predictions = []
     for case in cases(model, p, slot_counts, nodes):
         pred = model.predict(case.target)
         row = _row(case, pred, one, total)
+        # Over the model's own figure for the run as it was: the doctor's gain for the same change.
+        row["gain"] = pred.samples_per_second / mine.samples_per_second
         row["finish"] = finish(costs, pred.step, case.target.slots, case.target.nodes, mttf_hours, price)
         if row["finish"] is not None:
             row["seconds_to_finish"] = row["finish"]["configured"]["seconds"]
         predictions.append(row)
-    mine = model.predict(model.measured_target())
     return {"run_dir": str(run_dir),
             "measured": {"slots": p.slots, "nodes": p.hosts, "samples_per_second": p.samples_per_second,
                          "model_samples_per_second": mine.samples_per_second},

@@ -32,6 +32,7 @@ from typing import Any
 
 from dtrain.errors import UserError
 from dtrain.explain import paired
+from dtrain.explain.diagnosis import Diagnosis
 from dtrain.profiling.record import ProfileRecord, load_profile, load_run_profile
 
 MIN_STEPS = 10
@@ -55,7 +56,7 @@ class Experiment:
         return paired.median(self.samples_per_second)
 
 
-def plan_experiments(diagnosis: dict[str, Any], profile: ProfileRecord, steps: int, top: int) -> list[Experiment]:
+def plan_experiments(diagnosis: Diagnosis, profile: ProfileRecord, steps: int, top: int) -> list[Experiment]:
     """Baseline, the doctor's first ``top`` recommendations, and the two bisection experiments."""
     from dtrain.explain.advice import batch_change
 
@@ -63,16 +64,16 @@ def plan_experiments(diagnosis: dict[str, Any], profile: ProfileRecord, steps: i
     if not profile.synthetic_data:  # right after its baseline: the smallest ceiling is the most drift-prone
         out.append(Experiment("bisection: data loading off (synthetic data)", "bisection",
                               ["data_loader.synthetic=true"], None, "data_loading"))
-    for rec in diagnosis["recommendations"][:top]:
-        sets = [f"{rec['key']}={_yaml(rec['value'])}"]
-        if rec["key"] == "hyperparameters.global_batch_size":
-            sets += batch_change(profile, int(rec["value"]))["sets"]
-        out.append(Experiment(rec["action"], "recommendation", sets, rec["predicted_speedup"], rec["factor"]))
-    by_factor = {f["factor"]: f for f in diagnosis["factors"]}
-    step = float(diagnosis["step_seconds"])
+    for rec in diagnosis.recommendations[:top]:
+        sets = [f"{rec.key}={_yaml(rec.value)}"]
+        if rec.key == "hyperparameters.global_batch_size":
+            sets += batch_change(profile, int(str(rec.value)))["sets"]
+        out.append(Experiment(rec.action, "recommendation", sets, rec.predicted_speedup, rec.factor))
+    by_factor = {f.factor: f for f in diagnosis.factors}
+    step = diagnosis.step_seconds
 
     def ceiling(*factors: str) -> float:
-        saved = sum(float(by_factor[f]["seconds_per_step"]) for f in factors if f in by_factor)
+        saved = sum(by_factor[f].seconds_per_step for f in factors if f in by_factor)
         return step / (step - saved) if step > saved else float("inf")
 
     if profile.slots > 1 and profile.aggregation_frequency < steps:
@@ -132,7 +133,7 @@ def verify(run_dir: Path, steps: int, repeats: int = 1, top: int = 3, debug: boo
         raise UserError(f"dtrain doctor --verify cannot test {run_dir}: {unobserved_note(profile)}")
     diagnosis = diagnose(profile)
     # Long enough to outlast a burst of other work on a shared machine: a few dozen short steps are not.
-    needed = math.ceil(MIN_SECONDS / max(float(diagnosis["step_seconds"]), 1e-9))
+    needed = math.ceil(MIN_SECONDS / max(diagnosis.step_seconds, 1e-9))
     if needed > steps:
         log(f"dtrain doctor --verify: {needed} steps per run instead of {steps}, to measure at least "
             f"{MIN_SECONDS:g} s of training each")
