@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--mttf", help="mean hours between failures of one node: advise min_checkpoint_period "
                         "(the period that minimizes the expected time to finish, Young/Daly)")
     doctor.add_argument("--price", help="with --mttf: price per slot-hour, to state the saving in money")
+    doctor.add_argument("--try", dest="tries", action="append", default=[], metavar="KEY=VALUE",
+                        help="predict one change, spelled as for --set (precision, hyperparameters.global_batch_size, "
+                        "resources.slots_per_trial, nodes, optimizations.aggregation_frequency, "
+                        "optimizations.gradient_compression, optimizations.tensor_fusion_threshold, "
+                        "data_loader.num_workers; repeatable)")
+    doctor.add_argument("--link", help="--try nodes=N: the link between nodes, RATE[,LATENCY] as for dtrain plan")
 
     plan = sub.add_parser("plan", help="predict other slot/node counts and the doctor's options from one run")
     plan.add_argument("run_dir", type=Path, nargs="?", help="a run directory made by 'dtrain run' (or --what-if)")
@@ -371,9 +377,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
     from dtrain.explain.doctor import diagnose, render
+    from dtrain.explain.predictor import Predictor
     from dtrain.explain.summary import time_cost_table
     from dtrain.profiling.record import load_run_profile
 
+    if args.tries and args.verify:
+        raise UserError("--try predicts and --verify measures the doctor's own advice: give one of them")
     if args.verify:
         from dtrain.explain.verify import render as render_verify
         from dtrain.explain.verify import verify
@@ -384,7 +393,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2) if args.json else render_verify(result), end="\n" if args.json else "")
         return 0
     profile = load_run_profile(args.run_dir)
-    diagnosis = diagnose(profile)
+    predictor = Predictor(profile)
+    diagnosis = diagnose(profile, predictor)
+    if args.tries:
+        from dtrain.explain.trying import predict_all
+
+        diagnosis.tries = predict_all(args.run_dir, profile, predictor, args.tries, args.link)
     if args.mttf is not None:
         from dtrain.explain.doctor import add_checkpoint_advice
         from dtrain.explain.finish import finish, run_costs

@@ -111,8 +111,10 @@ def local_slots(profile: ProfileRecord) -> int:
 MAX_ADVISED_WORKERS = 8
 
 
-def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: float) -> dict[str, Any]:
-    """How many loader processes per slot to try and the step they predict, from what the machine has.
+def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: float,
+                workers: int | None = None) -> dict[str, Any]:
+    """How many loader processes per slot to try (``workers``: that many, as given) and the step they predict,
+    from what the machine has.
 
     ``data`` is the wait for a batch per step, ``cpu_work`` the training process's own busy time per step.
     With W loader processes a slot gets a batch every ``L / W`` seconds (``L``: seconds to load one, probed
@@ -144,10 +146,16 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
         from dtrain.launcher.preflight import PROCESSES_PER_CORE
 
         limit = max(1, min(limit, PROCESSES_PER_CORE * cores // local_slots(profile)))
-    candidates = list(range(current + 1, max(current + 1, limit) + 1))
-    best = min(predicted(w) for w in candidates)
-    workers = next(w for w in candidates if predicted(w) <= best * 1.03)  # fewest processes within 3%
-    new_step = min(step, predicted(workers))
+    if workers is None:
+        candidates = list(range(current + 1, max(current + 1, limit) + 1))
+        best = min(predicted(w) for w in candidates)
+        workers = next(w for w in candidates if predicted(w) <= best * 1.03)  # fewest processes within 3%
+    if workers == current:
+        new_step = step
+    elif workers == 0:  # the training process loads each batch itself: nothing hides it
+        new_step = rest + load
+    else:  # fewer processes than the run had can only be slower, more can only be faster
+        new_step = predicted(workers) if workers < current else min(step, predicted(workers))
     where = (f"{per_slot:g} core(s) per slot, {threads} torch thread(s) each" if per_slot is not None
              else "cores per slot not recorded")
     probed = (f"{1e3 * load:.2f} ms to load a batch, {100 * cpu_share:.0f}% of it on the CPU (probed after the run)"
