@@ -421,6 +421,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from dtrain.explain.goodput import parse_mttf_hours, parse_price
     from dtrain.explain.plan import parse_link, plan, plot, render
+    from dtrain.explain.plandoc import PlanDocument
     from dtrain.explain.scaling import parse_slots
 
     if args.what_if is not None:
@@ -428,25 +429,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         if args.run_dir is not None:
             raise UserError("--what-if plans on paper: give it without a run directory")
-        doc = plan_on_paper(args.what_if, parse_slots(args.slots))
+        doc = PlanDocument.from_json(plan_on_paper(args.what_if, parse_slots(args.slots)))
         png = args.png or (None if args.json else Path("plan-what-if.png"))
-        if png is not None:
-            plot(doc, png)
-        doc["png"] = str(png) if png is not None else None
-        print(json.dumps(doc, indent=2) if args.json else render(doc) + f"chart: {png}")
-        return 0
-    if args.run_dir is None:
-        raise UserError("dtrain plan needs a run directory made by 'dtrain run' (or --what-if SPEC)")
-    mttf = parse_mttf_hours(args.mttf) if args.mttf is not None else None
-    price = parse_price(args.price) if args.price is not None else None
-    doc = plan(args.run_dir, parse_slots(args.slots), args.nodes, parse_link(args.link), probe=args.probe,
-               mttf_hours=mttf, price=price)
-    # --json is for scripts: it leaves the chart a person asked for earlier alone unless told where to draw.
-    png = args.png or (None if args.json else args.run_dir / "plan.png")
+    else:
+        if args.run_dir is None:
+            raise UserError("dtrain plan needs a run directory made by 'dtrain run' (or --what-if SPEC)")
+        mttf = parse_mttf_hours(args.mttf) if args.mttf is not None else None
+        price = parse_price(args.price) if args.price is not None else None
+        doc = plan(args.run_dir, parse_slots(args.slots), args.nodes, parse_link(args.link), probe=args.probe,
+                   mttf_hours=mttf, price=price)
+        # --json is for scripts: it leaves the chart a person asked for earlier alone unless told where to draw.
+        png = args.png or (None if args.json else args.run_dir / "plan.png")
     if png is not None:
         plot(doc, png)
-    doc["png"] = str(png) if png is not None else None
-    print(json.dumps(doc, indent=2) if args.json else render(doc) + f"chart: {png}")
+    doc.png, doc.png_set = (str(png) if png is not None else None), True
+    print(json.dumps(doc.to_json(), indent=2) if args.json else render(doc) + f"chart: {png}")
     return 0
 
 

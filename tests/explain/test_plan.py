@@ -94,7 +94,7 @@ def test_a_one_slot_run_on_shared_cores_prices_communication_from_a_probe_and_ne
         plan(run, [1, 2], log=lambda line: None)
     probe = LocalProbe(2, 1, LINK_POINTS, [1e6], 0.002, exchange_seconds=0.0003 + 1e6 / 1e9 + 0.0005)
     commprobe.save(probe, run / commprobe.PROBE_FILE)
-    doc = plan(run, [1, 2, 4], log=lambda line: None)
+    doc = plan(run, [1, 2, 4], log=lambda line: None).to_json()
     by = {(p["slots"], p["option"]): p for p in doc["predictions"]}
     one = by[(1, "base")]["samples_per_second"]
     for n in (2, 4):
@@ -144,7 +144,7 @@ def test_time_and_cost_to_finish_count_failures_and_advise_the_checkpoint_period
     run = _run_dir(tmp_path, profile)
     (run / "config.yaml").write_text("name: x\nmax_length: {batches: 10000000}\nmin_checkpoint_period: {batches: 10}\n")
     (run / "summary.json").write_text(json.dumps({"batches": 10000, "epochs": 10}))
-    doc = plan(run, [1, 2], mttf_hours=10.0, price=2.0)
+    doc = plan(run, [1, 2], mttf_hours=10.0, price=2.0).to_json()
     assert doc["checkpoint_seconds"] == pytest.approx(1.0, rel=0.01)  # 1001 s over 1000 + 1 checkpoints
     row = next(p for p in doc["predictions"] if p["slots"] == 2 and p["option"] == "base")
     finish = row["finish"]
