@@ -123,16 +123,14 @@ class _Steps:
     """The model's own step timed per precision (profile.json's model_steps), as the doctor reads it."""
 
     def __init__(self, seconds):
-        self.seconds = seconds
-
-    def step_seconds(self, precision):
-        return self.seconds.get(precision)
+        self.run_precision, self.seconds_per_step, self.skipped = "32-true", seconds, {}
 
 
+# The optimizer's step (2 ms on the GPU profile, 1 ms on the CPU one) stays float32: it is taken out of both.
 @pytest.mark.parametrize("device, timed, expected", [
-    ("cuda", {"32-true": 0.0334, "bf16-mixed": 0.016}, 0.0334 / 0.016),  # the issue's H100: 2.09x measured
-    ("cuda", {"32-true": 0.0334, "bf16-mixed": 0.001}, 8.0),  # faster than its matmuls' peak: bounded by it
-    ("cpu", {"32-true": 0.010, "bf16-mixed": 0.013}, 0.010 / 0.013),  # bf16 autocast slower on this CPU
+    ("cuda", {"32-true": 0.0334, "bf16-mixed": 0.016}, 0.0314 / 0.014),  # the issue's H100: 2.09x a step
+    ("cuda", {"32-true": 0.0334, "bf16-mixed": 0.0025}, 8.0),  # beyond its matmuls' peak: bounded by it
+    ("cpu", {"32-true": 0.010, "bf16-mixed": 0.013}, 0.009 / 0.012),  # bf16 autocast slower on this CPU
 ])
 def test_lower_precision_is_predicted_from_the_model_own_steps(monkeypatch, device, timed, expected):
     from dtrain.explain import precision as precision_mod

@@ -23,12 +23,11 @@ MIN_PEAK_RATIO = 1.05
 
 class StepTimes(Protocol):
     """The model's own training step (forward, backward, optimizer) timed at the end of a run under each
-    precision the device supports: ``profile.json``'s ``model_steps``."""
+    precision the device supports: ``profile.json``'s ``model_steps`` (``profiling.record.ModelSteps``)."""
 
-    def step_seconds(self, precision: str) -> float | None:
-        """Seconds of one step at the run's per-slot batch under ``precision`` (config name), or None where
-        that precision was not timed."""
-        ...
+    run_precision: str
+    seconds_per_step: dict[str, float]  # precision -> seconds of one step at the run's per-slot batch
+    skipped: dict[str, str]  # precision -> why it was not timed
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,20 +67,33 @@ def estimate(profile: ProfileRecord, precision: str) -> PrecisionEstimate:
     steps = model_steps(profile)
     if precision == profile.precision:
         return PrecisionEstimate(precision, 1.0, 1.0, "the run's own precision")
-    if steps is not None:
-        now, then = steps.step_seconds(profile.precision), steps.step_seconds(precision)
-        if now and then:
-            gain = now / then
-            if bound is not None:  # a step cannot beat its matmuls' peak: noise in a short timing can
-                gain = min(gain, bound)
-            return PrecisionEstimate(precision, gain, bound, f"the model's own step timed in {profile.precision} "
-                                     f"and {precision} at the end of the run (measured)")
+    gain = compute_speedup(profile, steps, precision) if steps is not None else None
+    if gain is not None:
+        if bound is not None:  # a step cannot beat its matmuls' peak: noise in a short timing can
+            gain = min(gain, bound)
+        return PrecisionEstimate(precision, gain, bound, f"the model's own step timed in {profile.precision} and "
+                                 f"{precision} at the end of the run ran {gain:.2f}x as fast (measured)")
     if bound is not None:
         return PrecisionEstimate(precision, None, bound, f"matmuls ran {bound:.1f}x faster in {precision} on this "
                                  f"{_device(profile)} (measured); only the matmul share of the step speeds up, and "
                                  "its size was not measured")
+    why = steps.skipped.get(precision) if steps is not None else None
     return PrecisionEstimate(precision, None, None, f"neither the model's step nor matmuls were timed in "
-                             f"{precision} on this {_device(profile)}")
+                             f"{precision} on this {_device(profile)}" + (f" ({why})" if why else ""))
+
+
+def compute_speedup(profile: ProfileRecord, steps: StepTimes, precision: str) -> float | None:
+    """How many times faster forward + backward run in ``precision`` than in the run's, from the timed steps:
+    the optimizer's step stays in float32 whatever the autocast, so the run's measured optimizer time is taken
+    out of both steps where it is a small part of them (else the whole steps' ratio: a noisy difference of two
+    close figures would be worse). None where either precision was not timed."""
+    mine, other = steps.seconds_per_step.get(steps.run_precision), steps.seconds_per_step.get(precision)
+    if not mine or not other:
+        return None
+    optimizer = profile.seconds_per_step.optimizer.min
+    if optimizer < 0.5 * min(mine, other):
+        return (mine - optimizer) / (other - optimizer)
+    return mine / other
 
 
 def best(profile: ProfileRecord) -> PrecisionEstimate | None:

@@ -27,8 +27,8 @@ class Precision(Factor):
         if found.gain is not None:
             action = f"precision: {found.precision}"
             return Advice("precision", found.precision,
-                          f"the step is trained in {run}; {found.source}: compute {found.gain:.2f}x as fast "
-                          "(weights stay float32; bf16 needs no loss scaling)",
+                          f"the step is trained in {run}; {found.source}: forward and backward "
+                          f"{found.gain:.2f}x as fast (weights stay float32; bf16 needs no loss scaling)",
                           ctx.predictor.gain(action, precision_gain=found.gain))
         bound = ctx.predictor.predict(target_at(ctx.predictor.model, precision_gain=found.bound or 1.0)).value
         return Advice("precision", found.precision,
