@@ -119,11 +119,11 @@ def test_lower_precision_on_a_gpu_is_a_bound_until_the_model_steps_are_timed():
     assert mixed["precision"]["key"] is None and mixed["precision"]["seconds_per_step"] == 0
 
 
-class _Steps:
-    """The model's own step timed per precision (profile.json's model_steps), as the doctor reads it."""
-
-    def __init__(self, seconds):
-        self.run_precision, self.seconds_per_step, self.skipped = "32-true", seconds, {}
+def _model_steps(seconds, run="32-true"):
+    """profile.json's model_steps: the model's own step timed per precision at the end of the run."""
+    return {"per_slot_batch_size": 32, "run_precision": run, "steps_timed": 5, "seconds_per_step": seconds,
+            "skipped": {}, "double_batch_seconds_per_step": None, "double_batch_skipped": "not timed here",
+            "cost_seconds": 0.5}
 
 
 # The optimizer's step (2 ms on the GPU profile, 1 ms on the CPU one) stays float32: it is taken out of both.
@@ -132,13 +132,13 @@ class _Steps:
     ("cuda", {"32-true": 0.0334, "bf16-mixed": 0.0025}, 8.0),  # beyond its matmuls' peak: bounded by it
     ("cpu", {"32-true": 0.010, "bf16-mixed": 0.013}, 0.009 / 0.012),  # bf16 autocast slower on this CPU
 ])
-def test_lower_precision_is_predicted_from_the_model_own_steps(monkeypatch, device, timed, expected):
+def test_lower_precision_is_predicted_from_the_model_own_steps(device, timed, expected):
     from dtrain.explain import precision as precision_mod
     from dtrain.explain.doctor import diagnose
     from dtrain.explain.predictor import Predictor, target_at
 
-    monkeypatch.setattr(precision_mod, "model_steps", lambda profile: _Steps(timed))
-    profile = _gpu_profile() if device == "cuda" else make_profile([FAST], "vm")
+    steps = _model_steps(timed)
+    profile = _gpu_profile(model_steps=steps) if device == "cuda" else make_profile([FAST], "vm", model_steps=steps)
     found = precision_mod.best(profile)
     assert found is not None and found.precision == "bf16-mixed" and found.gain == pytest.approx(expected)
     rows = {f["factor"]: f for f in diagnose(profile).to_json()["factors"]}
@@ -163,6 +163,10 @@ def test_batch_size_advice_is_bounded_by_gpu_memory():
     assert tight["batch_size"]["value"] == 40  # 0.9 x 80 GB / 50 GB peak: 1.25x the batch
     full = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=75)).to_json()["factors"]}
     assert full["batch_size"]["key"] is None and "does not fit" in full["batch_size"]["why"]
+    # The model's own step at twice the batch ran out of memory (measured): no bigger batch, whatever the peak.
+    oom = {**_model_steps({"32-true": 0.03}), "double_batch_skipped": "out of memory"}
+    measured = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=10, model_steps=oom)).to_json()["factors"]}
+    assert measured["batch_size"]["key"] is None and "ran out of memory (measured)" in measured["batch_size"]["why"]
 
 
 def test_no_compression_advice_for_a_strategy_that_cannot_compress():

@@ -4,30 +4,21 @@ Measured matmul peaks (``device_facts.matmul_tflops``) say how much faster a mat
 training step is not only matmuls: attention's softmax, norms, element-wise work, the optimizer and memory
 traffic do not speed up by the same factor. So a matmul peak ratio is only an upper bound of the compute's
 speed-up (every second of compute a matmul at peak), never a prediction. A prediction needs the model's own
-training step timed under each precision: ``profile.json``'s ``model_steps`` (see :class:`StepTimes`); on a
-CPU with bf16 units, bf16-mixed autocast can be slower than float32, and then the prediction says slower.
+training step timed under each precision: ``profile.json``'s ``model_steps``
+(:class:`~dtrain.profiling.record.ModelSteps`); on a CPU with bf16 units, bf16-mixed autocast can be slower
+than float32, and then the prediction says slower.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
-from dtrain.profiling.record import ProfileRecord
+from dtrain.profiling.record import ModelSteps, ProfileRecord
 
 # The config's names of the precisions, and the matmul probe's names for them.
 MATMUL_NAME = {"32-true": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 # A peak ratio below this is no reason to name a precision at all.
 MIN_PEAK_RATIO = 1.05
-
-
-class StepTimes(Protocol):
-    """The model's own training step (forward, backward, optimizer) timed at the end of a run under each
-    precision the device supports: ``profile.json``'s ``model_steps`` (``profiling.record.ModelSteps``)."""
-
-    run_precision: str
-    seconds_per_step: dict[str, float]  # precision -> seconds of one step at the run's per-slot batch
-    skipped: dict[str, str]  # precision -> why it was not timed
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,10 +34,9 @@ class PrecisionEstimate:
     source: str  # in words, for the doctor's why and --try's inputs
 
 
-def model_steps(profile: ProfileRecord) -> StepTimes | None:
+def model_steps(profile: ProfileRecord) -> ModelSteps | None:
     """The run's timed model steps, where its profile has them (a profile of an older dtrain has none)."""
-    steps = getattr(profile, "model_steps", None)  # the record's field where this dtrain writes it
-    return steps if steps is not None and hasattr(steps, "step_seconds") else None
+    return profile.model_steps
 
 
 def peak_ratio(profile: ProfileRecord, current: str, other: str) -> float | None:
@@ -82,7 +72,7 @@ def estimate(profile: ProfileRecord, precision: str) -> PrecisionEstimate:
                              f"{precision} on this {_device(profile)}" + (f" ({why})" if why else ""))
 
 
-def compute_speedup(profile: ProfileRecord, steps: StepTimes, precision: str) -> float | None:
+def compute_speedup(profile: ProfileRecord, steps: ModelSteps, precision: str) -> float | None:
     """How many times faster forward + backward run in ``precision`` than in the run's, from the timed steps:
     the optimizer's step stays in float32 whatever the autocast, so the run's measured optimizer time is taken
     out of both steps where it is a small part of them (else the whole steps' ratio: a noisy difference of two

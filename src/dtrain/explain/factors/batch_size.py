@@ -10,6 +10,8 @@ from dtrain.explain.factors.base import Context, Factor
 
 # Keep this share of the device's memory free when advising a bigger batch.
 MEMORY_HEADROOM = 0.9
+# profile.json's model_steps.double_batch_skipped where twice the batch did not fit.
+OOM = "out of memory"
 
 
 @registry.register
@@ -38,6 +40,10 @@ def room(ctx: Context) -> tuple[float, str]:
     """How many times the batch fits (at most 2, in quarters) and a note on the memory it was judged by."""
     profile = ctx.profile
     factor = 2.0
+    steps = profile.model_steps
+    if steps is not None and steps.double_batch_seconds_per_step is None and steps.double_batch_skipped == OOM:
+        # Measured: the model's own step at twice the per-slot batch ran out of memory at the end of the run.
+        return 1.0, "; the model's step at twice the per-slot batch ran out of memory (measured)"
     facts = profile.device_facts
     on_gpu = facts is not None and facts.type == "cuda"
     peak = max((r.peak_memory_bytes for r in profile.per_rank), default=0.0)
