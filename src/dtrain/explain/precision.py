@@ -62,7 +62,7 @@ def estimate(profile: ProfileRecord, precision: str) -> PrecisionEstimate:
         if bound is not None:  # a step cannot beat its matmuls' peak: noise in a short timing can
             gain = min(gain, bound)
         return PrecisionEstimate(precision, gain, bound, f"the model's own step timed in {profile.precision} and "
-                                 f"{precision} at the end of the run ran {gain:.2f}x as fast (measured)")
+                                 f"{precision} at the end of the run (measured; its float32 optimizer step left out)")
     if bound is not None:
         return PrecisionEstimate(precision, None, bound, f"matmuls ran {bound:.1f}x faster in {precision} on this "
                                  f"{_device(profile)} (measured); only the matmul share of the step speeds up, and "
