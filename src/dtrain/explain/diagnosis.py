@@ -7,9 +7,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dtrain.explain.advice import Straggler
+
 # A config value as the doctor proposes it (an int, a name, a bool).
 ConfigValue = int | float | str | bool | None
-# JSON as the standard library writes it (a straggler's figures, the goodput model's document).
+# JSON as the standard library writes it (the goodput model's document).
 Json = dict[str, object]
 
 
@@ -41,7 +43,7 @@ class Advice:
     why: str
     predicted_speedup: float | None
     alternative: Change | None = None
-    straggler: Json | None = None
+    straggler: Straggler | None = None
     bound: float | None = None
 
     @property
@@ -82,7 +84,7 @@ class FactorRow:
         if a.alternative is not None:
             out["alternative"] = a.alternative.to_json()
         if a.straggler is not None:
-            out["straggler"] = a.straggler
+            out["straggler"] = a.straggler.to_json()
         if a.bound is not None:
             out["predicted_bound"] = a.bound
         if self.predicted_interval is not None:

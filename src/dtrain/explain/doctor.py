@@ -160,10 +160,9 @@ def _verdict(row: FactorRow, scaling: Scaling, profile: ProfileRecord, rows: lis
     change = (row.key is not None and row.predicted_speedup is not None
               and not (fewer and (row.key, row.value) == ONE_SLOT))
     if top == "straggler":  # who, or that ranks take turns (then there is nothing to try)
-        late = row.advice.straggler or {}
+        fixed = row.advice.straggler.fixed_speedup if row.advice.straggler is not None else None
         lead += f": {row.why}"
-        fixed = late.get("fixed_speedup")
-        if isinstance(fixed, float) and fixed:
+        if fixed:
             lead += f"; fixing it: about {fixed:.1f}x samples/s"
         if change:
             lead += f"; {row.key}: {row.value}: about {row.predicted_speedup:.1f}x"

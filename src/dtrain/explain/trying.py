@@ -177,9 +177,8 @@ class Tries:
         fastest = min(ranks, key=lambda r: r.data + r.forward + r.backward + r.optimizer + r.other)
         plan = advice.loader_plan(p, data, step, fastest.forward + fastest.backward + fastest.optimizer
                                   + fastest.other, workers=workers)
-        left = max(0.0, float(plan["step_seconds"]) - (step - self.predictor.base.parts["data"]))
-        return Priced(target_at(self.predictor.model, data_workers_step=left),
-                      {**inputs, "loader": str(plan["why"])})
+        left = max(0.0, plan.step_seconds - (step - self.predictor.base.parts["data"]))
+        return Priced(target_at(self.predictor.model, data_workers_step=left), {**inputs, "loader": plan.why})
 
     # ------------------------------------------------------------------------------------------ the link
     def _needs_link(self, target: Target) -> bool:

@@ -73,7 +73,7 @@ def plan_experiments(diagnosis: Diagnosis, profile: ProfileRecord, steps: int, t
     for rec in diagnosis.recommendations[:top]:
         sets = [f"{rec.key}={_yaml(rec.value)}"]
         if rec.key == "hyperparameters.global_batch_size":
-            sets += batch_change(profile, int(str(rec.value)))["sets"]
+            sets += batch_change(profile, int(str(rec.value))).sets
         out.append(Experiment(rec.action, "recommendation", sets, rec.predicted_speedup, rec.factor))
     if profile.slots > 1 and profile.aggregation_frequency < steps:
         out.append(Experiment("bisection: communication off (aggregation_frequency = steps)", "bisection",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from dtrain.explain import advice, precision
-from dtrain.explain.diagnosis import Advice, Json, Scaling
+from dtrain.explain.diagnosis import Advice, Scaling
 from dtrain.explain.predictor import Predictor, target_at
 from dtrain.profiling.record import ProfileRecord
 
@@ -29,8 +29,8 @@ class Context:
     fixed: float  # optimizer + other of the fastest rank
     exposed: float  # exposed all-reduce of the rank the others wait for
     per_message: float  # share of the exposed time paid per message (latency), not per byte
-    late: Json | None  # the rank the others wait for (advice.straggler), None with one slot
-    loader: Json  # one loader plan for the data and straggler factors (advice.loader_plan)
+    late: advice.Straggler | None  # the rank the others wait for, None with one slot
+    loader: advice.LoaderPlan  # one loader plan for the data and straggler factors
     lower_precision: precision.PrecisionEstimate | None
     scaling: Scaling
 
@@ -81,13 +81,13 @@ def build_context(profile: ProfileRecord, predictor: Predictor) -> Context:
     late = advice.straggler(profile, work)
     # The rank the others wait for: the one that arrives last at the collectives (measured), else the one
     # with the most work; its exposed time is pure communication (it waited for no one).
-    slowest = int(late["rank"]) if late is not None else max(range(len(ranks)), key=lambda i: work[i])
+    slowest = late.rank if late is not None else max(range(len(ranks)), key=lambda i: work[i])
     fastest = min(range(len(ranks)), key=lambda i: work[i])
     compute = ranks[fastest].forward + ranks[fastest].backward
     fixed = ranks[fastest].optimizer + ranks[fastest].other
     # One loader plan for one change: a rank chronically late loading its batch sets the wait more loader
     # workers must hide, for the data factor and the straggler factor alike.
-    chronic_data = late is not None and bool(late["chronic"]) and late["phase"] == "data"
+    chronic_data = late is not None and bool(late.chronic) and late.phase == "data"
     loader = advice.loader_plan(profile, ranks[slowest].data if chronic_data else data, step, compute + fixed)
     comm = profile.comm
     busy = comm.busy_seconds_per_step
@@ -134,5 +134,5 @@ def loader_gain(ctx: Context) -> float:
     """The cost model with the data wait that the loader plan's processes leave (the rest of the step as is)."""
     plan = ctx.loader
     data = ctx.predictor.base.parts["data"]
-    left = max(0.0, float(plan["step_seconds"]) - (ctx.step - data))
-    return ctx.predictor.gain(f"data_loader.num_workers: {plan['workers']}", data_workers_step=left)
+    left = max(0.0, plan.step_seconds - (ctx.step - data))
+    return ctx.predictor.gain(f"data_loader.num_workers: {plan.workers}", data_workers_step=left)

@@ -31,7 +31,7 @@ class BatchSize(Factor):
         return Advice(
             "hyperparameters.global_batch_size", new_gbs,
             "optimizer step and bookkeeping cost the same whatever the batch; a bigger batch spreads them "
-            f"(and communication) over more samples. {advice.batch_change(profile, new_gbs)['text']}{memory_note}",
+            f"(and communication) over more samples. {advice.batch_change(profile, new_gbs).text}{memory_note}",
             # More samples per step: data and compute grow with them as probed; fixed costs and the exchange do not.
             ctx.predictor.gain(f"hyperparameters.global_batch_size: {new_gbs}", global_batch=new_gbs))
 

@@ -17,6 +17,6 @@ class DataLoading(Factor):
 
     def advise(self, ctx: Context) -> Advice:
         plan = ctx.loader
-        return Advice("data_loader.num_workers", int(plan["workers"]),
-                      f"slots wait {1e3 * ctx.data:.2f} ms per step for their next batch: {plan['why']} (dtrain "
+        return Advice("data_loader.num_workers", plan.workers,
+                      f"slots wait {1e3 * ctx.data:.2f} ms per step for their next batch: {plan.why} (dtrain "
                       "bench --synthetic shows the ceiling)", loader_gain(ctx))

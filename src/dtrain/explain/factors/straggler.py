@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from dtrain.explain import advice
 from dtrain.explain.diagnosis import Advice, Change
 from dtrain.explain.factors import registry
@@ -24,7 +26,7 @@ class Straggler(Factor):
         profile, late, waiting = ctx.profile, ctx.late, ctx.straggler
         if late is None:
             return Advice(None, None, "one slot: nothing to wait for", None)
-        if not late["chronic"]:
+        if not late.chronic:
             return Advice(None, None, advice.turns_text(late, waiting), None)
         fixed = ctx.step - waiting
         fixed_speedup = ctx.step / fixed if fixed > 0 else float("inf")
@@ -33,9 +35,9 @@ class Straggler(Factor):
         leave = Change("resources.slots_per_trial", fewer, leave_out) if gains(leave_out) else None
         why = advice.straggler_text(late, f"resources.slots_per_trial: {fewer}", one_host=profile.hosts == 1,
                                     fallback_speedup=leave_out)
-        late = {**late, "fixed_speedup": fixed_speedup}
-        if late["phase"] == "data":  # a loader fix: the rank is always late, and late loading its batch
-            return Advice("data_loader.num_workers", ctx.loader["workers"], why,
+        late = replace(late, fixed_speedup=fixed_speedup)
+        if late.phase == "data":  # a loader fix: the rank is always late, and late loading its batch
+            return Advice("data_loader.num_workers", ctx.loader.workers, why,
                           loader_gain(ctx), alternative=leave, straggler=late)
         if leave is None:
             return Advice(None, None, why, None, straggler=late)
