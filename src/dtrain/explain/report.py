@@ -380,8 +380,8 @@ def _doctor_section(run: _Run) -> str:
         diagnosis = diagnose(run.profile)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a profile the doctor cannot model
         return title + _note(f"The doctor could not diagnose this profile: {exc!r}") + "\n</section>"
-    verdict = f'<p class="verdict" id="verdict">{_esc(diagnosis.verdict)}</p>'
-    return (f"{title}{verdict}\n{_recommendation_list(diagnosis)}\n{_scaling_line(diagnosis)}\n"
+    return (f'{title}<p class="verdict" id="verdict">{_esc(diagnosis.verdict)}</p>\n'
+            f"{_recommendation_list(diagnosis)}\n{_scaling_line(diagnosis)}\n"
             f"<h3>Every factor</h3>\n{_factor_table(diagnosis)}\n</section>")
 
 
@@ -389,7 +389,8 @@ def _factor_table(diagnosis: Diagnosis) -> str:
     rows, classes = [], []
     for f in diagnosis.factors:
         rows.append([_esc(f.factor), _fmt(100 * f.share, ".0f") + "%", _ms(f.seconds_per_step),
-                     _action(f), _esc(_speedup(f.predicted_speedup)), _esc(f.why)])
+                     _action(f), _esc(_speedup(f.predicted_speedup) if f.advice.bound is None
+                                      else f"at most {f.advice.bound:.2f}x (a bound)"), _esc(f.why)])
         classes.append("top" if f.factor == diagnosis.top_factor else "")
     headers = ["factor", "share", "ms / step", "what to try", "predicted speed-up", "why"]
     return _table(headers, rows, numeric={1, 2, 4}, row_classes=classes)
@@ -399,8 +400,7 @@ def _action(factor: FactorRow) -> str:
     if factor.key is None:
         return "—"
     text = f"<code>{_esc(factor.key)}: {_esc(factor.value)}</code>"
-    alt = factor.advice.alternative
-    if alt:
+    if alt := factor.advice.alternative:
         text += (f"<br />or <code>{_esc(alt.key)}: {_esc(alt.value)}</code> "
                  f"({_esc(_speedup(alt.predicted_speedup))})")
     return text
