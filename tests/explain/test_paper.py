@@ -16,12 +16,19 @@ def test_strong_scaling_on_paper_is_compute_plus_a_ring_through_the_slower_link(
     by = {p["slots"]: p for p in doc["predictions"]}
     assert by[1]["parts_seconds"]["exchange"] == 0.0
     assert by[1]["seconds_per_step"] == pytest.approx(0.441 * 65536 / 256)
-    # 16 GPUs on 2 nodes: 27 buckets of the 0.66 GB of fp16 gradients, each 2(N-1) ring steps at the node
-    # link's latency and 2(N-1)/N of its bytes at 200 GB/s.
+    # 16 GPUs on 2 nodes: 27 buckets of the 0.66 GB of fp16 gradients. A ring: each bucket 2(N-1) steps at
+    # both links' latency and 2(N-1)/N of its bytes at 200 GB/s. NCCL's tree: 2(8-1) steps within a node,
+    # 2 log2(2) across, at 0.92 of the ring's bandwidth; NCCL runs the faster, here the tree.
     nbytes, n = 2 * 330e6, 16
     buckets = 1 + -(-(nbytes - 2**20) // (25 * 2**20))
-    ring = 2 * (n - 1) * buckets * (2e-6 + 5e-6) + 2 * (n - 1) / n * nbytes / 200e9
-    assert by[16]["parts_seconds"]["exchange"] == pytest.approx(ring, rel=1e-6)
+    wire = 2 * (n - 1) / n * nbytes / 200e9
+    ring = 2 * (n - 1) * buckets * (2e-6 + 5e-6) + wire
+    tree = buckets * (2 * 7 * 2e-6 + 2 * 1 * (2e-6 + 5e-6)) + wire / 0.92
+    assert tree < ring
+    assert by[16]["parts_seconds"]["exchange"] == pytest.approx(tree, rel=1e-6)
+    # On one node there is no tree: the ring's 2(N-1) steps at the node link's latency.
+    assert by[8]["parts_seconds"]["exchange"] == pytest.approx(2 * 7 * buckets * 2e-6 + 2 * 7 / 8 * nbytes / 200e9,
+                                                                rel=1e-6)
     assert by[16]["efficiency"] < by[8]["efficiency"] <= 1.0
     assert all(p["low"] < p["samples_per_second"] < p["high"] for p in doc["predictions"])
     assert {i["source"] for i in doc["inputs"]} <= {"given", "assumed"}
