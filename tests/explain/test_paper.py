@@ -26,8 +26,8 @@ def test_strong_scaling_on_paper_is_compute_plus_a_ring_through_the_slower_link(
     tree = buckets * (2 * 7 * 2e-6 + 2 * 1 * (2e-6 + 5e-6)) + wire / 0.92
     assert tree < ring
     assert by[16]["parts_seconds"]["exchange"] == pytest.approx(tree, rel=1e-6)
-    # On one node there is no tree: the ring's 2(N-1) steps at the node link's latency.
-    assert by[8]["parts_seconds"]["exchange"] == pytest.approx(2 * 7 * buckets * 2e-6 + 2 * 7 / 8 * nbytes / 200e9,
+    # On one node there is no tree: the ring's 2(N-1) steps at the node link's latency and rate (300 GB/s).
+    assert by[8]["parts_seconds"]["exchange"] == pytest.approx(2 * 7 * buckets * 2e-6 + 2 * 7 / 8 * nbytes / 300e9,
                                                                 rel=1e-6)
     assert by[16]["efficiency"] < by[8]["efficiency"] <= 1.0
     assert all(p["low"] < p["samples_per_second"] < p["high"] for p in doc["predictions"])

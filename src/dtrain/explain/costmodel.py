@@ -13,8 +13,9 @@ all ask :class:`CostModel`. It starts from one measured run (its ``profile.json`
   the run. More threads than cores share them.
 * **data** and **fixed** (optimizer, bookkeeping) as measured; data grows with the batch as probed.
 * **exchange**: per bucket ``latency + bytes / rate`` of a ring all-reduce (``2(N-1)`` steps, ``2(N-1)/N`` of
-  the bytes through each link; across nodes on GPUs, NCCL's tree where it is faster: :mod:`.network`), fitted to all-reduces of several sizes (:mod:`dtrain.profiling.commprobe`)
-  on the run's own ranks, or by ``dtrain plan --probe`` in local processes, or a given link; plus what an
+  the bytes through each link; across nodes on GPUs, NCCL's tree where it is faster: :mod:`.network`),
+  fitted to all-reduces of several sizes (:mod:`dtrain.profiling.commprobe`) on the run's own ranks, or by
+  ``dtrain plan --probe`` in local processes, or a given link; plus what an
   exchange costs inside training beyond that (waking up, waiting for the slowest peer: the step's jitter
   grows with the expected maximum of ``N`` ranks), calibrated so the run reproduces its own step. fp16
   halves the bytes and adds the measured cast; PowerSGD sends the measured low-rank bytes, in two
@@ -36,7 +37,15 @@ from dataclasses import dataclass, field, replace
 
 from dtrain.explain import fitted
 from dtrain.explain.facts import Facts, Work
-from dtrain.explain.network import TREE_BANDWIDTH, Link, RingLink, expected_max, ring, shaped_seconds, tree_latency_steps
+from dtrain.explain.network import (
+    TREE_BANDWIDTH,
+    Link,
+    RingLink,
+    expected_max,
+    ring,
+    shaped_seconds,
+    tree_latency_steps,
+)
 from dtrain.profiling.commprobe import LinkFit, fit
 from dtrain.profiling.record import ProfileRecord
 
@@ -232,14 +241,15 @@ class CostModel:
         fixed = f.fixed / f.crowd * crowd
         exchange = compression = 0.0
         if target.slots > 1:
-            exchange, compression = self._exchange(target, crowd, compute * f.backward_share)
+            exchange, compression = self._exchange(target, crowd, compute)
         aggregation = target.aggregation or f.aggregation
         return {"data": data, "compute": compute, "fixed": fixed, "exchange": (exchange + compression) / aggregation,
                 "compression": compression / aggregation}
 
-    def _exchange(self, target: Target, crowd: float, backward: float) -> tuple[float, float]:
+    def _exchange(self, target: Target, crowd: float, compute: float) -> tuple[float, float]:
         """(seconds of one gradient exchange on the wire and waiting, seconds of compression math)."""
         f = self.facts
+        backward = compute * f.backward_share
         n = target.slots
         nbytes = 4.0 * f.parameters
         compression = target.compression if target.compression is not None else f.compression
@@ -264,7 +274,9 @@ class CostModel:
             wire = max(times[-1], wire - backward)
         # Waking up and waiting for the slowest of n ranks: the run's step jitter, the expected maximum of n.
         # (The calibrated overhead is what remains beyond this at the run's own slot count.)
-        jitter = f.jitter * expected_max(n)
+        # On paper no jitter was measured: one GPU's spread relative to its compute, fitted to published rows.
+        spread = f.jitter + (fitted.load().terms["paper_jitter"] * compute if f.batch_given else 0.0)
+        jitter = spread * expected_max(n)
         # More processes than cores: every exchange also waits for peers to get a core back, in proportion.
         waiting = (self.overhead + jitter) * crowd / f.crowd
         return max(0.0, wire + waiting), math_seconds

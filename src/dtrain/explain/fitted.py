@@ -8,12 +8,15 @@ uncertainty is one relative standard deviation of an input; each term constant p
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
 FILE = "fitted_intervals.json"
+Table = dict[str, dict[str, object]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,24 +25,35 @@ class Fitted:
 
     uncertainty: dict[str, float]
     terms: dict[str, float]
-    fitted: tuple[str, ...]  # the names the stored rows fitted (the others: assumed, said so in the file)
 
 
-def parse(document: dict[str, object]) -> Fitted:
-    """A :class:`Fitted` from the file's JSON document."""
-    def numbers(key: str) -> dict[str, float]:
-        table = document[key]
-        assert isinstance(table, dict)
-        return {str(name): float(entry["value"]) for name, entry in table.items()}
+def parse(document: dict[str, Table]) -> Fitted:
+    """A :class:`Fitted` from the file's JSON document (``{"uncertainty": {name: {"value": x}}, "terms": ...}``)."""
+    def values(key: str) -> dict[str, float]:
+        return {name: float(str(entry["value"])) for name, entry in document[key].items()}
 
-    uncertainty, terms = numbers("uncertainty"), numbers("terms")
-    fitted = tuple(name for key in ("uncertainty", "terms") for name, entry in document[key].items()  # type: ignore[attr-defined]
-                   if str(entry.get("source", "")).startswith("fitted"))
-    return Fitted(uncertainty, terms, fitted)
+    return Fitted(values("uncertainty"), values("terms"))
 
 
 @cache
-def load() -> Fitted:
-    """The packaged constants (read once)."""
+def _packaged() -> Fitted:
     text = resources.files("dtrain.explain").joinpath(FILE).read_text(encoding="utf-8")
     return parse(json.loads(text))
+
+
+_trial: list[Fitted] = []
+
+
+def load() -> Fitted:
+    """The constants in force: the packaged file's, or a fit's trial values inside :func:`trying`."""
+    return _trial[-1] if _trial else _packaged()
+
+
+@contextlib.contextmanager
+def trying(values: Fitted) -> Iterator[None]:
+    """Predict with ``values`` instead of the packaged constants (the fit tries its candidates so)."""
+    _trial.append(values)
+    try:
+        yield
+    finally:
+        _trial.pop()
