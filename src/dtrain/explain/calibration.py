@@ -30,8 +30,12 @@ from dtrain.explain.paper import parse, target
 
 # A constant is fitted only where rows of at least this many configurations expose it.
 MIN_CONFIGURATIONS = 2
-# Candidate values around a constant's current one, relative (log-spaced from a tenth to ten times).
+# Candidate values around a term's current one, relative (log-spaced from a tenth to ten times).
 GRID = tuple(10 ** (k / 8) for k in range(-8, 9))
+# Candidate relative uncertainties: log-spaced from 0.1% to 100%; every fit starts from FIRST_GUESS, so that
+# a re-fit of the same rows returns the same values whatever the file held before.
+UNCERTAINTY_GRID = tuple(10 ** (k / 16) for k in range(-48, 1))
+FIRST_GUESS = 0.1
 JITTER_GRID = tuple(k / 400 for k in range(0, 41))  # 0 .. 10% of a GPU's compute
 
 
@@ -142,7 +146,7 @@ def _term_rows(rows: list[Row], values: Fitted, name: str) -> list[Row]:
 
 
 def _configurations(rows: list[Row]) -> int:
-    return len({r.config for r in rows})
+    return len({system(r) for r in rows})
 
 
 def _squared_log_error(rows: list[Row], values: Fitted) -> float:
@@ -180,10 +184,10 @@ def fit_uncertainties(rows: list[Row], start: Fitted) -> tuple[Fitted, list[str]
         outcomes = evaluate(rows)
     names = [k for k in sorted(start.uncertainty)
              if _configurations([o.row for o in outcomes if o.relative.get(k, 0.0) > 1e-3]) >= MIN_CONFIGURATIONS]
-    u = dict(start.uncertainty)
-    for _ in range(4):
+    u = {**start.uncertainty, **dict.fromkeys(names, FIRST_GUESS)}
+    for _ in range(6):
         for k in names:
-            u[k] = min((max(1e-3, u[k] * g) for g in GRID), key=lambda v: _nll(outcomes, {**u, k: v}))
+            u[k] = min(UNCERTAINTY_GRID, key=lambda v: _nll(outcomes, {**u, k: v}))
     return replace(start, uncertainty=u), names
 
 
@@ -194,13 +198,19 @@ def fit(rows: list[Row], start: Fitted) -> tuple[Fitted, list[str]]:
     return values, terms + uncertain
 
 
+def system(row: Row) -> str:
+    """The configuration a row belongs to, for leaving it out: a published system's rows all together (BART's
+    four tables share their source and links: leaving one in would let it vouch for the others)."""
+    return row.config.split(":")[0]
+
+
 def held_out(rows: list[Row], start: Fitted) -> list[Outcome]:
     """Each configuration predicted by constants fitted without it (leave one configuration out)."""
     out = []
-    for config in sorted({r.config for r in rows}):
-        values, _ = fit([r for r in rows if r.config != config], start)
+    for config in sorted({system(r) for r in rows}):
+        values, _ = fit([r for r in rows if system(r) != config], start)
         with fitted.trying(values):
-            out += evaluate([r for r in rows if r.config == config])
+            out += evaluate([r for r in rows if system(r) == config])
     return out
 
 
@@ -234,7 +244,7 @@ def rows_from_json(document: dict[str, list[dict[str, object]]]) -> list[Row]:
 def with_values(document: dict[str, dict[str, dict[str, object]]], values: Fitted,
                 names: list[str]) -> dict[str, dict[str, dict[str, object]]]:
     """``fitted_intervals.json``'s document with ``values``; ``names`` marked fitted, the rest as they were."""
-    out = {key: dict(table) for key, table in document.items()}
+    out = {key: dict(table) if isinstance(table, dict) else table for key, table in document.items()}
     for key, table in (("uncertainty", values.uncertainty), ("terms", values.terms)):
         for name, value in table.items():
             entry = dict(out[key][name])

@@ -334,7 +334,8 @@ class CostModel:
         f = self.facts
         local, threads = self.local_threads(target)
         compute, exchange = parts["compute"], parts["exchange"]
-        out = {"compute": compute, "data": parts["data"]}
+        # Compute given on paper is another input than compute a run measured: their uncertainties differ.
+        out = {"compute_given" if f.batch_given else "compute": compute, "data": parts["data"]}
         if not f.work.probed(threads):
             out["threads"] = compute
         if local > 1 and f.local_slots == 1 and f.device == "cpu":
