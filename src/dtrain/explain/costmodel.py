@@ -60,7 +60,7 @@ FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 * 2**20, 25 * 2**20
 MEASURED_SPREAD = math.log(1.25)
 # The inputs whose uncertainty is not the run's own measurement (an interval with one of them is not capped).
 NOT_MEASURED = ("threads", "contention", "link_given", "link_between_hosts", "exchange_overhead", "loader_workers",
-                "link_probe", "batch_extrapolation", "slot_extrapolation")
+                "link_probe", "batch_extrapolation", "slot_extrapolation", "compute_given", "inter_given")
 
 @dataclass(frozen=True, slots=True)
 class Source:
@@ -346,10 +346,12 @@ class CostModel:
         if target.slots > 1:
             link = {"measured": "link_measured", "probed": "link_probe"}.get(self.link_source, "link_given")
             out[link] = exchange
+            if target.nodes > 1:  # a datasheet's network on paper is another input than a --link beside a run
+                out["inter_given" if f.batch_given else "link_between_hosts"] = exchange
+            if f.batch_given:  # on paper no run calibrated anything: the links and the stragglers' spread only
+                return {**out, "unmeasured_drift": step}
             if self.overhead_source != "measured":
                 out["exchange_overhead"] = exchange
-            if target.nodes > 1:
-                out["link_between_hosts"] = exchange
             if target.slots != max(2, f.slots):
                 out["slot_extrapolation"] = exchange * abs(math.log(target.slots / max(2, f.slots)))
         if target.data_workers_step is not None:

@@ -39,8 +39,7 @@ TIME = {"ms": 1e-3, "us": 1e-6, "s": 1.0}
 MAX_GPUS = 1024
 # The cost model's uncertainty names as the spec's inputs.
 WIDEST = {"compute": "compute (the given per-GPU time)", "link_given": "intra (the link within a node)",
-          "link_between_hosts": "inter (the link between nodes)",
-          "slot_extrapolation": "the GPU count (exchange priced far from any measured count)",
+          "inter_given": "inter (the link between nodes)",
           "unmeasured_drift": "step-to-step spread and stragglers (not given; fitted to published results)"}
 
 
