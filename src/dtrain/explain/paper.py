@@ -27,6 +27,7 @@ import math
 from typing import Any
 
 from dtrain.errors import UserError
+from dtrain.explain import fitted
 from dtrain.explain.costmodel import CostModel, Link, RingLink, Source, Target
 from dtrain.explain.facts import Facts, Work
 
@@ -141,7 +142,9 @@ def model(spec: dict[str, Any]) -> tuple[CostModel, str]:
         Source("link within a node", f"{rate * 8 / 1e9:g} Gbit/s, {1e6 * latency:g} us per ring step", "given"),
         Source("link between nodes", between.label + " per node", "given"),
         Source("per-step overhead", f"{1e3 * overhead:g} ms", "given" if spec["overhead"] is not None else "assumed"),
-        Source("exchange cost beyond the link (waking up, stragglers)", "0", "assumed"),
+        Source("exchange cost beyond the link (waking up)", "0", "assumed"),
+        Source("stragglers: one GPU's step-to-step spread, of its compute",
+               f"{100 * fitted.load().terms['paper_jitter']:.2g}% (each step waits for the slowest of N)", "fitted"),
     ]
     built = CostModel(facts, RingLink(latency, rate), "given", 0.0, between, 0.0, "assumed", 1.0, 1.0, sources)
     return built, "strong" if spec["global"] is not None else "weak"
@@ -176,8 +179,7 @@ def plan_on_paper(text: str, slot_counts: list[int]) -> dict[str, Any]:
                      "finish": None, "widest_input": WIDEST.get(pred.widest, pred.widest)})
         widest = WIDEST.get(pred.widest, pred.widest)
     if widest:
-        built.sources.append(Source("widens the interval most (at the most GPUs)", widest,
-                                    "fitted uncertainty x its share of the step"))
+        built.sources.append(Source("widens the interval most (at the most GPUs)", widest, "fitted"))
     return {"run_dir": None, "what_if": text, "scaling": kind,
             "measured": {"slots": 1, "nodes": 1, "samples_per_second": one.samples_per_second,
                          "model_samples_per_second": one.samples_per_second},
