@@ -242,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=Path, default=ROWS, help="the stored rows (default: bench/data/plan_rows.json)")
+    parser.add_argument("--fitted", type=Path, default=FITTED, help="the constants' file --refit writes")
     parser.add_argument("--json", type=Path, help="write the evaluation here")
     parser.add_argument("--out", type=Path, help="--measure: keep the runs here (and continue an interrupted session)")
     args = parser.parse_args(argv)
@@ -255,13 +256,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.refit or args.measure:
         values, names = fit(stored, start)
         held = Summary.of(out)
-        written = with_values(json.loads(FITTED.read_text()), values, names)
+        written = with_values(json.loads(args.fitted.read_text()), values, names)
         written["fit"] = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": held.rows,
                           "held_out_mean_error": round(held.mean_error, 4),
                           "held_out_worst_error": round(held.worst_error, 4),
                           "held_out_covered": round(held.covered, 4)}
-        FITTED.write_text(json.dumps(written, indent=1) + "\n")
-        print(f"plan_accuracy: fitted {', '.join(names)}; written to {FITTED.relative_to(ROOT)}", file=sys.stderr)
+        args.fitted.write_text(json.dumps(written, indent=1) + "\n")
+        print(f"plan_accuracy: fitted {', '.join(names)}; written to {args.fitted}", file=sys.stderr)
         start = values
     with fitted.trying(start):
         current = evaluate(stored)

@@ -6,6 +6,7 @@ when a change to the model or to the stored constants misses them.
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -88,9 +89,10 @@ def _profile(slots=2, windows=(0.98, 1.0, 1.02, 1.0), **overrides):
         "compression_cost": {"fp16_seconds": 1e-4, "powersgd_seconds": 5e-4, "powersgd_bytes": 2e4,
                              "powersgd_rank": 2},
         "step_window_seconds": [step * f for f in windows],
-        "comm_probe": {"world": slots, "backend": "gloo",
-                       "points": [{"bytes": b, "seconds": s} for b, s in LINK_POINTS]},
     }
+    if slots > 1:
+        sections["comm_probe"] = {"world": slots, "backend": "gloo",
+                                  "points": [{"bytes": b, "seconds": s} for b, s in LINK_POINTS]}
     return make_profile([phases] * slots, "h0", slots=slots, **{**sections, **overrides})
 
 
@@ -183,3 +185,58 @@ def test_on_paper_the_output_names_the_input_that_widens_the_interval_most():
     assert len(widest) == 1 and widest[0]["value"].startswith("inter")
     assert all(p["widest_input"] for p in doc["predictions"])
     assert math.isfinite(doc["predictions"][-1]["high"])
+
+
+# ------------------------------------------------------------- bench/plan_accuracy.py --measure, faked
+def _bench_module(monkeypatch):
+    import importlib.util
+
+    path = ROWS.parents[1] / "plan_accuracy.py"
+    spec = importlib.util.spec_from_file_location("plan_accuracy_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_measure_stores_rows_with_their_models_inputs_and_refit_reads_them(tmp_path, monkeypatch, capsys):
+    bench = _bench_module(monkeypatch)
+    import testhosts
+
+    # Runs faked: samples/s by slot count, the 10x model a tenth as fast; the 2-host rows by their rate.
+    def run_local(slots, sets, steps, run_dir):
+        return {1: 1000.0, 2: 1500.0, 3: 1600.0}[slots] / (10 if bench.BIG[0] in sets else 1)
+
+    def run_hosts(row, steps, run_dir):
+        sps = {None: 1400.0, "1gbit": 900.0, "200mbit": 500.0}[row.rate]
+        return sps * (1.5 if row.target.get("aggregation") else 1)
+
+    def build_model(run_dir, link=None, probe=False, log=None):  # a 1-slot source gets the local probe
+        slots = int(run_dir.name[-1])
+        if slots == 1:
+            return None, CostModel.from_profile(_profile(slots=1), LINK_POINTS, 2, 0.001)
+        return None, CostModel.from_profile(_profile(slots=slots))
+
+    monkeypatch.setattr(bench, "run_local", run_local)
+    monkeypatch.setattr(bench, "run_hosts", run_hosts)
+    monkeypatch.setattr(bench, "build_model", build_model)
+    monkeypatch.setattr(testhosts, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(bench, "held_out", lambda rows, start: calibration.evaluate(rows))  # tested above
+    rows_file, fitted_file = tmp_path / "rows.json", tmp_path / "fitted.json"
+    rows_file.write_text(ROWS.read_text())
+    fitted_file.write_text((Path(fitted.__file__).parent / fitted.FILE).read_text())
+    assert bench.main(["--measure", "--repeats", "2", "--rows", str(rows_file), "--fitted", str(fitted_file)]) == 0
+    document = json.loads(rows_file.read_text())
+    measured = document["measured"]
+    # 12 configurations from the 1- and 2-slot sources, but for the sources themselves (1 slot, 2 slots,
+    # and the 10x model's): 20 rows, each with 2 rounds and the inputs of the model that predicted it.
+    assert len(measured) == 20 and all(len(r["rounds"]) == 2 for r in measured)
+    shaped = [r for r in measured if "1 Gbit" in r["label"]]
+    assert shaped and all(r["source"]["between_hosts"]["burst_bytes"] == 4000.0 for r in shaped)
+    outcomes = calibration.evaluate(calibration.rows_from_json(document))
+    assert len(outcomes) == 20 + len(document["published"])
+    local = [o for o in outcomes if o.row.kind == "measured" and o.measured_here]
+    assert local and all(o.high / o.predicted <= 1.25 + 1e-9 and o.predicted / o.low <= 1.25 + 1e-9 for o in local)
+    written = json.loads(fitted_file.read_text())
+    assert written["fit"]["rows"] == len(outcomes)
+    assert "Held out" in capsys.readouterr().out

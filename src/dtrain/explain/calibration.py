@@ -28,7 +28,8 @@ from dtrain.explain.fitted import Fitted
 from dtrain.explain.paper import model as paper_model
 from dtrain.explain.paper import parse, target
 
-# A constant is fitted only where rows of at least this many configurations expose it.
+# An uncertainty is fitted only where rows of at least this many configurations expose it (a spread needs
+# more than one configuration's errors); a term's constant from any configuration that exposes it.
 MIN_CONFIGURATIONS = 2
 # Candidate values around a term's current one, relative (log-spaced from a tenth to ten times).
 GRID = tuple(10 ** (k / 8) for k in range(-8, 9))
@@ -105,7 +106,7 @@ def predict_row(row: Row) -> Outcome | None:
     base = built.predict(built.measured_target())
     pred = built.predict(Target(**row.source["target"]))  # type: ignore[arg-type]
     value = pred.samples_per_second / base.samples_per_second
-    return _outcome(row, built, pred, value, here=built.between_hosts is None)
+    return _outcome(row, built, pred, value, here=built.between_hosts is None and pred.target.nodes == 1)
 
 
 def model_to_json(built: CostModel, target: Target) -> dict[str, object]:
@@ -159,7 +160,7 @@ def fit_terms(rows: list[Row], start: Fitted) -> tuple[Fitted, list[str]]:
     values, names = start, []
     for name in sorted(start.terms):
         exposed = _term_rows(rows, values, name)
-        if _configurations(exposed) < MIN_CONFIGURATIONS:
+        if not exposed:
             continue
         grid = JITTER_GRID if name == "paper_jitter" else tuple(values.terms[name] * g for g in GRID)
         best = min(grid, key=lambda v: _squared_log_error(exposed, replace(values, terms={**values.terms, name: v})))

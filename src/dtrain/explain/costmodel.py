@@ -55,12 +55,12 @@ __all__ = ["CostModel", "Link", "Prediction", "RingLink", "Source", "Target", "e
 Z80 = 1.2816
 # DDP's buckets: the first gradients go out in a small bucket so communication starts early, then bucket_cap_mb.
 FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 * 2**20, 25 * 2**20
-# Where every input was measured on this host, the interval is at most this far from its point (issue 45):
-# wider says nothing a user can act on, and the stored rows' errors are inside it.
+# Where every input was measured on this host (the run, its probes, dtrain plan --probe), the interval is at
+# most this far from its point (issue 45): wider says nothing a user can act on.
 MEASURED_SPREAD = math.log(1.25)
-# The inputs whose uncertainty is not the run's own measurement (an interval with one of them is not capped).
-NOT_MEASURED = ("threads", "contention", "link_given", "link_between_hosts", "exchange_overhead", "loader_workers",
-                "link_probe", "batch_extrapolation", "slot_extrapolation", "compute_given", "inter_given")
+# Inputs given rather than measured here (a link, a datasheet, a loader count the run did not use): an
+# interval with one of them keeps its full width.
+NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers")
 
 @dataclass(frozen=True, slots=True)
 class Source:
