@@ -62,6 +62,7 @@ MEASURED_SPREAD = math.log(1.25)
 # interval with one of them keeps its full width.
 NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers")
 
+
 @dataclass(frozen=True, slots=True)
 class Source:
     """One input of the model and where it came from."""
@@ -265,7 +266,8 @@ class CostModel:
             # The probe times the hook's matmuls and QR; the hook's own Python and allocations run per bucket
             # and collective on the autograd thread, and on shared cores they take turns with the others.
             math_seconds += fitted.load().terms["powersgd_hook_seconds"] * len(sizes) * collectives * crowd
-        times = [crowd * sum(self._allreduce(size / collectives, target) for _ in range(collectives))
+        descheduled = self._descheduled(target)
+        times = [sum(crowd * self._allreduce(size / collectives, target) + descheduled for _ in range(collectives))
                  for size in sizes]
         wire = sum(times)
         overlap = f.overlap if f.overlap is not None else f.device == "cuda"
@@ -283,7 +285,7 @@ class CostModel:
 
     def _allreduce(self, nbytes: float, target: Target) -> float:
         """Seconds of one all-reduce of ``nbytes``: the ring (or NCCL's tree, where faster) through the slower
-        link, each step's latency, and each step's wait for a peer off its core where slots outnumber cores."""
+        link, and each step's latency."""
         n, nodes = target.slots, target.nodes
         link = self.link or RingLink(0.0, float("inf"))
         wire, between_latency = ring(n) * nbytes / link.busbw, 0.0
@@ -298,14 +300,18 @@ class CostModel:
             within, across = tree_latency_steps(n, nodes)
             tree = within * link.step_latency + across * (link.step_latency + between_latency) + wire / TREE_BANDWIDTH
             seconds = min(seconds, tree)
-        local = max(1, math.ceil(n / nodes))
-        cores = target.cores or self.facts.cores
-        if self.facts.device == "cpu" and local > cores:
-            # A ring step needs its peer on a core: with more processes than cores, (local - cores) / local of
-            # them wait, on average half a scheduler slice, at each of the 2(n-1) steps.
-            slice_seconds = fitted.load().terms["scheduler_slice_seconds"]
-            seconds += 2 * (n - 1) * (local - cores) / local * slice_seconds / 2
         return seconds
+
+    def _descheduled(self, target: Target) -> float:
+        """Seconds one collective waits for peers off their cores: a ring step needs its peer running, and with
+        more processes than a host's cores, (local - cores) / local of them wait half a scheduler slice on
+        average, at each of the 2(n-1) steps (beyond the cores' shared time, which the crowd factor prices)."""
+        n = target.slots
+        local = max(1, math.ceil(n / target.nodes))
+        cores = target.cores or self.facts.cores
+        if self.facts.device != "cpu" or local <= cores:
+            return 0.0
+        return 2 * (n - 1) * (local - cores) / local * fitted.load().terms["scheduler_slice_seconds"] / 2
 
     def predict(self, target: Target) -> Prediction:
         """Seconds per step of ``target``, by part, with its 80% interval (never faster than linear scaling
