@@ -32,6 +32,8 @@ class PlanRow:
     seconds_to_finish: float | None = None
     gain: float | None = None  # over the model's own figure for the run as it was (a run's plan only)
     finish: Json | None = None
+    widest_input: str | None = None  # on paper: the input that widens the interval most
+    extra: Json = field(default_factory=dict)  # figures a newer paper document adds, kept as they are
 
     @classmethod
     def of(cls, target: Target, option: str, change: str, pred: Prediction, one: Prediction) -> PlanRow:
@@ -51,7 +53,9 @@ class PlanRow:
         if self.gain is not None:
             out["gain"] = self.gain
         out["finish"] = self.finish
-        return out
+        if self.widest_input is not None:
+            out["widest_input"] = self.widest_input
+        return {**out, **self.extra}
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,9 +134,15 @@ class PlanDocument:
         total = doc.get("total_batches")
         return cls(_text(doc.get("run_dir")), Measured(**_mapping(measured)), _text(doc.get("link")),
                    int(str(total)) if total is not None else None, [Input(**_mapping(i)) for i in _items(inputs)],
-                   [PlanRow(**_mapping(r)) for r in _items(rows)], what_if=_text(doc.get("what_if")),
+                   [_row(_mapping(r)) for r in _items(rows)], what_if=_text(doc.get("what_if")),
                    scaling=_text(doc.get("scaling")), interval=str(doc.get("interval", "80%")),
                    extra={k: v for k, v in doc.items() if k not in known})
+
+
+def _row(row: Json) -> PlanRow:
+    names = set(PlanRow.__dataclass_fields__) - {"extra"}
+    return PlanRow(**{k: v for k, v in row.items() if k in names},
+                   extra={k: v for k, v in row.items() if k not in names})
 
 
 def _mapping(value: object) -> Json:
