@@ -24,10 +24,12 @@ from typing import Any
 import yaml
 
 from dtrain.errors import UserError
+from dtrain.explain.diagnosis import Diagnosis, FactorRow
 from dtrain.explain.doctor import diagnose
 from dtrain.explain.membership_view import membership_section
 from dtrain.explain.render import pyplot
 from dtrain.profiling.record import ProfileRecord, load_run_profile
+from dtrain.profiling.runsummary import RunSummary, load_summary
 
 REPORT_NAME = "report.html"
 TOP_RECOMMENDATIONS = 3
@@ -64,7 +66,7 @@ class _Run:
     date: str | None
     config_text: str | None
     config: dict[str, Any]
-    summary: dict[str, Any] | None
+    summary: RunSummary | None
     profile: ProfileRecord | None
     records: list[dict[str, Any]]
     missing: list[str] = field(default_factory=list)
@@ -102,7 +104,7 @@ def _load_run(run_dir: Path) -> _Run:
     missing: list[str] = []
     config_text = _read_text(run_dir / "config.yaml", missing)
     config = _parse_config(config_text)
-    summary = _read_json(run_dir / "summary.json", missing)
+    summary = _read_summary(run_dir / "summary.json", missing)
     records = _read_metrics(run_dir / "metrics.jsonl", missing)
     profile = _read_profile(run_dir, missing)
     name = str(config.get("name") or run_dir.name)
@@ -125,16 +127,15 @@ def _parse_config(text: str | None) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def _read_json(path: Path, missing: list[str]) -> dict[str, Any] | None:
-    text = _read_text(path, missing)
-    if text is None:
+def _read_summary(path: Path, missing: list[str]) -> RunSummary | None:
+    if not path.is_file():
+        missing.append(f"{path.name} is missing")
         return None
     try:
-        value = json.loads(text)
-    except ValueError:
+        return load_summary(path)
+    except UserError:
         missing.append(f"{path.name} is empty or corrupt")
         return None
-    return value if isinstance(value, dict) else None
 
 
 def _read_metrics(path: Path, missing: list[str]) -> list[dict[str, Any]]:
@@ -256,15 +257,15 @@ def _header_section(run: _Run) -> str:
 def _slots(run: _Run) -> str:
     if run.profile is not None:
         return str(run.profile.slots)
-    if run.summary and "slots" in run.summary:
-        return str(run.summary["slots"])
+    if run.summary is not None:
+        return str(run.summary.slots)
     resources = run.config.get("resources")
     return str(resources.get("slots_per_trial", "unknown")) if isinstance(resources, dict) else "unknown"
 
 
 def _samples_per_second(run: _Run) -> str:
     profiled = run.profile.samples_per_second if run.profile is not None else None
-    for value in ((run.summary or {}).get("samples_per_second"), profiled):
+    for value in (run.summary.samples_per_second if run.summary is not None else None, profiled):
         if _finite(value):
             return f"{value:,.0f}"
     training = [r for r in run.records if r.get("kind") == "training" and _finite(r.get("samples_per_second"))]
@@ -272,7 +273,7 @@ def _samples_per_second(run: _Run) -> str:
 
 
 def _final_validation(run: _Run) -> str:
-    metrics = (run.summary or {}).get("validation")
+    metrics = run.summary.validation if run.summary is not None else None
     if not isinstance(metrics, dict):  # the run has not finished: fall back to its last validation
         validation = [r for r in run.records if r.get("kind") == "validation"]
         metrics = validation[-1].get("metrics") if validation else None
@@ -379,52 +380,51 @@ def _doctor_section(run: _Run) -> str:
         diagnosis = diagnose(run.profile)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a profile the doctor cannot model
         return title + _note(f"The doctor could not diagnose this profile: {exc!r}") + "\n</section>"
-    verdict = f'<p class="verdict" id="verdict">{_esc(diagnosis["verdict"])}</p>'
-    return (f"{title}{verdict}\n{_recommendation_list(diagnosis)}\n{_scaling_line(diagnosis)}\n"
+    return (f'{title}<p class="verdict" id="verdict">{_esc(diagnosis.verdict)}</p>\n'
+            f"{_recommendation_list(diagnosis)}\n{_scaling_line(diagnosis)}\n"
             f"<h3>Every factor</h3>\n{_factor_table(diagnosis)}\n</section>")
 
 
-def _factor_table(diagnosis: dict[str, Any]) -> str:
+def _factor_table(diagnosis: Diagnosis) -> str:
     rows, classes = [], []
-    for f in diagnosis["factors"]:
-        rows.append([_esc(f["factor"]), _fmt(100 * f["share"], ".0f") + "%", _ms(f["seconds_per_step"]),
-                     _action(f), _esc(_speedup(f["predicted_speedup"])), _esc(f["why"])])
-        classes.append("top" if f["factor"] == diagnosis["top_factor"] else "")
+    for f in diagnosis.factors:
+        rows.append([_esc(f.factor), _fmt(100 * f.share, ".0f") + "%", _ms(f.seconds_per_step),
+                     _action(f), _esc(_speedup(f.predicted_speedup) if f.advice.bound is None
+                                      else f"at most {f.advice.bound:.2f}x (a bound)"), _esc(f.why)])
+        classes.append("top" if f.factor == diagnosis.top_factor else "")
     headers = ["factor", "share", "ms / step", "what to try", "predicted speed-up", "why"]
     return _table(headers, rows, numeric={1, 2, 4}, row_classes=classes)
 
 
-def _action(factor: dict[str, Any]) -> str:
-    if factor.get("key") is None:
+def _action(factor: FactorRow) -> str:
+    if factor.key is None:
         return "—"
-    text = f"<code>{_esc(factor['key'])}: {_esc(factor['value'])}</code>"
-    alt = factor.get("alternative")
-    if alt:
-        text += (f"<br />or <code>{_esc(alt['key'])}: {_esc(alt['value'])}</code> "
-                 f"({_esc(_speedup(alt.get('predicted_speedup')))})")
+    text = f"<code>{_esc(factor.key)}: {_esc(factor.value)}</code>"
+    if alt := factor.advice.alternative:
+        text += (f"<br />or <code>{_esc(alt.key)}: {_esc(alt.value)}</code> "
+                 f"({_esc(_speedup(alt.predicted_speedup))})")
     return text
 
 
-def _recommendation_list(diagnosis: dict[str, Any]) -> str:
-    recs = diagnosis.get("recommendations") or []
+def _recommendation_list(diagnosis: Diagnosis) -> str:
+    recs = diagnosis.recommendations
     if not recs:
-        if diagnosis.get("phases_observed") is False:  # the verdict says why there is nothing to predict
+        if not diagnosis.phases_observed:  # the verdict says why there is nothing to predict
             return ""
         return "<p>No config change is predicted to help by more than 2%.</p>"
-    items = "".join(f"<li><code>{_esc(r['action'])}</code> ({_esc(_speedup(r['predicted_speedup']))}, "
-                    f"{_esc(r['factor'])})</li>" for r in recs[:TOP_RECOMMENDATIONS])
+    items = "".join(f"<li><code>{_esc(r.action)}</code> ({_esc(_speedup(r.predicted_speedup))}, "
+                    f"{_esc(r.factor)})</li>" for r in recs[:TOP_RECOMMENDATIONS])
     more = len(recs) - TOP_RECOMMENDATIONS
     tail = f"<p>{more} more in the table below.</p>" if more > 0 else ""
     # The doctor's order, not re-sorted: it puts "fewer slots" first when more slots are slower than one.
     return f"<h3>Try first</h3>\n<ol>{items}</ol>{tail}"
 
 
-def _scaling_line(diagnosis: dict[str, Any]) -> str:
-    scaling = diagnosis.get("scaling") or {}
-    if "estimated_speedup_vs_one_slot" not in scaling:
+def _scaling_line(diagnosis: Diagnosis) -> str:
+    if (scaling := diagnosis.scaling).estimated_speedup_vs_one_slot is None:
         return ""
-    return (f"<p>Estimated scaling: {_esc(_fmt(scaling['estimated_speedup_vs_one_slot'], '.2f'))}x one slot's "
-            f"samples/s (efficiency {_esc(_fmt(100 * scaling['estimated_scaling_efficiency'], '.0f'))}%).</p>")
+    return (f"<p>Estimated scaling: {_esc(_fmt(scaling.estimated_speedup_vs_one_slot, '.2f'))}x one slot's "
+            f"samples/s (efficiency {_esc(_fmt(100 * (scaling.estimated_scaling_efficiency or 0.0), '.0f'))}%).</p>")
 
 
 # --------------------------------------------------------------------------------------------- charts

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -11,6 +10,7 @@ from rich.table import Table
 from dtrain.explain.doctor import diagnose
 from dtrain.explain.render import as_text
 from dtrain.profiling.record import ProfileRecord, load_profile
+from dtrain.profiling.runsummary import load_summary
 
 
 def time_cost_table(profile: ProfileRecord) -> str:
@@ -53,9 +53,9 @@ def time_cost_table(profile: ProfileRecord) -> str:
 
 def short_verdict(profile: ProfileRecord, limit: int = 3) -> str:
     diagnosis = diagnose(profile)
-    lines = [f"doctor: {diagnosis['verdict']}"]
-    for rec in diagnosis["recommendations"][:limit]:
-        lines.append(f"  try {rec['action']:<48} predicted {rec['predicted_speedup']:.2f}x samples/s ({rec['factor']})")
+    lines = [f"doctor: {diagnosis.verdict}"]
+    for rec in diagnosis.recommendations[:limit]:
+        lines.append(f"  try {rec.action:<48} predicted {rec.predicted_speedup:.2f}x samples/s ({rec.factor})")
     return "\n".join(lines)
 
 
@@ -65,14 +65,13 @@ def print_run_summary(run_dir: Path, seconds: float, quiet: bool = False) -> Non
     path = run_dir / "summary.json"
     if not path.exists():
         return
-    s = json.loads(path.read_text())
-    val = "  ".join(f"{k} {v:.4f}" for k, v in s.get("validation", {}).items())
-    done = f"dtrain: done in {seconds:.1f}s: {s['batches']} batches on {s['slots']} slot(s), "
-    since = int(s.get("resumed_at_batch") or 0)
-    if since and s.get("membership_changes"):  # an elastic job: the figures cover its last world only
-        done = (f"dtrain: done in {seconds:.1f}s: {s['batches']} batches, {len(s['membership_changes'])} membership "
-                f"change(s); the last stretch (batches {since}-{s['batches']}) on {s['slots']} slot(s): ")
-    done += f"{s['samples_per_second']:,.0f} samples/s" + (f"; validation: {val}" if val else "")
+    s = load_summary(path)
+    val = "  ".join(f"{k} {v:.4f}" for k, v in s.validation.items())
+    done = f"dtrain: done in {seconds:.1f}s: {s.batches} batches on {s.slots} slot(s), "
+    if s.resumed_at_batch and s.membership_changes:  # an elastic job: the figures cover its last world only
+        done = (f"dtrain: done in {seconds:.1f}s: {s.batches} batches, {len(s.membership_changes)} membership "
+                f"change(s); the last stretch (batches {s.resumed_at_batch}-{s.batches}) on {s.slots} slot(s): ")
+    done += f"{s.samples_per_second:,.0f} samples/s" + (f"; validation: {val}" if val else "")
     report = _write_report(run_dir)
     if quiet:
         print(done + (f"; report {report}" if report is not None else ""))

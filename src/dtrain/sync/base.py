@@ -53,6 +53,9 @@ class SyncStrategy(ABC):
     has_server_ranks: ClassVar[bool] = False
     # dtrain's profiler sees this strategy's communication (FSDP's runs inside its own hooks: unknown).
     comm_measured: ClassVar[bool] = True
+    # A forward takes every rank (FSDP gathers each layer's shards from all of them): no rank can run the
+    # model alone (a chief-only evaluation, a one-rank probe).
+    forward_needs_every_rank: ClassVar[bool] = False
 
     is_server: bool = False
     dp_group: Any = None  # None: every rank
