@@ -195,6 +195,27 @@ def test_a_node_joins_then_one_leaves_and_the_run_matches_the_same_world_sizes(j
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_a_node_signalled_as_its_workers_start_leaves_and_is_no_crash(job, tmp_path):
+    """Found by a user: a signal while a node's workers were starting (just after it joined) killed them,
+    and the other node's workers, in the same world, failed ("connection reset"): a loss, not a leave."""
+    job.start("a")
+    job.wait("node a holds at batch 8", lambda: job.statuses().get(0, {}).get("batch") == HOLD_AT)
+    job.start("b")
+    job.wait("node b's worker is starting", lambda: 1 in job.statuses() and job.statuses()[1]["batch"] is None)
+    job.nodes["b"].send_signal(signal.SIGTERM)
+    assert job.finish("b") == 143, job.err("b")
+    # (torch's C++ store client may warn that the signal interrupted a connect: its own noise, not a line of ours)
+    [stop_line] = [ln for ln in job.err("b").splitlines() if ln.startswith("dtrain: ")]
+    assert stop_line.startswith("dtrain: this node left the elastic job at batch "), stop_line
+    records = job.wait("the leave is recorded", lambda: job.records()[1:])
+    assert [r["cause"] for r in job.records()] == ["join", "leave"] and records[0]["lost_batches"] == 0, records
+    assert "leaving the job" in job.out("b")
+    (tmp_path / "hold").unlink(missing_ok=True)
+    assert job.finish("a") == 0, job.err("a")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_two_nodes_started_together_train_as_one_job(job, tmp_path):
     (tmp_path / "hold").unlink()
     job.start("a")

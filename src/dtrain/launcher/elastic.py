@@ -172,6 +172,7 @@ class ElasticAgent(LocalElasticAgent):
                 raise HostLost(f"the node hosting the rendezvous ({self.setup.endpoint}) went away, and the "
                                "rendezvous with it: the other nodes cannot meet again")
             self._quick_last_call(worker_group)
+            self.recorder.poll()  # the previous change, if its world's first step went unseen
             last = membership.last_batch(self.setup.logs)
             membership.note_event(self.setup.logs, "lost", "a node", last_batch=last)
             log.warning("%s: a peer's connection failed (a node went away?); meeting the other nodes again",
@@ -221,8 +222,13 @@ class ElasticAgent(LocalElasticAgent):
             membership.note_event(self.setup.logs, "leave", self.setup.node, when=signalled)
             self._say("every rank stopped at one batch with a checkpoint; leaving the job")
             raise Left(self.setup.node)
+        # A change whose world stopped before this agent saw its first step is written now, so that the next
+        # cause can be noted (one change at a time).
+        self.recorder.poll()
         leaving = membership.leaving_since(self.setup.logs, self._world_started)
         names = ", ".join(sorted(str(r["node"]) for r in leaving))
+        if leaving:  # the leaving node notes it too; whichever is first
+            membership.note_event(self.setup.logs, "leave", names, when=min(float(r["time"]) for r in leaving))
         if any(r.get("hosts_store") for r in leaving):
             raise JobStopped(f"the node hosting the rendezvous ({names}) left the job, and the rendezvous with it")
         remaining = worker_group.group_world_size - len(leaving)
