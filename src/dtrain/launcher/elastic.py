@@ -47,7 +47,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
-from torch.distributed.elastic.rendezvous.api import RendezvousClosedError
+from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 from torch.distributed.launcher.api import LaunchConfig
 
@@ -333,6 +333,7 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[survivor.ENABLE_ENV] = "1"  # a lost node: the survivors keep their state (dtrain.engine.survivor)
     handler = rdzv_registry.get_rendezvous_handler(params)
+    handler.num_nodes_waiting = _tolerant(handler.num_nodes_waiting)  # type: ignore[method-assign]
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
                       args=tuple(args), rdzv_handler=handler, max_restarts=config.max_restarts,
                       monitor_interval=config.monitor_interval, local_addr=config.local_addr)
@@ -364,6 +365,21 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
             os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         else:
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = previous
+
+
+def _tolerant(num_nodes_waiting: Callable[[], int]) -> Callable[[], int]:
+    """torch's agent asks the rendezvous between two looks at healthy workers whether nodes wait to join. When
+    the node hosting it has just died, that question fails first, and the agent would leave at once: while
+    this node's workers, about to fail on the dead peer, save the state they hold (dtrain.engine.survivor).
+    Unanswered, nobody is taken to wait; the workers' failure then says what happened."""
+
+    def asked() -> int:
+        try:
+            return num_nodes_waiting()
+        except RendezvousConnectionError:
+            return 0
+
+    return asked
 
 
 def _reachable(endpoint: str, timeout: float = 2.0) -> bool:
