@@ -53,6 +53,11 @@ class SyncStrategy(ABC):
     has_server_ranks: ClassVar[bool] = False
     # dtrain's profiler sees this strategy's communication (FSDP's runs inside its own hooks: unknown).
     comm_measured: ClassVar[bool] = True
+    # One slot of it is plain training: in a world of one the registry builds the single-device strategy
+    # (no wrapper, buckets or hooks: sync/single.py) in its place.
+    plain_at_one_slot: ClassVar[bool] = False
+    # Trains one slot only (single_device): not offered where strategies are listed to choose from.
+    one_slot_only: ClassVar[bool] = False
 
     is_server: bool = False
     dp_group: Any = None  # None: every rank
