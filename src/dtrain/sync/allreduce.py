@@ -78,7 +78,7 @@ class AllReduceStrategy(SyncStrategy):
     name = "allreduce"
     compressions = frozenset({"none", "fp16", "bf16"})
     exchanges_in_step = True
-    plain_at_one_slot = True
+    one_slot_stand_in = "single_device"
 
     def __init__(self, device: torch.device, bucket_cap_mb: float, compression: str = "none",
                  recorder: CommRecorder = NULL_RECORDER) -> None:

@@ -53,9 +53,9 @@ class SyncStrategy(ABC):
     has_server_ranks: ClassVar[bool] = False
     # dtrain's profiler sees this strategy's communication (FSDP's runs inside its own hooks: unknown).
     comm_measured: ClassVar[bool] = True
-    # One slot of it is plain training: in a world of one the registry builds the single-device strategy
-    # (no wrapper, buckets or hooks: sync/single.py) in its place.
-    plain_at_one_slot: ClassVar[bool] = False
+    # The strategy the registry builds in its place in a world of one, by name (None: itself): for one whose
+    # one slot is plain training, "single_device" (no wrapper, buckets or hooks: sync/single.py).
+    one_slot_stand_in: ClassVar[str | None] = None
     # Trains one slot only (single_device): not offered where strategies are listed to choose from.
     one_slot_only: ClassVar[bool] = False
 
@@ -71,6 +71,12 @@ class SyncStrategy(ABC):
                     recorder: CommRecorder = NULL_RECORDER) -> SyncStrategy:
         """Build from the experiment config (``None``: ``dtrain.init()``'s defaults)."""
         return cls(device, recorder)
+
+    @classmethod
+    def standing_in(cls, configured: type[SyncStrategy], config: StrategyConfig | None, device: torch.device,
+                    recorder: CommRecorder = NULL_RECORDER) -> SyncStrategy:
+        """Built in place of ``configured`` (whose ``one_slot_stand_in`` names this class) in a world of one."""
+        return cls.from_config(config, device, recorder)
 
     @classmethod
     def training_slots(cls, config: StrategyConfig) -> int:

@@ -64,7 +64,7 @@ class DDPStrategy(SyncStrategy):
     name = "ddp"
     compressions = frozenset({"none", "fp16", "bf16", "powersgd"})
     tunable_fusion = True
-    plain_at_one_slot = True
+    one_slot_stand_in = "single_device"
 
     def __init__(self, device: torch.device, bucket_cap_mb: float = DEFAULT_BUCKET_MB, compression: str = "none",
                  powersgd: PowerSGDOptions | None = None, recorder: CommRecorder = NULL_RECORDER,

@@ -69,9 +69,8 @@ def build(config: StrategyConfig | None, device: torch.device, recorder: CommRec
     In a world of one, a strategy whose one slot is plain training is stood in for by the single-device
     strategy (:mod:`dtrain.sync.single`)."""
     from dtrain import dist as ddist
-    from dtrain.sync.single import SingleDeviceStrategy
 
     configured = lookup(config.sync.strategy if config is not None else "ddp")
-    if configured.plain_at_one_slot and not ddist.is_distributed():
-        return SingleDeviceStrategy.standing_in(configured, config, device, recorder)
+    if configured.one_slot_stand_in is not None and not ddist.is_distributed():
+        return lookup(configured.one_slot_stand_in).standing_in(configured, config, device, recorder)
     return configured.from_config(config, device, recorder)

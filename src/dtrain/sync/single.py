@@ -1,7 +1,7 @@
 """``single_device``: one slot, nothing to exchange: the model on its device, no wrapper, no buckets, no hooks.
 
 What Lightning's ``SingleDeviceStrategy`` is to its DDP strategy. The registry picks it by itself in a world
-of one for a strategy whose one-slot training is plain training (``plain_at_one_slot``: ``ddp`` and
+of one for a strategy whose one-slot training is plain training (``one_slot_stand_in``: ``ddp`` and
 ``allreduce``), so that one slot runs the honest baseline that N slots are compared with. It then *stands
 in* for the configured strategy: checkpoints, ``summary.json``, ``profile.json``, the doctor and
 ``dtrain plan`` (which predicts the configured strategy at other slot counts) see that strategy's name,
