@@ -480,7 +480,7 @@ class Trainer:
         timer = self.ctx.timer
         warn_unread_hyperparameters(self.ctx)  # a collective: every rank's reads
         per_rank, latency, hosts, comm_points = collect_rank_figures(self.ctx, self)  # collectives and probes
-        run = run_facts(self, wall_seconds)
+        run = run_facts(self, wall_seconds, per_rank)
         run["resumed_at_batch"] = self.resumed_at  # a resumed run's figures cover its own part only
         if self.writer is not None and (changes := membership_records(self.run_dir)):
             run["membership_changes"] = changes  # an elastic job's joins and leaves (dtrain.launcher.membership)

@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from dtrain.explain import advice
+from dtrain.explain import advice, efficiency
 from dtrain.explain.costmodel import CostModel, ratio
 from dtrain.profiling.record import ProfileRecord
 
@@ -106,7 +106,8 @@ def _unobserved_diagnosis(profile: ProfileRecord) -> dict[str, Any]:
     return {"slots": profile.slots, "samples_per_second": profile.samples_per_second, "step_seconds": step,
             "top_factor": None, "phases_observed": False, "unobserved_phases": list(profile.unobserved_phases or []),
             "verdict": unobserved_note(profile), "factors": factors, "recommendations": [],
-            "scaling": {"estimated_one_slot_speedup": None, "slower_than_one_slot": False}}
+            "scaling": {"estimated_one_slot_speedup": None, "slower_than_one_slot": False},
+            **efficiency.doctor_fields(profile)}
 
 
 def diagnose(profile: ProfileRecord) -> dict[str, Any]:
@@ -193,6 +194,7 @@ def diagnose(profile: ProfileRecord) -> dict[str, Any]:
         "factors": table,
         "recommendations": recommendations,
         "scaling": scaling,
+        **efficiency.doctor_fields(profile),
     }
 
 
@@ -471,4 +473,5 @@ def render(diagnosis: dict[str, Any]) -> str:
     checkpoints = next((r for r in diagnosis["recommendations"] if r["factor"] == "checkpoints"), None)
     extra = (f"checkpoints: {checkpoints['action']} (predicted {checkpoints['predicted_speedup']:.2f}x less time to "
              f"finish): {checkpoints['why']}\n") if checkpoints else ""
-    return as_text(table) + f"verdict: {diagnosis['verdict']}\n" + extra + (f"why:\n{notes}" if notes else "")
+    lines = "".join(f"{line}\n" for line in diagnosis.get("efficiency", []))
+    return as_text(table) + f"verdict: {diagnosis['verdict']}\n" + extra + (f"why:\n{notes}" if notes else "") + lines

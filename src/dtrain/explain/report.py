@@ -380,8 +380,8 @@ def _doctor_section(run: _Run) -> str:
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a profile the doctor cannot model
         return title + _note(f"The doctor could not diagnose this profile: {exc!r}") + "\n</section>"
     verdict = f'<p class="verdict" id="verdict">{_esc(diagnosis["verdict"])}</p>'
-    return (f"{title}{verdict}\n{_recommendation_list(diagnosis)}\n{_scaling_line(diagnosis)}\n"
-            f"<h3>Every factor</h3>\n{_factor_table(diagnosis)}\n</section>")
+    return (f"{title}{verdict}\n{''.join(map(_note, diagnosis['efficiency']))}{_recommendation_list(diagnosis)}\n"
+            f"{_scaling_line(diagnosis)}\n<h3>Every factor</h3>\n{_factor_table(diagnosis)}\n</section>")
 
 
 def _factor_table(diagnosis: dict[str, Any]) -> str:

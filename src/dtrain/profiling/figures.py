@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain.profiling import commprobe, stragglers
+from dtrain.profiling.flops import count_step_flops, mfu_section
 from dtrain.profiling.probes import PROBE_FIELDS, SOLO_THREADS, batch_probe
 from dtrain.profiling.record import (
     BatchScaling,
@@ -27,7 +28,8 @@ from dtrain.profiling.record import (
 )
 from dtrain.profiling.timer import COMM_FIELDS, PHASES, StepTimer
 
-RANK_FIELDS = (*PHASES, "step", "step_std", *COMM_FIELDS, "peak_memory_bytes", "state_bytes", *PROBE_FIELDS)
+RANK_FIELDS = (*PHASES, "step", "step_std", *COMM_FIELDS, "peak_memory_bytes", "state_bytes", *PROBE_FIELDS,
+               "step_flops")
 
 
 def peak_memory_bytes(device: torch.device) -> float:
@@ -175,6 +177,7 @@ def collect_rank_figures(ctx: Any, trainer: Any = None) -> tuple[list[dict[str, 
     points: list[tuple[float, float]] = []
     if trainer is not None and ctx.timer.enabled:
         memory.update(batch_probe(trainer))
+        memory["step_flops"] = count_step_flops(trainer)
         if not ctx.strategy.has_server_ranks:
             points = commprobe.end_of_run(group)
     per_rank = gather_rank_stats(ctx.timer, memory, group)
@@ -203,7 +206,7 @@ def _lr_hyperparameter(hparams: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
+def run_facts(trainer: Any, wall_seconds: float, per_rank: list[dict[str, float]] | None = None) -> dict[str, Any]:
     """What a run was and how fast it went: the head of ``summary.json`` and ``profile.json``.
 
     ``samples_per_second`` is the steady state over profiled steps when profiling (device-timed), else
@@ -256,4 +259,19 @@ def run_facts(trainer: Any, wall_seconds: float) -> dict[str, Any]:
         from dtrain.profiling.device import device_facts
 
         facts["device_facts"] = device_facts(ctx.device)
+    facts.update(_first_steps_and_mfu(trainer, per_rank, facts))
     return facts
+
+
+def _first_steps_and_mfu(trainer: Any, per_rank: list[dict[str, float]] | None,
+                         facts: dict[str, Any]) -> dict[str, Any]:
+    """``first_steps`` (dtrain.profiling.warmup) and, on the chief of a profiled run, ``flops`` (MFU)."""
+    timer, out = trainer.ctx.timer, {}
+    steady = timer.profiled_seconds / timer.profiled_weight if timer.profiled_weight else 0.0
+    stamps = getattr(timer, "first_steps", None)
+    if stamps is not None and (first := stamps.section(steady)) is not None:
+        out["first_steps"] = first
+    chief_profiled = bool(per_rank) and timer.enabled and trainer.ctx.is_chief
+    if chief_profiled and (flops := mfu_section(per_rank or [], facts["precision"], facts.get("device_facts"))):
+        out["flops"] = flops
+    return out

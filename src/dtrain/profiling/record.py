@@ -260,6 +260,37 @@ class MembershipChange(_Section):
     time: float
 
 
+class FirstSteps(_Section):
+    """``first_steps`` (dtrain.profiling.warmup): this process's start to its first step, and what the first
+    steps (the profiler's warm-up, at least one) cost beyond as many steady steps."""
+
+    OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
+        {"startup_seconds", "time_to_first_step_seconds", "allocator_segments", "allocator_segments_later"})
+
+    startup_seconds: float | None = None
+    first_step_seconds: float
+    time_to_first_step_seconds: float | None = None
+    steps: int
+    seconds: float
+    steady_step_seconds: float
+    excess_seconds: float
+    allocator_segments: int | None = None  # CUDA: memory segments the caching allocator created in them
+    allocator_segments_later: int | None = None  # ... and in the rest of the run
+    autotuning: list[str]
+
+
+class Flops(_Section):
+    """``flops`` (dtrain.profiling.flops): model FLOPs of one step per slot (forward and backward, counted
+    once) over the measured matmul peak of the run's precision: MFU per slot and over all slots."""
+
+    flops_per_step: float
+    flops_per_step_all_slots: float
+    peak_flops_per_second: float
+    peak: str
+    mfu_per_slot: list[float]
+    mfu: float
+
+
 class ProfileRecord(_Section):
     """The whole of ``profile.json`` (docs/profile.md): run facts, per-phase spreads, per-rank figures,
     communication, and the sections only some runs measure (None: absent from the file)."""
@@ -267,7 +298,7 @@ class ProfileRecord(_Section):
     OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
         {"device_facts", "stragglers", "batch_scaling", "allreduce_probe", "data_load_seconds_per_batch",
          "data_load_cpu_share", "solo_probe", "comm_probe", "compression_cost", "step_jitter_seconds",
-         "step_window_seconds", "unobserved_phases", "membership_changes"})
+         "step_window_seconds", "unobserved_phases", "membership_changes", "first_steps", "flops"})
 
     schema_version: int = SCHEMA_VERSION
     # What the run was (also summary.json's head: dtrain.profiling.figures.run_facts).
@@ -327,6 +358,9 @@ class ProfileRecord(_Section):
     step_window_seconds: list[float] | None = None
     # An elastic job's membership changes, in order (absent where its members never changed).
     membership_changes: list[MembershipChange] | None = None
+    # The first steps apart from the steady state, and MFU (absent from profiles written before them).
+    first_steps: FirstSteps | None = None
+    flops: Flops | None = None
 
     @field_validator("phases")
     @classmethod
