@@ -30,6 +30,12 @@ def test_one_slot_on_nccl_trains_on_the_gpu(tmp_path):
     assert summary["backend"] == "nccl" and summary["device"] == "cuda" and summary["samples_per_second"] > 0
     profile = json.loads((run / "profile.json").read_text())
     assert profile["device_facts"]["type"] == "cuda" and profile["device_facts"]["matmul_tflops"]["fp32"] > 0
+    # MFU against the measured fp32 matmul; the first steps with the caching allocator's segments counted.
+    flops, first = profile["flops"], profile["first_steps"]
+    assert flops["peak_flops_per_second"] == profile["device_facts"]["matmul_tflops"]["fp32"] * 1e12
+    assert 0 < flops["mfu"] < 1 and flops["flops_per_step"] > 0
+    assert first["allocator_segments"] is not None and first["allocator_segments"] >= 1
+    assert first["time_to_first_step_seconds"] > first["first_step_seconds"] > 0
 
 
 def _training_losses(run) -> list[float]:
@@ -90,8 +96,10 @@ def test_loss_scaler_resume_is_exact(tmp_path):
         assert torch.equal(a[name], b[name]), name
 
 
-def test_no_host_sync_inside_a_step():
-    """Steps of the trial loop under CUDA's sync debug mode: any synchronizing call raises."""
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_no_host_sync_inside_a_step(precision):
+    """Steps of the trial loop under CUDA's sync debug mode: any synchronizing call raises. (16-mixed reads
+    its overflow flag each step, as torch's GradScaler.step does: not here.)"""
     from torch import nn
 
     from dtrain.config.schema import config_from_dict
@@ -99,15 +107,18 @@ def test_no_host_sync_inside_a_step():
     from dtrain.engine.metrics import MeanAccumulator
 
     config = config_from_dict({"entrypoint": "m:T", "hyperparameters": {"global_batch_size": 8},
-                               "max_length": {"batches": 1}, "backend": "nccl"})
+                               "max_length": {"batches": 1}, "backend": "nccl", "precision": precision})
     ctx = TrialContext(config)
     model = ctx.wrap_model(nn.Linear(16, 1))
     opt = ctx.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, foreach=True))
     timer, metrics = ctx.timer, MeanAccumulator()
     x = torch.randn(8, 16, device=ctx.device)
-    for _ in range(3):  # warm-up: allocator and kernels
+    # Warm-up: allocator, kernels, and the timer's first steps (timed with a synchronization at their ends).
+    for _ in range(max(3, timer.warmup_steps)):
+        timer.start_step()
         ctx.backward(model(x).pow(2).mean())
         ctx.step_optimizer(opt)
+        timer.end_step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
