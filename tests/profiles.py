@@ -12,6 +12,7 @@ from typing import Any
 
 from dtrain.profiling.phases import PHASES
 from dtrain.profiling.record import ProfileRecord, write_profile
+from dtrain.profiling.runsummary import RunHead, RunSummary
 
 # A digits-like run on a 2-core VM; tests override what they are about.
 FACTS: dict[str, Any] = {
@@ -61,3 +62,13 @@ def write(run_dir: Path, record: ProfileRecord) -> Path:
     path = run_dir / "profile.json"
     write_profile(path, record)
     return path
+
+
+def make_summary(validation: dict[str, float], **overrides: Any) -> RunSummary:
+    """A ``summary.json`` record of the default run's facts (``overrides`` for any head field)."""
+    slots = overrides.get("slots", 2)
+    facts = {**FACTS, "slots": slots, "per_slot_batch_size": FACTS["global_batch_size"] // slots,
+             "effective_batch_size": FACTS["global_batch_size"], "step_window_seconds": None, **overrides}
+    head = RunHead.model_validate({k: v for k, v in facts.items() if k in RunHead.model_fields})
+    return RunSummary.of(head, batches=facts["steps"], epochs=1.0, step_breakdown_seconds={}, validation=validation,
+                         nonfinite_skipped_steps=0)

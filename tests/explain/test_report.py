@@ -21,12 +21,13 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
-from profiles import make_profile, write
+from profiles import make_profile, make_summary, write
 
 from dtrain.errors import UserError
 from dtrain.explain.doctor import diagnose
 from dtrain.explain.report import write_report
 from dtrain.profiling.record import ProfileRecord, load_run_profile
+from dtrain.profiling.runsummary import write_summary
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
@@ -84,8 +85,7 @@ def make_run(path: Path, *, name: str = "digits", profile: ProfileRecord | None 
     if profile is not None:
         write(path, profile)
     if summary:
-        (path / "summary.json").write_text(json.dumps(
-            {"slots": 2, "samples_per_second": 34350.8, "validation": {"accuracy": 0.9805, "validation_loss": 0.074}}))
+        write_summary(path / "summary.json", make_summary({"accuracy": 0.9805, "validation_loss": 0.074}))
     return path
 
 

@@ -11,7 +11,7 @@ from dtrain.explain.doctor import diagnose, render
 from dtrain.explain.efficiency import efficiency_lines
 from dtrain.explain.summary import time_cost_table
 from dtrain.profiling.flops import mfu_section
-from dtrain.profiling.record import load_profile
+from dtrain.profiling.record import DeviceFacts, MatmulTflops, load_profile
 from dtrain.profiling.timer import StepTimer
 from dtrain.profiling.warmup import FirstStepsTimer
 
@@ -43,12 +43,13 @@ def test_a_run_counts_its_flops_and_times_its_first_steps(reference_runs):
 
 def test_mfu_is_per_slot_and_in_total_against_the_precision_s_measured_peak():
     per_rank = [{"step": 0.010, "step_flops": 4e12}, {"step": 0.020, "step_flops": 4e12}]
-    facts = {"name": "NVIDIA H100", "matmul_tflops": {"fp32": 50.0, "tf32": 380.0, "bf16": 700.0, "fp16": 680.0}}
+    facts = DeviceFacts(type="cuda", name="NVIDIA H100", total_memory_bytes=8e10,
+                        matmul_tflops=MatmulTflops(fp32=50.0, tf32=380.0, bf16=700.0, fp16=680.0))
     section = mfu_section(per_rank, "bf16-mixed", facts)
-    assert section["peak_flops_per_second"] == 700e12 and section["peak"] == "bf16 matmul measured on NVIDIA H100"
-    assert section["mfu_per_slot"] == pytest.approx([4e12 / (0.010 * 700e12), 4e12 / (0.020 * 700e12)])
-    assert section["mfu"] == pytest.approx(sum(section["mfu_per_slot"]) / 2)
-    assert section["flops_per_step_all_slots"] == 8e12
+    assert section.peak_flops_per_second == 700e12 and section.peak == "bf16 matmul measured on NVIDIA H100"
+    assert section.mfu_per_slot == pytest.approx([4e12 / (0.010 * 700e12), 4e12 / (0.020 * 700e12)])
+    assert section.mfu == pytest.approx(sum(section.mfu_per_slot) / 2)
+    assert section.flops_per_step_all_slots == 8e12
     assert mfu_section([{"step": 0.01, "step_flops": 0.0}], "32-true", facts) is None  # not counted: no MFU
 
 

@@ -30,6 +30,7 @@ from typing import Any
 
 from dtrain.config import safeyaml
 from dtrain.config.bounds import MAX_BATCHES
+from dtrain.config.model import CheckpointStorage, ExperimentConfig, Optimizations, Profiling, Resources, SearcherConfig
 from dtrain.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -135,8 +136,6 @@ def translate(raw: dict[str, Any], source: str, batch_hint: int | None = None) -
     out = copy.deepcopy(raw)
     t = Translation(out)
     where = safeyaml.plain(source)
-    from dtrain.config.schema import ExperimentConfig  # schema imports this module lazily
-
     _suggest(out, set(ExperimentConfig.model_fields) | _top_level(), "", where)
     for key in list(out):
         if key in IGNORED:
@@ -183,8 +182,6 @@ def _suggest(node: dict[str, Any], known: set[str], prefix: str, where: str) -> 
 
 def _sections(out: dict[str, Any], t: Translation, where: str) -> None:
     """The sections dtrain shares with Determined: drop their cluster-only keys, map the others."""
-    from dtrain.config.schema import CheckpointStorage, Optimizations, Profiling, Resources
-
     for name, model in (("resources", Resources), ("optimizations", Optimizations), ("profiling", Profiling),
                         ("checkpoint_storage", CheckpointStorage)):
         section = out.get(name)
@@ -352,8 +349,6 @@ def _length(node: dict[str, Any], key: str, gbs: int | None, where: str, prefix:
 
 
 def _searcher(searcher: dict[str, Any], where: str) -> None:
-    from dtrain.config.schema import SearcherConfig
-
     ours = {k.split(".", 1)[1] for k in MAPPED if k.startswith("searcher.")}
     _suggest(searcher, set(SearcherConfig.model_fields) | ours, "searcher.", where)
     name = searcher.get("name")

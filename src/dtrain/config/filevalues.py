@@ -21,18 +21,12 @@ from pydantic_core import ErrorDetails
 from dtrain.config import safeyaml
 from dtrain.config.bounds import MAX_GLOBAL_BATCH
 from dtrain.config.determined import translate
-from dtrain.config.schema import (
-    HPARAM_TYPES,
-    ExperimentConfig,
-    _check_plain,
-    _reject_unknown_keys,
-    expected_phrase,
-)
+from dtrain.config.model import HPARAM_TYPES, ExperimentConfig, check_plain, expected_phrase, reject_unknown_keys
 from dtrain.errors import ConfigError
 
 _MISSING = object()
 # The pydantic errors that concern what a file leaves out, or keys it misspells (refused with a
-# did-you-mean by _reject_unknown_keys instead).
+# did-you-mean by reject_unknown_keys instead).
 _NOT_GIVEN_VALUES = ("missing", "extra_forbidden")
 # A section's own rules (model validators) relate its keys: value errors on a whole mapping.
 _SECTION_RULE = "value_error"
@@ -50,7 +44,7 @@ def check_replaced(written: dict[str, Any], overrides: list[str], source: str, b
     if not replaced:
         return
     # Keys misspelt in the file are only left where an override replaced their whole section.
-    _reject_unknown_keys(written, ExperimentConfig, prefix="", source=source)
+    reject_unknown_keys(written, ExperimentConfig, prefix="", source=source)
     for path, item in replaced:
         if path[0] == "hyperparameters":
             _check_hyperparameters(written, path, item, source)
@@ -103,7 +97,7 @@ def _check_hyperparameters(written: dict[str, Any], path: tuple[str, ...], item:
     value = _value_at(written, path)
     where = ".".join(safeyaml.plain(p, 60) for p in path)
     try:
-        _check_plain(value, where)
+        check_plain(value, where)
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}{_but(item, source)}") from None
     if path not in (("hyperparameters",), ("hyperparameters", "global_batch_size")):

@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from dtrain.config.schema import Length, SearcherConfig
+from dtrain.config.model import Length, SearcherConfig
 
 Unit = Literal["batches", "epochs"]
 

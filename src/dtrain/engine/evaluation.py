@@ -47,7 +47,7 @@ class Validation:
         if not self.full:
             self.loader = context.loader(dataset, per_slot, split="eval", **options)  # type: ignore[arg-type]
             return
-        if context.config.sync.strategy == "fsdp":
+        if context.strategy.forward_needs_every_rank:
             raise UserError("evaluate_full_dataset runs the model on one slot, which FSDP's sharded forward cannot "
                             "(every slot takes part in it): use evaluate_batch, or another sync.strategy")
         if context.is_chief:  # the others only wait for its metrics

@@ -14,11 +14,11 @@ Each is one warning line from the chief; nothing here runs per step.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch.distributed as tdist
 
 from dtrain import dist as ddist
+from dtrain.engine.context import DistributedContext, TrialContext
 from dtrain.errors import UserError
 from dtrain.profiling.phases import PHASES
 
@@ -30,7 +30,7 @@ BACKWARD_PHASES = ("forward", "backward", "comm_exposed")
 STEP_PHASES = ("optimizer",)
 
 
-def unobserved_phases(ctx: Any) -> list[str]:
+def unobserved_phases(ctx: DistributedContext) -> list[str]:
     """The step phases this rank's trial left unmarked so far (none when it calls both), in PHASES order."""
     missing: set[str] = set()
     if not ctx.backward_calls:
@@ -42,7 +42,7 @@ def unobserved_phases(ctx: Any) -> list[str]:
     return [p for p in PHASES if p in missing]
 
 
-def phases_warning(ctx: Any) -> str | None:
+def phases_warning(ctx: DistributedContext) -> str | None:
     """One line for a trial that does not call ``context.backward`` and/or ``context.step_optimizer``."""
     backward, step = not ctx.backward_calls, not ctx.step_optimizer_calls
     if not (backward or step):
@@ -56,7 +56,7 @@ def phases_warning(ctx: Any) -> str | None:
             f"instead of {' / '.join(raw)}; {effect} (the doctor will not diagnose the step's phases)")
 
 
-def check_first_batch(ctx: Any) -> list[str]:
+def check_first_batch(ctx: DistributedContext) -> list[str]:
     """After the first batch, on every rank: the chief warns about what it found. Returns the unobserved
     phases (the trial's code is the same on every rank, so every rank finds the same)."""
     strategy = ctx.strategy
@@ -70,7 +70,7 @@ def check_first_batch(ctx: Any) -> list[str]:
     return unobserved_phases(ctx)
 
 
-def warn_unread_hyperparameters(ctx: Any) -> None:
+def warn_unread_hyperparameters(ctx: TrialContext) -> None:
     """At the end of a run, on every training rank (a collective): the chief names the hyperparameters no
     rank read. Not after the first batch: a trial may read one only at some batch or epoch, or on one rank."""
     _merge_reads(ctx)
@@ -78,13 +78,13 @@ def warn_unread_hyperparameters(ctx: Any) -> None:
         log.warning("%s", line)
 
 
-def _merge_reads(ctx: Any) -> None:
+def _merge_reads(ctx: TrialContext) -> None:
     """Every training rank's reads, once: a trial may read a hyperparameter on one rank only (a test's
     ``sleep_rank``, a rank-0-only logger), and that is still read."""
     group = ctx.strategy.dp_group
     if not ddist.is_distributed(group):
         return
-    gathered: list[Any] = [None] * ddist.world_size(group)
+    gathered: list[list[str] | None] = [None] * ddist.world_size(group)
     tdist.all_gather_object(gathered, sorted(ctx.hparam_reads.read), group=group)
     for names in gathered:
         ctx.hparam_reads.read.update(names or [])

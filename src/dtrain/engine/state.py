@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from dtrain.engine.checkpoint import (
     CheckpointPayload,
@@ -25,7 +26,9 @@ from dtrain.engine.checkpoint import (
     save,
     set_rng_state,
 )
+from dtrain.engine.precision import Precision
 from dtrain.errors import CheckpointError
+from dtrain.sync.base import SyncStrategy
 
 log = logging.getLogger(__name__)
 
@@ -51,11 +54,11 @@ class TrainingState:
     exactly; per-rank streams are then reseeded (only per-slot randomness, such as dropout, differs).
     """
 
-    strategy: Any
-    models: list[Any]
-    optimizers: list[Any]
-    schedulers: list[Any]
-    precision: Any
+    strategy: SyncStrategy
+    models: list[nn.Module]
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: list[Any]  # the user's LR schedulers (torch's, or any with state_dict/load_state_dict)
+    precision: Precision
     rank: int
     world_size: int
 

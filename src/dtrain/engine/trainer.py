@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from collections.abc import Iterator
@@ -27,14 +26,16 @@ from dtrain.engine.metrics import (
 )
 from dtrain.engine.nonfinite import NonFiniteWatch
 from dtrain.engine.progress import ProgressReporter
+from dtrain.engine.runfacts import run_facts
 from dtrain.engine.seeding import seed_everything
 from dtrain.engine.stopping import StopVote, write_stopped
 from dtrain.engine.trial import PyTorchTrial, load_trial_class
 from dtrain.engine.watchdog import STATUS
 from dtrain.profiling.clock import synchronized_now
-from dtrain.profiling.figures import build_profile, collect_rank_figures, run_facts
-from dtrain.profiling.record import write_profile
-from dtrain.sync.base import Serving
+from dtrain.profiling.figures import build_profile, collect_rank_figures, run_head
+from dtrain.profiling.record import MembershipChange, write_profile
+from dtrain.profiling.runsummary import RunSummary, write_summary
+from dtrain.sync.base import Rebucketable, Serving
 from dtrain.sync.fusion import tuner_for_run
 
 log = logging.getLogger(__name__)
@@ -328,9 +329,9 @@ class Trainer:
         now = synchronized_now(self.ctx.device)
         seconds, self._group_start = now - self._group_start, now
         switch_to = self.tuner.after_step(seconds)  # type: ignore[union-attr]
-        if switch_to is not None:
+        if switch_to is not None and isinstance(strategy := self.ctx.strategy, Rebucketable):
             for model in self.ctx.models:
-                self.ctx.strategy.rebuild(model, switch_to)  # type: ignore[attr-defined]
+                strategy.rebuild(model, switch_to)
 
     # ---------------------------------------------------------------------------- time windows
     def _open_window(self) -> None:
@@ -479,18 +480,17 @@ class Trainer:
         self.progress.close()
         timer = self.ctx.timer
         warn_unread_hyperparameters(self.ctx)  # a collective: every rank's reads
-        per_rank, latency, hosts, comm_points = collect_rank_figures(self.ctx, self)  # collectives and probes
-        run = run_facts(self, wall_seconds, per_rank)
-        run["resumed_at_batch"] = self.resumed_at  # a resumed run's figures cover its own part only
-        if self.writer is not None and (changes := membership_records(self.run_dir)):
-            run["membership_changes"] = changes  # an elastic job's joins and leaves (dtrain.launcher.membership)
-        summary = {**run, "batches": self.batches, "epochs": self.batches / self.batches_per_epoch,
-                   "step_breakdown_seconds": per_rank[0] if timer.enabled else {},
-                   "validation": self.last_validation, "nonfinite_skipped_steps": self.nonfinite_skips}
+        # An elastic job's joins and leaves (dtrain.launcher.membership), read where the files are written.
+        changes = membership_records(self.run_dir) if self.writer is not None else []
+        facts = run_facts(self, wall_seconds, [MembershipChange.model_validate(c) for c in changes])
+        figures = collect_rank_figures(facts)  # collectives and probes
+        head = run_head(facts, figures)
+        summary = RunSummary.of(head, self.batches, self.batches / self.batches_per_epoch,
+                                figures.per_rank[0] if timer.enabled else {}, self.last_validation,
+                                self.nonfinite_skips)
         if self.writer is not None:
             self.writer.close()
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+            write_summary(self.run_dir / "summary.json", summary)
             if timer.enabled:
-                write_profile(self.run_dir / "profile.json", build_profile(per_rank, hosts, run, latency,
-                                                                             comm_points))
-        return summary
+                write_profile(self.run_dir / "profile.json", build_profile(figures, head))
+        return summary.model_dump()

@@ -18,6 +18,7 @@ from dtrain.explain.render import as_text, pyplot
 from dtrain.launcher import runs
 from dtrain.launcher.runplan import NodeArgs
 from dtrain.profiling.record import load_profile
+from dtrain.profiling.runsummary import load_summary
 from dtrain.sync import registry
 
 
@@ -51,7 +52,7 @@ def run_strategy(config: Path, strategy: str, steps: int, out: Path, overrides: 
 
 def summarize_run(run_dir: Path, strategy: str) -> dict[str, Any]:
     profile = load_profile(run_dir / "profile.json")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = load_summary(run_dir / "summary.json")
     training = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()
                 if json.loads(ln)["kind"] == "training"]
     ranks = profile.per_rank
@@ -67,7 +68,7 @@ def summarize_run(run_dir: Path, strategy: str) -> dict[str, Any]:
         "peak_memory_bytes_per_rank": max(r.peak_memory_bytes for r in ranks),
         "state_bytes_per_rank": max(r.state_bytes for r in ranks),
         "final_loss": training[-1]["metrics"].get("loss") if training else None,
-        "validation": summary.get("validation", {}),
+        "validation": summary.validation,
         "run_dir": str(run_dir),
     }
 

@@ -27,6 +27,7 @@ from dtrain.errors import UserError
 from dtrain.explain.doctor import diagnose
 from dtrain.explain.render import pyplot
 from dtrain.profiling.record import ProfileRecord, load_run_profile
+from dtrain.profiling.runsummary import RunSummary, load_summary
 
 REPORT_NAME = "report.html"
 TOP_RECOMMENDATIONS = 3
@@ -63,7 +64,7 @@ class _Run:
     date: str | None
     config_text: str | None
     config: dict[str, Any]
-    summary: dict[str, Any] | None
+    summary: RunSummary | None
     profile: ProfileRecord | None
     records: list[dict[str, Any]]
     missing: list[str] = field(default_factory=list)
@@ -102,7 +103,7 @@ def _load_run(run_dir: Path) -> _Run:
     missing: list[str] = []
     config_text = _read_text(run_dir / "config.yaml", missing)
     config = _parse_config(config_text)
-    summary = _read_json(run_dir / "summary.json", missing)
+    summary = _read_summary(run_dir / "summary.json", missing)
     records = _read_metrics(run_dir / "metrics.jsonl", missing)
     profile = _read_profile(run_dir, missing)
     name = str(config.get("name") or run_dir.name)
@@ -125,16 +126,15 @@ def _parse_config(text: str | None) -> dict[str, Any]:
     return config if isinstance(config, dict) else {}
 
 
-def _read_json(path: Path, missing: list[str]) -> dict[str, Any] | None:
-    text = _read_text(path, missing)
-    if text is None:
+def _read_summary(path: Path, missing: list[str]) -> RunSummary | None:
+    if not path.is_file():
+        missing.append(f"{path.name} is missing")
         return None
     try:
-        value = json.loads(text)
-    except ValueError:
+        return load_summary(path)
+    except UserError:
         missing.append(f"{path.name} is empty or corrupt")
         return None
-    return value if isinstance(value, dict) else None
 
 
 def _read_metrics(path: Path, missing: list[str]) -> list[dict[str, Any]]:
@@ -256,15 +256,15 @@ def _header_section(run: _Run) -> str:
 def _slots(run: _Run) -> str:
     if run.profile is not None:
         return str(run.profile.slots)
-    if run.summary and "slots" in run.summary:
-        return str(run.summary["slots"])
+    if run.summary is not None:
+        return str(run.summary.slots)
     resources = run.config.get("resources")
     return str(resources.get("slots_per_trial", "unknown")) if isinstance(resources, dict) else "unknown"
 
 
 def _samples_per_second(run: _Run) -> str:
     profiled = run.profile.samples_per_second if run.profile is not None else None
-    for value in ((run.summary or {}).get("samples_per_second"), profiled):
+    for value in (run.summary.samples_per_second if run.summary is not None else None, profiled):
         if _finite(value):
             return f"{value:,.0f}"
     training = [r for r in run.records if r.get("kind") == "training" and _finite(r.get("samples_per_second"))]
@@ -272,7 +272,7 @@ def _samples_per_second(run: _Run) -> str:
 
 
 def _final_validation(run: _Run) -> str:
-    metrics = (run.summary or {}).get("validation")
+    metrics = run.summary.validation if run.summary is not None else None
     if not isinstance(metrics, dict):  # the run has not finished: fall back to its last validation
         validation = [r for r in run.records if r.get("kind") == "validation"]
         metrics = validation[-1].get("metrics") if validation else None

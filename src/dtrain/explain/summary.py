@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from dtrain.explain.doctor import diagnose
 from dtrain.explain.efficiency import efficiency_lines
 from dtrain.explain.render import as_text
 from dtrain.profiling.record import ProfileRecord, load_profile
+from dtrain.profiling.runsummary import load_summary
 
 
 def time_cost_table(profile: ProfileRecord) -> str:
@@ -66,10 +66,10 @@ def print_run_summary(run_dir: Path, seconds: float, quiet: bool = False) -> Non
     path = run_dir / "summary.json"
     if not path.exists():
         return
-    s = json.loads(path.read_text())
-    val = "  ".join(f"{k} {v:.4f}" for k, v in s.get("validation", {}).items())
-    done = (f"dtrain: done in {seconds:.1f}s: {s['batches']} batches on {s['slots']} slot(s), "
-            f"{s['samples_per_second']:,.0f} samples/s" + (f"; validation: {val}" if val else ""))
+    s = load_summary(path)
+    val = "  ".join(f"{k} {v:.4f}" for k, v in s.validation.items())
+    done = (f"dtrain: done in {seconds:.1f}s: {s.batches} batches on {s.slots} slot(s), "
+            f"{s.samples_per_second:,.0f} samples/s" + (f"; validation: {val}" if val else ""))
     report = _write_report(run_dir)
     if quiet:
         print(done + (f"; report {report}" if report is not None else ""))

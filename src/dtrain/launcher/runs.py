@@ -29,12 +29,12 @@ import uuid
 from dataclasses import astuple, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import yaml
 
 from dtrain.config.schema import ExperimentConfig, dump_config, load_config
-from dtrain.dist import ClusterEnv, gpus_for, read_cluster_env, read_env, resolve_backend
+from dtrain.dist import ClusterEnv, DistEnv, gpus_for, read_cluster_env, read_env, resolve_backend
 from dtrain.engine import data
 from dtrain.engine.failures import Failure, read_reports
 from dtrain.engine.precision import check_precision
@@ -53,6 +53,8 @@ from dtrain.launcher.runplan import NodeArgs, RunPlan
 from dtrain.sync import registry
 
 if TYPE_CHECKING:
+    from torch.distributed import TCPStore
+
     from dtrain.launcher.dryrun import DataFacts
 
 log = logging.getLogger(__name__)
@@ -377,7 +379,7 @@ def _set_interface_in_place(config: ExperimentConfig, master_addr: str) -> None:
     os.environ["NCCL_SOCKET_IFNAME"] = name
 
 
-def _setup_store(env: Any, timeout_seconds: float, cluster: ClusterEnv) -> Any:
+def _setup_store(env: DistEnv, timeout_seconds: float, cluster: ClusterEnv) -> TCPStore:
     import torch.distributed as tdist
 
     timeout = timedelta(seconds=timeout_seconds)

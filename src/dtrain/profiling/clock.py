@@ -11,9 +11,25 @@ and the events are reused from a pool so that steady-state steps allocate nothin
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
+
+
+class Clock(Protocol):
+    """What the step timer and the communication recorder read time from: stamps (a float on the host, a
+    CUDA event on GPU), their difference in seconds once resolved, and whether resolving needs a
+    synchronization first (``deferred``)."""
+
+    deferred: bool
+
+    def stamp(self) -> Any: ...
+
+    def seconds(self, start: Any, end: Any) -> float: ...
+
+    def synchronize(self) -> None: ...
+
+    def recycle(self) -> None: ...
 
 
 class HostClock:

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain.profiling.clock import Clock, HostClock
+
 # DDP's reducer times one iteration in this many (plus its first ten).
 NATIVE_SAMPLE_RATE = 10
 
@@ -29,10 +31,8 @@ class CommRecorder:
                  "launches", "native", "settle")
     enabled = True
 
-    def __init__(self, clock: Any = None) -> None:
-        from dtrain.profiling.clock import HostClock
-
-        self.clock = clock if clock is not None else HostClock()
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock: Clock = clock if clock is not None else HostClock()
         self.launches: list[float] = []
         self.completions: list[float] = []
         self.bytes = 0

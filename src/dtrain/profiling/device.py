@@ -34,13 +34,17 @@ def _matmul_tflops(device: torch.device, dtype: torch.dtype, tf32: bool = False)
     return 2 * MATMUL_SIZE**3 * MATMUL_REPEATS / seconds / 1e12
 
 
+def cpu_cores() -> int:
+    """CPU cores this process may run on (its affinity: a container's or Slurm's share, not the host's)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def device_facts(device: torch.device) -> dict[str, Any]:
     """Name, memory and (CUDA) measured matmul throughput per precision of this rank's device."""
     if device.type != "cuda":
         pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
         page_size = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return {"type": "cpu", "name": "cpu", "cores": cores, "total_memory_bytes": float(pages * page_size)}
+        return {"type": "cpu", "name": "cpu", "cores": cpu_cores(), "total_memory_bytes": float(pages * page_size)}
     props = torch.cuda.get_device_properties(device)
     tflops = {"fp32": _matmul_tflops(device, torch.float32), "tf32": _matmul_tflops(device, torch.float32, tf32=True),
               "bf16": _matmul_tflops(device, torch.bfloat16), "fp16": _matmul_tflops(device, torch.float16)}

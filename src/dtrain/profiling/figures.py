@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from dtrain.profiling import commprobe, stragglers
+from dtrain.profiling.device import cpu_cores, device_facts
 from dtrain.profiling.flops import count_step_flops, mfu_section
 from dtrain.profiling.probes import PROBE_FIELDS, SOLO_THREADS, batch_probe
 from dtrain.profiling.record import (
@@ -18,6 +22,9 @@ from dtrain.profiling.record import (
     CommPoint,
     CommProbe,
     CompressionCost,
+    DeviceFacts,
+    LrHyperparameter,
+    ModelSteps,
     PhaseSeconds,
     PhaseSpread,
     ProfileRecord,
@@ -26,7 +33,10 @@ from dtrain.profiling.record import (
     Spread,
     WorkPoint,
 )
+from dtrain.profiling.runfacts import RunFacts
+from dtrain.profiling.runsummary import RunHead
 from dtrain.profiling.timer import COMM_FIELDS, PHASES, StepTimer
+from dtrain.profiling.warmup import first_steps_of
 
 RANK_FIELDS = (*PHASES, "step", "step_std", *COMM_FIELDS, "peak_memory_bytes", "state_bytes", *PROBE_FIELDS,
                "step_flops")
@@ -46,7 +56,7 @@ def _local_numel_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def state_bytes(models: list[Any], optimizers: list[Any]) -> float:
+def state_bytes(models: Sequence[torch.nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> float:
     """Bytes of parameters and optimizer state this rank holds (1/N of DDP's under FSDP)."""
     total = sum(_local_numel_bytes(p) for m in models for p in m.parameters())
     for opt in optimizers:
@@ -55,11 +65,11 @@ def state_bytes(models: list[Any], optimizers: list[Any]) -> float:
     return float(total)
 
 
-def _comm_device(group: Any) -> torch.device | None:
+def _comm_device(group: ProcessGroup | None) -> torch.device | None:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
 
 
-def latency_probe(repeats: int = 10, group: Any = None) -> float:
+def latency_probe(repeats: int = 10, group: ProcessGroup | None = None) -> float:
     """Median time of an all-reduce of one float: the per-message cost, independent of bandwidth."""
     if not (dist.is_initialized() and dist.get_world_size(group) > 1):
         return 0.0
@@ -76,7 +86,8 @@ def latency_probe(repeats: int = 10, group: Any = None) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def gather_rank_stats(timer: StepTimer, memory: dict[str, float], group: Any = None) -> list[dict[str, float]]:
+def gather_rank_stats(timer: StepTimer, memory: dict[str, float],
+                      group: ProcessGroup | None = None) -> list[dict[str, float]]:
     """Every rank's per-step means and ``memory`` figures, gathered on all ranks of ``group`` (one small
     all_gather, which also carries each rank's straggler samples: their lag figures are added per rank)."""
     mine = {**timer.per_step(), **memory}
@@ -94,10 +105,23 @@ def gather_rank_stats(timer: StepTimer, memory: dict[str, float], group: Any = N
             for row, lag in zip(rows, lags, strict=True)]
 
 
-def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[str, Any],
-                  latency_seconds: float, comm_points: list[tuple[float, float]] | None = None) -> ProfileRecord:
+@dataclass(frozen=True)
+class EndFigures:
+    """What every rank gathered at the end of a run (:func:`collect_rank_figures`): each rank's figures, the
+    hosts, the one-float all-reduce's latency, the all-reduce probe's ``(bytes, seconds)`` points, and the
+    first rank's timed model steps (:mod:`dtrain.profiling.modelsteps`; None where not probed)."""
+
+    per_rank: list[dict[str, float]]
+    latency_seconds: float
+    hosts: list[str]
+    comm_points: list[tuple[float, float]]
+    model_steps: ModelSteps | None = None
+
+
+def build_profile(figures: EndFigures, head: RunHead) -> ProfileRecord:
     """The ``profile.json`` record (:mod:`dtrain.profiling.record`, docs/profile.md) from every rank's
-    figures, their hosts and the run's facts (:func:`run_facts`)."""
+    figures and the run's head (:func:`run_head`)."""
+    per_rank, hosts = figures.per_rank, figures.hosts
     slots = len(per_rank)
     fields = (*PHASES, "step")
     spread = PhaseSpread(**{
@@ -123,19 +147,22 @@ def build_profile(per_rank: list[dict[str, float]], hosts: list[str], run: dict[
         algbw_bytes_per_second=algbw,
         # A ring all-reduce moves 2(N-1)/N of the buffer through each link: the link's achieved rate.
         busbw_bytes_per_second=algbw * 2 * (slots - 1) / slots if slots > 1 else 0.0,
-        latency_seconds=latency_seconds,
+        latency_seconds=figures.latency_seconds,
     )
     lags = (stragglers.section(per_rank, hosts, spread.step.mean)
             if slots > 1 and "lag_median" in per_rank[0] else None)
-    probe = (CommProbe(world=slots, backend=run["backend"],
-                       points=[CommPoint(bytes=b, seconds=s) for b, s in comm_points]) if comm_points else None)
+    probe = (CommProbe(world=slots, backend=head.backend,
+                       points=[CommPoint(bytes=b, seconds=s) for b, s in figures.comm_points])
+             if figures.comm_points else None)
+    run = {name: getattr(head, name) for name in RunHead.model_fields}
     return ProfileRecord(**run, phases=list(PHASES), seconds_per_step=spread, per_rank=ranks, comm=comm,
                          stragglers=lags, comm_probe=probe,
                          step_jitter_seconds=sum(r.get("step_std", 0.0) for r in per_rank) / slots,
-                         **_probe_figures(per_rank, run))
+                         model_steps=figures.model_steps,
+                         **_probe_figures(per_rank, head.per_slot_batch_size))
 
 
-def _probe_figures(per_rank: list[dict[str, float]], run: dict[str, Any]) -> dict[str, Any]:
+def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str, Any]:
     """The end-of-run probe (:mod:`dtrain.profiling.probes`), means over ranks: the record's probe sections,
     None where not probed."""
     def mean(field: str) -> float:
@@ -144,14 +171,14 @@ def _probe_figures(per_rank: list[dict[str, float]], run: dict[str, Any]) -> dic
     batch_scaling: BatchScaling | None = None
     if mean("probe_work") > 0:
         batch_scaling = BatchScaling(
-            per_slot_batch_size=run["per_slot_batch_size"], work_seconds=mean("probe_work"),
+            per_slot_batch_size=per_slot, work_seconds=mean("probe_work"),
             work_double_seconds=mean("probe_work_double"), load_seconds=mean("probe_load"),
             load_double_seconds=mean("probe_load_double"))
     first = per_rank[0]  # the solo probe ran on the first rank alone
     points = [WorkPoint(threads=int(first[f"probe_solo{i}_threads"]), work_seconds=first[f"probe_solo{i}_work"],
                         work_double_seconds=first[f"probe_solo{i}_double"])
               for i in range(SOLO_THREADS) if first.get(f"probe_solo{i}_threads", 0.0) > 0]
-    solo = SoloProbe(per_slot_batch_size=run["per_slot_batch_size"], points=points) if points else None
+    solo = SoloProbe(per_slot_batch_size=per_slot, points=points) if points else None
     compression = (CompressionCost(fp16_seconds=first["probe_fp16_seconds"],
                                    powersgd_seconds=first["probe_powersgd_seconds"],
                                    powersgd_bytes=first["probe_powersgd_bytes"],
@@ -163,31 +190,26 @@ def _probe_figures(per_rank: list[dict[str, float]], run: dict[str, Any]) -> dic
             "data_load_cpu_share": mean("probe_load_cpu_share") if probed_load else None}
 
 
-def collect_rank_figures(ctx: Any, trainer: Any = None) -> tuple[list[dict[str, float]], float, list[str],
-                                                                 list[tuple[float, float]]]:
-    """End of a run, on every rank of a DistributedContext: per-rank step figures and memory (training
-    slots), the batch probe (given the ``trainer``, when profiling), the all-reduce latency probe, every
-    rank's host name, and the all-reduce probe's ``(bytes, seconds)`` (when profiling with several slots).
-    Collectives: all ranks call it."""
+def collect_rank_figures(facts: RunFacts) -> EndFigures:
+    """End of a run, on every rank: per-rank step figures and memory (training slots), the end-of-run
+    probes (when profiling, given the trial's hooks), the all-reduce latency probe, every rank's host name,
+    and the all-reduce probe's points (when profiling with several slots). Collectives: all ranks call it."""
     from dtrain.dist import all_hostnames
 
-    group = ctx.strategy.dp_group
-    memory = {"peak_memory_bytes": peak_memory_bytes(ctx.device),
-              "state_bytes": state_bytes(ctx.models, ctx.optimizers)}
+    group, timer = facts.strategy.dp_group, facts.timer
+    memory = {"peak_memory_bytes": peak_memory_bytes(facts.device),
+              "state_bytes": state_bytes(facts.models, facts.optimizers)}
     points: list[tuple[float, float]] = []
-    if trainer is not None and ctx.timer.enabled:
-        memory.update(batch_probe(trainer))
-        memory["step_flops"] = count_step_flops(trainer)
-        if not ctx.strategy.has_server_ranks:
+    steps: ModelSteps | None = None
+    if facts.probe is not None and timer.enabled:
+        probed = batch_probe(facts)
+        memory.update(probed.figures)
+        memory["step_flops"] = count_step_flops(facts)
+        steps = probed.model_steps
+        if not facts.strategy.has_server_ranks:
             points = commprobe.end_of_run(group)
-    per_rank = gather_rank_stats(ctx.timer, memory, group)
-    latency = latency_probe(group=group)
-    return per_rank, latency, all_hostnames(), points
-
-
-def cpu_cores() -> int:
-    """CPU cores this process may run on (its affinity: a container's or Slurm's share, not the host's)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_rank = gather_rank_stats(timer, memory, group)
+    return EndFigures(per_rank, latency_probe(group=group), all_hostnames(), points, steps)
 
 
 def _memory_total() -> float:
@@ -198,80 +220,43 @@ def _memory_total() -> float:
         return 0.0
 
 
-def _lr_hyperparameter(hparams: dict[str, Any]) -> dict[str, Any] | None:
+def _lr_hyperparameter(hparams: Mapping[str, object]) -> tuple[str, int | float] | None:
     for name in ("lr", "learning_rate"):
         value = hparams.get(name)
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return {"name": name, "value": value}
+            return name, value
     return None
 
 
-def run_facts(trainer: Any, wall_seconds: float, per_rank: list[dict[str, float]] | None = None) -> dict[str, Any]:
-    """What a run was and how fast it went: the head of ``summary.json`` and ``profile.json``.
-
-    ``samples_per_second`` is the steady state over profiled steps when profiling (device-timed), else
-    every step over the device-synchronized training time; both exclude validation and checkpoints.
-    """
-    ctx, config, timer = trainer.ctx, trainer.config, trainer.ctx.timer
-    gbs, o = trainer.global_batch, config.optimizations
-    all_steps = trainer.steps * gbs / trainer.train_seconds if trainer.train_seconds > 0 else 0.0
+def run_head(facts: RunFacts, figures: EndFigures | None = None) -> RunHead:
+    """What a run was and how fast it went: the head of ``summary.json`` and ``profile.json``
+    (:class:`dtrain.profiling.runsummary.RunHead` says what each figure means); MFU from the ``figures``."""
+    timer, strategy, gbs = facts.timer, facts.strategy, facts.global_batch_size
+    all_steps = facts.steps * gbs / facts.train_seconds if facts.train_seconds > 0 else 0.0
     steady = timer.profiled_weight * gbs / timer.profiled_seconds if timer.profiled_seconds > 0 else 0.0
-    facts = {
-        "slots": ctx.strategy.dp_world,
-        "strategy": ctx.strategy.name,
-        "backend": ctx.backend,
-        "device": ctx.device.type,
-        "precision": ctx.precision.name,
-        "threads_per_slot": ctx.num_threads,
-        "cpu_cores": cpu_cores(),
-        "memory_total_bytes": _memory_total(),
-        # What a batch-size advice needs to keep training equivalent: the optimizer and its learning rate.
-        "optimizer": type(getattr(ctx.optimizers[0], "optim", ctx.optimizers[0])).__name__ if ctx.optimizers else None,
-        "lr_hyperparameter": _lr_hyperparameter(config.hyperparameters),
-        "global_batch_size": gbs,
-        "per_slot_batch_size": trainer.per_slot,
-        "parameters": sum(p.numel() for m in ctx.models for p in m.parameters()),
-        "synthetic_data": config.data_loader.synthetic,
-        "data_loader_workers": config.data_loader.num_workers,
-        "aggregation_frequency": o.aggregation_frequency,
-        "effective_batch_size": gbs * o.aggregation_frequency,
-        "gradient_compression": o.gradient_compression,
-        "tensor_fusion_threshold_mb": ctx.strategy.fusion_threshold_mb,
-        "comm_measured": ctx.strategy.comm_measured,
-        # What the doctor may advise: the strategy's capabilities, from the registry's class.
-        "strategy_compressions": sorted(ctx.strategy.compressions),
-        "profiling": timer.enabled,
-        "steps": trainer.steps,
-        "profiled_steps": timer.profiled_steps,
-        "timed_steps": timer.timed_steps,
-        "samples_per_second": steady if timer.enabled and steady > 0 else all_steps,
-        "samples_per_second_all_steps": all_steps,
-        "train_seconds": trainer.train_seconds,
-        "validation_seconds": trainer.validation_seconds,
-        "checkpoint_seconds": trainer.checkpoint_seconds,
-        "wall_seconds": wall_seconds,
-        "step_window_seconds": list(timer.windows) if timer.enabled and timer.windows else None,
-    }
-    unobserved = getattr(trainer, "unobserved_phases", None)
-    if unobserved:  # train_batch calls loss.backward() / opt.step() itself: those phases are in "other"
-        facts["unobserved_phases"] = list(unobserved)
-    if timer.enabled and ctx.is_chief:
-        from dtrain.profiling.device import device_facts
-
-        facts["device_facts"] = device_facts(ctx.device)
-    facts.update(_first_steps_and_mfu(trainer, per_rank, facts))
-    return facts
-
-
-def _first_steps_and_mfu(trainer: Any, per_rank: list[dict[str, float]] | None,
-                         facts: dict[str, Any]) -> dict[str, Any]:
-    """``first_steps`` (dtrain.profiling.warmup) and, on the chief of a profiled run, ``flops`` (MFU)."""
-    timer, out = trainer.ctx.timer, {}
-    steady = timer.profiled_seconds / timer.profiled_weight if timer.profiled_weight else 0.0
-    stamps = getattr(timer, "first_steps", None)
-    if stamps is not None and (first := stamps.section(steady)) is not None:
-        out["first_steps"] = first
-    chief_profiled = bool(per_rank) and timer.enabled and trainer.ctx.is_chief
-    if chief_profiled and (flops := mfu_section(per_rank or [], facts["precision"], facts.get("device_facts"))):
-        out["flops"] = flops
-    return out
+    lr = _lr_hyperparameter(facts.hyperparameters)
+    device = DeviceFacts.model_validate(device_facts(facts.device)) if timer.enabled and facts.is_chief else None
+    return RunHead(
+        slots=strategy.dp_world, strategy=strategy.name, backend=facts.backend, device=facts.device.type,
+        precision=facts.precision, threads_per_slot=facts.threads_per_slot, cpu_cores=cpu_cores(),
+        memory_total_bytes=_memory_total(), optimizer=facts.optimizer_name,
+        lr_hyperparameter=LrHyperparameter(name=lr[0], value=lr[1]) if lr is not None else None,
+        global_batch_size=gbs, per_slot_batch_size=facts.per_slot_batch_size,
+        parameters=sum(p.numel() for m in facts.models for p in m.parameters()),
+        synthetic_data=facts.synthetic_data, data_loader_workers=facts.data_loader_workers,
+        aggregation_frequency=facts.aggregation_frequency,
+        effective_batch_size=gbs * facts.aggregation_frequency,
+        gradient_compression=facts.gradient_compression, tensor_fusion_threshold_mb=strategy.fusion_threshold_mb,
+        comm_measured=strategy.comm_measured, strategy_compressions=sorted(strategy.compressions),
+        profiling=timer.enabled, steps=facts.steps, profiled_steps=timer.profiled_steps,
+        timed_steps=timer.timed_steps,
+        samples_per_second=steady if timer.enabled and steady > 0 else all_steps,
+        samples_per_second_all_steps=all_steps, train_seconds=facts.train_seconds,
+        validation_seconds=facts.validation_seconds, checkpoint_seconds=facts.checkpoint_seconds,
+        wall_seconds=facts.wall_seconds,
+        step_window_seconds=list(timer.windows) if timer.enabled and timer.windows else None,
+        unobserved_phases=list(facts.unobserved_phases) or None,
+        device_facts=device, resumed_at_batch=facts.resumed_at_batch,
+        membership_changes=list(facts.membership_changes) or None,
+        first_steps=first_steps_of(timer, steady and gbs / steady),
+        flops=mfu_section(figures.per_rank, facts.precision, device) if figures is not None and device else None)

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
+
+from dtrain.profiling.record import DeviceFacts, Flops
+from dtrain.profiling.runfacts import ProbeHooks, RunFacts
 
 log = logging.getLogger(__name__)
 
@@ -29,34 +31,33 @@ CPU_MATMUL_SIZE = 512
 CPU_BUDGET_SECONDS = 0.02
 
 
-def _one_batch(trainer: Any) -> Any:
-    """A per-slot batch as the loop feeds it (the synthetic one, or the first records of the data)."""
-    if trainer.synthetic_batch is not None:
-        return trainer.synthetic_batch
-    loader = trainer.loader
-    size = len(loader.dataset)
-    records = [loader.dataset[i % size] for i in range(int(trainer.per_slot))]
-    return trainer.ctx.to_device(loader.collate_fn(records))
+def _one_batch(facts: RunFacts, hooks: ProbeHooks) -> object:
+    """A per-slot batch of the run's data on its device (a synthetic run's batch has the same shapes)."""
+    loader = hooks.loader
+    size = len(loader.dataset)  # type: ignore[arg-type]
+    records = [loader.dataset[i % size] for i in range(facts.per_slot_batch_size)]
+    return hooks.to_device(loader.collate_fn(records))  # type: ignore[misc]
 
 
-def count_step_flops(trainer: Any) -> float:
-    """FLOPs of one training step on this slot, counted once (0.0 where they cannot be counted: a trial
-    that steps its optimizer itself, a parameter server, or any error). Every rank calls it: a sharded
-    model's forward gathers from the others."""
-    ctx = trainer.ctx
-    if ctx.strategy.has_server_ranks or not ctx.models or "optimizer" in getattr(trainer, "unobserved_phases", ()):
+def count_step_flops(facts: RunFacts) -> float:
+    """FLOPs of one training step on this slot, counted once (0.0 where they cannot be counted: no probe
+    hooks, a trial that steps its optimizer itself, a parameter server, or any error). Every rank calls it:
+    a sharded model's forward gathers from the others."""
+    hooks = facts.probe
+    if (hooks is None or facts.strategy.has_server_ranks or not facts.models
+            or "optimizer" in facts.unobserved_phases):
         return 0.0
     try:
-        batch = _one_batch(trainer)
-        with ctx.gradient_sync(False), FlopCounterMode(display=False) as counter:
-            trainer.trial.train_batch(batch, 0, 0)
+        batch = _one_batch(facts, hooks)
+        with hooks.gradient_sync(False), FlopCounterMode(display=False) as counter:
+            hooks.train_batch(batch, 0, 0)
         return float(counter.get_total_flops())
     except Exception as exc:  # a model the counter cannot follow: no MFU, not a failed run
         log.info("FLOPs not counted: %s", exc)
         return 0.0
     finally:
-        ctx.timer.exchanging = True
-        for opt in ctx.optimizers:
+        facts.timer.exchanging = True
+        for opt in facts.optimizers:
             opt.zero_grad(set_to_none=True)
 
 
@@ -74,25 +75,23 @@ def cpu_matmul_flops_per_second(dtype: torch.dtype, budget: float = CPU_BUDGET_S
     return 2 * CPU_MATMUL_SIZE**3 / best
 
 
-def peak_flops_per_second(precision: str, device_facts: dict[str, Any] | None) -> tuple[float, str]:
+def peak_flops_per_second(precision: str, device: DeviceFacts | None) -> tuple[float, str]:
     """The measured matmul peak of ``precision`` on this device (FLOP/s), and what it is, in words."""
     key = PEAK_OF.get(precision, "fp32")
-    tflops = (device_facts or {}).get("matmul_tflops")
-    if tflops:
-        return float(tflops[key]) * 1e12, f"{key} matmul measured on {device_facts['name']}"  # type: ignore[index]
+    if device is not None and device.matmul_tflops is not None:
+        return device.matmul_tflops.of(key) * 1e12, f"{key} matmul measured on {device.name}"
     threads = torch.get_num_threads()
     return cpu_matmul_flops_per_second(_DTYPE[key]), f"{key} matmul measured on {threads} CPU thread(s)"
 
 
-def mfu_section(per_rank: list[dict[str, float]], precision: str,
-                device_facts: dict[str, Any] | None) -> dict[str, Any] | None:
+def mfu_section(per_rank: list[dict[str, float]], precision: str, device: DeviceFacts | None) -> Flops | None:
     """``flops`` of summary.json and profile.json from every slot's counted FLOPs and mean step (None
     where no slot counted any)."""
     flops = [r.get("step_flops", 0.0) for r in per_rank]
     if not flops or min(flops) <= 0:
         return None
-    peak, what = peak_flops_per_second(precision, device_facts)
+    peak, what = peak_flops_per_second(precision, device)
     per_slot = [f / (r["step"] * peak) if r["step"] > 0 and peak > 0 else 0.0
                 for f, r in zip(flops, per_rank, strict=True)]
-    return {"flops_per_step": flops[0], "flops_per_step_all_slots": sum(flops), "peak_flops_per_second": peak,
-            "peak": what, "mfu_per_slot": per_slot, "mfu": sum(per_slot) / len(per_slot)}
+    return Flops(flops_per_step=flops[0], flops_per_step_all_slots=sum(flops), peak_flops_per_second=peak,
+                 peak=what, mfu_per_slot=per_slot, mfu=sum(per_slot) / len(per_slot))

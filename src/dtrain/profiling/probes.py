@@ -18,11 +18,20 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.utils.data import DataLoader
 
 from dtrain import dist as ddist
+from dtrain.profiling.device import cpu_cores
+from dtrain.profiling.modelsteps import time_model_steps
+from dtrain.profiling.record import ModelSteps
+from dtrain.profiling.runfacts import ProbeHooks, RunFacts
 
 # Thread counts the solo probe tries: the run's own, one, and every core (at most this many).
 SOLO_THREADS = 3
@@ -54,21 +63,21 @@ def _double(batch: Any) -> Any:
     return batch
 
 
-def _load(loader: Any, count: int) -> tuple[float, float, Any]:
+def _load(loader: DataLoader[object], count: int) -> tuple[float, float, Any]:
     """Seconds and CPU seconds (this thread) to read ``count`` records and collate them; the batch."""
     start, start_cpu = time.perf_counter(), time.thread_time()
     batch = loader.collate_fn(_records(loader.dataset, count))
     return time.perf_counter() - start, time.thread_time() - start_cpu, batch
 
 
-def _time_work(trial: Any, batches: dict[int, Any], device: torch.device, repeats: int) -> dict[int, float]:
+def _time_work(hooks: ProbeHooks, batches: dict[int, object], device: torch.device, repeats: int) -> dict[int, float]:
     """Least seconds of the trial's ``train_batch`` per batch size (the first round warms each shape up)."""
     work = dict.fromkeys(batches, float("inf"))
     for round_ in range(repeats + 1):
         for size, batch in batches.items():
             _sync(device)
             start = time.perf_counter()
-            trial.train_batch(batch, 0, 0)
+            hooks.train_batch(batch, 0, 0)
             _sync(device)
             if round_:
                 work[size] = min(work[size], time.perf_counter() - start)
@@ -84,27 +93,24 @@ def thread_counts(run_threads: int, cores: int) -> list[int]:
     return counts[:SOLO_THREADS]
 
 
-def _solo(trainer: Any, batches: dict[int, Any], repeats: int) -> dict[str, float]:
+def _solo(facts: RunFacts, hooks: ProbeHooks, batches: dict[int, object], repeats: int) -> dict[str, float]:
     """On the first rank only, while the others wait: the work at each of :func:`thread_counts`, so the
     cost model knows what one slot does alone with the cores (another slot count changes both) and how
     much the run's slots slowed each other down (the same probe on every rank at once, beside it)."""
-    from dtrain.profiling.figures import cpu_cores
-
-    ctx = trainer.ctx
     out: dict[str, float] = {}
     # Threads only shape CPU compute; and a sharded model's forward gathers from the other ranks (the others
     # wait at a barrier: it would hang). DDP's buffer broadcast is off here: the probe's rounds on every rank
     # ran under no_sync, after which DDP skips it.
-    if ctx.device.type != "cpu" or ctx.strategy.name == "fsdp":
+    if facts.device.type != "cpu" or facts.strategy.forward_needs_every_rank:
         return out
     before = torch.get_num_threads()
     try:  # never raises: the other ranks wait at a barrier for this one
-        for i, threads in enumerate(thread_counts(ctx.num_threads, cpu_cores())):
+        for i, threads in enumerate(thread_counts(facts.threads_per_slot, cpu_cores())):
             torch.set_num_threads(threads)
-            work = _time_work(trainer.trial, batches, ctx.device, repeats)
+            work = _time_work(hooks, batches, facts.device, repeats)
             out.update({f"probe_solo{i}_threads": float(threads), f"probe_solo{i}_work": work[1],
                         f"probe_solo{i}_double": work[2]})
-        out.update(compression_cost(ctx.models, trainer.config.optimizations.powersgd.rank))
+        out.update(compression_cost(facts.models, facts.powersgd_rank))
     except Exception as exc:  # a trial that cannot take other threads: what was measured stays
         log.info("solo probe stopped: %s", exc)
     finally:
@@ -112,7 +118,20 @@ def _solo(trainer: Any, batches: dict[int, Any], repeats: int) -> dict[str, floa
     return out
 
 
-def compression_cost(models: list[Any], rank: int, repeats: int = 3) -> dict[str, float]:
+def _model_steps(facts: RunFacts, hooks: ProbeHooks, batches: dict[int, object]) -> ModelSteps | None:
+    """The first rank alone: the model's own steps under each precision (:mod:`dtrain.profiling.modelsteps`);
+    None where one rank cannot run the model alone (a sharded forward) or on an error."""
+    if facts.strategy.forward_needs_every_rank:
+        return None
+    try:  # never raises: the other ranks wait at a barrier for this one
+        return time_model_steps(hooks, facts.models, facts.optimizers, facts.device, batches[1], batches[2],
+                                facts.per_slot_batch_size)
+    except Exception as exc:
+        log.info("model-step probe skipped: %s", exc)
+        return None
+
+
+def compression_cost(models: Sequence[nn.Module], rank: int, repeats: int = 3) -> dict[str, float]:
     """Seconds per exchange of compressing the gradients, on this rank's threads, as the hooks do it:
     fp16 (cast down and back) and PowerSGD (per matrix: two matmuls, a QR and the reconstruction), and the
     bytes PowerSGD sends. Not free: on a fast link or a small model they can cost more than they save."""
@@ -144,64 +163,79 @@ def compression_cost(models: list[Any], rank: int, repeats: int = 3) -> dict[str
             "probe_powersgd_rank": float(rank)}
 
 
-def batch_probe(trainer: Any, repeats: int | None = None) -> dict[str, float]:
+@dataclass(frozen=True)
+class ProbeResult:
+    """What :func:`batch_probe` measured: this rank's figures (``PROBE_FIELDS``, gathered from every rank)
+    and, on the first rank, the model's timed steps."""
+
+    figures: dict[str, float]
+    model_steps: ModelSteps | None = None
+
+
+def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
     """Per-rank probe figures (``PROBE_FIELDS``, seconds; zeros when not probed). Collective-safe: every
     rank runs the same calls."""
-    ctx, trial, loader = trainer.ctx, trainer.trial, trainer.loader
     zeros = dict.fromkeys(PROBE_FIELDS, 0.0)
-    if ctx.strategy is None or ctx.strategy.has_server_ranks or not ctx.models:
-        return zeros
-    per_slot = int(trainer.per_slot)
+    hooks = facts.probe
+    if hooks is None or facts.strategy.has_server_ranks or not facts.models:
+        return ProbeResult(zeros)
+    per_slot, timer, device = facts.per_slot_batch_size, facts.timer, facts.device
     if repeats is None:
-        last = ctx.timer.last_step_seconds
+        last = timer.last_step_seconds
         repeats = int(max(MIN_REPEATS, min(MAX_REPEATS, BUDGET_SECONDS / (3 * last)))) if last > 0 else MIN_REPEATS
         # A trial that calls opt.step() itself would step its optimizer here: no probe (0 on any rank: none).
-        repeats = _agree(0 if "optimizer" in getattr(trainer, "unobserved_phases", ()) else repeats, ctx)
+        repeats = _agree(0 if "optimizer" in facts.unobserved_phases else repeats, facts.strategy.dp_group)
     if repeats < 1:
-        return zeros
+        return ProbeResult(zeros)
+    steps: ModelSteps | None = None
     try:
-        _, _, one = _load(loader, per_slot)
-        batches = {1: ctx.to_device(one), 2: ctx.to_device(_double(one))}
-        with ctx.gradient_sync(False):  # no exchange, no optimizer step: forward and backward only
-            work = _time_work(trial, batches, ctx.device, repeats)
-            solo = _solo(trainer, batches, repeats) if ctx.strategy.dp_rank == 0 else {}
-            _barrier(ctx)  # the others wait, idle, while the first rank probes alone
+        _, _, one = _load(hooks.loader, per_slot)
+        batches = {1: hooks.to_device(one), 2: hooks.to_device(_double(one))}
+        with hooks.gradient_sync(False):  # no exchange, no optimizer step: forward and backward only
+            work = _time_work(hooks, batches, device, repeats)
+            first = facts.strategy.dp_rank == 0
+            solo = _solo(facts, hooks, batches, repeats) if first else {}
+            steps = _model_steps(facts, hooks, batches) if first else None
+            _barrier(facts.strategy.dp_group)  # the others wait, idle, while the first rank probes alone
         out = {"probe_work": work[1], "probe_work_double": work[2], **solo}
-        if not trainer.config.data_loader.synthetic:
-            loads = {1: float("inf"), 2: float("inf")}
-            wall = cpu = 0.0
-            for _ in range(MAX_REPEATS):  # rank-local: as many rounds as fit in the budget
-                for size in (1, 2):
-                    seconds, cpu_seconds, _ = _load(loader, size * per_slot)
-                    loads[size] = min(loads[size], seconds)
-                    wall, cpu = wall + seconds, cpu + cpu_seconds
-                if wall > BUDGET_SECONDS:
-                    break
-            out.update(probe_load=loads[1], probe_load_double=loads[2],
-                       probe_load_cpu_share=min(1.0, cpu / wall) if wall > 0 else 1.0)
-        return {**zeros, **out}
+        if not facts.synthetic_data:
+            out.update(_load_figures(hooks.loader, per_slot))
+        return ProbeResult({**zeros, **out}, steps)
     except Exception as exc:  # a trial that cannot take another batch size: no probe, not a failed run
         log.info("batch probe skipped: %s", exc)
-        return zeros
+        return ProbeResult(zeros, steps)
     finally:
-        ctx.timer.exchanging = True
-        for opt in ctx.optimizers:
+        timer.exchanging = True
+        for opt in facts.optimizers:
             opt.zero_grad(set_to_none=True)
 
 
-def _barrier(ctx: Any) -> None:
+def _load_figures(loader: DataLoader[object], per_slot: int) -> dict[str, float]:
+    """Least seconds to load one batch and two, and the share of that on this thread's CPU."""
+    loads = {1: float("inf"), 2: float("inf")}
+    wall = cpu = 0.0
+    for _ in range(MAX_REPEATS):  # rank-local: as many rounds as fit in the budget
+        for size in (1, 2):
+            seconds, cpu_seconds, _ = _load(loader, size * per_slot)
+            loads[size] = min(loads[size], seconds)
+            wall, cpu = wall + seconds, cpu + cpu_seconds
+        if wall > BUDGET_SECONDS:
+            break
+    return {"probe_load": loads[1], "probe_load_double": loads[2],
+            "probe_load_cpu_share": min(1.0, cpu / wall) if wall > 0 else 1.0}
+
+
+def _barrier(group: ProcessGroup | None) -> None:
     import torch.distributed as dist
 
-    group = ctx.strategy.dp_group
     if ddist.is_distributed(group):
         dist.barrier(group=group)
 
 
-def _agree(repeats: int, ctx: Any) -> int:
+def _agree(repeats: int, group: ProcessGroup | None) -> int:
     """The smallest count over the ranks: the probe may hold collectives, so every rank runs as many."""
     import torch.distributed as dist
 
-    group = ctx.strategy.dp_group
     if not ddist.is_distributed(group):
         return repeats
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None

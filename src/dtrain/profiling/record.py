@@ -244,6 +244,49 @@ class CompressionCost(_Section):
     powersgd_rank: int
 
 
+MODEL_STEPS_VERSION = 1
+
+
+class ModelSteps(_Section):
+    """``model_steps``: the model's own training steps (forward, backward and optimizer step on the run's
+    data shape) timed on the first rank at the end of the run (:mod:`dtrain.profiling.modelsteps`), under each
+    precision the device supports, and in the run's precision at twice the per-slot batch. Seconds per step
+    are the least of ``steps_timed`` steps after one warm-up step; ``cost_seconds`` is the whole probe's
+    wall time (what it added to the run). Absent from the file where not probed."""
+
+    version: int = MODEL_STEPS_VERSION
+    per_slot_batch_size: int
+    run_precision: str
+    steps_timed: int
+    # Precision name (32-true, tf32, bf16-mixed, 16-mixed) -> seconds per step at the per-slot batch.
+    seconds_per_step: dict[str, float]
+    # Precision name -> why it was not timed (the device lacks it, memory, an error).
+    skipped: dict[str, str]
+    # The run's precision at twice the per-slot batch; None with the reason in double_batch_skipped.
+    double_batch_seconds_per_step: float | None
+    double_batch_skipped: str | None
+    cost_seconds: float
+
+    @field_validator("version")
+    @classmethod
+    def _known_version(cls, version: int) -> int:
+        if version != MODEL_STEPS_VERSION:
+            raise ValueError(f"model_steps version {version}; this dtrain reads version {MODEL_STEPS_VERSION}")
+        return version
+
+    def speedup(self, precision: str) -> float | None:
+        """How many times faster a step is in ``precision`` than in the run's (None: either not timed)."""
+        mine, other = self.seconds_per_step.get(self.run_precision), self.seconds_per_step.get(precision)
+        return mine / other if mine and other else None
+
+    @property
+    def double_batch_ratio(self) -> float | None:
+        """Seconds of a step at twice the per-slot batch over one at the batch (1: all overhead, 2: all
+        per-sample), in the run's precision; None where not timed."""
+        mine = self.seconds_per_step.get(self.run_precision)
+        return self.double_batch_seconds_per_step / mine if mine and self.double_batch_seconds_per_step else None
+
+
 class MembershipChange(_Section):
     """An elastic job's change of members (dtrain.launcher.membership): at which batch, why, which node, the
     world sizes, seconds from the event to the first step at the new size, and the batches lost."""
@@ -261,8 +304,7 @@ class MembershipChange(_Section):
 
 
 class FirstSteps(_Section):
-    """``first_steps`` (dtrain.profiling.warmup): this process's start to its first step, and what the first
-    steps (the profiler's warm-up, at least one) cost beyond as many steady steps."""
+    """``first_steps`` (dtrain.profiling.warmup): the time to the first step, and the first steps' excess."""
 
     OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
         {"startup_seconds", "time_to_first_step_seconds", "allocator_segments", "allocator_segments_later"})
@@ -280,8 +322,7 @@ class FirstSteps(_Section):
 
 
 class Flops(_Section):
-    """``flops`` (dtrain.profiling.flops): model FLOPs of one step per slot (forward and backward, counted
-    once) over the measured matmul peak of the run's precision: MFU per slot and over all slots."""
+    """``flops`` (dtrain.profiling.flops): FLOPs per step per slot over the measured matmul peak (MFU)."""
 
     flops_per_step: float
     flops_per_step_all_slots: float
@@ -298,10 +339,11 @@ class ProfileRecord(_Section):
     OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
         {"device_facts", "stragglers", "batch_scaling", "allreduce_probe", "data_load_seconds_per_batch",
          "data_load_cpu_share", "solo_probe", "comm_probe", "compression_cost", "step_jitter_seconds",
-         "step_window_seconds", "unobserved_phases", "membership_changes", "first_steps", "flops"})
+         "step_window_seconds", "unobserved_phases", "membership_changes", "model_steps", "first_steps",
+         "flops"})
 
     schema_version: int = SCHEMA_VERSION
-    # What the run was (also summary.json's head: dtrain.profiling.figures.run_facts).
+    # What the run was (also summary.json's head: dtrain.profiling.runsummary.RunHead).
     slots: int
     strategy: str
     backend: str
@@ -358,7 +400,10 @@ class ProfileRecord(_Section):
     step_window_seconds: list[float] | None = None
     # An elastic job's membership changes, in order (absent where its members never changed).
     membership_changes: list[MembershipChange] | None = None
-    # The first steps apart from the steady state, and MFU (absent from profiles written before them).
+    # The model's own steps under each precision and at twice the batch (absent where not probed, and
+    # from profiles written before it existed).
+    model_steps: ModelSteps | None = None
+    # The first steps apart from the steady state, and MFU (also summary.json's; absent from older files).
     first_steps: FirstSteps | None = None
     flops: Flops | None = None
 

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from dtrain.profiling.clock import clock_for
+from dtrain.profiling.clock import Clock, clock_for
 from dtrain.profiling.comm import CommRecorder, union_seconds
 from dtrain.profiling.phases import PHASES
 from dtrain.profiling.stragglers import STEP_COLUMN, LagSampler
@@ -61,7 +61,7 @@ class StepTimer:
     :data:`DENSE_STEPS` profiled steps, one in ``sample_every`` is timed (see the module's doc).
     """
 
-    def __init__(self, device: torch.device, enabled: bool = True, warmup_steps: int = 3, clock: Any = None,
+    def __init__(self, device: torch.device, enabled: bool = True, warmup_steps: int = 3, clock: Clock | None = None,
                  sample_every: int = 1) -> None:
         if sample_every < 1:
             raise ValueError(f"sample_every must be >= 1, got {sample_every}")
@@ -73,7 +73,7 @@ class StepTimer:
         self._log_miss = math.log(1.0 - 1.0 / sample_every) if sample_every > 1 else 0.0
         self._skip = 0  # untimed steps before the next timed one
         self._dense_until = warmup_steps + DENSE_STEPS  # steps (warm-up included) timed one by one
-        self.clock = clock if clock is not None else clock_for(device)  # tests script one
+        self.clock: Clock = clock if clock is not None else clock_for(device)  # tests script one
         self.recorder = CommRecorder(self.clock)
         self.totals: dict[str, float] = dict.fromkeys(PHASES + COMM_FIELDS, 0.0)
         self.window: dict[str, float] = dict.fromkeys(PHASES, 0.0)

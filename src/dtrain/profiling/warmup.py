@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from dtrain.profiling.clock import synchronized_now
+from dtrain.profiling.record import FirstSteps
 from dtrain.profiling.timer import StepTimer
 
 
@@ -121,3 +122,10 @@ class FirstStepsTimer(StepTimer):
             # The timer's own methods on the instance from here on: the trainer's calls reach them directly.
             self.start_step = super().start_step  # type: ignore[method-assign]
             self.end_step = super().end_step  # type: ignore[method-assign]
+
+
+def first_steps_of(timer: StepTimer, steady_step_seconds: float) -> FirstSteps | None:
+    """``first_steps`` of a run's timer (None: a plain :class:`StepTimer`, or no step ended)."""
+    stamps = timer.first_steps if isinstance(timer, FirstStepsTimer) else None
+    section = stamps.section(steady_step_seconds) if stamps is not None else None
+    return FirstSteps.model_validate(section) if section is not None else None

@@ -39,6 +39,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
+from dtrain.config.schema import ExperimentConfig
 from dtrain.errors import UserError
 from dtrain.search import procs
 from dtrain.search.space import SearchPlan, load_plan, plan_from_raw
@@ -239,7 +240,7 @@ class Search:
 # ------------------------------------------------------------------------------------------- command
 
 
-def machine_slots(config: Any) -> tuple[int, bool]:
+def machine_slots(config: ExperimentConfig) -> tuple[int, bool]:
     """(default slots, GPU slots?): the visible GPUs when the trials would use NCCL, else the CPU cores."""
     if config.backend == "gloo" or (config.backend == "auto" and not glob.glob("/dev/nvidia[0-9]*")):
         return len(procs.machine_cores()), False  # no GPU device node: torch would see none (and costs 2 s)

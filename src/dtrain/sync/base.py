@@ -58,6 +58,9 @@ class SyncStrategy(ABC):
     one_slot_stand_in: ClassVar[str | None] = None
     # Trains one slot only (single_device): not offered where strategies are listed to choose from.
     one_slot_only: ClassVar[bool] = False
+    # A forward takes every rank (FSDP gathers each layer's shards from all of them): no rank can run the
+    # model alone (a chief-only evaluation, a one-rank probe).
+    forward_needs_every_rank: ClassVar[bool] = False
 
     is_server: bool = False
     dp_group: Any = None  # None: every rank

@@ -1,0 +1,159 @@
+"""The model's own training steps, timed under each precision and at twice the batch: what the doctor's
+precision and batch-size predictions rest on.
+
+A matmul's speed-up in another precision bounds a step's, but a step is not only matmuls: attention,
+softmax, norms, element-wise work, casts, the optimizer and memory traffic speed up less, or slow down
+(bf16 autocast on a CPU casts every weight at every forward). So at the end of a profiled run, on the first
+rank alone (the others wait), a few of the trial's own steps run on one of its batches: ``train_batch``
+(forward and backward, gradients not exchanged) and every optimizer's ``step``, once untimed per setting
+(new kernels, allocator) then :data:`STEPS_TIMED` times, the settings interleaved round by round so that a
+disturbance hits them alike; the least time counts. Settings: every precision the device has
+(:func:`precisions_for`), and the run's precision at twice the per-slot batch.
+
+Training is left as it was: the models' and optimizers' state and the random generators are saved before
+and restored after (:func:`restored`), and gradients are cleared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import random
+import time
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from dtrain.profiling.record import ModelSteps
+from dtrain.profiling.runfacts import ProbeHooks, SwitchablePrecision
+
+# Timed steps per setting, after one warm-up step each: enough for a least time on a shared machine, few
+# enough that the probe stays a small part of a run.
+STEPS_TIMED = 3
+# The autocast dtype of each precision (None: float32, no autocast).
+AUTOCAST: dict[str, torch.dtype | None] = {"32-true": None, "tf32": None, "bf16-mixed": torch.bfloat16,
+                                           "16-mixed": torch.float16}
+
+log = logging.getLogger(__name__)
+
+
+def precisions_for(device: torch.device) -> tuple[list[str], dict[str, str]]:
+    """The precisions this device runs (in the order they are timed) and, for the others, why not."""
+    if device.type != "cuda":
+        return ["32-true", "bf16-mixed"], {
+            "tf32": "TF32 is a CUDA tensor-core mode: on a CPU it is 32-true",
+            "16-mixed": "16-mixed needs a CUDA GPU (float16 autocast with loss scaling)"}
+    timed, skipped = ["32-true", "tf32"], {}
+    if torch.cuda.is_bf16_supported():
+        timed.append("bf16-mixed")
+    else:
+        skipped["bf16-mixed"] = f"{torch.cuda.get_device_name(device)} has no bfloat16"
+    timed.append("16-mixed")
+    return timed, skipped
+
+
+@contextlib.contextmanager
+def as_precision(name: str, precision: SwitchablePrecision, device: torch.device) -> Iterator[None]:
+    """Run the trial's step in precision ``name``. Where the run's models have mixed precision, their wrapped
+    forwards read the precision's autocast dtype at each call: it is set for the moment. Otherwise (a
+    32-true or tf32 run) an autocast around the step gives the mixed precisions. TF32 is switched for tf32."""
+    dtype, wrapped, original = AUTOCAST[name], precision.dtype is not None, precision.dtype
+    cuda = device.type == "cuda"
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) if cuda else None
+    try:
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = name == "tf32"
+        if wrapped:
+            precision.dtype = dtype
+        outer = (torch.autocast(device_type=device.type, dtype=dtype) if dtype is not None and not wrapped
+                 else contextlib.nullcontext())
+        with outer:
+            yield
+    finally:
+        precision.dtype = original
+        if tf32 is not None:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+
+
+@contextlib.contextmanager
+def restored(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+             device: torch.device) -> Iterator[None]:
+    """Put the models' parameters and buffers, the optimizers' state and every random generator back as
+    they were, whatever ran inside; gradients are cleared."""
+    weights = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
+    states = [copy.deepcopy(opt.state_dict()) for opt in optimizers]
+    cpu_rng, py_rng, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for model, saved in zip(models, weights, strict=True):
+                model.load_state_dict(saved)
+        for opt, state in zip(optimizers, states, strict=True):
+            opt.load_state_dict(state)
+            opt.zero_grad(set_to_none=True)
+        torch.set_rng_state(cpu_rng)
+        random.setstate(py_rng)
+        np.random.set_state(np_rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state(cuda_rng, device)
+
+
+def _step(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], batch: object) -> None:
+    hooks.train_batch(batch, 0, 0)  # forward and backward (gradient_sync(False): no exchange, no update)
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _too_big(exc: Exception) -> bool:
+    return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                     device: torch.device, batch: object, double: object, per_slot: int,
+                     steps: int = STEPS_TIMED) -> ModelSteps:
+    """The model's steps timed as the module's docstring says; run on one rank with gradient exchange
+    off. Never raises for a setting that fails: it is skipped with its reason."""
+    start = time.perf_counter()
+    run = hooks.precision.name
+    names, skipped = precisions_for(device)
+    settings: dict[str, tuple[str, object]] = {name: (name, batch) for name in names}
+    settings["double"] = (run, double)
+    best = dict.fromkeys(settings, float("inf"))
+    failed: dict[str, str] = {}
+    with restored(models, optimizers, device):
+        for round_ in range(steps + 1):  # round 0 warms each setting up
+            for key, (name, data) in settings.items():
+                if key in failed:
+                    continue
+                try:
+                    with as_precision(name, hooks.precision, device):
+                        _sync(device)
+                        began = time.perf_counter()
+                        _step(hooks, optimizers, data)
+                        _sync(device)
+                except Exception as exc:  # a setting the model or the memory cannot take: said, not fatal
+                    failed[key] = ("out of memory" if _too_big(exc) else f"failed: {exc}".splitlines()[0])[:200]
+                    log.info("model-step probe: %s %s", key, failed[key])
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    continue
+                if round_:
+                    best[key] = min(best[key], time.perf_counter() - began)
+    skipped.update({k: v for k, v in failed.items() if k != "double"})
+    return ModelSteps(per_slot_batch_size=per_slot, run_precision=run, steps_timed=steps,
+                      seconds_per_step={k: best[k] for k in names if k not in failed},
+                      skipped=skipped,
+                      double_batch_seconds_per_step=None if "double" in failed else best["double"],
+                      double_batch_skipped=failed.get("double"),
+                      cost_seconds=time.perf_counter() - start)

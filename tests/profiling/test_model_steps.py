@@ -1,0 +1,154 @@
+"""The model's own steps timed under each precision and at twice the batch (profiling/modelsteps.py): the probe
+leaves training exactly as it was, switches the precision it says it times, gets the direction of bf16's
+effect right on planted models, and a real run records it in profile.json; summary.json is a typed record
+that round-trips byte for byte."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from dtrain.engine.precision import make_precision
+from dtrain.profiling.modelsteps import STEPS_TIMED, time_model_steps
+from dtrain.profiling.record import ModelSteps, ProfileRecord, load_profile
+from dtrain.profiling.runfacts import ProbeHooks, SwitchablePrecision
+from dtrain.profiling.runsummary import RunSummary, load_summary, write_summary
+
+CPU = torch.device("cpu")
+
+
+class Float32:
+    name = "32-true"
+    dtype: torch.dtype | None = None
+
+
+def _hooks(model: nn.Module, precision: SwitchablePrecision, seen: list[bool] | None = None) -> ProbeHooks:
+    def train_batch(batch: object, epoch_idx: int, batch_idx: int) -> None:
+        x, y = batch  # type: ignore[misc]
+        out = model(x)
+        if seen is not None:
+            seen.append(out.dtype == torch.bfloat16 or getattr(model, "autocast_seen", False))
+        nn.functional.mse_loss(out.float(), y).backward()
+
+    return ProbeHooks(train_batch=train_batch, to_device=lambda b: b,
+                      gradient_sync=lambda sync: contextlib.nullcontext(), loader=None,  # type: ignore[arg-type]
+                      precision=precision)
+
+
+def _probe(model: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+           precision: SwitchablePrecision | None = None, seen: list[bool] | None = None) -> ModelSteps:
+    hooks = _hooks(model, precision or Float32(), seen)
+    return time_model_steps(hooks, [model], [optimizer], CPU, (x, y), (torch.cat([x, x]), torch.cat([y, y])),
+                            per_slot=len(x))
+
+
+def test_the_probe_leaves_weights_optimizer_state_and_random_generators_as_they_were():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.3), nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    x, y = torch.randn(12, 8), torch.randn(12, 1)
+    for _ in range(3):  # the optimizer has state, the norm running statistics
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    state = json.dumps({k: {n: t.tolist() if torch.is_tensor(t) else t for n, t in s.items()}
+                        for k, s in optimizer.state_dict()["state"].items()})
+    rng = torch.get_rng_state()
+    record = _probe(model, optimizer, x, y)
+    # Exactly as before: the next training step is the one it would have been without the probe.
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    assert json.dumps({k: {n: t.tolist() if torch.is_tensor(t) else t for n, t in s.items()}
+                       for k, s in optimizer.state_dict()["state"].items()}) == state
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    # And the record is sane: CPU precisions timed, the others skipped with a reason, the cost covers it.
+    assert set(record.seconds_per_step) == {"32-true", "bf16-mixed"} and set(record.skipped) == {"tf32", "16-mixed"}
+    assert all(s > 0 for s in record.seconds_per_step.values()) and record.double_batch_seconds_per_step
+    assert record.steps_timed == STEPS_TIMED and record.per_slot_batch_size == 12
+    timed = (sum(record.seconds_per_step.values()) + record.double_batch_seconds_per_step) * STEPS_TIMED
+    assert record.cost_seconds >= timed and record.run_precision == "32-true"
+
+
+def test_each_setting_runs_in_the_precision_it_names_and_the_run_precision_comes_back():
+    torch.manual_seed(0)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    # A 32-true run (forward not wrapped): bf16-mixed comes from an autocast around the step.
+    model = nn.Linear(8, 1)
+    seen: list[bool] = []
+    _probe(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, seen=seen)
+    rounds = STEPS_TIMED + 1  # settings interleaved: 32-true, bf16-mixed, double (32-true), per round
+    assert seen == [False, True, False] * rounds
+    # A bf16-mixed run (wrapped forward, outputs cast back to float32): 32-true turns its autocast off.
+    precision = make_precision("bf16-mixed", CPU)
+    model = nn.Linear(8, 1)
+    inside: list[bool] = []
+    original = model.forward
+    model.forward = lambda *a: (inside.append(torch.is_autocast_enabled("cpu")), original(*a))[1]  # type: ignore[method-assign]
+    precision.wrap_forward(model)
+    _probe(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, precision=precision)
+    assert inside == [False, True, True] * rounds and precision.dtype == torch.bfloat16
+
+
+def _planted(layers: list[nn.Module], batch: int, width: int) -> ModelSteps:
+    torch.manual_seed(0)
+    model = nn.Sequential(*layers)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _probe(model, torch.optim.SGD(model.parameters(), lr=0.01), torch.randn(batch, width),
+                      torch.randn(batch, width))
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_bf16_is_measured_slower_on_a_model_of_many_tiny_layers():
+    # Autocast casts every weight at every forward: on tiny layers the casts cost more than bf16 saves.
+    record = _planted([m for _ in range(40) for m in (nn.Linear(16, 16), nn.Tanh())], batch=8, width=16)
+    assert record.speedup("bf16-mixed") < 0.92, record.seconds_per_step
+
+
+@pytest.mark.skipif("amx_bf16" not in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists()
+                    else True, reason="needs a CPU with bf16 matrix units (AMX)")
+def test_bf16_is_measured_faster_on_a_model_of_large_matmuls():
+    layers = [nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024)]
+    record = _planted(layers, batch=256, width=1024)
+    assert record.speedup("bf16-mixed") > 1.25, record.seconds_per_step
+    # Large matmuls are all per-sample work: twice the batch takes about twice the time.
+    assert 1.5 < record.double_batch_ratio < 3.0
+
+
+def test_a_profile_without_model_steps_still_loads(tmp_path):
+    from profiles import make_profile, write
+
+    path = write(tmp_path, make_profile([{"forward": 0.01, "backward": 0.02}]))
+    document = json.loads(path.read_text())
+    assert "model_steps" not in document and load_profile(path).model_steps is None
+    bad = {**document, "model_steps": {"version": 2}}
+    path.write_text(json.dumps(bad))
+    with pytest.raises(Exception, match="model_steps"):
+        load_profile(path)
+
+
+@pytest.mark.slow
+def test_a_real_run_records_its_model_steps_and_a_typed_summary(tmp_path, reference_runs):
+    run_dir = reference_runs.run_dir(1)
+    record: ProfileRecord = load_profile(run_dir / "profile.json")
+    steps = record.model_steps
+    assert steps is not None and steps.run_precision == record.precision == "32-true"
+    assert set(steps.seconds_per_step) == {"32-true", "bf16-mixed"} and steps.double_batch_ratio is not None
+    assert steps.per_slot_batch_size == record.per_slot_batch_size
+    # Its cost is stated and small next to the run.
+    assert 0 < steps.cost_seconds < record.wall_seconds
+    summary = load_summary(run_dir / "summary.json")
+    assert isinstance(summary, RunSummary) and summary.samples_per_second == record.samples_per_second
+    assert summary.head().model_dump() == {k: v for k, v in record.model_dump().items()
+                                           if k in summary.head().model_dump()}
+    copy = tmp_path / "summary.json"
+    write_summary(copy, summary)
+    assert copy.read_text() == (run_dir / "summary.json").read_text()
