@@ -21,8 +21,10 @@ from helpers import cli_in_process, final_weights, tiny_config
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """CUDA hidden before collection and before any fixture of any scope runs (see cuda_visibility)."""
-    cuda_visibility.hide()
+    """CUDA hidden before collection and before any fixture of any scope runs (see cuda_visibility); by
+    pytest-xdist's controller only from the workers it starts."""
+    controller = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+    cuda_visibility.hide(in_process=not controller)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

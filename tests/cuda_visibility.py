@@ -40,19 +40,24 @@ def _set_visible(value: str | None) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = value
 
 
-def hide() -> RealCuda:
-    """Record the machine's CUDA, then hide it from this process and its children (idempotent)."""
+def hide(in_process: bool = True) -> RealCuda:
+    """Record the machine's CUDA, then hide it from this process and its children (idempotent). Not
+    ``in_process``: from the children only (pytest-xdist's controller, which runs no test and so need not
+    import torch)."""
     global REAL
-    import torch
-
     if _originals:
         return REAL
     saved = os.environ.get(SAVED_ENV)
     machine = os.environ.get("CUDA_VISIBLE_DEVICES") if saved is None else (None if saved == _UNSET else saved)
+    os.environ[SAVED_ENV] = _UNSET if machine is None else machine
+    if not in_process:
+        _set_visible("")
+        return REAL
+    import torch
+
     _set_visible(machine)  # the real question, asked with the machine's own setting
     available = bool(torch.cuda.is_available())
     REAL = RealCuda(available, int(torch.cuda.device_count()) if available else 0, machine)
-    os.environ[SAVED_ENV] = _UNSET if machine is None else machine
     _set_visible("")
     _originals.update(is_available=torch.cuda.is_available, device_count=torch.cuda.device_count)
     torch.cuda.is_available = _no_cuda  # type: ignore[assignment]
