@@ -234,6 +234,7 @@ def run_head(facts: RunFacts, figures: EndFigures | None = None) -> RunHead:
     timer, strategy, gbs = facts.timer, facts.strategy, facts.global_batch_size
     all_steps = facts.steps * gbs / facts.train_seconds if facts.train_seconds > 0 else 0.0
     steady = timer.profiled_weight * gbs / timer.profiled_seconds if timer.profiled_seconds > 0 else 0.0
+    samples_per_second = steady if timer.enabled and steady > 0 else all_steps
     lr = _lr_hyperparameter(facts.hyperparameters)
     device = DeviceFacts.model_validate(device_facts(facts.device)) if timer.enabled and facts.is_chief else None
     return RunHead(
@@ -250,7 +251,7 @@ def run_head(facts: RunFacts, figures: EndFigures | None = None) -> RunHead:
         comm_measured=strategy.comm_measured, strategy_compressions=sorted(strategy.compressions),
         profiling=timer.enabled, steps=facts.steps, profiled_steps=timer.profiled_steps,
         timed_steps=timer.timed_steps,
-        samples_per_second=steady if timer.enabled and steady > 0 else all_steps,
+        samples_per_second=samples_per_second,
         samples_per_second_all_steps=all_steps, train_seconds=facts.train_seconds,
         validation_seconds=facts.validation_seconds, checkpoint_seconds=facts.checkpoint_seconds,
         wall_seconds=facts.wall_seconds,
@@ -258,5 +259,5 @@ def run_head(facts: RunFacts, figures: EndFigures | None = None) -> RunHead:
         unobserved_phases=list(facts.unobserved_phases) or None,
         device_facts=device, resumed_at_batch=facts.resumed_at_batch,
         membership_changes=list(facts.membership_changes) or None,
-        first_steps=first_steps_of(timer, steady and gbs / steady),
+        first_steps=first_steps_of(timer, gbs / samples_per_second if samples_per_second > 0 else 0.0),
         flops=mfu_section(figures.per_rank, facts.precision, device) if figures is not None and device else None)
