@@ -48,6 +48,7 @@ ROOT = HERE.parent
 
 TRIAL = '''
 import json
+import time
 import torch
 import dtrain
 from models import GPT, RandomTokens, lm_loss
@@ -63,10 +64,10 @@ class _Ops(dtrain.LoopCallback):
             self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                                torch.profiler.ProfilerActivity.CUDA])
             self.profiler.start()
-            self.start = __import__("time").perf_counter()
+            self.start = time.perf_counter()
         elif batch_idx == self.first + self.steps - 1:
             torch.cuda.synchronize()
-            host = (__import__("time").perf_counter() - self.start) / self.steps
+            host = (time.perf_counter() - self.start) / self.steps
             self.profiler.stop()
             with open(self.out, "w") as f:
                 json.dump(count_ops(self.profiler, self.steps, host), f)
