@@ -66,7 +66,8 @@ class _Ops(dtrain.LoopCallback):
             self.profiler.start()
             self.start = time.perf_counter()
         elif batch_idx == self.first + self.steps - 1:
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             host = (time.perf_counter() - self.start) / self.steps
             self.profiler.stop()
             with open(self.out, "w") as f:
