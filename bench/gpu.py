@@ -10,9 +10,11 @@ Rows, run alternately round after round (so drift hits all alike):
 
 * plain loops, pinned memory and non-blocking copies, nothing else: ``fp32``; ``tf32``; ``bf16`` (autocast
   around forward and loss, backward and optimizer outside); ``fp16`` (the same in float16, with
-  ``torch.amp.GradScaler``: scale, step, update);
-* ``dtrain run`` with ``precision`` 32-true / tf32 / bf16-mixed / 16-mixed, profiling on, and 32-true with
-  profiling off.
+  ``torch.amp.GradScaler``: scale, step, update); ``bf16-resident``: bf16 on one batch kept on the device;
+* ``dtrain run`` with ``precision`` 32-true / tf32 / bf16-mixed / 16-mixed, profiling on, 32-true with
+  profiling off, and bf16-mixed on ``data_loader.synthetic`` (one batch kept on the device), held against
+  ``bf16-resident``: where the bf16 gap closes without a data path, the data path (the loader, the side
+  stream's copy) is where it was.
 
 Steady state: plain loops time steps ``warmup``..``steps`` between two device synchronizations; dtrain rows
 give ``summary.json``'s ``samples_per_second`` (device-timed profiled steps after ``warmup``) and
@@ -96,10 +98,17 @@ class GPTTrial(dtrain.PyTorchTrial):
         return {"loss": loss}
 '''
 
-PLAIN = ("fp32", "tf32", "bf16", "fp16")
-DTRAIN = (("32-true", True), ("32-true", False), ("tf32", True), ("bf16-mixed", True), ("16-mixed", True))
+PLAIN = ("fp32", "tf32", "bf16", "fp16", "bf16-resident")
+# (precision, profiling, synthetic data). Synthetic: one batch kept on the device, as the plain loop's
+# "-resident" variant: the pair without any data path, so a gap that closes there is the data path's.
+DTRAIN = (("32-true", True, False), ("32-true", False, False), ("tf32", True, False), ("bf16-mixed", True, False),
+          ("16-mixed", True, False), ("bf16-mixed", True, True))
 # Which plain loop each dtrain precision is held against.
 BASELINE = {"32-true": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
+
+
+def baseline(precision: str, synthetic: bool) -> str:
+    return "bf16-resident" if synthetic else BASELINE[precision]
 
 
 def count_ops(profiler: Any, steps: int, host_seconds: float) -> dict[str, Any]:
@@ -117,20 +126,25 @@ def count_ops(profiler: Any, steps: int, host_seconds: float) -> dict[str, Any]:
 
 def plain_loop(variant: str, steps: int, warmup: int, batch: int, ops_steps: int = 0) -> dict[str, Any]:
     """A hand-written loop (see the module's doc): steady samples/s and the first steps' seconds; with
-    ``ops_steps``, the operations of that many steps after the warm-up instead."""
+    ``ops_steps``, the operations of that many steps after the warm-up instead. ``...-resident``: one batch
+    copied to the device once and used at every step (no data path)."""
     from models import GPT, RandomTokens, lm_loss
 
     device = torch.device("cuda", 0)
-    torch.backends.cuda.matmul.allow_tf32 = variant == "tf32"
-    torch.backends.cudnn.allow_tf32 = variant == "tf32"
+    precision, resident = variant.removesuffix("-resident"), variant.endswith("-resident")
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
     torch.manual_seed(0)
     model = GPT().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(variant)
-    scaler = torch.amp.GradScaler("cuda") if variant == "fp16" else None
-    loader = torch.utils.data.DataLoader(RandomTokens(records=8192), batch_size=batch, shuffle=True,
-                                         drop_last=True, pin_memory=True)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    loader: Any = torch.utils.data.DataLoader(RandomTokens(records=8192), batch_size=batch, shuffle=True,
+                                              drop_last=True, pin_memory=True)
     last = warmup + ops_steps if ops_steps else steps
+    if resident:
+        one = [t.to(device) for t in next(iter(loader))]
+        loader = [one] * (last + 1)
     profiler, out = None, {}
     torch.cuda.synchronize(device)
     begin = start = time.perf_counter()
@@ -167,7 +181,7 @@ def plain_loop(variant: str, steps: int, warmup: int, batch: int, ops_steps: int
     return {**out, "steady": (last - warmup) * batch / seconds}
 
 
-def dtrain_run(precision: str, profiling: bool, steps: int, warmup: int, batch: int, tmp: Path,
+def dtrain_run(precision: str, profiling: bool, synthetic: bool, steps: int, warmup: int, batch: int, tmp: Path,
                ops_steps: int = 0) -> dict[str, Any]:
     """One ``dtrain run`` of the GPT trial; its summary's figures (or, with ``ops_steps``, its operations)."""
     (tmp / "gpt_trial.py").write_text(TRIAL)
@@ -180,12 +194,13 @@ def dtrain_run(precision: str, profiling: bool, steps: int, warmup: int, batch: 
         steps = warmup + ops_steps + 1
     config = {"name": "gpu", "entrypoint": "gpt_trial:GPTTrial", "hyperparameters": hparams,
               "resources": {"slots_per_trial": 1}, "max_length": {"batches": steps}, "scheduling_unit": 50,
-              "precision": precision, "profiling": {"enabled": profiling, "warmup_steps": warmup}}
+              "precision": precision, "profiling": {"enabled": profiling, "warmup_steps": warmup},
+              "data_loader": {"synthetic": synthetic}}
     import yaml
 
     cfg = tmp / "gpu.yaml"
     cfg.write_text(yaml.safe_dump(config))
-    run_dir = tmp / f"run-{precision}-{profiling}-{time.monotonic_ns()}"
+    run_dir = tmp / f"run-{precision}-{profiling}-{synthetic}-{time.monotonic_ns()}"
     subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(cfg), "--run-dir", str(run_dir), "--quiet"],
                    check=True, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=1200)
     if ops_steps:
@@ -207,18 +222,20 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_tables(plain: dict[str, list[dict[str, Any]]], ours: dict[tuple[str, bool], list[dict[str, Any]]]) -> None:
+def print_tables(plain: dict[str, list[dict[str, Any]]],
+                 ours: dict[tuple[str, bool, bool], list[dict[str, Any]]]) -> None:
     print("\n| what | steady samples/s | vs its plain loop | all steps | first steps s | to first step s | MFU |")
     print("|---|---|---|---|---|---|---|")
     for variant, runs in plain.items():
         print(f"| plain loop, {variant} | {_median([r['steady'] for r in runs]):,.0f} | 1.00 | - | "
               f"{_fmt(_median([r['first_steps_seconds'] for r in runs]), '.2f')} | - | - |")
-    for (precision, profiling), runs in ours.items():
+    for (precision, profiling, synthetic), runs in ours.items():
         steady = _median([r["steady"] for r in runs]) or 0.0
-        base = _median([r["steady"] for r in plain[BASELINE[precision]]]) or 1.0
+        base = _median([r["steady"] for r in plain[baseline(precision, synthetic)]]) or 1.0
         mfu, all_steps = _median([r["mfu"] for r in runs]), _median([r["all_steps"] for r in runs])
         first, to_first = (_median([r[k] for r in runs]) for k in ("first_steps_seconds", "time_to_first_step"))
-        print(f"| dtrain, {precision}, profiling {'on' if profiling else 'off'} | {steady:,.0f} | "
+        name = f"dtrain, {precision}, profiling {'on' if profiling else 'off'}" + (", synthetic" if synthetic else "")
+        print(f"| {name} | {steady:,.0f} | "
               f"{steady / base:.3f} | {all_steps:,.0f} | {_fmt(first, '.2f')} | {_fmt(to_first, '.2f')} | "
               f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} |")
 
@@ -251,7 +268,7 @@ def main() -> None:
     print(f"dtrain GPU bench: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, GPT-like LM, batch "
           f"{args.batch}, steps {args.warmup}..{args.steps}, {args.rounds} rounds", flush=True)
     plain: dict[str, list[dict[str, Any]]] = {v: [] for v in PLAIN}
-    ours: dict[tuple[str, bool], list[dict[str, Any]]] = {r: [] for r in DTRAIN}
+    ours: dict[tuple[str, bool, bool], list[dict[str, Any]]] = {r: [] for r in DTRAIN}
     ops: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
@@ -260,17 +277,18 @@ def main() -> None:
             for row in DTRAIN:
                 ours[row].append(dtrain_run(*row, args.steps, args.warmup, args.batch, Path(tmp)))
             print(f"  round {i}: plain bf16 {plain['bf16'][-1]['steady']:,.0f}, dtrain bf16-mixed "
-                  f"{ours[('bf16-mixed', True)][-1]['steady']:,.0f} samples/s", flush=True)
+                  f"{ours[('bf16-mixed', True, False)][-1]['steady']:,.0f} samples/s", flush=True)
         print_tables(plain, ours)
         if args.ops:
             ops = {"plain": plain_loop("bf16", args.steps, args.warmup, args.batch, ops_steps=args.ops),
-                   "dtrain": dtrain_run("bf16-mixed", True, args.steps, args.warmup, args.batch, Path(tmp),
-                                        ops_steps=args.ops)}
+                   "dtrain": dtrain_run("bf16-mixed", True, False, args.steps, args.warmup, args.batch,
+                                        Path(tmp), ops_steps=args.ops)}
             print_op_diff(ops["plain"], ops["dtrain"])
     if args.json is not None:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                                          "args": {k: str(v) for k, v in vars(args).items()}, "plain": plain,
-                                         "dtrain": {f"{p}/{'on' if on else 'off'}": r for (p, on), r in ours.items()},
+                                         "dtrain": {f"{p}/{'on' if on else 'off'}{'/synthetic' if syn else ''}": r
+                                                    for (p, on, syn), r in ours.items()},
                                          "ops": ops}, indent=2))
 
 
