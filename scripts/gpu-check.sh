@@ -7,13 +7,13 @@
 #   env.txt        nvidia-smi, python, torch, the installed wheels
 #   test_gpu.txt   tests/test_gpu.py (every test marked gpu) and tests/test_cuda_hidden.py, with CUDA visible
 #   suite.txt      the files that failed where CUDA was visible (fixtures of every scope must see none)
-#   bench.txt      bench/gpu.py: plain loop vs dtrain run in fp32, tf32, bf16, fp16 (GradScaler) and bf16 without
-#                  a data path (one batch on the device), steady
-#   bench.json     state and first steps, MFU, and the aten operations and CUDA kernels of one bf16 step
+#   bench.txt      bench/gpu.py: plain loop vs dtrain run in fp32, tf32, bf16, fp16 (GradScaler) and bf16
+#   bench.json     without a data path (a batch kept on the device): steady state and first steps, MFU,
+#                  and the aten operations and CUDA kernels of one bf16 step on each side
 #
-# Sizes (estimates): install ~20 s, tests ~3-4 min, suite ~2 min, bench ~5-6 min (one round, 5 steps profiled). With a
-# 15-minute device budget, run `install tests` and `install bench` as two calls (each under 10 minutes)
-# or all three in one call with BENCH_ROUNDS=1 and a timeout_s that leaves time to rerun one.
+# Sizes (estimates): install ~20 s, tests ~3-4 min, suite ~2 min, bench ~5-6 min (one round, 5 steps
+# profiled). With a 15-minute device budget, run `install tests` and `install bench` as two calls (each
+# under 10 minutes, timeout_s 540), or `install tests bench` in one call where only one fits.
 #
 # Carry the wheels the machine's image lacks (it has torch, lightning, rich, matplotlib, pyyaml, numpy,
 # scikit-learn, tensorboard, typer, pytest, pytest-timeout, pytest-xdist; see
