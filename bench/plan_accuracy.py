@@ -1,25 +1,33 @@
 #!/usr/bin/env python3
-"""How well the cost model predicts held-out configurations, from ONE 1-slot run and from ONE 2-slot run.
+"""How well the cost model predicts held-out configurations: stored rows evaluated, re-fitted, or re-measured.
 
-Source runs (examples/digits, and the same model 10x larger): 1 slot and 2 slots on this host. From each
-alone, the cost model (:mod:`dtrain.explain.costmodel`, as ``dtrain plan`` builds it; a 1-slot source gets
-``dtrain plan``'s local link probe) predicts every row:
+Without options it trains nothing: it predicts every stored row of ``bench/data/plan_rows.json`` (published
+large-scale results from their ``--what-if`` inputs; rows measured on this host from the inputs their model
+had) with the constants in ``src/dtrain/explain/fitted_intervals.json``, and again with constants fitted
+without each row's configuration (leave-one-configuration-out), and prints the accuracy tables::
+
+    .venv/bin/python bench/plan_accuracy.py [--json out.json]        # evaluate the stored rows
+    .venv/bin/python bench/plan_accuracy.py --refit                  # fit the constants again, write them
+    sudo .venv/bin/python bench/plan_accuracy.py --measure [--steps 300] [--repeats 3] [--out DIR]
+
+``--measure`` runs the held-out configurations on this host and stores them as rows (replacing the stored
+measured rows): source runs (examples/digits, and the same model 10x larger) with 1 and 2 slots; from each
+alone, the cost model (as ``dtrain plan`` builds it; a 1-slot source gets ``dtrain plan``'s local link probe)
+predicts every row:
 
 * 1, 2 and 3 slots on one host; 2 slots with aggregation_frequency 4, fp16, PowerSGD;
 * the 10x model on 1 and 2 slots (from its own source runs);
 * 2 test hosts x 1 slot (network namespaces, scripts/testhosts.py, one core each): unthrottled veth,
-  200 Mbit and 1 Gbit tc tbf links (``--link`` as a user would give it), 200 Mbit with aggregation 4.
+  200 Mbit and 1 Gbit tc tbf links (``--link`` as a user would give it, with tbf's bucket), 200 Mbit with
+  aggregation 4.
 
 Each row is then run and measured, in rounds; within a round every source configuration is measured
 again, and a row's measured figure is its *ratio to the same round's run of the source configuration*
-(absolute samples/s drift by 10-50% within minutes here; ratios to a run just before do not). The
-prediction is compared the same way: predicted row / predicted source configuration. The interval holds
-when the measured ratio lies inside the predicted 80% interval over the predicted source figure.
-
-    sudo .venv/bin/python bench/plan_accuracy.py [--steps 400] [--repeats 3] [--json out.json] [--out DIR]
-
-Root is needed for the test hosts (without it their rows are skipped and said so). With ``--out DIR`` runs
-are kept, and a run whose profile.json is there is not run again (an interrupted session continues).
+(absolute samples/s drift by 10-50% within minutes on a shared host; ratios to a run just before do not).
+The prediction is compared the same way: predicted row / predicted source configuration. Root is needed for
+the test hosts (without it their rows are skipped and said so). With ``--out DIR`` runs are kept, and a run
+whose profile.json is there is not run again (an interrupted session continues). Measure on a quiet host:
+other processes on the cores move the ratios by more than the model's error.
 """
 
 from __future__ import annotations
@@ -34,10 +42,21 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from dtrain.explain.costmodel import CostModel, Target
+from dtrain.explain import fitted
+from dtrain.explain.calibration import (
+    Outcome,
+    Summary,
+    evaluate,
+    fit,
+    held_out,
+    model_to_json,
+    rows_from_json,
+    with_values,
+)
+from dtrain.explain.costmodel import CostModel, Link, Target
 from dtrain.explain.plan import build_model, parse_link
 from dtrain.profiling.record import load_profile
 
@@ -48,6 +67,10 @@ CONFIG = ROOT / "examples" / "digits" / "experiment.yaml"
 PORT = 29530
 # hidden 480 instead of 128: 10.2x the parameters (266k).
 BIG = ["hyperparameters.hidden=480"]
+ROWS = ROOT / "bench" / "data" / "plan_rows.json"
+FITTED = ROOT / "src" / "dtrain" / "explain" / "fitted_intervals.json"
+# scripts/testhosts.py shapes each test host's link with tc tbf "burst 32kbit": 4,000 bytes.
+TBF_BURST_BYTES = 4000.0
 
 
 @dataclass
@@ -128,92 +151,133 @@ def run_hosts(row: Row, steps: int, run_dir: Path) -> float:
     return load_profile(run_dir / "profile.json").samples_per_second
 
 
-def predict(model: CostModel, row: Row) -> tuple[float, float, float]:
-    """(predicted, low, high) samples/s of ``row`` over the model's prediction of its own run."""
-    mine = model.predict(model.measured_target())
-    pred = model.predict(Target(row.slots, row.nodes, **row.target))
-    base = mine.samples_per_second
-    return pred.samples_per_second / base, pred.samples_per_second_low / base, pred.samples_per_second_high / base
+def source_link(rate: str | None) -> Link | None:
+    """The link between test hosts as a user gives it (``--link RATE``), with tbf's bucket (testhosts.py)."""
+    return replace(parse_link(rate), burst_bytes=TBF_BURST_BYTES) if rate else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", type=Path)
-    parser.add_argument("--out", type=Path, help="keep the runs here (and continue an interrupted session)")
-    args = parser.parse_args(argv)
+def measure(args: argparse.Namespace) -> list[dict]:
+    """Run the source configurations and every row in rounds; the rows with their models' inputs."""
     from testhosts import unavailable_reason
 
     no_hosts = unavailable_reason()
+    if no_hosts:
+        print(f"plan_accuracy: the 2-host rows are skipped: {no_hosts}", file=sys.stderr)
     table = rows()
     sources = {(m, n): [*(BIG if m == "big" else [])] for m in ("small", "big") for n in (1, 2)}
-    loads = [os.getloadavg()[0]]
+    stored = []
     with contextlib.ExitStack() as stack:
         tmp = Path(args.out or stack.enter_context(tempfile.TemporaryDirectory(prefix="dtrain-plan-accuracy-")))
         models: dict[tuple[str, int, str | None], CostModel] = {}
         for (m, n), sets in sources.items():
             run_local(n, sets, args.steps, tmp / f"source-{m}-{n}")
-        predicted: dict[tuple[str, int], tuple[float, float, float]] = {}
         for row in table:
             for n in (1, 2):
                 key = (row.model, n, row.rate)
                 if key not in models:
-                    link = parse_link(row.rate) if row.rate else None
-                    _, models[key] = build_model(tmp / f"source-{row.model}-{n}", link,
-                                              log=lambda line: print(line, file=sys.stderr))
-                predicted[(row.label, n)] = predict(models[key], row)
+                    _, built = build_model(tmp / f"source-{row.model}-{n}", None,
+                                           log=lambda line: print(line, file=sys.stderr))
+                    models[key] = replace(built, between_hosts=source_link(row.rate))
         ratios: dict[tuple[str, int], list[float]] = {(row.label, n): [] for row in table for n in (1, 2)}
         for r in range(args.repeats):
             reference = {key: run_local(key[1], sets, args.steps, tmp / f"r{r}-ref-{key[0]}-{key[1]}")
                          for key, sets in sources.items()}
-            order = table if r % 2 == 0 else list(reversed(table))
-            for row in order:
+            for row in table if r % 2 == 0 else list(reversed(table)):
                 if row.nodes > 1 and no_hosts:
                     continue
                 print(f"plan_accuracy: [{r + 1}/{args.repeats}] {row.label} ...", file=sys.stderr, flush=True)
                 folder = tmp / f"r{r}-{table.index(row):02d}"
-                sps = run_hosts(row, args.steps, folder) if row.nodes > 1 else run_local(row.slots, row.sets,
-                                                                                         args.steps, folder)
+                sps = (run_hosts(row, args.steps, folder) if row.nodes > 1
+                       else run_local(row.slots, row.sets, args.steps, folder))
                 for n in (1, 2):
                     ratios[(row.label, n)].append(sps / reference[(row.model, n)])
-            loads.append(os.getloadavg()[0])
-    report(table, predicted, ratios, args, loads, no_hosts)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    for row in table:
+        for n in (1, 2):
+            if (row.slots == n and row.nodes == 1 and not row.target) or not ratios[(row.label, n)]:
+                continue  # the source itself, or skipped
+            built = models[(row.model, n, row.rate)]
+            target = Target(row.slots, row.nodes, **row.target)
+            stored.append({"config": row.label, "label": f"{row.label} (from the {'10x ' if row.model == 'big' else ''}"
+                           f"{n}-slot run)", "rounds": ratios[(row.label, n)], "measured_at": when,
+                           "steps": args.steps, "source": model_to_json(built, target)})
+    return stored
+
+
+def _table(title: str, outcomes: list[Outcome]) -> str:
+    lines = [f"\n{title}\n", "| row | predicted (80% interval) | measured | error | covered |", "|---|---|---|---|---|"]
+    for o in outcomes:
+        digits = ",.0f" if o.predicted >= 100 else ".3f"
+        lines.append(f"| {o.row.label} | {o.predicted:{digits}} ({o.low:{digits}}-{o.high:{digits}}) | "
+                     f"{o.row.measured:{digits}} | {100 * o.error:+.1f}% | {'yes' if o.inside else 'no'} |")
+    s = Summary.of(outcomes)
+    if s.rows:
+        lines.append(f"\n{s.rows} rows: mean absolute error {100 * s.mean_error:.1f}%, "
+                     f"worst {100 * s.worst_error:.1f}%, covered {100 * s.covered:.0f}%, "
+                     f"widest interval +/-{100 * s.widest_half_width:.0f}%")
+    return "\n".join(lines)
+
+
+def _legacy(document: dict) -> str:
+    lines = ["\nLegacy rows (model and measurements of their session; inputs not kept, not re-predictable)\n",
+             "| row | predicted (80% interval) | measured (median of rounds) | error | covered |",
+             "|---|---|---|---|---|"]
+    errors, covered = [], []
+    for r in document["legacy"]:
+        measured = statistics.median(r["rounds"])
+        errors.append(abs(r["predicted"] / measured - 1))
+        covered.append(r["low"] <= measured <= r["high"])
+        lines.append(f"| {r['label']} | {r['predicted']:.2f} ({r['low']:.2f}-{r['high']:.2f}) | {measured:.2f} | "
+                     f"{100 * (r['predicted'] / measured - 1):+.0f}% | {'yes' if covered[-1] else 'no'} |")
+    if errors:
+        lines.append(f"\n{len(errors)} rows: mean absolute error {100 * statistics.mean(errors):.1f}%, worst "
+                     f"{100 * max(errors):.0f}%, covered {100 * sum(covered) / len(covered):.0f}%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--refit", action="store_true", help="fit the constants to the stored rows and write them")
+    parser.add_argument("--measure", action="store_true", help="run the held-out configurations and store them")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", type=Path, default=ROWS, help="the stored rows (default: bench/data/plan_rows.json)")
+    parser.add_argument("--fitted", type=Path, default=FITTED, help="the constants' file --refit writes")
+    parser.add_argument("--json", type=Path, help="write the evaluation here")
+    parser.add_argument("--out", type=Path, help="--measure: keep the runs here (and continue an interrupted session)")
+    args = parser.parse_args(argv)
+    document = json.loads(args.rows.read_text())
+    if args.measure:
+        document["measured"] = measure(args)
+        args.rows.write_text(json.dumps(document, indent=1) + "\n")
+    stored = rows_from_json(document)
+    start = fitted.load()
+    out = held_out(stored, start)
+    if args.refit or args.measure:
+        values, names = fit(stored, start)
+        held = Summary.of(out)
+        written = with_values(json.loads(args.fitted.read_text()), values, names)
+        written["fit"] = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "rows": held.rows,
+                          "held_out_mean_error": round(held.mean_error, 4),
+                          "held_out_worst_error": round(held.worst_error, 4),
+                          "held_out_covered": round(held.covered, 4)}
+        args.fitted.write_text(json.dumps(written, indent=1) + "\n")
+        print(f"plan_accuracy: fitted {', '.join(names)}; written to {args.fitted}", file=sys.stderr)
+        start = values
+    with fitted.trying(start):
+        current = evaluate(stored)
+    print(_table("With the stored constants (in-sample)", current))
+    print(_table("Held out (constants fitted without the row's configuration)", out))
+    print(_legacy(document))
+    if args.json:
+        args.json.write_text(json.dumps({"held_out": [_as_dict(o) for o in out],
+                                         "in_sample": [_as_dict(o) for o in current]}, indent=1))
     return 0
 
 
-def report(table: list[Row], predicted: dict, ratios: dict, args: argparse.Namespace, loads: list[float],
-           no_hosts: str | None) -> None:
-    print(f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {args.steps} steps per run, "
-          f"{args.repeats} round(s), medians of per-round ratios; load average (1 min) "
-          f"{', '.join(f'{x:.1f}' for x in loads)} (start, after each round).\n")
-    print("| configuration | from | predicted ratio (80% interval) | measured ratio (rounds) | error | in interval |")
-    print("|---|---|---|---|---|---|")
-    out, errors, inside = [], [], []
-    for row in table:
-        for n in (1, 2):
-            if row.slots == n and row.nodes == 1 and row.model in ("small", "big") and not row.target:
-                continue  # the source itself
-            value, low, high = predicted[(row.label, n)]
-            rounds = ratios[(row.label, n)]
-            name = f"{'10x ' if row.model == 'big' else ''}{n}-slot run"
-            if not rounds:
-                print(f"| {row.label} | {name} | {value:.2f} ({low:.2f}-{high:.2f}) | skipped: {no_hosts} | - | - |")
-                continue
-            measured = statistics.median(rounds)
-            error = value / measured - 1
-            hit = low <= measured <= high
-            errors.append(abs(error))
-            inside.append(hit)
-            print(f"| {row.label} | {name} | {value:.2f} ({low:.2f}-{high:.2f}) | {measured:.2f} "
-                  f"({', '.join(f'{x:.2f}' for x in rounds)}) | {100 * error:+.0f}% | {'yes' if hit else 'no'} |")
-            out.append({"label": row.label, "source_slots": n, "model": row.model, "predicted": value, "low": low,
-                        "high": high, "measured": measured, "rounds": rounds, "error": error, "inside": hit})
-    if errors:
-        print(f"\nmean absolute error {100 * statistics.mean(errors):.1f}%, worst {100 * max(errors):.0f}%, "
-              f"interval holds in {sum(inside)}/{len(inside)} rows ({100 * sum(inside) / len(inside):.0f}%)")
-    if args.json:
-        args.json.write_text(json.dumps({"rows": out, "loads": loads}, indent=2))
+def _as_dict(o: Outcome) -> dict:
+    return {"label": o.row.label, "predicted": o.predicted, "low": o.low, "high": o.high, "measured": o.row.measured,
+            "error": o.error, "inside": o.inside, "widest": o.widest}
 
 
 if __name__ == "__main__":

@@ -167,3 +167,26 @@ def test_launch_passes_the_scripts_exit_code_through(tmp_path):
     result = dtrain_cli("launch", "--slots", "1", str(script))
     assert result.code == 2, (result.code, result.stderr)
     assert "code 2" in result.stderr
+
+
+@pytest.mark.parametrize(("change", "fragment"), [
+    ("precision=fp8", "precision: got 'fp8' (str); expected '32-true'"),
+    ("resources.slots_per_trail=2", "did you mean 'resources.slots_per_trial'?"),
+    ("data_loader.num_workers=-1", "data_loader.num_workers: got -1"),
+    ("hyperparameters.global_batch_size=63", "must split evenly over the run's 2 slot(s)"),
+    ("nodes=many", "nodes must be a whole number"),
+    ("precision", "--try expects KEY=VALUE"),
+])
+def test_doctor_try_bad_input(tmp_path, change, fragment):
+    """``--try`` reads a change as ``--set`` does and checks it by the config's schema: one line, exit 2,
+    before anything is predicted (no worker starts: a profile written by hand)."""
+    from profiles import make_profile
+    from profiles import write as write_profile
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(tiny_config(tmp_path).read_text())
+    step = {"data": 0.001, "forward": 0.004, "backward": 0.004, "comm_exposed": 0.002, "optimizer": 0.001}
+    write_profile(run, make_profile([step, step], "vm"))
+    _assert_one_line_error(cli_in_process("doctor", str(run), "--try", change), fragment)
+    _assert_one_line_error(cli_in_process("doctor", str(run), "--try", "seed=1", "--verify"), "give one of them")

@@ -36,6 +36,9 @@ def test_one_slot_on_nccl_trains_on_the_gpu(tmp_path):
     assert 0 < flops["mfu"] < 1 and flops["flops_per_step"] > 0
     assert first["allocator_segments"] is not None and first["allocator_segments"] >= 1
     assert first["time_to_first_step_seconds"] > first["first_step_seconds"] > 0
+    # The model's own steps, timed under every precision the GPU has (tf32 and 16-mixed on any CUDA device).
+    steps = profile["model_steps"]
+    assert {"32-true", "tf32", "16-mixed"} <= set(steps["seconds_per_step"]) and steps["double_batch_seconds_per_step"]
 
 
 def _training_losses(run) -> list[float]:

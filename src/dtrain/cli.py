@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("--mttf", help="mean hours between failures of one node: advise min_checkpoint_period "
                         "(the period that minimizes the expected time to finish, Young/Daly)")
     doctor.add_argument("--price", help="with --mttf: price per slot-hour, to state the saving in money")
+    doctor.add_argument("--try", dest="tries", action="append", default=[], metavar="KEY=VALUE",
+                        help="predict one change, spelled as for --set (precision, hyperparameters.global_batch_size, "
+                        "resources.slots_per_trial, nodes, optimizations.aggregation_frequency, "
+                        "optimizations.gradient_compression, optimizations.tensor_fusion_threshold, "
+                        "data_loader.num_workers; repeatable)")
+    doctor.add_argument("--link", help="--try nodes=N: the link between nodes, RATE[,LATENCY] as for dtrain plan")
 
     plan = sub.add_parser("plan", help="predict other slot/node counts and the doctor's options from one run")
     plan.add_argument("run_dir", type=Path, nargs="?", help="a run directory made by 'dtrain run' (or --what-if)")
@@ -371,9 +377,12 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
     from dtrain.explain.doctor import diagnose, render
+    from dtrain.explain.predictor import Predictor
     from dtrain.explain.summary import time_cost_table
     from dtrain.profiling.record import load_run_profile
 
+    if args.tries and args.verify:
+        raise UserError("--try predicts and --verify measures the doctor's own advice: give one of them")
     if args.verify:
         from dtrain.explain.verify import render as render_verify
         from dtrain.explain.verify import verify
@@ -384,18 +393,23 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=2) if args.json else render_verify(result), end="\n" if args.json else "")
         return 0
     profile = load_run_profile(args.run_dir)
-    diagnosis = diagnose(profile)
+    predictor = Predictor(profile)
+    diagnosis = diagnose(profile, predictor)
+    if args.tries:
+        from dtrain.explain.trying import predict_all
+
+        diagnosis.tries = predict_all(args.run_dir, profile, predictor, args.tries, args.link)
     if args.mttf is not None:
         from dtrain.explain.doctor import add_checkpoint_advice
         from dtrain.explain.finish import finish, run_costs
         from dtrain.explain.goodput import parse_mttf_hours, parse_price
 
         price = parse_price(args.price) if args.price is not None else None
-        found = finish(run_costs(args.run_dir, profile), diagnosis["step_seconds"], profile.slots, profile.hosts,
+        found = finish(run_costs(args.run_dir, profile), diagnosis.step_seconds, profile.slots, profile.hosts,
                        parse_mttf_hours(args.mttf), price)
         add_checkpoint_advice(diagnosis, found)
     if args.json:
-        print(json.dumps(diagnosis, indent=2))
+        print(json.dumps(diagnosis.to_json(), indent=2))
     else:
         print(time_cost_table(profile), end="")
         print(render(diagnosis), end="")
@@ -407,6 +421,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from dtrain.explain.goodput import parse_mttf_hours, parse_price
     from dtrain.explain.plan import parse_link, plan, plot, render
+    from dtrain.explain.plandoc import PlanDocument
     from dtrain.explain.scaling import parse_slots
 
     if args.what_if is not None:
@@ -414,25 +429,21 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         if args.run_dir is not None:
             raise UserError("--what-if plans on paper: give it without a run directory")
-        doc = plan_on_paper(args.what_if, parse_slots(args.slots))
+        doc = PlanDocument.from_json(plan_on_paper(args.what_if, parse_slots(args.slots)))
         png = args.png or (None if args.json else Path("plan-what-if.png"))
-        if png is not None:
-            plot(doc, png)
-        doc["png"] = str(png) if png is not None else None
-        print(json.dumps(doc, indent=2) if args.json else render(doc) + f"chart: {png}")
-        return 0
-    if args.run_dir is None:
-        raise UserError("dtrain plan needs a run directory made by 'dtrain run' (or --what-if SPEC)")
-    mttf = parse_mttf_hours(args.mttf) if args.mttf is not None else None
-    price = parse_price(args.price) if args.price is not None else None
-    doc = plan(args.run_dir, parse_slots(args.slots), args.nodes, parse_link(args.link), probe=args.probe,
-               mttf_hours=mttf, price=price)
-    # --json is for scripts: it leaves the chart a person asked for earlier alone unless told where to draw.
-    png = args.png or (None if args.json else args.run_dir / "plan.png")
+    else:
+        if args.run_dir is None:
+            raise UserError("dtrain plan needs a run directory made by 'dtrain run' (or --what-if SPEC)")
+        mttf = parse_mttf_hours(args.mttf) if args.mttf is not None else None
+        price = parse_price(args.price) if args.price is not None else None
+        doc = plan(args.run_dir, parse_slots(args.slots), args.nodes, parse_link(args.link), probe=args.probe,
+                   mttf_hours=mttf, price=price)
+        # --json is for scripts: it leaves the chart a person asked for earlier alone unless told where to draw.
+        png = args.png or (None if args.json else args.run_dir / "plan.png")
     if png is not None:
         plot(doc, png)
-    doc["png"] = str(png) if png is not None else None
-    print(json.dumps(doc, indent=2) if args.json else render(doc) + f"chart: {png}")
+    doc.png, doc.png_set = (str(png) if png is not None else None), True
+    print(json.dumps(doc.to_json(), indent=2) if args.json else render(doc) + f"chart: {png}")
     return 0
 
 

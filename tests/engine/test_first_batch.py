@@ -60,7 +60,7 @@ def test_a_torchrun_style_trial_is_named_and_not_diagnosed(tmp_path):
     assert profile.batch_scaling is None and profile.solo_probe is None
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["unobserved_phases"] == \
         profile.unobserved_phases
-    diagnosis = diagnose(profile)
+    diagnosis = diagnose(profile).to_json()
     assert not diagnosis["phases_observed"] and diagnosis["top_factor"] is None
     assert diagnosis["verdict"].startswith("the step's phases were not observed: train_batch calls "
                                            "loss.backward() / opt.step() itself")
@@ -81,7 +81,7 @@ def test_a_trial_that_calls_both_is_diagnosed_and_not_warned(tmp_path):
     profile = load_profile(tmp_path / "run" / "profile.json")
     assert profile.unobserved_phases is None and profile.phases_observed
     assert "unobserved_phases" not in json.loads((tmp_path / "run" / "profile.json").read_text())
-    assert diagnose(profile)["phases_observed"]
+    assert diagnose(profile).phases_observed
 
 
 def test_only_the_optimizer_step_unobserved_is_named_alone():

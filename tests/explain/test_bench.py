@@ -51,8 +51,8 @@ def test_bench_and_doctor_agree_on_one_slot(tmp_path):
     assert result.code == 0, result.stderr
     data = json.loads((out / "bench.json").read_text())
     measured = next(r for r in data["rows"] if r["slots"] == 2)["speedup"]
-    estimates = sorted(diagnose(load_run_profile(out / f"round{r}" / "2slot-strong-real"))["scaling"]
-                       ["estimated_speedup_vs_one_slot"] for r in range(3))
+    estimates = sorted(diagnose(load_run_profile(out / f"round{r}" / "2slot-strong-real")).scaling
+                       .estimated_speedup_vs_one_slot for r in range(3))
     assert all(c["threads_per_slot"] >= 1 for c in data["cases"])
     assert estimates[1] == pytest.approx(measured, rel=0.25), (estimates, measured, data["rows"])
 

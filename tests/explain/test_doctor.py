@@ -99,32 +99,74 @@ def _gpu_profile(precision="32-true", peak_gb=10.0, total_gb=80.0, comm_exposed=
                       "matmul_tflops": {"fp32": 50.0, "tf32": 200.0, "bf16": 400.0, "fp16": 400.0}}, **facts)
 
 
-def test_doctor_recommends_lower_precision_on_a_compute_bound_gpu():
-    from dtrain.explain.doctor import diagnose
+def test_lower_precision_on_a_gpu_is_a_bound_until_the_model_steps_are_timed():
+    """Matmul peaks (8x here) only bound a step's gain: without the model's own steps timed in bf16 the
+    doctor names the change with its bound and no prediction, advises nothing on it, and saves no time."""
+    from dtrain.explain.doctor import diagnose, render
 
-    diagnosis = diagnose(_gpu_profile())
-    by_factor = {f["factor"]: f for f in diagnosis["factors"]}
-    precision = by_factor["precision"]
+    typed = diagnose(_gpu_profile())
+    diagnosis = typed.to_json()
+    precision = {f["factor"]: f for f in diagnosis["factors"]}["precision"]
     assert precision["key"] == "precision" and precision["value"] == "bf16-mixed"
-    # compute 30 ms of a 34 ms step, matmuls 8x faster: at most 30 * 7/8 ms saved.
-    assert precision["seconds_per_step"] == pytest.approx(0.030 * 7 / 8)
-    assert precision["predicted_speedup"] == pytest.approx(0.034 / (0.034 - 0.030 * 7 / 8))
-    assert diagnosis["recommendations"][0]["action"] == "precision: bf16-mixed"
+    assert precision["predicted_speedup"] is None and precision["seconds_per_step"] == 0
+    # compute 30 ms of a 34 ms step, matmuls 8x faster: the step at most 34 / (34 - 30 * 7/8) as fast.
+    assert precision["predicted_bound"] == pytest.approx(0.034 / (0.034 - 0.030 * 7 / 8), rel=1e-6)
+    assert "not a prediction" in precision["why"] and "a bound" in diagnosis["verdict"]
+    assert all(r["key"] != "precision" for r in diagnosis["recommendations"])
+    assert "(bound)" in render(typed)
     assert sum(f["share"] for f in diagnosis["factors"]) == pytest.approx(1.0)
-    mixed = {f["factor"]: f for f in diagnose(_gpu_profile(precision="bf16-mixed"))["factors"]}
+    mixed = {f["factor"]: f for f in diagnose(_gpu_profile(precision="bf16-mixed")).to_json()["factors"]}
     assert mixed["precision"]["key"] is None and mixed["precision"]["seconds_per_step"] == 0
+
+
+def _model_steps(seconds, run="32-true"):
+    """profile.json's model_steps: the model's own step timed per precision at the end of the run."""
+    return {"per_slot_batch_size": 32, "run_precision": run, "steps_timed": 5, "seconds_per_step": seconds,
+            "skipped": {}, "double_batch_seconds_per_step": None, "double_batch_skipped": "not timed here",
+            "cost_seconds": 0.5}
+
+
+# The optimizer's step (2 ms on the GPU profile, 1 ms on the CPU one) stays float32: it is taken out of both.
+@pytest.mark.parametrize("device, timed, expected", [
+    ("cuda", {"32-true": 0.0334, "bf16-mixed": 0.016}, 0.0314 / 0.014),  # the issue's H100: 2.09x a step
+    ("cuda", {"32-true": 0.0334, "bf16-mixed": 0.0025}, 8.0),  # beyond its matmuls' peak: bounded by it
+    ("cpu", {"32-true": 0.010, "bf16-mixed": 0.013}, 0.009 / 0.012),  # bf16 autocast slower on this CPU
+])
+def test_lower_precision_is_predicted_from_the_model_own_steps(device, timed, expected):
+    from dtrain.explain import precision as precision_mod
+    from dtrain.explain.doctor import diagnose
+    from dtrain.explain.predictor import Predictor, target_at
+
+    steps = _model_steps(timed)
+    profile = _gpu_profile(model_steps=steps) if device == "cuda" else make_profile([FAST], "vm", model_steps=steps)
+    found = precision_mod.best(profile)
+    assert found is not None and found.precision == "bf16-mixed" and found.gain == pytest.approx(expected)
+    rows = {f["factor"]: f for f in diagnose(profile).to_json()["factors"]}
+    compute = rows["compute"]["seconds_per_step"] + rows["precision"]["seconds_per_step"]
+    predictor = Predictor(profile)
+    gain = predictor.predict(target_at(predictor.model, precision_gain=expected)).value
+    if expected > 1:
+        assert rows["precision"]["predicted_speedup"] == pytest.approx(gain)
+        assert rows["precision"]["seconds_per_step"] == pytest.approx(compute * (1 - 1 / expected))
+    else:  # slower: predicted slower, said so, and not advised
+        assert gain < 1 and rows["precision"]["key"] is None and rows["precision"]["seconds_per_step"] == 0
+        assert f"precision: bf16-mixed is predicted at {gain:.2f}x, no faster than" in rows["precision"]["why"]
 
 
 def test_batch_size_advice_is_bounded_by_gpu_memory():
     from dtrain.explain.doctor import diagnose
 
-    roomy = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=10))["factors"]}
+    roomy = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=10)).to_json()["factors"]}
     assert roomy["batch_size"]["value"] == 64
     # Fixed costs big enough that 1.25x the batch gains more than 2% (see the next test for when it does not).
-    tight = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=50, optimizer=0.02))["factors"]}
+    tight = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=50, optimizer=0.02)).to_json()["factors"]}
     assert tight["batch_size"]["value"] == 40  # 0.9 x 80 GB / 50 GB peak: 1.25x the batch
-    full = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=75))["factors"]}
+    full = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=75)).to_json()["factors"]}
     assert full["batch_size"]["key"] is None and "does not fit" in full["batch_size"]["why"]
+    # The model's own step at twice the batch ran out of memory (measured): no bigger batch, whatever the peak.
+    oom = {**_model_steps({"32-true": 0.03}), "double_batch_skipped": "out of memory"}
+    measured = {f["factor"]: f for f in diagnose(_gpu_profile(peak_gb=10, model_steps=oom)).to_json()["factors"]}
+    assert measured["batch_size"]["key"] is None and "ran out of memory (measured)" in measured["batch_size"]["why"]
 
 
 def test_no_compression_advice_for_a_strategy_that_cannot_compress():
@@ -133,7 +175,7 @@ def test_no_compression_advice_for_a_strategy_that_cannot_compress():
     profile = _gpu_profile(comm_exposed=0.05, strategy="fsdp", strategy_compressions=["none"], ranks=2,
                            comm={"busy_seconds_per_step": 0.05, "bytes_per_step": 4e6, "algbw_bytes_per_second": 8e7,
                                  "buckets_per_step": 1.0, "latency_seconds": 1e-4})
-    communication = {f["factor"]: f for f in diagnose(profile)["factors"]}["communication"]
+    communication = {f["factor"]: f for f in diagnose(profile).to_json()["factors"]}["communication"]
     assert communication["key"] == "optimizations.aggregation_frequency"
     assert communication["predicted_speedup"] > 1 and "cannot compress" in communication["why"]
 
@@ -146,7 +188,7 @@ def _changes(diagnosis):
     out = []
     for f in diagnosis["factors"]:
         for change in (f, f.get("alternative")):
-            if change and change["key"] is not None:
+            if change and change["key"] is not None and "predicted_bound" not in change:  # a bound states no figure
                 out.append((f"{change['key']}: {change['value']}", change["predicted_speedup"]))
     out += [(r["action"], r["predicted_speedup"]) for r in diagnosis["recommendations"]]
     return out
@@ -155,7 +197,7 @@ def _changes(diagnosis):
 def _assert_true_words(diagnosis):
     """Invariants of every diagnosis: each stated change gains more than 2%, one change has one figure,
     a change is recommended once."""
-    from dtrain.explain.doctor import MIN_GAIN
+    from dtrain.explain.factors.base import MIN_GAIN
 
     figures = {}
     for change, speedup in _changes(diagnosis):
@@ -197,7 +239,8 @@ def _straggler_profile(chronic, hosts=("vm", "vm"), phase="forward", probe=FLAT_
 def test_no_straggler_advice_when_ranks_take_turns():
     from dtrain.explain.doctor import diagnose, render
 
-    turns, chronic = diagnose(_straggler_profile(False)), diagnose(_straggler_profile(True))
+    typed = diagnose(_straggler_profile(False))
+    turns, chronic = typed.to_json(), diagnose(_straggler_profile(True)).to_json()
     row = {f["factor"]: f for f in turns["factors"]}["straggler"]
     same = {f["factor"]: f for f in chronic["factors"]}["straggler"]
     # The factor keeps its share; it only stops blaming a rank.
@@ -205,8 +248,8 @@ def test_no_straggler_advice_when_ranks_take_turns():
     assert row["key"] is None and row["value"] is None and row["predicted_speedup"] is None
     assert "straggler" not in row and "alternative" not in row
     assert "take turns" in row["why"] and ("noise" in row["why"] and "shared" in row["why"])
-    text = render(turns) + turns["verdict"]
-    assert "take turns" in render(turns)
+    text = render(typed) + turns["verdict"]
+    assert "take turns" in render(typed)
     for advice in ("leave it out", "iostat", "Check on", "one slot fewer"):
         assert advice not in text, (advice, text)
     assert all(r["factor"] != "straggler" for r in turns["recommendations"])
@@ -216,15 +259,15 @@ def test_no_straggler_advice_when_ranks_take_turns():
 def test_chronic_straggler_on_one_host_is_never_told_to_leave_a_host():
     from dtrain.explain.doctor import diagnose
 
-    one_host = {f["factor"]: f for f in diagnose(_straggler_profile(True))["factors"]}["straggler"]
+    one_host = {f["factor"]: f for f in diagnose(_straggler_profile(True)).to_json()["factors"]}["straggler"]
     assert one_host["straggler"]["rank"] == 1 and "Check on vm" in one_host["why"]
     assert "leave it out" not in one_host["why"] and "run one slot fewer" in one_host["why"]
     assert (one_host["key"], one_host["value"]) == ("resources.slots_per_trial", 1)
-    two_hosts = diagnose(_straggler_profile(True, hosts=("a", "b")))
+    two_hosts = diagnose(_straggler_profile(True, hosts=("a", "b"))).to_json()
     row = {f["factor"]: f for f in two_hosts["factors"]}["straggler"]
     assert "leave it out" in row["why"] and "Check on b" in row["why"]
     # Without the probe one slot is estimated slower: the fallback is not offered at all, only the fix.
-    slower = {f["factor"]: f for f in diagnose(_straggler_profile(True, probe=None))["factors"]}["straggler"]
+    slower = {f["factor"]: f for f in diagnose(_straggler_profile(True, probe=None)).to_json()["factors"]}["straggler"]
     assert slower["key"] is None and "If it cannot be fixed" not in slower["why"]
     assert "predicted no faster" in slower["why"] and "Check on vm" in slower["why"]
 
@@ -235,7 +278,8 @@ def test_one_change_has_one_prediction():
     from dtrain.explain.doctor import diagnose, render
 
     for phase in ("forward", "data"):
-        diagnosis = diagnose(_straggler_profile(True, phase=phase))
+        typed = diagnose(_straggler_profile(True, phase=phase))
+        diagnosis = typed.to_json()
         scaling = diagnosis["scaling"]
         assert scaling["slower_than_one_slot"]
         figure = scaling["estimated_one_slot_speedup"]
@@ -245,7 +289,7 @@ def test_one_change_has_one_prediction():
         assert len(one_slot) == 1 and one_slot[0]["factor"] == "scaling"
         _assert_true_words(diagnosis)
         assert diagnosis["verdict"].count("resources.slots_per_trial: 1") == 1, diagnosis["verdict"]
-        assert f"{figure:.2f}x" in render(diagnosis)
+        assert f"{figure:.2f}x" in render(typed)
 
 
 def test_one_slot_run_gets_no_exchange_advice():
@@ -255,8 +299,9 @@ def test_one_slot_run_gets_no_exchange_advice():
     profile = make_profile([{**FAST, "comm_exposed": 0.01}], "vm",
                            comm={"busy_seconds_per_step": 0.01, "bytes_per_step": 1e6, "buckets_per_step": 1.0,
                                  "latency_seconds": 1e-4, "algbw_bytes_per_second": 1e8})
-    diagnosis = diagnose(profile)
-    stated = " ".join(c for c, _ in _changes(diagnosis)) + render(diagnosis)
+    typed = diagnose(profile)
+    diagnosis = typed.to_json()
+    stated = " ".join(c for c, _ in _changes(diagnosis)) + render(typed)
     for key in ("aggregation_frequency", "gradient_compression"):
         assert key not in stated, stated
     rows = {f["factor"]: f for f in diagnosis["factors"]}
@@ -268,14 +313,14 @@ def test_changes_within_two_percent_are_not_advised():
     from dtrain.explain.doctor import diagnose, render
 
     # 1.25x the batch (memory-bound) amortizes 3 ms of fixed costs in a 34 ms step: about 1.8% faster.
-    diagnosis = diagnose(_gpu_profile(peak_gb=50))
-    row = {f["factor"]: f for f in diagnosis["factors"]}["batch_size"]
+    typed = diagnose(_gpu_profile(peak_gb=50))
+    row = {f["factor"]: f for f in typed.to_json()["factors"]}["batch_size"]
     assert row["key"] is None and row["predicted_speedup"] is None and "within 2% of today" in row["why"]
-    line = next(ln for ln in render(diagnosis).splitlines() if "batch_size" in ln)
+    line = next(ln for ln in render(typed).splitlines() if "batch_size" in ln)
     assert "global_batch_size" not in line and line.count(" - ") >= 1, line
     for profile in (_gpu_profile(), _gpu_profile(peak_gb=50), _gpu_profile(precision="bf16-mixed"),
                     _straggler_profile(True), _straggler_profile(False), _straggler_profile(True, probe=None)):
-        _assert_true_words(diagnose(profile))
+        _assert_true_words(diagnose(profile).to_json())
 
 
 # A train_batch that calls loss.backward() / opt.step() itself: its forward, backward, exchange and update are
@@ -291,8 +336,9 @@ def test_phases_not_observed_are_not_diagnosed(tmp_path, missing):
     profile = make_profile([RAW_STEP, RAW_STEP], "vm", unobserved_phases=missing, batch_scaling=FLAT_PROBE,
                            comm={"busy_seconds_per_step": 0.003, "bytes_per_step": 1e6, "buckets_per_step": 1.0,
                                  "latency_seconds": 1e-4, "algbw_bytes_per_second": 3e8})
-    assert diagnose(make_profile([RAW_STEP, RAW_STEP], "vm"))["recommendations"]  # seen as a whole step, advised
-    diagnosis = diagnose(profile)
+    assert diagnose(make_profile([RAW_STEP, RAW_STEP], "vm")).recommendations  # seen as a whole step, advised
+    typed = diagnose(profile)
+    diagnosis = typed.to_json()
     verdict = diagnosis["verdict"]
     assert verdict.startswith("the step's phases were not observed: train_batch calls ") and "\n" not in verdict
     calls = ["self.context.step_optimizer(opt)"] + (["self.context.backward(loss)"] if "forward" in missing else [])
@@ -305,7 +351,7 @@ def test_phases_not_observed_are_not_diagnosed(tmp_path, missing):
     assert rows["data_loading"]["seconds_per_step"] == pytest.approx(0.0002)
     assert sum(f["share"] for f in diagnosis["factors"]) == pytest.approx(1.0)
     assert short_verdict(profile) == f"doctor: {verdict}"  # no change to try
-    assert f"verdict: {verdict}" in render(diagnosis) and "why:" not in render(diagnosis)
+    assert f"verdict: {verdict}" in render(typed) and "why:" not in render(typed)
     table = time_cost_table(profile)
     assert "other*" in table and f"* other includes {', '.join(missing)}: not observed" in table
     assert not any(line.split("│")[1].strip() in missing for line in table.splitlines() if line.count("│") > 2)
@@ -316,3 +362,26 @@ def test_phases_not_observed_are_not_diagnosed(tmp_path, missing):
     assert "unobserved_phases" not in json.loads(path.read_text()) and load_profile(path).phases_observed
     with pytest.raises(ValueError, match="expected phases among"):
         make_profile([RAW_STEP], "vm", unobserved_phases=["data"])
+
+
+@pytest.mark.xfail(strict=True, reason="explain/costmodel.py (helper 'accuracy'): a run whose exchanges beat the "
+                   "fitted link calibrates a NEGATIVE per-exchange overhead, which fp16's halved bytes do not halve")
+def test_halving_the_bytes_of_a_communication_bound_step_gains_at_most_2x():
+    """Issue 45's 10.7x: two hosts over 200 Mbit/s, 96% of the step the exchange. Halving its bytes can at
+    most halve the exchange: the doctor's (and plan's) fp16 gain is bounded by step / (step - exchange / 2)."""
+    from dtrain.explain.doctor import diagnose
+
+    params, rate, latency, exchange = 3_000_000, 25e6, 2e-4, 0.24
+    points = [{"bytes": b, "seconds": 2 * latency + b / rate} for b in (4e3, 4e5, 4e6, 32e6)]
+    phases = {"data": 0.002, "forward": 0.006, "backward": 0.010, "comm_exposed": exchange, "optimizer": 0.002}
+    profile = make_profile(
+        [phases, phases], ["a", "b"], parameters=params,
+        comm={"busy_seconds_per_step": exchange, "bytes_per_step": 4 * params, "buckets_per_step": 1.0,
+              "exposed_seconds_per_step": exchange, "latency_seconds": latency,
+              "algbw_bytes_per_second": 4 * params / exchange},
+        comm_probe={"world": 2, "backend": "gloo", "points": points},
+        compression_cost={"fp16_seconds": 0.003, "powersgd_seconds": 0.01, "powersgd_bytes": 1e5, "powersgd_rank": 1})
+    step = sum(phases.values())
+    communication = diagnose(profile).factor("communication")
+    assert communication is not None and communication.key == "optimizations.gradient_compression"
+    assert communication.predicted_speedup <= 1.05 * step / (step - exchange / 2 + 0.003)

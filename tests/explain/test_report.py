@@ -166,7 +166,7 @@ def test_full_report_is_well_formed_and_has_every_section(full_run):
 
 def test_doctor_verdict_and_highlighted_top_factor(full_run):
     run_dir, _, page = full_run
-    diagnosis = diagnose(load_run_profile(run_dir))
+    diagnosis = diagnose(load_run_profile(run_dir)).to_json()
     assert html.escape(diagnosis["verdict"]) in page
     top_rows = re.findall(r'<tr class="top"><td>([^<]*)</td>', page)
     assert top_rows == [diagnosis["top_factor"]]

@@ -56,7 +56,7 @@ def test_mfu_is_per_slot_and_in_total_against_the_precision_s_measured_peak():
 def test_the_summary_the_doctor_and_the_report_say_it_and_old_profiles_load_without_it():
     old = make_profile([{"forward": 0.004, "backward": 0.006}])
     assert old.flops is None and old.first_steps is None and efficiency_lines(old) == []
-    assert "MFU" not in time_cost_table(old) and diagnose(old)["mfu"] is None
+    assert "MFU" not in time_cost_table(old) and diagnose(old).efficiency.mfu is None
     first = {"startup_seconds": 2.5, "first_step_seconds": 0.4, "time_to_first_step_seconds": 2.9, "steps": 3,
              "seconds": 0.5, "steady_step_seconds": 0.01, "excess_seconds": 0.47, "allocator_segments": 12,
              "allocator_segments_later": 0, "autotuning": []}
@@ -68,7 +68,8 @@ def test_the_summary_the_doctor_and_the_report_say_it_and_old_profiles_load_with
     assert "470.0 ms more than as many steady steps" in lines[0] and "12 new allocator segment(s)" in lines[0]
     assert lines[1].startswith("MFU: 43% of the bf16 matmul measured on NVIDIA H100 (700 TFLOP/s)")
     diagnosis = diagnose(new)
-    assert diagnosis["mfu"] == 0.43 and diagnosis["first_steps_excess_seconds"] == 0.47
+    assert diagnosis.efficiency.mfu == 0.43 and diagnosis.efficiency.first_steps_excess_seconds == 0.47
+    assert diagnosis.to_json()["mfu_per_slot"] == [0.43] and diagnosis.to_json()["efficiency"] == lines
     for text in (time_cost_table(new), render(diagnosis)):
         assert all(line in text for line in lines)
 

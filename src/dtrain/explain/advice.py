@@ -7,7 +7,7 @@ for the phase it is slow in.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import asdict, dataclass
 
 from dtrain.profiling.record import BatchScaling, ProfileRecord
 
@@ -33,7 +33,51 @@ CHECKS = {
 }
 
 
-def straggler(profile: ProfileRecord, work: list[float]) -> dict[str, Any] | None:
+@dataclass(frozen=True, slots=True)
+class Straggler:
+    """The rank the others wait for: where, how late, slow in which phase; ``measured`` from arrival lags
+    (``chronic``: last in most sampled steps), else from per-rank work (``chronic`` then unknown)."""
+
+    rank: int
+    host: str
+    lag_seconds: float
+    lag_p90_seconds: float | None
+    last_fraction: float | None
+    samples: int
+    chronic: bool | None
+    phase: str
+    phase_excess_seconds: float
+    measured: bool
+    fixed_speedup: float | None = None  # the step without the waiting (a chronic straggler's row only)
+
+    def to_json(self) -> dict[str, object]:
+        out = asdict(self)
+        if self.fixed_speedup is None:
+            del out["fixed_speedup"]
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class LoaderPlan:
+    """Loader processes per slot to try, the step they predict, and why in words."""
+
+    workers: int
+    step_seconds: float
+    why: str
+
+
+@dataclass(frozen=True, slots=True)
+class BatchChange:
+    """A bigger global batch in the user's terms: the learning-rate rule, its factor, the ``--set`` changes
+    that apply it, and a sentence."""
+
+    sets: list[str]
+    rule: str
+    lr_factor: float
+    text: str
+
+
+def straggler(profile: ProfileRecord, work: list[float]) -> Straggler | None:
     """The rank everyone waits for, from ``profile.json``'s arrival lags (``stragglers``), else from the
     per-rank work (no lags sampled). None with one slot."""
     ranks = profile.per_rank
@@ -46,29 +90,27 @@ def straggler(profile: ProfileRecord, work: list[float]) -> dict[str, Any] | Non
         pick = chronic if chronic is not None else max(range(len(per_rank)),
                                                        key=lambda i: per_rank[i].lag_median_seconds)
         r = per_rank[pick]
-        return {"rank": pick, "host": r.host or "?", "lag_seconds": r.lag_median_seconds,
-                "lag_p90_seconds": r.lag_p90_seconds, "last_fraction": r.last_fraction,
-                "samples": lags.samples, "chronic": chronic is not None,
-                "phase": r.slow_phase, "phase_excess_seconds": r.slow_phase_excess_seconds, "measured": True}
+        return Straggler(pick, r.host or "?", r.lag_median_seconds, r.lag_p90_seconds, r.last_fraction, lags.samples,
+                         chronic is not None, r.slow_phase, r.slow_phase_excess_seconds, True)
     slowest = max(range(len(work)), key=lambda i: work[i])
     fastest = min(range(len(work)), key=lambda i: work[i])
     phases = ("data", "forward", "backward", "optimizer", "other")
     excess = {p: ranks[slowest].seconds_per_step.of(p) - min(r.seconds_per_step.of(p) for r in ranks) for p in phases}
     phase = max(phases, key=lambda p: excess[p])
-    return {"rank": slowest, "host": ranks[slowest].host or "?", "lag_seconds": work[slowest] - work[fastest],
-            "lag_p90_seconds": None, "last_fraction": None, "samples": 0, "chronic": None, "phase": phase,
-            "phase_excess_seconds": excess[phase], "measured": False}
+    return Straggler(slowest, ranks[slowest].host or "?", work[slowest] - work[fastest], None, None, 0, None, phase,
+                     excess[phase], False)
 
 
-def straggler_text(s: dict[str, Any], fewer_slots: str, one_host: bool = False,
+def straggler_text(s: Straggler, fewer_slots: str, one_host: bool = False,
                    fallback_speedup: float | None = None) -> str:
     """One paragraph about a chronically late rank: who, where, how late, slow in what, what to check there,
     and the fallback (one slot fewer; on a multi-host run, leaving that rank out), offered only when
     ``fallback_speedup`` (its predicted speed-up) gains more than 2%."""
-    ms = 1e3 * s["lag_seconds"]
-    if s["measured"]:
-        how = (f"arrives {ms:.2f} ms late at the gradient all-reduce (median over {s['samples']} sampled steps; "
-               f"p90 {1e3 * s['lag_p90_seconds']:.2f} ms; last in {100 * s['last_fraction']:.0f}% of them)")
+    ms = 1e3 * s.lag_seconds
+    if s.measured:
+        how = (f"arrives {ms:.2f} ms late at the gradient all-reduce (median over {s.samples} sampled steps; "
+               f"p90 {1e3 * (s.lag_p90_seconds or 0.0):.2f} ms; last in {100 * (s.last_fraction or 0.0):.0f}% of "
+               "them)")
     else:
         how = f"needs {ms:.2f} ms more work per step than the fastest rank"
     # Every rank shares the one host: there is no other host to move to, only fewer slots on this one.
@@ -78,23 +120,23 @@ def straggler_text(s: dict[str, Any], fewer_slots: str, one_host: bool = False,
     else:
         shown = f"{fallback_speedup:.2f}x" if fallback_speedup is not None else "not predicted"
         fallback = f"One slot fewer ({fewer_slots}) is predicted no faster ({shown}): fixing it is the way"
-    return (f"rank {s['rank']} (host {s['host']}) {how}, slow in {s['phase']} "
-            f"(+{1e3 * s['phase_excess_seconds']:.2f} ms per step over the fastest rank); the other ranks wait for "
-            f"it. Check on {s['host']}: {CHECKS[s['phase']]}. {fallback}")
+    return (f"rank {s.rank} (host {s.host}) {how}, slow in {s.phase} "
+            f"(+{1e3 * s.phase_excess_seconds:.2f} ms per step over the fastest rank); the other ranks wait for "
+            f"it. Check on {s.host}: {CHECKS[s.phase]}. {fallback}")
 
 
-def turns_text(s: dict[str, Any], waiting: float) -> str:
+def turns_text(s: Straggler, waiting: float) -> str:
     """The straggler factor when no rank is chronically last: ranks take turns, so no rank or host is to
     blame (run-to-run noise, or cores every rank shares), and nothing is to leave out or check on one host."""
     wait = f"ranks wait {1e3 * waiting:.2f} ms per step for one another"
-    who = f"rank {s['rank']} (host {s['host']})"
-    if not s["measured"]:
+    who = f"rank {s.rank} (host {s.host})"
+    if not s.measured:
         return (f"{wait}; no arrival lags were sampled, so no rank is known to be chronically last ({who} has "
-                f"{1e3 * s['lag_seconds']:.2f} ms more work per step than the fastest): ranks may take turns, "
+                f"{1e3 * s.lag_seconds:.2f} ms more work per step than the fastest): ranks may take turns, "
                 "with noise or cores shared by all ranks")
     return (f"{wait}, but no rank is chronically last: ranks take turns (the latest, {who}, is last in "
-            f"{100 * s['last_fraction']:.0f}% of {s['samples']} sampled steps): noise, or cores shared by all ranks; "
-            "no one rank to fix or leave out")
+            f"{100 * (s.last_fraction or 0.0):.0f}% of {s.samples} sampled steps): noise, or cores shared by all "
+            "ranks; no one rank to fix or leave out")
 
 
 def usable_cores(profile: ProfileRecord) -> int | None:
@@ -111,8 +153,10 @@ def local_slots(profile: ProfileRecord) -> int:
 MAX_ADVISED_WORKERS = 8
 
 
-def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: float) -> dict[str, Any]:
-    """How many loader processes per slot to try and the step they predict, from what the machine has.
+def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: float,
+                workers: int | None = None) -> LoaderPlan:
+    """How many loader processes per slot to try (``workers``: that many, as given) and the step they predict,
+    from what the machine has.
 
     ``data`` is the wait for a batch per step, ``cpu_work`` the training process's own busy time per step.
     With W loader processes a slot gets a batch every ``L / W`` seconds (``L``: seconds to load one, probed
@@ -144,17 +188,22 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
         from dtrain.launcher.preflight import PROCESSES_PER_CORE
 
         limit = max(1, min(limit, PROCESSES_PER_CORE * cores // local_slots(profile)))
-    candidates = list(range(current + 1, max(current + 1, limit) + 1))
-    best = min(predicted(w) for w in candidates)
-    workers = next(w for w in candidates if predicted(w) <= best * 1.03)  # fewest processes within 3%
-    new_step = min(step, predicted(workers))
+    if workers is None:
+        candidates = list(range(current + 1, max(current + 1, limit) + 1))
+        best = min(predicted(w) for w in candidates)
+        workers = next(w for w in candidates if predicted(w) <= best * 1.03)  # fewest processes within 3%
+    if workers == current:
+        new_step = step
+    elif workers == 0:  # the training process loads each batch itself: nothing hides it
+        new_step = rest + load
+    else:  # fewer processes than the run had can only be slower, more can only be faster
+        new_step = predicted(workers) if workers < current else min(step, predicted(workers))
     where = (f"{per_slot:g} core(s) per slot, {threads} torch thread(s) each" if per_slot is not None
              else "cores per slot not recorded")
     probed = (f"{1e3 * load:.2f} ms to load a batch, {100 * cpu_share:.0f}% of it on the CPU (probed after the run)"
               if share is not None else f"{1e3 * load:.2f} ms to load a batch (CPU share not probed: assumed all)")
-    return {"workers": workers, "step_seconds": new_step,
-            "why": f"{probed}; {workers} loader process(es) per slot overlap it with the "
-                   f"{1e3 * rest:.2f} ms rest of the step, on {where}"}
+    return LoaderPlan(workers, new_step, f"{probed}; {workers} loader process(es) per slot overlap it with the "
+                      f"{1e3 * rest:.2f} ms rest of the step, on {where}")
 
 
 # Optimizers whose step is normalized by a running gradient scale: a k times bigger batch lowers the
@@ -164,7 +213,7 @@ ADAPTIVE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", 
 LR_NAMES = ("lr", "learning_rate")
 
 
-def batch_change(profile: ProfileRecord, new_gbs: int) -> dict[str, Any]:
+def batch_change(profile: ProfileRecord, new_gbs: int) -> BatchChange:
     """A bigger global batch in the user's terms: the learning-rate rule that keeps training equivalent
     for the run's optimizer, the config changes (``--set`` form) that apply it, and a sentence."""
     old = profile.global_batch_size
@@ -186,7 +235,7 @@ def batch_change(profile: ProfileRecord, new_gbs: int) -> dict[str, Any]:
             f"learning rate from the old value to the new one over the first few epochs (e.g. "
             f"torch.optim.lr_scheduler.LinearLR(opt, start_factor={1 / factor:.3g}, total_iters=<steps of ~5 "
             "epochs>)) so the first big steps do not diverge")
-    return {"sets": sets, "rule": rule, "lr_factor": factor, "text": text}
+    return BatchChange(sets, rule, factor, text)
 
 
 def growth(single: float, double: float) -> float:

@@ -13,15 +13,21 @@ all ask :class:`CostModel`. It starts from one measured run (its ``profile.json`
   the run. More threads than cores share them.
 * **data** and **fixed** (optimizer, bookkeeping) as measured; data grows with the batch as probed.
 * **exchange**: per bucket ``latency + bytes / rate`` of a ring all-reduce (``2(N-1)`` steps, ``2(N-1)/N`` of
-  the bytes through each link), fitted to all-reduces of several sizes (:mod:`dtrain.profiling.commprobe`)
-  on the run's own ranks, or by ``dtrain plan --probe`` in local processes, or a given link; plus what an
+  the bytes through each link; across nodes on GPUs, NCCL's tree where it is faster: :mod:`.network`),
+  fitted to all-reduces of several sizes (:mod:`dtrain.profiling.commprobe`) on the run's own ranks, or by
+  ``dtrain plan --probe`` in local processes, or a given link; plus what an
   exchange costs inside training beyond that (waking up, waiting for the slowest peer: the step's jitter
   grows with the expected maximum of ``N`` ranks), calibrated so the run reproduces its own step. fp16
   halves the bytes and adds the measured cast; PowerSGD sends the measured low-rank bytes, in two
-  collectives per bucket, and adds its measured matmuls and QR.
+  collectives per bucket, and adds its measured matmuls and QR and its hook's own host time per collective.
+  A shaped link (a token bucket) paces each message by its bucket; more slots than a host's cores wait,
+  at every ring step, for a peer the scheduler has put aside.
 
 Every input is recorded with where it came from (measured, probed, given, assumed), and every prediction
-carries an 80% interval from the run's own step-to-step drift and the uncertainty of each input.
+carries an 80% interval from the run's own step-to-step drift and the uncertainty of each input: those
+uncertainties and the terms' constants are fitted to stored held-out rows (:mod:`dtrain.explain.fitted`).
+The interval never reaches beyond linear scaling, and where every input was measured on this host it is at
+most +/-25% of its point.
 """
 
 from __future__ import annotations
@@ -29,27 +35,32 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from dtrain.explain import fitted
 from dtrain.explain.facts import Facts, Work
+from dtrain.explain.network import (
+    TREE_BANDWIDTH,
+    Link,
+    RingLink,
+    expected_max,
+    ring,
+    shaped_seconds,
+    tree_latency_steps,
+)
 from dtrain.profiling.commprobe import LinkFit, fit
 from dtrain.profiling.record import ProfileRecord
+
+__all__ = ["CostModel", "Link", "Prediction", "RingLink", "Source", "Target", "expected_max", "ratio", "ring"]
 
 # z of the 80% two-sided normal interval.
 Z80 = 1.2816
 # DDP's buckets: the first gradients go out in a small bucket so communication starts early, then bucket_cap_mb.
 FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 * 2**20, 25 * 2**20
-# Relative uncertainties (one standard deviation) of inputs that were not measured on the run itself;
-# sized so that docs/benchmarks.md's held-out rows fall inside the 80% interval as often as it says.
-ASSUMED = {"contention": 0.15, "threads": 0.10, "link_probe": 0.30, "link_given": 0.20, "batch_extrapolation": 0.10,
-           "exchange_overhead": 0.30, "compute": 0.05, "loader_workers": 0.50}
-
-
-@dataclass(frozen=True, slots=True)
-class Link:
-    """Between hosts: bytes per second and seconds of latency per ring step (None: as measured)."""
-
-    bytes_per_second: float | None
-    latency_seconds: float
-    label: str
+# Where every input was measured on this host (the run, its probes, dtrain plan --probe), the interval is at
+# most this far from its point (issue 45): wider says nothing a user can act on.
+MEASURED_SPREAD = math.log(1.25)
+# Inputs given rather than measured here (a link, a datasheet, a loader count the run did not use): an
+# interval with one of them keeps its full width.
+NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +98,7 @@ class Prediction:
     low: float
     high: float
     global_batch: int
+    widest: str = ""  # the input whose uncertainty widens the interval most
 
     @property
     def samples_per_second(self) -> float:
@@ -99,37 +111,6 @@ class Prediction:
     @property
     def samples_per_second_high(self) -> float:
         return self.global_batch / self.low
-
-
-def expected_max(n: int) -> float:
-    """Expected maximum of ``n`` standard normal draws (the slowest of ``n`` ranks, in standard deviations)."""
-    exact = {1: 0.0, 2: 0.5642, 3: 0.8463, 4: 1.0294, 5: 1.1630, 6: 1.2672, 7: 1.3522, 8: 1.4236}
-    if n in exact:
-        return exact[n]
-    root = math.sqrt(2 * math.log(n))
-    return root - (math.log(math.log(n)) + math.log(4 * math.pi)) / (2 * root)
-
-
-def ring(n: int) -> float:
-    """Share of an all-reduce's bytes that cross each link of a ring of ``n``."""
-    return 2 * (n - 1) / n if n > 1 else 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class RingLink:
-    """A link as a ring all-reduce sees it: seconds per ring step and bytes per second through each link."""
-
-    step_latency: float
-    busbw: float
-
-    @classmethod
-    def from_fit(cls, link: LinkFit, world: int) -> RingLink:
-        return cls(link.latency / (2 * (world - 1)), link.rate * ring(world))
-
-    def allreduce(self, nbytes: float, world: int) -> float:
-        if world < 2:
-            return 0.0
-        return 2 * (world - 1) * self.step_latency + ring(world) * nbytes / self.busbw
 
 
 @dataclass
@@ -261,14 +242,15 @@ class CostModel:
         fixed = f.fixed / f.crowd * crowd
         exchange = compression = 0.0
         if target.slots > 1:
-            exchange, compression = self._exchange(target, crowd, compute * f.backward_share)
+            exchange, compression = self._exchange(target, crowd, compute)
         aggregation = target.aggregation or f.aggregation
         return {"data": data, "compute": compute, "fixed": fixed, "exchange": (exchange + compression) / aggregation,
                 "compression": compression / aggregation}
 
-    def _exchange(self, target: Target, crowd: float, backward: float) -> tuple[float, float]:
+    def _exchange(self, target: Target, crowd: float, compute: float) -> tuple[float, float]:
         """(seconds of one gradient exchange on the wire and waiting, seconds of compression math)."""
         f = self.facts
+        backward = compute * f.backward_share
         n = target.slots
         nbytes = 4.0 * f.parameters
         compression = target.compression if target.compression is not None else f.compression
@@ -279,20 +261,14 @@ class CostModel:
             math_seconds = costs.fp16_seconds if costs is not None else 0.0
         elif compression == "powersgd" and costs is not None:
             nbytes, math_seconds, collectives = costs.powersgd_bytes, costs.powersgd_seconds, 2
-        link = self.link or RingLink(0.0, float("inf"))
-        between = self.between_hosts if target.nodes > 1 else None
         sizes = self.buckets(nbytes, target.one_bucket)
-        times = []
-        for size in sizes:
-            seconds = 0.0
-            for _ in range(collectives):
-                part = size / collectives
-                seconds += link.allreduce(part, n)
-                if between is not None:
-                    if between.bytes_per_second is not None:  # the slower link sets the ring's rate
-                        seconds += max(0.0, ring(n) * part / between.bytes_per_second - ring(n) * part / link.busbw)
-                    seconds += 2 * (n - 1) * between.latency_seconds
-            times.append(seconds * crowd)
+        if compression == "powersgd" and costs is not None:
+            # The probe times the hook's matmuls and QR; the hook's own Python and allocations run per bucket
+            # and collective on the autograd thread, and on shared cores they take turns with the others.
+            math_seconds += fitted.load().terms["powersgd_hook_seconds"] * len(sizes) * collectives * crowd
+        descheduled = self._descheduled(target)
+        times = [sum(crowd * self._allreduce(size / collectives, target) + descheduled for _ in range(collectives))
+                 for size in sizes]
         wire = sum(times)
         overlap = f.overlap if f.overlap is not None else f.device == "cuda"
         if overlap and collectives == 1:
@@ -300,52 +276,109 @@ class CostModel:
             wire = max(times[-1], wire - backward)
         # Waking up and waiting for the slowest of n ranks: the run's step jitter, the expected maximum of n.
         # (The calibrated overhead is what remains beyond this at the run's own slot count.)
-        jitter = f.jitter * expected_max(n)
+        # On paper no jitter was measured: one GPU's spread relative to its compute, fitted to published rows.
+        spread = f.jitter + (fitted.load().terms["paper_jitter"] * compute if f.batch_given else 0.0)
+        jitter = spread * expected_max(n)
         # More processes than cores: every exchange also waits for peers to get a core back, in proportion.
         waiting = (self.overhead + jitter) * crowd / f.crowd
         return max(0.0, wire + waiting), math_seconds
 
+    def _allreduce(self, nbytes: float, target: Target) -> float:
+        """Seconds of one all-reduce of ``nbytes``: the ring (or NCCL's tree, where faster) through the slower
+        link, and each step's latency."""
+        n, nodes = target.slots, target.nodes
+        link = self.link or RingLink(0.0, float("inf"))
+        wire, between_latency = ring(n) * nbytes / link.busbw, 0.0
+        between = self.between_hosts if nodes > 1 else None
+        if between is not None:
+            terms = fitted.load().terms
+            if between.bytes_per_second is not None:  # the slower link sets the ring's rate
+                wire = max(wire, 2 * (n - 1) * shaped_seconds(nbytes / n, between, terms["shaper_tick_seconds"]))
+            between_latency = between.latency_seconds
+        seconds = 2 * (n - 1) * (link.step_latency + between_latency) + wire
+        if self.facts.device == "cuda" and nodes > 1:
+            within, across = tree_latency_steps(n, nodes)
+            tree = within * link.step_latency + across * (link.step_latency + between_latency) + wire / TREE_BANDWIDTH
+            seconds = min(seconds, tree)
+        return seconds
+
+    def _descheduled(self, target: Target) -> float:
+        """Seconds one collective waits for peers off their cores: a ring step needs its peer running, and with
+        more processes than a host's cores, (local - cores) / local of them wait half a scheduler slice on
+        average, at each of the 2(n-1) steps (beyond the cores' shared time, which the crowd factor prices)."""
+        n = target.slots
+        local = max(1, math.ceil(n / target.nodes))
+        cores = target.cores or self.facts.cores
+        if self.facts.device != "cpu" or local <= cores:
+            return 0.0
+        return 2 * (n - 1) * (local - cores) / local * fitted.load().terms["scheduler_slice_seconds"] / 2
+
     def predict(self, target: Target) -> Prediction:
-        """Seconds per step of ``target``, by part, with its 80% interval."""
+        """Seconds per step of ``target``, by part, with its 80% interval (never faster than linear scaling
+        from one slot, which no measured effect here allows)."""
         parts = self._parts(target)
         step = parts["data"] + parts["compute"] + parts["fixed"] + parts["exchange"]
+        linear = 0.0
         if target.slots > 1:
             # Never beyond linear: N slots do at most N times what one slot with a host's cores does (a probe's
             # noise between thread counts must not read as superlinear scaling).
             one = self._parts(replace(target, slots=1, nodes=1, threads=None))
-            step = max(step, (one["data"] + one["compute"] + one["fixed"]) / target.slots)
-        spread = Z80 * self._sigma(target, parts, step) / step  # relative: a step is never negative
+            linear = (one["data"] + one["compute"] + one["fixed"]) / target.slots
+            step = max(step, linear)
+        sigmas = self.uncertainties(target, parts, step)
+        spread = Z80 * math.sqrt(sum(v * v for v in sigmas.values())) / step  # relative: a step is never negative
+        if not any(name in NOT_MEASURED for name in sigmas):
+            spread = min(spread, MEASURED_SPREAD)
+        widest = max(sigmas, key=lambda k: sigmas[k]) if sigmas else ""
         gbs = target.global_batch or self.facts.global_batch
-        return Prediction(target, {**parts, "step": step}, step, step * math.exp(-spread), step * math.exp(spread), gbs)
+        low = max(step * math.exp(-spread), linear)
+        return Prediction(target, {**parts, "step": step}, step, low, step * math.exp(spread), gbs, widest)
 
-    def _sigma(self, target: Target, parts: dict[str, float], step: float) -> float:
-        """One standard deviation of the predicted step: drift over the run, plus each input's uncertainty."""
+    def exposures(self, target: Target, parts: dict[str, float], step: float) -> dict[str, float]:
+        """Seconds of the step that each uncertain input moves by one unit of its relative uncertainty (the
+        fit's design: one standard deviation of the step is the root sum of squares of exposure x uncertainty)."""
         f = self.facts
-        u = ASSUMED
         local, threads = self.local_threads(target)
-        compute_u = u["compute"]
+        compute, exchange = parts["compute"], parts["exchange"]
+        # Compute given on paper is another input than compute a run measured: their uncertainties differ.
+        out = {"compute_given" if f.batch_given else "compute": compute, "data": parts["data"]}
         if not f.work.probed(threads):
-            compute_u += u["threads"]
+            out["threads"] = compute
         if local > 1 and f.local_slots == 1 and f.device == "cpu":
-            compute_u += u["contention"]
+            out["contention"] = compute
         batch = (target.global_batch or f.global_batch) / target.slots
-        if not f.batch_given:
-            compute_u += u["batch_extrapolation"] * abs(math.log(batch / f.per_slot_batch))
-        comm_u = 0.0
+        if not f.batch_given and batch != f.per_slot_batch:
+            out["batch_extrapolation"] = compute * abs(math.log(batch / f.per_slot_batch))
         if target.slots > 1:
-            comm_u = {"measured": 0.1, "probed": u["link_probe"]}.get(self.link_source, u["link_given"])
-            comm_u += self.link_residual
+            link = {"measured": "link_measured", "probed": "link_probe"}.get(self.link_source, "link_given")
+            out[link] = exchange
+            if target.nodes > 1:  # a datasheet's network on paper is another input than a --link beside a run
+                out["inter_given" if f.batch_given else "link_between_hosts"] = exchange
+            if f.batch_given:  # on paper no run calibrated anything: the links and the stragglers' spread only
+                return {**out, "unmeasured_drift": step}
             if self.overhead_source != "measured":
-                comm_u += u["exchange_overhead"]
-            if target.nodes > 1:
-                comm_u += u["link_given"]
-            comm_u += 0.1 * abs(math.log(target.slots / max(2, f.slots)))
-        parts_sigma = math.hypot(compute_u * parts["compute"], comm_u * parts["exchange"], 0.05 * parts["data"])
-        # Other loader processes: their start-up and the hand-over of each batch from them are not modelled,
-        # and on shared cores they compete with training; the planted slow-data case's measured gain was about
-        # half the predicted one (tests/explain/test_verify.py).
-        loader = u["loader_workers"] * step if target.data_workers_step is not None else 0.0
-        return math.hypot(_drift(f.windows) * step, parts_sigma, loader)
+                out["exchange_overhead"] = exchange
+            if target.slots != max(2, f.slots):
+                out["slot_extrapolation"] = exchange * abs(math.log(target.slots / max(2, f.slots)))
+        if target.data_workers_step is not None:
+            # Other loader processes: their start-up and the hand-over of each batch from them are not modelled,
+            # and on shared cores they compete with training; the planted slow-data case's measured gain was about
+            # half the predicted one (tests/explain/test_verify.py).
+            out["loader_workers"] = step
+        if len(self.facts.windows) < 3:
+            out["unmeasured_drift"] = step
+        return out
+
+    def uncertainties(self, target: Target, parts: dict[str, float], step: float) -> dict[str, float]:
+        """One standard deviation of the step from each source: the run's drift and the link fit's residual
+        (measured), and each input's exposure times its fitted uncertainty."""
+        u = fitted.load().uncertainty
+        out = {name: u[name] * seconds for name, seconds in self.exposures(target, parts, step).items()}
+        if len(self.facts.windows) >= 3:
+            out["drift over the run"] = _drift(self.facts.windows) * step
+        if target.slots > 1 and self.link_residual > 0:
+            out["link fit residual"] = self.link_residual * parts["exchange"]
+        return {name: value for name, value in out.items() if value > 0}
 
 
 def ratio(new: Prediction, base: Prediction) -> tuple[float, float, float]:
@@ -363,9 +396,7 @@ def _describe(work: Work) -> str:
 
 def _drift(windows: tuple[float, ...]) -> float:
     """Relative standard deviation of the run's mean step over its windows of steps (drift over the run), at
-    least 3%; 5% where there are too few windows to tell."""
-    if len(windows) < 3:
-        return 0.05
+    least 3% (three or more windows)."""
     mean = sum(windows) / len(windows)
     var = sum((w - mean) ** 2 for w in windows) / (len(windows) - 1)
     return max(0.03, math.sqrt(var) / mean)

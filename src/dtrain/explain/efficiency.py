@@ -7,7 +7,7 @@ sections existed has neither: then there is nothing to say.
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 from dtrain.profiling.record import ProfileRecord
 
@@ -59,10 +59,22 @@ def efficiency_lines(profile: ProfileRecord) -> list[str]:
     return [line for line in (first_steps_line(profile), mfu_line(profile)) if line is not None]
 
 
-def doctor_fields(profile: ProfileRecord) -> dict[str, Any]:
-    """What the doctor's ``--json`` document adds: MFU in total and per slot, the first steps' excess."""
-    flops, first = profile.flops, profile.first_steps
-    return {"mfu": flops.mfu if flops is not None else None,
-            "mfu_per_slot": flops.mfu_per_slot if flops is not None else None,
-            "first_steps_excess_seconds": first.excess_seconds if first is not None else None,
-            "efficiency": efficiency_lines(profile)}
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    """What the doctor adds to its diagnosis: MFU in total and per slot, the first steps' excess over steady
+    ones, and the lines the summary, the report and the doctor show (None and none for an older profile)."""
+
+    mfu: float | None
+    mfu_per_slot: list[float] | None
+    first_steps_excess_seconds: float | None
+    lines: list[str]
+
+    @classmethod
+    def of(cls, profile: ProfileRecord) -> Efficiency:
+        flops, first = profile.flops, profile.first_steps
+        return cls(flops.mfu if flops is not None else None, flops.mfu_per_slot if flops is not None else None,
+                   first.excess_seconds if first is not None else None, efficiency_lines(profile))
+
+    def to_json(self) -> dict[str, object]:
+        return {"mfu": self.mfu, "mfu_per_slot": self.mfu_per_slot,
+                "first_steps_excess_seconds": self.first_steps_excess_seconds, "efficiency": self.lines}

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields, replace
 
 from dtrain.explain.advice import probe_growth
 from dtrain.profiling.record import ProfileRecord
@@ -118,6 +118,25 @@ class Facts:
                                if costs is not None else None),
             train_latency=p.comm.latency_seconds, train_algbw=p.comm.algbw_bytes_per_second,
             jitter=p.step_jitter_seconds or 0.0, windows=tuple(p.step_window_seconds or ()))
+
+    def to_json(self) -> dict[str, object]:
+        """The facts as plain JSON (the stored held-out rows keep the inputs their predictions came from)."""
+        out = asdict(self)
+        out["work"] = {str(t): list(point) for t, point in self.work.points.items()}
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, object]) -> Facts:
+        """The inverse of :meth:`to_json`."""
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in known}
+        work = values.pop("work")
+        costs = values.pop("compression_costs", None)
+        built = cls(**values, work=Work({int(t): (float(a), float(c))  # type: ignore[arg-type]
+                                         for t, (a, c) in work.items()}))  # type: ignore[union-attr]
+        return replace(built, compression_costs=CompressionFacts(**costs) if isinstance(costs, dict) else None,
+                       link_points=tuple(tuple(p) for p in built.link_points),  # type: ignore[misc]
+                       windows=tuple(built.windows))
 
     @property
     def local_slots(self) -> int:

@@ -15,9 +15,10 @@ Nothing is measured here: every input is given, and the output says so. The spec
     overlap=no             whether the all-reduce overlaps backward (DDP: yes, the default; after
                            gradient accumulation: no)
 
-The exchange is a flat ring all-reduce of DDP's 25 MB buckets across every GPU, through the slower of the two
-links, with one latency per ring step (NCCL's trees at large scale have lower latency: the ring is an upper
-bound there).
+The exchange is an all-reduce of DDP's 25 MB buckets across every GPU, through the slower of the two links:
+a ring (one latency per step) or, across nodes, NCCL's tree where its tuner would find it faster; each step
+waits for the slowest of N GPUs, with a per-GPU spread fitted to published results (``fitted_intervals.json``).
+Each row names the input whose uncertainty widens its interval most.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import math
 from typing import Any
 
 from dtrain.errors import UserError
+from dtrain.explain import fitted
 from dtrain.explain.costmodel import CostModel, Link, RingLink, Source, Target
 from dtrain.explain.facts import Facts, Work
 
@@ -36,6 +38,10 @@ SUFFIX = {"k": 1e3, "m": 1e6, "g": 1e9}
 RATE = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "mb": 1e6, "gb": 1e9}
 TIME = {"ms": 1e-3, "us": 1e-6, "s": 1.0}
 MAX_GPUS = 1024
+# The cost model's uncertainty names as the spec's inputs.
+WIDEST = {"compute": "compute (the given per-GPU time)", "link_given": "intra (the link within a node)",
+          "inter_given": "inter (the link between nodes)",
+          "unmeasured_drift": "step-to-step spread and stragglers (not given; fitted to published results)"}
 
 
 def _bad(key: str, value: str, rule: str) -> UserError:
@@ -136,10 +142,21 @@ def model(spec: dict[str, Any]) -> tuple[CostModel, str]:
         Source("link within a node", f"{rate * 8 / 1e9:g} Gbit/s, {1e6 * latency:g} us per ring step", "given"),
         Source("link between nodes", between.label + " per node", "given"),
         Source("per-step overhead", f"{1e3 * overhead:g} ms", "given" if spec["overhead"] is not None else "assumed"),
-        Source("exchange cost beyond the link (waking up, stragglers)", "0", "assumed"),
+        Source("exchange cost beyond the link (waking up)", "0", "assumed"),
+        Source("stragglers: one GPU's step-to-step spread, of its compute",
+               f"{100 * fitted.load().terms['paper_jitter']:.2g}% (each step waits for the slowest of N)", "fitted"),
     ]
     built = CostModel(facts, RingLink(latency, rate), "given", 0.0, between, 0.0, "assumed", 1.0, 1.0, sources)
     return built, "strong" if spec["global"] is not None else "weak"
+
+
+def target(spec: dict[str, Any], gpus: int) -> Target:
+    """``gpus`` GPUs of ``spec``: its nodes from GPUs per node, its global batch (given, or per GPU x GPUs)."""
+    per_node = spec["gpus_per_node"]
+    if gpus == 1:
+        return Target(1, 1, spec["global"] or spec["batch"] or spec["compute_batch"], threads=1)
+    per_gpu = spec["batch"] or spec["compute_batch"]
+    return Target(gpus, max(1, math.ceil(gpus / per_node)), spec["global"] or per_gpu * gpus, threads=1, cores=per_node)
 
 
 def plan_on_paper(text: str, slot_counts: list[int]) -> dict[str, Any]:
@@ -148,22 +165,21 @@ def plan_on_paper(text: str, slot_counts: list[int]) -> dict[str, Any]:
     if max(slot_counts) > MAX_GPUS:
         raise UserError(f"--slots: at most {MAX_GPUS} GPUs on paper, got {max(slot_counts)}")
     built, kind = model(spec)
-    per_node = spec["gpus_per_node"]
-    per_gpu = spec["batch"] or spec["compute_batch"]
-    one_gbs = spec["global"] or per_gpu
-    one = built.predict(Target(1, 1, one_gbs, threads=1))
-    rows = []
+    one = built.predict(target(spec, 1))
+    rows, widest = [], ""
     for n in slot_counts:
-        nodes = max(1, math.ceil(n / per_node))
-        gbs = spec["global"] or per_gpu * n
-        pred = built.predict(Target(n, nodes, gbs, threads=1, cores=per_node))
+        pred = built.predict(target(spec, n))
+        nodes = pred.target.nodes
         rows.append({"slots": n, "nodes": nodes, "option": "base", "change": f"{kind} scaling",
                      "samples_per_second": pred.samples_per_second, "low": pred.samples_per_second_low,
                      "high": pred.samples_per_second_high,
                      "efficiency": pred.samples_per_second / (n * one.samples_per_second),
                      "seconds_per_step": pred.step, "seconds_per_step_low": pred.low,
                      "seconds_per_step_high": pred.high, "parts_seconds": pred.parts, "seconds_to_finish": None,
-                     "finish": None})
+                     "finish": None, "widest_input": WIDEST.get(pred.widest, pred.widest)})
+        widest = WIDEST.get(pred.widest, pred.widest)
+    if widest:
+        built.sources.append(Source("widens the interval most (at the most GPUs)", widest, "fitted"))
     return {"run_dir": None, "what_if": text, "scaling": kind,
             "measured": {"slots": 1, "nodes": 1, "samples_per_second": one.samples_per_second,
                          "model_samples_per_second": one.samples_per_second},

@@ -16,8 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import UserError
-from dtrain.explain.costmodel import CostModel, Link, Prediction, Target
+from dtrain.explain import precision
+from dtrain.explain.costmodel import CostModel, Link, Target
+from dtrain.explain.doctor import unobserved_note
 from dtrain.explain.finish import finish, run_costs
+from dtrain.explain.plandoc import Input, Measured, PlanDocument, PlanRow, RunCostsFacts
+from dtrain.explain.predictor import target_at
 from dtrain.profiling import commprobe
 from dtrain.profiling.record import ProfileRecord, load_run_profile
 
@@ -64,39 +68,35 @@ class Case:
 
     target: Target
     option: str = "base"
+    precision: str | None = None  # the "precision" option's config name
 
     @property
     def label(self) -> str:
         t = self.target
         return {"base": "as measured", "aggregation": f"aggregation_frequency: {t.aggregation}",
                 "compression": f"gradient_compression: {t.compression}", "fusion": "one fused bucket",
-                "precision": f"lower precision ({t.precision_gain:.1f}x matmuls)"}[self.option]
-
-
-def precision_gain(profile: ProfileRecord) -> float | None:
-    """The doctor's measured matmul speed-up of a lower precision (GPU with tensor cores), or None."""
-    from dtrain.explain.doctor import _precision_gain
-
-    found = _precision_gain(profile)
-    return found[1] if found is not None else None
+                "precision": f"precision: {self.precision} (compute {t.precision_gain:.2f}x, measured)"}[self.option]
 
 
 def cases(model: CostModel, p: ProfileRecord, slot_counts: list[int], nodes: int) -> list[Case]:
-    """Every slot count on one node (and on ``nodes`` where it divides), with the doctor's options."""
-    gain = precision_gain(p)
+    """Every slot count on one node (and on ``nodes`` where it divides), with the doctor's options, each
+    target built as the doctor builds it (:func:`dtrain.explain.predictor.target_at`). A lower precision is
+    shown only where the model's own steps were timed in it: a matmul peak ratio only bounds it."""
+    lower = precision.best(p)
+    gain = lower.gain if lower is not None else None
     out = []
     for n in slot_counts:
         for hosts in sorted({1, nodes} if nodes > 1 and n % nodes == 0 and n >= nodes else {1}):
-            out.append(Case(Target(n, hosts)))
+            out.append(Case(target_at(model, n, hosts)))
             if n > 1:
-                out.append(Case(Target(n, hosts, aggregation=4), "aggregation"))
+                out.append(Case(target_at(model, n, hosts, aggregation=4), "aggregation"))
                 for compression in ("fp16", "powersgd"):
                     if compression in p.strategy_compressions and compression != p.gradient_compression:
-                        out.append(Case(Target(n, hosts, compression=compression), "compression"))
+                        out.append(Case(target_at(model, n, hosts, compression=compression), "compression"))
                 if len(model.buckets(4.0 * p.parameters, False)) > 1:
-                    out.append(Case(Target(n, hosts, one_bucket=True), "fusion"))
-            if gain:
-                out.append(Case(Target(n, hosts, precision_gain=gain), "precision"))
+                    out.append(Case(target_at(model, n, hosts, one_bucket=True), "fusion"))
+            if lower is not None and gain is not None:
+                out.append(Case(target_at(model, n, hosts, precision_gain=gain), "precision", lower.precision))
     return out
 
 
@@ -131,8 +131,6 @@ def build_model(run_dir: Path, link: Link | None = None, probe: bool = False,
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     profile = load_run_profile(run_dir)
     if not profile.phases_observed:  # compute would be priced at zero: a confident wrong prediction
-        from dtrain.explain.doctor import unobserved_note
-
         raise UserError(f"dtrain plan cannot predict {run_dir}: {unobserved_note(profile)}")
     measured_link = profile.slots > 1 and profile.comm_probe is not None
     found = None if measured_link and not probe else local_probe(run_dir, profile, probe, log)
@@ -142,10 +140,10 @@ def build_model(run_dir: Path, link: Link | None = None, probe: bool = False,
 
 
 def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | None = None, probe: bool = False,
-         log: Any = None, mttf_hours: float | None = None, price: float | None = None) -> dict[str, Any]:
-    """The ``--json`` document: one prediction per case, with its interval and the model's inputs; with a
-    per-node ``mttf_hours`` or a ``price`` per slot-hour, each case's expected time and cost to finish
-    (failures, restarts and the measured checkpoint cost included) and its best checkpoint period."""
+         log: Any = None, mttf_hours: float | None = None, price: float | None = None) -> PlanDocument:
+    """One prediction per case, with its interval and the model's inputs; with a per-node ``mttf_hours`` or a
+    ``price`` per slot-hour, each case's expected time and cost to finish (failures, restarts and the measured
+    checkpoint cost included) and its best checkpoint period."""
     if nodes < 1:
         raise UserError(f"--nodes must be >= 1, got {nodes}")
     if nodes > 1 and link is None:
@@ -158,69 +156,58 @@ def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | Non
     costs = run_costs(run_dir, p)
     total = costs.total_batches
     one = model.predict(Target(1))
+    mine = model.predict(model.measured_target())
     predictions = []
     for case in cases(model, p, slot_counts, nodes):
         pred = model.predict(case.target)
-        row = _row(case, pred, one, total)
-        row["finish"] = finish(costs, pred.step, case.target.slots, case.target.nodes, mttf_hours, price)
-        if row["finish"] is not None:
-            row["seconds_to_finish"] = row["finish"]["configured"]["seconds"]
+        row = PlanRow.of(case.target, case.option, case.label, pred, one)
+        row.seconds_to_finish = pred.step * total if total else None
+        # Over the model's own figure for the run as it was: the doctor's gain for the same change.
+        row.gain = pred.samples_per_second / mine.samples_per_second
+        row.finish = finish(costs, pred.step, case.target.slots, case.target.nodes, mttf_hours, price)
+        if row.finish is not None:
+            row.seconds_to_finish = row.finish["configured"]["seconds"]
         predictions.append(row)
-    mine = model.predict(model.measured_target())
-    return {"run_dir": str(run_dir),
-            "measured": {"slots": p.slots, "nodes": p.hosts, "samples_per_second": p.samples_per_second,
-                         "model_samples_per_second": mine.samples_per_second},
-            "link": link.label if link else None, "total_batches": total, "mttf_hours_per_node": mttf_hours,
-            "price_per_slot_hour": price, "checkpoint_seconds": costs.checkpoint_seconds,
-            "restart_seconds": costs.restart_seconds, "checkpoint_period_batches": costs.period_batches,
-            "inputs": [{"name": s.name, "value": s.value, "source": s.source} for s in model.sources],
-            "interval": "80%", "predictions": predictions}
+    return PlanDocument(str(run_dir), Measured(p.slots, p.hosts, p.samples_per_second, mine.samples_per_second),
+                        link.label if link else None, total, [Input(s.name, s.value, s.source) for s in model.sources],
+                        predictions, RunCostsFacts(mttf_hours, price, costs.checkpoint_seconds, costs.restart_seconds,
+                                                   costs.period_batches))
 
 
-def _row(case: Case, pred: Prediction, one: Prediction, total: int | None) -> dict[str, Any]:
-    t = case.target
-    return {"slots": t.slots, "nodes": t.nodes, "option": case.option, "change": case.label,
-            "samples_per_second": pred.samples_per_second, "low": pred.samples_per_second_low,
-            "high": pred.samples_per_second_high,
-            "efficiency": pred.samples_per_second / (t.slots * one.samples_per_second),
-            "seconds_per_step": pred.step, "seconds_per_step_low": pred.low, "seconds_per_step_high": pred.high,
-            "parts_seconds": pred.parts,
-            "seconds_to_finish": pred.step * total if total else None}
-
-
-def render(doc: dict[str, Any]) -> str:
+def render(doc: PlanDocument) -> str:
     from rich.table import Table
 
     from dtrain.explain.render import as_text
 
-    m = doc["measured"]
-    title = (f"dtrain plan on paper ({doc.get('scaling')} scaling; nothing measured: every input given or assumed)"
-             if doc.get("what_if") else
-             f"dtrain plan from {doc['run_dir']} ({m['slots']} slot(s) measured at {m['samples_per_second']:,.0f} "
-             f"samples/s; link {doc['link'] or 'as measured'})")
+    m = doc.measured
+    title = (f"dtrain plan on paper ({doc.scaling} scaling; nothing measured: every input given or assumed)"
+             if doc.what_if else
+             f"dtrain plan from {doc.run_dir} ({m.slots} slot(s) measured at {m.samples_per_second:,.0f} "
+             f"samples/s; link {doc.link or 'as measured'})")
     table = Table(title=title)
-    priced = doc.get("price_per_slot_hour") is not None
+    priced = doc.costs is not None and doc.costs.price_per_slot_hour is not None
     columns = ["slots", "nodes", "change", "samples/s", "80% interval", "efficiency", "ms/step", "to finish"]
     for col in [*columns, *(["cost"] if priced else [])]:
         table.add_column(col, justify="left" if col == "change" else "right")
-    for p in doc["predictions"]:
-        done = p["seconds_to_finish"]
-        cells = [str(p["slots"]), str(p["nodes"]), p["change"], f"{p['samples_per_second']:,.0f}",
-                 f"{p['low']:,.0f}-{p['high']:,.0f}", f"{100 * p['efficiency']:.0f}%",
-                 f"{1e3 * p['seconds_per_step']:.2f}", _duration(done) if done is not None else "-"]
+    for p in doc.predictions:
+        done = p.seconds_to_finish
+        cells = [str(p.slots), str(p.nodes), p.change, f"{p.samples_per_second:,.0f}",
+                 f"{p.low:,.0f}-{p.high:,.0f}", f"{100 * p.efficiency:.0f}%",
+                 f"{1e3 * p.seconds_per_step:.2f}", _duration(done) if done is not None else "-"]
         if priced:
-            cost = (p["finish"] or {}).get("configured", {}).get("cost")
+            cost = (p.finish or {}).get("configured", {}).get("cost")
             cells.append(f"{cost:,.2f}" if cost is not None else "-")
         table.add_row(*cells)
-    inputs = "".join(f"  {i['name']}: {i['value']} [{i['source']}]\n" for i in doc["inputs"])
+    inputs = "".join(f"  {i.name}: {i.value} [{i.source}]\n" for i in doc.inputs)
     text = as_text(table, width=160) + f"inputs:\n{inputs}"
-    if doc.get("mttf_hours_per_node") is not None:
-        text += (f"  to finish: {doc['total_batches']} batches, one checkpoint {doc['checkpoint_seconds']:.2f} s, a "
-                 f"restart {doc['restart_seconds']:.2f} s [measured; starting processes not included], a node "
-                 f"failing every {doc['mttf_hours_per_node']:g} h [given]\n")
-        base = next((p for p in doc["predictions"] if p["option"] == "base" and p["slots"] == doc["measured"]["slots"]
-                     and p["nodes"] == doc["measured"]["nodes"]), None)
-        advice = base and base["finish"] and base["finish"]["advice"]
+    costs = doc.costs
+    if costs is not None and costs.mttf_hours_per_node is not None:
+        text += (f"  to finish: {doc.total_batches} batches, one checkpoint {costs.checkpoint_seconds:.2f} s, a "
+                 f"restart {costs.restart_seconds:.2f} s [measured; starting processes not included], a node "
+                 f"failing every {costs.mttf_hours_per_node:g} h [given]\n")
+        base = next((p for p in doc.predictions if p.option == "base" and p.slots == m.slots and p.nodes == m.nodes),
+                    None)
+        advice = base and base.finish and base.finish["advice"]
         if advice:
             text += f"checkpoints: {advice['action']}: {advice['why']}\n"
     return text
@@ -232,22 +219,21 @@ def _duration(seconds: float) -> str:
     return f"{seconds:,.0f} s" if seconds < 3600 else f"{seconds / 3600:,.1f} h"
 
 
-def plot(doc: dict[str, Any], path: Path) -> None:
+def plot(doc: PlanDocument, path: Path) -> None:
     from dtrain.explain.render import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     series: dict[tuple[int, str], list[tuple[int, float, float, float]]] = {}
-    for p in doc["predictions"]:
-        series.setdefault((p["nodes"], p["change"]), []).append((p["slots"], p["samples_per_second"], p["low"],
-                                                                 p["high"]))
+    for p in doc.predictions:
+        series.setdefault((p.nodes, p.change), []).append((p.slots, p.samples_per_second, p.low, p.high))
     for (hosts, change), points in sorted(series.items()):
         points.sort()
         xs, ys = [x for x, *_ in points], [y for _, y, _, _ in points]
         err = [[y - lo for _, y, lo, _ in points], [hi - y for _, y, _, hi in points]]
         ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"{hosts} node(s), {change}")
-    m = doc["measured"]
-    ax.scatter([m["slots"]], [m["samples_per_second"]], color="black", zorder=5, label="measured run")
+    m = doc.measured
+    ax.scatter([m.slots], [m.samples_per_second], color="black", zorder=5, label="measured run")
     ax.set_xlabel("slots")
     ax.set_ylabel("predicted samples/s (80% interval)")
     ax.set_title("dtrain plan")

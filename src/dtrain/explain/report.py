@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from dtrain.errors import UserError
+from dtrain.explain.diagnosis import Diagnosis, FactorRow
 from dtrain.explain.doctor import diagnose
 from dtrain.explain.render import pyplot
 from dtrain.profiling.record import ProfileRecord, load_run_profile
@@ -379,52 +380,51 @@ def _doctor_section(run: _Run) -> str:
         diagnosis = diagnose(run.profile)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a profile the doctor cannot model
         return title + _note(f"The doctor could not diagnose this profile: {exc!r}") + "\n</section>"
-    verdict = f'<p class="verdict" id="verdict">{_esc(diagnosis["verdict"])}</p>'
-    return (f"{title}{verdict}\n{''.join(map(_note, diagnosis['efficiency']))}{_recommendation_list(diagnosis)}\n"
+    return (f'{title}<p class="verdict" id="verdict">{_esc(diagnosis.verdict)}</p>\n'
+            f"{''.join(map(_note, diagnosis.efficiency.lines))}{_recommendation_list(diagnosis)}\n"
             f"{_scaling_line(diagnosis)}\n<h3>Every factor</h3>\n{_factor_table(diagnosis)}\n</section>")
 
 
-def _factor_table(diagnosis: dict[str, Any]) -> str:
+def _factor_table(diagnosis: Diagnosis) -> str:
     rows, classes = [], []
-    for f in diagnosis["factors"]:
-        rows.append([_esc(f["factor"]), _fmt(100 * f["share"], ".0f") + "%", _ms(f["seconds_per_step"]),
-                     _action(f), _esc(_speedup(f["predicted_speedup"])), _esc(f["why"])])
-        classes.append("top" if f["factor"] == diagnosis["top_factor"] else "")
+    for f in diagnosis.factors:
+        rows.append([_esc(f.factor), _fmt(100 * f.share, ".0f") + "%", _ms(f.seconds_per_step),
+                     _action(f), _esc(_speedup(f.predicted_speedup) if f.advice.bound is None
+                                      else f"at most {f.advice.bound:.2f}x (a bound)"), _esc(f.why)])
+        classes.append("top" if f.factor == diagnosis.top_factor else "")
     headers = ["factor", "share", "ms / step", "what to try", "predicted speed-up", "why"]
     return _table(headers, rows, numeric={1, 2, 4}, row_classes=classes)
 
 
-def _action(factor: dict[str, Any]) -> str:
-    if factor.get("key") is None:
+def _action(factor: FactorRow) -> str:
+    if factor.key is None:
         return "—"
-    text = f"<code>{_esc(factor['key'])}: {_esc(factor['value'])}</code>"
-    alt = factor.get("alternative")
-    if alt:
-        text += (f"<br />or <code>{_esc(alt['key'])}: {_esc(alt['value'])}</code> "
-                 f"({_esc(_speedup(alt.get('predicted_speedup')))})")
+    text = f"<code>{_esc(factor.key)}: {_esc(factor.value)}</code>"
+    if alt := factor.advice.alternative:
+        text += (f"<br />or <code>{_esc(alt.key)}: {_esc(alt.value)}</code> "
+                 f"({_esc(_speedup(alt.predicted_speedup))})")
     return text
 
 
-def _recommendation_list(diagnosis: dict[str, Any]) -> str:
-    recs = diagnosis.get("recommendations") or []
+def _recommendation_list(diagnosis: Diagnosis) -> str:
+    recs = diagnosis.recommendations
     if not recs:
-        if diagnosis.get("phases_observed") is False:  # the verdict says why there is nothing to predict
+        if not diagnosis.phases_observed:  # the verdict says why there is nothing to predict
             return ""
         return "<p>No config change is predicted to help by more than 2%.</p>"
-    items = "".join(f"<li><code>{_esc(r['action'])}</code> ({_esc(_speedup(r['predicted_speedup']))}, "
-                    f"{_esc(r['factor'])})</li>" for r in recs[:TOP_RECOMMENDATIONS])
+    items = "".join(f"<li><code>{_esc(r.action)}</code> ({_esc(_speedup(r.predicted_speedup))}, "
+                    f"{_esc(r.factor)})</li>" for r in recs[:TOP_RECOMMENDATIONS])
     more = len(recs) - TOP_RECOMMENDATIONS
     tail = f"<p>{more} more in the table below.</p>" if more > 0 else ""
     # The doctor's order, not re-sorted: it puts "fewer slots" first when more slots are slower than one.
     return f"<h3>Try first</h3>\n<ol>{items}</ol>{tail}"
 
 
-def _scaling_line(diagnosis: dict[str, Any]) -> str:
-    scaling = diagnosis.get("scaling") or {}
-    if "estimated_speedup_vs_one_slot" not in scaling:
+def _scaling_line(diagnosis: Diagnosis) -> str:
+    if (scaling := diagnosis.scaling).estimated_speedup_vs_one_slot is None:
         return ""
-    return (f"<p>Estimated scaling: {_esc(_fmt(scaling['estimated_speedup_vs_one_slot'], '.2f'))}x one slot's "
-            f"samples/s (efficiency {_esc(_fmt(100 * scaling['estimated_scaling_efficiency'], '.0f'))}%).</p>")
+    return (f"<p>Estimated scaling: {_esc(_fmt(scaling.estimated_speedup_vs_one_slot, '.2f'))}x one slot's "
+            f"samples/s (efficiency {_esc(_fmt(100 * (scaling.estimated_scaling_efficiency or 0.0), '.0f'))}%).</p>")
 
 
 # --------------------------------------------------------------------------------------------- charts

@@ -54,9 +54,9 @@ def time_cost_table(profile: ProfileRecord) -> str:
 
 def short_verdict(profile: ProfileRecord, limit: int = 3) -> str:
     diagnosis = diagnose(profile)
-    lines = [f"doctor: {diagnosis['verdict']}"]
-    for rec in diagnosis["recommendations"][:limit]:
-        lines.append(f"  try {rec['action']:<48} predicted {rec['predicted_speedup']:.2f}x samples/s ({rec['factor']})")
+    lines = [f"doctor: {diagnosis.verdict}"]
+    for rec in diagnosis.recommendations[:limit]:
+        lines.append(f"  try {rec.action:<48} predicted {rec.predicted_speedup:.2f}x samples/s ({rec.factor})")
     return "\n".join(lines)
 
 

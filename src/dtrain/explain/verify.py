@@ -32,6 +32,8 @@ from typing import Any
 
 from dtrain.errors import UserError
 from dtrain.explain import paired
+from dtrain.explain.diagnosis import Diagnosis
+from dtrain.explain.predictor import Predictor
 from dtrain.profiling.record import ProfileRecord, load_profile, load_run_profile
 
 MIN_STEPS = 10
@@ -55,33 +57,29 @@ class Experiment:
         return paired.median(self.samples_per_second)
 
 
-def plan_experiments(diagnosis: dict[str, Any], profile: ProfileRecord, steps: int, top: int) -> list[Experiment]:
-    """Baseline, the doctor's first ``top`` recommendations, and the two bisection experiments."""
+def plan_experiments(diagnosis: Diagnosis, profile: ProfileRecord, steps: int, top: int,
+                     predictor: Predictor | None = None) -> list[Experiment]:
+    """Baseline, the doctor's first ``top`` recommendations, and the two bisection experiments, each with its
+    prediction from the doctor's cost model (``predictor``: the one the diagnosis asked; by default the run's)."""
     from dtrain.explain.advice import batch_change
 
+    predictor = predictor if predictor is not None else Predictor(profile)
     out = [Experiment("baseline", "baseline", [])]
     if not profile.synthetic_data:  # right after its baseline: the smallest ceiling is the most drift-prone
+        # No wait for data at all: the ceiling of any loader fix.
         out.append(Experiment("bisection: data loading off (synthetic data)", "bisection",
-                              ["data_loader.synthetic=true"], None, "data_loading"))
-    for rec in diagnosis["recommendations"][:top]:
-        sets = [f"{rec['key']}={_yaml(rec['value'])}"]
-        if rec["key"] == "hyperparameters.global_batch_size":
-            sets += batch_change(profile, int(rec["value"]))["sets"]
-        out.append(Experiment(rec["action"], "recommendation", sets, rec["predicted_speedup"], rec["factor"]))
-    by_factor = {f["factor"]: f for f in diagnosis["factors"]}
-    step = float(diagnosis["step_seconds"])
-
-    def ceiling(*factors: str) -> float:
-        saved = sum(float(by_factor[f]["seconds_per_step"]) for f in factors if f in by_factor)
-        return step / (step - saved) if step > saved else float("inf")
-
+                              ["data_loader.synthetic=true"], predictor.gain("data_loader.synthetic: true",
+                                                                             data_workers_step=0.0), "data_loading"))
+    for rec in diagnosis.recommendations[:top]:
+        sets = [f"{rec.key}={_yaml(rec.value)}"]
+        if rec.key == "hyperparameters.global_batch_size":
+            sets += batch_change(profile, int(str(rec.value))).sets
+        out.append(Experiment(rec.action, "recommendation", sets, rec.predicted_speedup, rec.factor))
     if profile.slots > 1 and profile.aggregation_frequency < steps:
         out.append(Experiment("bisection: communication off (aggregation_frequency = steps)", "bisection",
                               [f"optimizations.aggregation_frequency={steps}"],
-                              ceiling("communication", "sync_frequency", "straggler"), "communication"))
-    for exp in out:
-        if exp.factor == "data_loading" and exp.kind == "bisection":
-            exp.predicted_speedup = ceiling("data_loading")
+                              predictor.gain(f"optimizations.aggregation_frequency: {steps}", aggregation=steps),
+                              "communication"))
     return out
 
 
@@ -130,9 +128,10 @@ def verify(run_dir: Path, steps: int, repeats: int = 1, top: int = 3, debug: boo
         from dtrain.explain.doctor import unobserved_note
 
         raise UserError(f"dtrain doctor --verify cannot test {run_dir}: {unobserved_note(profile)}")
-    diagnosis = diagnose(profile)
+    predictor = Predictor(profile)
+    diagnosis = diagnose(profile, predictor)
     # Long enough to outlast a burst of other work on a shared machine: a few dozen short steps are not.
-    needed = math.ceil(MIN_SECONDS / max(float(diagnosis["step_seconds"]), 1e-9))
+    needed = math.ceil(MIN_SECONDS / max(diagnosis.step_seconds, 1e-9))
     if needed > steps:
         log(f"dtrain doctor --verify: {needed} steps per run instead of {steps}, to measure at least "
             f"{MIN_SECONDS:g} s of training each")
@@ -141,7 +140,7 @@ def verify(run_dir: Path, steps: int, repeats: int = 1, top: int = 3, debug: boo
 
     threads = cpu.for_bench(max(1, profile.slots // profile.hosts))[0]  # one thread rule for the whole session
     config = run_dir / "config.yaml"
-    experiments = plan_experiments(diagnosis, profile, steps, top)
+    experiments = plan_experiments(diagnosis, profile, steps, top, predictor)
     base = experiments[0]
     session = run_dir / f"verify-{time.strftime('%Y%m%d-%H%M%S')}"
     planned = str(repeats) if budget == repeats else f"{repeats}-{budget}"

@@ -22,7 +22,6 @@ from dtrain.profiling.record import (
     CommPoint,
     CommProbe,
     CompressionCost,
-    DeviceFacts,
     LrHyperparameter,
     ModelSteps,
     PhaseSeconds,
@@ -236,7 +235,7 @@ def run_head(facts: RunFacts, figures: EndFigures | None = None) -> RunHead:
     steady = timer.profiled_weight * gbs / timer.profiled_seconds if timer.profiled_seconds > 0 else 0.0
     samples_per_second = steady if timer.enabled and steady > 0 else all_steps
     lr = _lr_hyperparameter(facts.hyperparameters)
-    device = DeviceFacts.model_validate(device_facts(facts.device)) if timer.enabled and facts.is_chief else None
+    device = device_facts(facts.device) if timer.enabled and facts.is_chief else None
     return RunHead(
         slots=strategy.dp_world, strategy=strategy.name, backend=facts.backend, device=facts.device.type,
         precision=facts.precision, threads_per_slot=facts.threads_per_slot, cpu_cores=cpu_cores(),

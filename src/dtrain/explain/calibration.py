@@ -1,0 +1,256 @@
+"""The cost model against stored held-out rows, and the fit of its constants from them.
+
+Two kinds of row (``bench/data/plan_rows.json``):
+
+* **published**: a large-scale result from a paper or a vendor's table, and the ``dtrain plan --what-if``
+  spec of its inputs (each cited there); the model predicts its samples/s or its scaling efficiency.
+* **measured**: a configuration ``bench/plan_accuracy.py --measure`` ran on this host, with the inputs of the
+  model it was predicted from (the source run's :class:`~dtrain.explain.facts.Facts`, the local link probe,
+  a given link) and its measured ratio to the source configuration, per round. Rows of an older session
+  keep only that session's predicted figures (``legacy``): they show that model's error, not this one's.
+
+:func:`fit` sets the terms' constants (least squares on log error) and then the inputs' uncertainties
+(maximum likelihood of the log errors, one normal per row with the row's own exposures), each only from
+the rows that expose it; :func:`held_out` repeats both with each configuration left out and predicts it,
+which is what the accuracy table and the tests report.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import asdict, dataclass, replace
+
+from dtrain.explain import fitted
+from dtrain.explain.costmodel import CostModel, Link, Prediction, RingLink, Target
+from dtrain.explain.facts import Facts
+from dtrain.explain.fitted import Fitted
+from dtrain.explain.paper import model as paper_model
+from dtrain.explain.paper import parse, target
+
+# An uncertainty is fitted only where rows of at least this many configurations expose it (a spread needs
+# more than one configuration's errors); a term's constant from any configuration that exposes it.
+MIN_CONFIGURATIONS = 2
+# Candidate values around a term's current one, relative (log-spaced from a tenth to ten times).
+GRID = tuple(10 ** (k / 8) for k in range(-8, 9))
+# Candidate relative uncertainties: log-spaced from 0.1% to 100%; every fit starts from FIRST_GUESS, so that
+# a re-fit of the same rows returns the same values whatever the file held before.
+UNCERTAINTY_GRID = tuple(10 ** (k / 16) for k in range(-48, 1))
+FIRST_GUESS = 0.1
+JITTER_GRID = tuple(k / 400 for k in range(0, 41))  # 0 .. 10% of a GPU's compute
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One held-out row: its configuration (the unit left out together), what it is, and the measurement."""
+
+    config: str
+    label: str
+    measured: float  # samples/s, efficiency, or ratio to the source configuration
+    kind: str  # "published" | "measured"
+    spec: str = ""  # published: the --what-if spec
+    slots: int = 1
+    measure: str = "samples_per_second"  # published: "samples_per_second" | "efficiency"
+    source: dict[str, object] | None = None  # measured: Facts.to_json, probe, link, target
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """A row predicted: the point and 80% interval in the row's measure, the error, and the exposures."""
+
+    row: Row
+    predicted: float
+    low: float
+    high: float
+    relative: dict[str, float]  # input name -> exposure over the step (one unit of relative uncertainty)
+    fixed: float  # relative standard deviation measured on the run (drift, link fit residual)
+    widest: str
+    measured_here: bool  # every input measured on this host (no given link, no assumption)
+
+    @property
+    def error(self) -> float:
+        return self.predicted / self.row.measured - 1
+
+    @property
+    def inside(self) -> bool:
+        return self.low <= self.row.measured <= self.high
+
+
+def _scaled(pred: Prediction, value: float) -> tuple[float, float]:
+    """The prediction's interval around ``value`` (a figure proportional to its samples/s)."""
+    sps = pred.samples_per_second
+    return value * pred.samples_per_second_low / sps, value * pred.samples_per_second_high / sps
+
+
+def _outcome(row: Row, built: CostModel, pred: Prediction, value: float, here: bool) -> Outcome:
+    low, high = _scaled(pred, value)
+    exposures = built.exposures(pred.target, pred.parts, pred.step)
+    sigmas = built.uncertainties(pred.target, pred.parts, pred.step)
+    fixed = math.hypot(sigmas.get("drift over the run", 0.0), sigmas.get("link fit residual", 0.0)) / pred.step
+    return Outcome(row, value, low, high, {k: v / pred.step for k, v in exposures.items()}, fixed, pred.widest, here)
+
+
+def predict_row(row: Row) -> Outcome | None:
+    """``row`` as the model in force predicts it; None for a measured row stored without its inputs."""
+    if row.kind == "published":
+        spec = parse(row.spec)
+        built, _ = paper_model(spec)
+        pred = built.predict(target(spec, row.slots))
+        value = pred.samples_per_second
+        if row.measure == "efficiency":
+            value /= row.slots * built.predict(target(spec, 1)).samples_per_second
+        return _outcome(row, built, pred, value, here=False)
+    if row.source is None:
+        return None
+    built = model_from_json(row.source)
+    base = built.predict(built.measured_target())
+    pred = built.predict(Target(**row.source["target"]))  # type: ignore[arg-type]
+    value = pred.samples_per_second / base.samples_per_second
+    return _outcome(row, built, pred, value, here=built.between_hosts is None and pred.target.nodes == 1)
+
+
+def model_to_json(built: CostModel, target: Target) -> dict[str, object]:
+    """What a measured row keeps of the model it was predicted from: the facts, the link and overhead the
+    model derived from the run (or from ``dtrain plan --probe``), the link given between hosts, the target."""
+    link = built.link
+    return {"facts": built.facts.to_json(), "link": [link.step_latency, link.busbw] if link else None,
+            "link_source": built.link_source, "link_residual": built.link_residual,
+            "between_hosts": asdict(built.between_hosts) if built.between_hosts else None,
+            "overhead": built.overhead, "overhead_source": built.overhead_source, "factor": built.factor,
+            "contention": built.contention, "target": asdict(target)}
+
+
+def model_from_json(data: dict[str, object]) -> CostModel:
+    """The inverse of :func:`model_to_json` (the model, without its list of sources)."""
+    link, between = data["link"], data["between_hosts"]
+    return CostModel(Facts.from_json(data["facts"]),  # type: ignore[arg-type]
+                     RingLink(*link) if isinstance(link, list) else None, str(data["link_source"]),
+                     float(data["link_residual"]), Link(**between) if isinstance(between, dict) else None,  # type: ignore[arg-type]
+                     float(data["overhead"]), str(data["overhead_source"]), float(data["factor"]),  # type: ignore[arg-type]
+                     float(data["contention"]))  # type: ignore[arg-type]
+
+
+def evaluate(rows: list[Row]) -> list[Outcome]:
+    """Every row that can be predicted, as the model in force predicts it."""
+    return [o for o in map(predict_row, rows) if o is not None]
+
+
+# ------------------------------------------------------------------------------------------- the fit
+def _term_rows(rows: list[Row], values: Fitted, name: str) -> list[Row]:
+    """Rows whose prediction moves with the term ``name``."""
+    bumped = replace(values, terms={**values.terms, name: values.terms[name] * 2 + 1e-3})
+    with fitted.trying(values):
+        before = {o.row.label: o.predicted for o in evaluate(rows)}
+    with fitted.trying(bumped):
+        after = {o.row.label: o.predicted for o in evaluate(rows)}
+    return [r for r in rows if r.label in before and abs(after[r.label] / before[r.label] - 1) > 1e-6]
+
+
+def _configurations(rows: list[Row]) -> int:
+    return len({system(r) for r in rows})
+
+
+def _squared_log_error(rows: list[Row], values: Fitted) -> float:
+    with fitted.trying(values):
+        return sum(math.log(o.predicted / o.row.measured) ** 2 for o in evaluate(rows))
+
+
+def fit_terms(rows: list[Row], start: Fitted) -> tuple[Fitted, list[str]]:
+    """Each term's constant by least squares on the log error of the rows that expose it (one at a time)."""
+    values, names = start, []
+    for name in sorted(start.terms):
+        exposed = _term_rows(rows, values, name)
+        if not exposed:
+            continue
+        grid = JITTER_GRID if name == "paper_jitter" else tuple(values.terms[name] * g for g in GRID)
+        best = min(grid, key=lambda v: _squared_log_error(exposed, replace(values, terms={**values.terms, name: v})))
+        values = replace(values, terms={**values.terms, name: best})
+        names.append(name)
+    return values, names
+
+
+def _nll(outcomes: list[Outcome], u: dict[str, float]) -> float:
+    total = 0.0
+    for o in outcomes:
+        s = math.sqrt(o.fixed ** 2 + sum((u[k] * x) ** 2 for k, x in o.relative.items()))
+        e = math.log(o.predicted / o.row.measured)
+        total += math.log(s) + e * e / (2 * s * s)
+    return total
+
+
+def fit_uncertainties(rows: list[Row], start: Fitted) -> tuple[Fitted, list[str]]:
+    """Each input's relative uncertainty by maximum likelihood of the rows' log errors (coordinate descent on
+    a log grid), for the inputs that rows of at least two configurations expose."""
+    with fitted.trying(start):
+        outcomes = evaluate(rows)
+    names = [k for k in sorted(start.uncertainty)
+             if _configurations([o.row for o in outcomes if o.relative.get(k, 0.0) > 1e-3]) >= MIN_CONFIGURATIONS]
+    u = {**start.uncertainty, **dict.fromkeys(names, FIRST_GUESS)}
+    for _ in range(6):
+        for k in names:
+            u[k] = min(UNCERTAINTY_GRID, key=lambda v: _nll(outcomes, {**u, k: v}))
+    return replace(start, uncertainty=u), names
+
+
+def fit(rows: list[Row], start: Fitted) -> tuple[Fitted, list[str]]:
+    """Terms, then uncertainties, from ``rows``; the second: the names the rows fitted."""
+    values, terms = fit_terms(rows, start)
+    values, uncertain = fit_uncertainties(rows, values)
+    return values, terms + uncertain
+
+
+def system(row: Row) -> str:
+    """The configuration a row belongs to, for leaving it out: a published system's rows all together (BART's
+    four tables share their source and links: leaving one in would let it vouch for the others)."""
+    return row.config.split(":")[0]
+
+
+def held_out(rows: list[Row], start: Fitted) -> list[Outcome]:
+    """Each configuration predicted by constants fitted without it (leave one configuration out)."""
+    out = []
+    for config in sorted({system(r) for r in rows}):
+        values, _ = fit([r for r in rows if system(r) != config], start)
+        with fitted.trying(values):
+            out += evaluate([r for r in rows if system(r) == config])
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """Mean and worst absolute error, the share of rows inside their interval, the widest interval."""
+
+    rows: int
+    mean_error: float
+    worst_error: float
+    covered: float
+    widest_half_width: float  # the largest (high / point - 1) or (1 - low / point), relative
+
+    @classmethod
+    def of(cls, outcomes: list[Outcome]) -> Summary:
+        errors = [abs(o.error) for o in outcomes]
+        return cls(len(outcomes), statistics.mean(errors) if errors else 0.0, max(errors, default=0.0),
+                   sum(o.inside for o in outcomes) / len(outcomes) if outcomes else 0.0,
+                   max((max(o.high / o.predicted - 1, 1 - o.low / o.predicted) for o in outcomes), default=0.0))
+
+
+def rows_from_json(document: dict[str, list[dict[str, object]]]) -> list[Row]:
+    """The stored rows (``bench/data/plan_rows.json``) that the model can predict: published and measured."""
+    published = [Row(str(r["config"]), str(r["label"]), float(str(r["measured"])), "published", spec=str(r["spec"]),
+                     slots=int(str(r["slots"])), measure=str(r["measure"])) for r in document["published"]]
+    measured = [Row(str(r["config"]), str(r["label"]), statistics.median(r["rounds"]), "measured",  # type: ignore[arg-type]
+                    source=r["source"]) for r in document["measured"]]  # type: ignore[arg-type]
+    return published + measured
+
+
+def with_values(document: dict[str, dict[str, dict[str, object]]], values: Fitted,
+                names: list[str]) -> dict[str, dict[str, dict[str, object]]]:
+    """``fitted_intervals.json``'s document with ``values``; ``names`` marked fitted, the rest as they were."""
+    out = {key: dict(table) if isinstance(table, dict) else table for key, table in document.items()}
+    for key, table in (("uncertainty", values.uncertainty), ("terms", values.terms)):
+        for name, value in table.items():
+            entry = dict(out[key][name])
+            entry["value"] = round(value, 6)
+            if name in names:
+                entry["source"] = "fitted (bench/data/plan_rows.json, leave-one-configuration-out)"
+            out[key][name] = entry
+    return out

@@ -1,0 +1,1 @@
+"""The doctor's factors: one module each, registering itself (:mod:`dtrain.explain.factors.registry`)."""

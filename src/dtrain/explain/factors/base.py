@@ -1,0 +1,138 @@
+"""What every factor sees (:class:`Context`: the run's step split once, the cost model, the shared plans) and
+what it is (:class:`Factor`: its seconds of the step and its advice)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from dtrain.explain import advice, precision
+from dtrain.explain.diagnosis import Advice, Scaling
+from dtrain.explain.predictor import Predictor, target_at
+from dtrain.profiling.record import ProfileRecord
+
+MIN_GAIN = advice.MIN_GAIN  # a change predicted to gain no more than this is not advised
+AGGREGATION_TO_TRY = 4
+# The change two models can propose (the straggler's fallback on two slots, and the scaling estimate).
+ONE_SLOT = ("resources.slots_per_trial", 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """The run's step split into the parts the factors share (seconds per step), computed once."""
+
+    profile: ProfileRecord
+    predictor: Predictor
+    step: float  # mean over ranks
+    data: float  # the wait every rank has (one rank's slower loader is that rank straggling)
+    compute: float  # forward + backward of the fastest rank
+    fixed: float  # optimizer + other of the fastest rank
+    exposed: float  # exposed all-reduce of the rank the others wait for
+    per_message: float  # share of the exposed time paid per message (latency), not per byte
+    late: advice.Straggler | None  # the rank the others wait for, None with one slot
+    loader: advice.LoaderPlan  # one loader plan for the data and straggler factors
+    lower_precision: precision.PrecisionEstimate | None
+    scaling: Scaling
+
+    @property
+    def slots(self) -> int:
+        return self.profile.slots
+
+    @property
+    def global_batch(self) -> int:
+        return self.profile.global_batch_size
+
+    @property
+    def straggler(self) -> float:
+        """Time ranks spend waiting for the slowest: what the other parts leave of the step."""
+        return max(0.0, self.step - self.data - self.compute - self.fixed - self.exposed)
+
+    @property
+    def precision_saved(self) -> float:
+        """Seconds of compute a lower precision saves, by the model's own steps timed in it (0 unmeasured)."""
+        found = self.lower_precision
+        if found is None or found.gain is None or found.gain <= 1.0:
+            return 0.0
+        return self.compute * (1 - 1 / found.gain)
+
+
+class Factor:
+    """One cause of step time: its seconds per step (all factors' seconds add up to the step) and what to
+    change. Subclasses set ``name`` and register with :func:`dtrain.explain.factors.registry.register`."""
+
+    name: ClassVar[str]
+
+    def seconds(self, ctx: Context) -> float:
+        """Seconds per step this factor accounts for."""
+        raise NotImplementedError
+
+    def advise(self, ctx: Context) -> Advice:
+        """The change to try (with its predicted gain from ``ctx.predictor``), or why there is none."""
+        raise NotImplementedError
+
+
+def build_context(profile: ProfileRecord, predictor: Predictor) -> Context:
+    """Split ``profile``'s step into the shared parts; the loader plan, the lower precision and the scaling
+    estimate, each made once for every factor that needs it."""
+    ranks = [r.seconds_per_step for r in profile.per_rank]
+    step = sum(r.step for r in ranks) / len(ranks)
+    data = min(r.data for r in ranks)
+    work = [r.data + r.forward + r.backward + r.optimizer + r.other for r in ranks]
+    late = advice.straggler(profile, work)
+    # The rank the others wait for: the one that arrives last at the collectives (measured), else the one
+    # with the most work; its exposed time is pure communication (it waited for no one).
+    slowest = late.rank if late is not None else max(range(len(ranks)), key=lambda i: work[i])
+    fastest = min(range(len(ranks)), key=lambda i: work[i])
+    compute = ranks[fastest].forward + ranks[fastest].backward
+    fixed = ranks[fastest].optimizer + ranks[fastest].other
+    # One loader plan for one change: a rank chronically late loading its batch sets the wait more loader
+    # workers must hide, for the data factor and the straggler factor alike.
+    chronic_data = late is not None and bool(late.chronic) and late.phase == "data"
+    loader = advice.loader_plan(profile, ranks[slowest].data if chronic_data else data, step, compute + fixed)
+    comm = profile.comm
+    busy = comm.busy_seconds_per_step
+    per_message = min(1.0, comm.buckets_per_step * comm.latency_seconds / busy) if busy > 0 else 0.0
+    return Context(profile, predictor, step, data, compute, fixed, ranks[slowest].comm_exposed, per_message, late,
+                   loader, precision.best(profile), scaling(profile, predictor))
+
+
+def scaling(profile: ProfileRecord, predictor: Predictor) -> Scaling:
+    """One slot doing the whole global batch, by the cost model: its data and compute at N x the per-slot
+    batch as the end-of-run probe measured them (a small model's step is mostly per-step overhead, which
+    N x the batch does not multiply), with the host's cores to itself, and no exchange."""
+    if profile.slots == 1:
+        return Scaling(1.0, False, 1.0)
+    action = f"{ONE_SLOT[0]}: {ONE_SLOT[1]}"
+    one = predictor.gain(action, slots=1, nodes=1)
+    low, high = predictor.intervals[action]
+    speedup = 1 / one  # N slots' samples/s over one slot's
+    return Scaling(one, speedup < 1.0, speedup / profile.slots, speedup, (1 / high, 1 / low),
+                   predictor.predict(target_at(predictor.model, 1, 1)).prediction.step,
+                   advice.probe_growth(profile.batch_scaling)[0] if profile.batch_scaling is not None else None)
+
+
+def nothing_to_exchange() -> Advice:
+    return Advice(None, None, "one slot: no gradients to exchange", None)
+
+
+def gains(speedup: float | None) -> bool:
+    """Whether a predicted speed-up is worth a change (more than ``MIN_GAIN``)."""
+    return speedup is not None and speedup > MIN_GAIN
+
+
+def mb(value: float) -> str:
+    return f"{value / 1e6:.2f} MB"
+
+
+def aggregation_gain(ctx: Context) -> float:
+    """Exchanging gradients every ``AGGREGATION_TO_TRY`` batches, by the cost model."""
+    k = AGGREGATION_TO_TRY
+    return ctx.predictor.gain(f"optimizations.aggregation_frequency: {k}", aggregation=k)
+
+
+def loader_gain(ctx: Context) -> float:
+    """The cost model with the data wait that the loader plan's processes leave (the rest of the step as is)."""
+    plan = ctx.loader
+    data = ctx.predictor.base.parts["data"]
+    left = max(0.0, plan.step_seconds - (ctx.step - data))
+    return ctx.predictor.gain(f"data_loader.num_workers: {plan.workers}", data_workers_step=left)

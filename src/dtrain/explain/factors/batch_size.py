@@ -1,0 +1,63 @@
+"""``batch_size``: per-step fixed costs (optimizer step, bookkeeping) of the fastest rank; they do not grow
+with the batch, so a bigger batch (as big as the device's memory allows) amortizes them."""
+
+from __future__ import annotations
+
+from dtrain.explain import advice
+from dtrain.explain.diagnosis import Advice
+from dtrain.explain.factors import registry
+from dtrain.explain.factors.base import Context, Factor
+
+# Keep this share of the device's memory free when advising a bigger batch.
+MEMORY_HEADROOM = 0.9
+# profile.json's model_steps.double_batch_skipped where twice the batch did not fit.
+OOM = "out of memory"
+
+
+@registry.register
+class BatchSize(Factor):
+    name = "batch_size"
+
+    def seconds(self, ctx: Context) -> float:
+        return ctx.fixed
+
+    def advise(self, ctx: Context) -> Advice:
+        profile, gbs = ctx.profile, ctx.global_batch
+        factor, memory_note = room(ctx)
+        if factor < 1.25:
+            return Advice(None, None, f"a bigger batch would amortize fixed costs, but it does not fit{memory_note}",
+                          None)
+        new_gbs = int(gbs * factor)
+        return Advice(
+            "hyperparameters.global_batch_size", new_gbs,
+            "optimizer step and bookkeeping cost the same whatever the batch; a bigger batch spreads them "
+            f"(and communication) over more samples. {advice.batch_change(profile, new_gbs).text}{memory_note}",
+            # More samples per step: data and compute grow with them as probed; fixed costs and the exchange do not.
+            ctx.predictor.gain(f"hyperparameters.global_batch_size: {new_gbs}", global_batch=new_gbs))
+
+
+def room(ctx: Context) -> tuple[float, str]:
+    """How many times the batch fits (at most 2, in quarters) and a note on the memory it was judged by."""
+    profile = ctx.profile
+    factor = 2.0
+    steps = profile.model_steps
+    if steps is not None and steps.double_batch_seconds_per_step is None and steps.double_batch_skipped == OOM:
+        # Measured: the model's own step at twice the per-slot batch ran out of memory at the end of the run.
+        return 1.0, "; the model's step at twice the per-slot batch ran out of memory (measured)"
+    facts = profile.device_facts
+    on_gpu = facts is not None and facts.type == "cuda"
+    peak = max((r.peak_memory_bytes for r in profile.per_rank), default=0.0)
+    if facts is not None and on_gpu and peak > 0 and facts.total_memory_bytes:
+        # Activations grow with the batch, weights and optimizer state do not: scaling the whole peak is
+        # the conservative bound.
+        fits = MEMORY_HEADROOM * facts.total_memory_bytes / peak
+        return (min(factor, float(int(fits * 4) / 4)),
+                f"; peak GPU memory {peak / 2**30:.1f} of {facts.total_memory_bytes / 2**30:.0f} GiB")
+    if not on_gpu and peak > 0 and profile.memory_total_bytes:
+        # CPU: every slot on a host holds its peak RSS (libraries included, which do not grow: conservative).
+        total = profile.memory_total_bytes
+        local = advice.local_slots(profile)
+        fits = MEMORY_HEADROOM * total / (peak * local)
+        return (min(factor, float(int(fits * 4) / 4)),
+                f"; peak RSS {peak / 2**30:.2f} GiB per slot x {local} on a {total / 2**30:.0f} GiB host")
+    return factor, ""

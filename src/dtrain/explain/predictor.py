@@ -1,0 +1,68 @@
+"""Every predicted gain of the doctor, ``--try`` and ``dtrain plan``, from one cost model call.
+
+A change is a :class:`~dtrain.explain.costmodel.Target` built by :func:`target_at` from the run's own
+(:meth:`CostModel.measured_target`): the measured slot and node count keep the run's threads, any other
+takes the launcher's rule. Its gain is its predicted samples/s over the model's own figure for the run as
+it was (so the model's bias cancels), with the 80% interval of :func:`dtrain.explain.costmodel.ratio`.
+``dtrain plan`` prices its rows with the same targets, so the doctor and the planner give one answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from dtrain.explain.costmodel import CostModel, Prediction, Target, ratio
+from dtrain.profiling.record import ProfileRecord
+
+# One change's fields on a Target (precision_gain, compression, ...), as dataclasses.replace takes them.
+TargetValue = int | float | str | bool | None
+
+
+def target_at(model: CostModel, slots: int | None = None, nodes: int | None = None,
+              **changes: TargetValue) -> Target:
+    """The run's target with ``changes``; on another slot or node count the threads follow the launcher's
+    rule (as a new run there would get them), on the run's own they stay as measured."""
+    here = model.measured_target()
+    slots = here.slots if slots is None else slots
+    nodes = here.nodes if nodes is None else nodes
+    threads = here.threads if (slots, nodes) == (here.slots, here.nodes) else None
+    return replace(here, slots=slots, nodes=nodes, threads=threads, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Gain:
+    """A change's predicted samples/s over the run's (by the same model), its 80% interval, the prediction."""
+
+    value: float
+    low: float
+    high: float
+    prediction: Prediction
+
+
+class Predictor:
+    """The doctor's cost model (or ``dtrain plan``'s, when given) and the gains it predicted, kept by action
+    for the table, the advice, ``--verify`` and ``--try``."""
+
+    def __init__(self, profile: ProfileRecord, model: CostModel | None = None) -> None:
+        self.model = model if model is not None else CostModel.from_profile(profile)
+        self.here = self.model.measured_target()
+        self.base = self.model.predict(self.here)
+        self.intervals: dict[str, tuple[float, float]] = {}
+
+    def predict(self, target: Target, less_step: float = 0.0) -> Gain:
+        """``target``'s gain over the run (``less_step``: seconds a change removes that the model does not
+        see, such as a chronic straggler's lag)."""
+        pred = self.model.predict(target)
+        value, low, high = ratio(pred, self.base)
+        if less_step > 0:
+            shrink = pred.step / max(pred.step - less_step, 1e-12)
+            value, low, high = value * shrink, low * shrink, high * shrink
+        return Gain(value, low, high, pred)
+
+    def gain(self, action: str, *, less_step: float = 0.0, slots: int | None = None, nodes: int | None = None,
+             **changes: TargetValue) -> float:
+        """``action``'s predicted speed-up (``changes`` to the run's target, as :func:`target_at` takes them);
+        its interval is kept under ``action``."""
+        found = self.predict(target_at(self.model, slots, nodes, **changes), less_step)
+        self.intervals[action] = (found.low, found.high)
+        return found.value

@@ -1,0 +1,202 @@
+"""``dtrain doctor RUN_DIR --try KEY=VALUE``: any change the cost model knows, predicted, or why not.
+
+Keys are spelled as the config spells them (``--set``), and a value is checked by the config's own schema
+(the run's ``config.yaml`` with the change applied), so a bad key or value fails in one line as ``--set``
+does. ``nodes=N`` (not a config key: ``dtrain plan --nodes``) spreads the run's slots per host over N hosts.
+Each change is one :class:`~dtrain.explain.costmodel.Target` priced by the same
+:class:`~dtrain.explain.predictor.Predictor` call as the doctor's table and ``dtrain plan``'s row for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from dtrain.config.bounds import MAX_SLOTS
+from dtrain.config.schema import ExperimentConfig, load_config
+from dtrain.errors import ConfigError, UserError
+from dtrain.explain import advice, precision
+from dtrain.explain.costmodel import Link, Target
+from dtrain.explain.diagnosis import ConfigValue, TryResult
+from dtrain.explain.plan import build_model, parse_link
+from dtrain.explain.predictor import Predictor, TargetValue, target_at
+from dtrain.profiling.record import ProfileRecord
+
+# Each key the cost model prices, and how to read its value from a validated config.
+READ: dict[str, Callable[[ExperimentConfig], ConfigValue]] = {
+    "precision": lambda c: c.precision,
+    "hyperparameters.global_batch_size": lambda c: c.global_batch_size,
+    "resources.slots_per_trial": lambda c: c.resources.slots_per_trial,
+    "optimizations.aggregation_frequency": lambda c: c.optimizations.aggregation_frequency,
+    "optimizations.gradient_compression": lambda c: c.optimizations.gradient_compression,
+    "optimizations.tensor_fusion_threshold": lambda c: c.optimizations.tensor_fusion_threshold,
+    "data_loader.num_workers": lambda c: c.data_loader.num_workers,
+}
+NODES = "nodes"
+
+
+@dataclass(frozen=True, slots=True)
+class Priced:
+    """A change as the cost model takes it: a target (None: not priceable, ``why``), and what it changed."""
+
+    target: Target | None
+    inputs: dict[str, str]
+    why: str | None = None  # no target: why; a target: a note beside the figure
+    less_step: float = 0.0
+
+
+class Tries:
+    """Prices ``--try`` changes of one run; the model with a link (``dtrain plan``'s) is built only where a
+    change needs one (``link_model``: a callable giving it, so a one-slot run is probed only then)."""
+
+    def __init__(self, run_dir: Path, profile: ProfileRecord, predictor: Predictor,
+                 link_model: Callable[[], Predictor], link: Link | None) -> None:
+        self.run_dir, self.profile, self.predictor = run_dir, profile, predictor
+        self._link_model, self._linked, self.link = link_model, None, link
+
+    def predict(self, item: str) -> TryResult:
+        """``item`` (KEY=VALUE) predicted; :class:`UserError` for a key or value the config refuses."""
+        key, value = self.parse(item)
+        priced = self.price(key, value)
+        if priced.target is None:
+            return TryResult(item, key, value, None, None, None, None, priced.inputs, priced.why)
+        predictor = self.predictor if not self._needs_link(priced.target) else self.linked()
+        found = predictor.predict(priced.target, priced.less_step)
+        inputs = {**priced.inputs, **{s.name: f"{s.value} [{s.source}]" for s in predictor.model.sources}}
+        return TryResult(item, key, value, found.value * self.profile.samples_per_second, found.value, found.low,
+                         found.high, inputs, priced.why)
+
+    # ------------------------------------------------------------------------------------------ input
+    def parse(self, item: str) -> tuple[str, ConfigValue]:
+        """(key, value) of ``KEY=VALUE``, the value as the config's schema reads it."""
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key or not text.strip():
+            raise UserError(f"--try expects KEY=VALUE as --set takes it (e.g. precision=bf16-mixed); got {item!r}")
+        if key == NODES:
+            if not text.strip().isdigit() or not 1 <= int(text) <= MAX_SLOTS:
+                raise UserError(f"--try {item}: nodes must be a whole number from 1 to {MAX_SLOTS}")
+            return key, int(text)
+        try:
+            config = load_config(self.run_dir / "config.yaml", [f"{key}={text}"])
+        except ConfigError as exc:
+            raise UserError(f"--try: {str(exc).replace('--set', '--try')}") from None
+        read = READ.get(key)
+        return key, read(config) if read is not None else text.strip()
+
+    # ------------------------------------------------------------------------------------------ pricing
+    def price(self, key: str, value: ConfigValue) -> Priced:
+        """The target of ``key: value``, or why the cost model cannot price it."""
+        p, model = self.profile, self.predictor.model
+        change = {"change": f"{key}: {value}"}
+        if key == "precision":
+            return self._precision(str(value), change)
+        if key == NODES:
+            return self._nodes(int(str(value)), change)
+        if key == "resources.slots_per_trial":
+            slots = int(str(value))
+            nodes = max(1, min(p.hosts, slots))
+            return Priced(target_at(model, slots, nodes), {**change, "nodes": f"{nodes} (the run's hosts, at most "
+                                                                               "one per slot)"})
+        if key == "hyperparameters.global_batch_size":
+            batch = int(str(value))
+            if batch % p.slots:
+                raise UserError(f"--try {key}={batch}: the global batch must split evenly over the run's "
+                                f"{p.slots} slot(s); try a multiple of {p.slots}")
+            return self._priced(change, global_batch=batch)
+        if key == "optimizations.aggregation_frequency":
+            return self._priced(change, aggregation=int(str(value)))
+        if key == "optimizations.gradient_compression":
+            return self._compression(str(value), change)
+        if key == "optimizations.tensor_fusion_threshold":
+            return self._fusion(float(str(value)), change)
+        if key == "data_loader.num_workers":
+            return self._loader(int(str(value)), change)
+        return Priced(None, change, f"cannot predict {key} because the cost model does not price it (it prices "
+                      f"{', '.join([*READ, NODES])})")
+
+    def _priced(self, inputs: dict[str, str], **changes: TargetValue) -> Priced:
+        return Priced(target_at(self.predictor.model, **changes), inputs)
+
+    def _precision(self, name: str, inputs: dict[str, str]) -> Priced:
+        found = precision.estimate(self.profile, name)
+        inputs = {**inputs, "precision": found.source}
+        if found.gain is not None:
+            return self._priced(inputs, precision_gain=found.gain)
+        if found.bound is not None:
+            bound = self.predictor.predict(target_at(self.predictor.model, precision_gain=found.bound)).value
+            return Priced(None, inputs, f"cannot predict precision: {name} because the model's own step was not "
+                          f"timed in it; {found.source}: at most {bound:.2f}x samples/s (a bound, if the whole "
+                          "compute were matmuls)")
+        return Priced(None, inputs, f"cannot predict precision: {name} because {found.source}")
+
+    def _nodes(self, nodes: int, inputs: dict[str, str]) -> Priced:
+        p = self.profile
+        local = max(1, p.slots // p.hosts)
+        if nodes > 1 and p.hosts == 1 and self.link is None:
+            return Priced(None, inputs, f"cannot predict nodes: {nodes} because the run had one host and no link "
+                          "between hosts was measured; give it with --link RATE[,LATENCY] (e.g. 200mbit)")
+        return Priced(target_at(self.predictor.model, local * nodes, nodes),
+                      {**inputs, "slots": f"{local * nodes} ({local} per node, as the run had)",
+                       "link between hosts": self.link.label if self.link is not None and p.hosts == 1
+                       else "as measured"})
+
+    def _compression(self, name: str, inputs: dict[str, str]) -> Priced:
+        p = self.profile
+        if name not in p.strategy_compressions:
+            return Priced(None, inputs, f"cannot predict gradient_compression: {name} because sync.strategy "
+                          f"{p.strategy} cannot compress gradients that way")
+        if name == "powersgd" and p.compression_cost is None:
+            return Priced(None, inputs, "cannot predict gradient_compression: powersgd because the run did not "
+                          "measure PowerSGD's cost (a run with 2 or more slots measures it at its end)")
+        note = "one slot: no gradients are exchanged" if p.slots == 1 else None
+        return Priced(target_at(self.predictor.model, compression=name), inputs, note)
+
+    def _fusion(self, mb: float, inputs: dict[str, str]) -> Priced:
+        p = self.profile
+        gradients = 4.0 * p.parameters
+        if p.tensor_fusion_threshold_mb is not None and mb == p.tensor_fusion_threshold_mb:
+            return self._priced(inputs)
+        if mb * 2**20 >= gradients:
+            return Priced(target_at(self.predictor.model, one_bucket=True),
+                          {**inputs, "buckets": f"one ({gradients / 1e6:.2f} MB of gradients fit {mb:g} MB)"})
+        count = 1 + math.ceil(max(0.0, gradients - 2**20) / (mb * 2**20)) if mb > 0 else None
+        return Priced(None, inputs, f"cannot predict tensor_fusion_threshold: {mb:g} because the cost model prices "
+                      f"the run's measured buckets or one bucket only ({gradients / 1e6:.2f} MB of gradients would "
+                      f"take {count or 'one per tensor'} buckets; one bucket needs at least "
+                      f"{math.ceil(gradients / 2**20)} MB)")
+
+    def _loader(self, workers: int, inputs: dict[str, str]) -> Priced:
+        """The loader plan's step with ``workers`` processes per slot, as the data factor predicts it."""
+        p = self.profile
+        ranks = [r.seconds_per_step for r in p.per_rank]
+        step = sum(r.step for r in ranks) / len(ranks)
+        data = min(r.data for r in ranks)
+        fastest = min(ranks, key=lambda r: r.data + r.forward + r.backward + r.optimizer + r.other)
+        plan = advice.loader_plan(p, data, step, fastest.forward + fastest.backward + fastest.optimizer
+                                  + fastest.other, workers=workers)
+        left = max(0.0, plan.step_seconds - (step - self.predictor.base.parts["data"]))
+        return Priced(target_at(self.predictor.model, data_workers_step=left), {**inputs, "loader": plan.why})
+
+    # ------------------------------------------------------------------------------------------ the link
+    def _needs_link(self, target: Target) -> bool:
+        return target.slots > 1 and (self.predictor.model.link is None or (target.nodes > 1 and self.profile.hosts
+                                                                           == 1))
+
+    def linked(self) -> Predictor:
+        """``dtrain plan``'s model of the run (a local probe for a one-slot run, ``--link`` between hosts)."""
+        if self._linked is None:
+            self._linked = self._link_model()
+        return self._linked
+
+
+def predict_all(run_dir: Path, profile: ProfileRecord, predictor: Predictor, items: list[str],
+                link_text: str | None) -> list[TryResult]:
+    """``--try``'s changes, each by the doctor's model, or by ``dtrain plan``'s where a link is needed (a local
+    probe for a one-slot run, ``--link`` between hosts), built once and only then."""
+    link = parse_link(link_text)
+    between = link if link is not None and link.bytes_per_second is not None else None
+    tries = Tries(run_dir, profile, predictor, lambda: Predictor(profile, build_model(run_dir, between)[1]), link)
+    return [tries.predict(item) for item in items]

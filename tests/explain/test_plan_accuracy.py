@@ -1,0 +1,242 @@
+"""The cost model against its stored held-out rows (bench/data/plan_rows.json), and the terms issue 45 named.
+
+Fast: nothing trains. The rows are predicted as ``bench/plan_accuracy.py`` predicts them; the goals fail here
+when a change to the model or to the stored constants misses them.
+"""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+from profiles import make_profile
+
+from dtrain.explain import calibration, fitted
+from dtrain.explain.costmodel import CostModel, Link, Target
+from dtrain.explain.facts import Facts
+from dtrain.explain.network import shaped_seconds, tree_latency_steps
+from dtrain.explain.paper import plan_on_paper
+from dtrain.profiling import commprobe
+
+ROWS = Path(__file__).resolve().parents[2] / "bench" / "data" / "plan_rows.json"
+# The published results reproduced within +/-10% at 128 or more GPUs (other models than BERT; issue 45 item 5).
+REPRODUCED = ("bart", "txl", "horovod:inception3")
+# Known misses, kept as rows and said in the accuracy section: Horovod's VGG-16 (the model gives 76%
+# efficiency at 512 GPUs, the page 68%) and BERT on DGX-2H at 64 GPUs (its README's 1-node row, from another
+# container, makes the published 4.28x for 4x the GPUs superlinear).
+LINK_POINTS = [(float(b), 3e-4 + b / 1e9) for b in commprobe.SIZES]
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return calibration.rows_from_json(json.loads(ROWS.read_text()))
+
+
+@pytest.fixture(scope="module")
+def held_out(rows):
+    return calibration.held_out(rows, fitted.load())
+
+
+def test_published_results_at_scale_are_reproduced_within_10_percent_held_out(held_out):
+    at_scale = [o for o in held_out if o.row.config.startswith(REPRODUCED) and o.row.slots >= 128]
+    assert {o.row.config.split(":")[0] for o in at_scale} == {"bart", "txl", "horovod"}
+    assert len(at_scale) >= 7
+    worst = max(at_scale, key=lambda o: abs(o.error))
+    assert abs(worst.error) <= 0.10, f"{worst.row.label}: {100 * worst.error:+.1f}%"
+
+
+def test_held_out_80_percent_intervals_cover_70_to_90_percent_and_errors_stay_small(held_out):
+    summary = calibration.Summary.of(held_out)
+    assert summary.rows >= 25
+    assert 0.70 <= summary.covered <= 0.90, f"covered {100 * summary.covered:.0f}%"
+    assert summary.mean_error <= 0.10 and summary.worst_error <= 0.20
+
+
+def test_the_packaged_constants_are_the_fit_of_the_stored_rows(rows):
+    """fitted_intervals.json is what `bench/plan_accuracy.py --refit` writes from the stored rows today."""
+    values, names = calibration.fit(rows, fitted.load())
+    packaged = fitted.load()
+    for table, mine in ((values.uncertainty, packaged.uncertainty), (values.terms, packaged.terms)):
+        for name, value in table.items():
+            assert mine[name] == pytest.approx(value, rel=1e-4, abs=1e-9), f"{name}: re-fit with --refit"
+    assert {"paper_jitter", "inter_given", "unmeasured_drift"} <= set(names)
+
+
+def test_no_interval_reaches_above_linear_scaling(rows):
+    for row in rows:
+        if row.kind != "published":
+            continue
+        doc = plan_on_paper(row.spec, [row.slots])
+        p = doc["predictions"][0]
+        assert p["high"] <= row.slots * doc["measured"]["samples_per_second"] * (1 + 1e-9), row.label
+
+
+def _profile(slots=2, windows=(0.98, 1.0, 1.02, 1.0), **overrides):
+    phases = {"data": 0.001, "forward": 0.001, "backward": 0.002, "comm_exposed": 0.004 if slots > 1 else 0.0,
+              "optimizer": 0.001, "other": 0.0}
+    step = sum(phases.values())
+    sections = {
+        "samples_per_second": 64 / step, "parameters": 250_000, "threads_per_slot": 1,
+        "comm": {"busy_seconds_per_step": 0.004, "exposed_seconds_per_step": 0.004, "buckets_per_step": 1,
+                 "latency_seconds": 0.0003, "bytes_per_step": 1e6, "algbw_bytes_per_second": 1e9,
+                 "busbw_bytes_per_second": 1e9},
+        "batch_scaling": {"per_slot_batch_size": 32, "work_seconds": 0.003, "work_double_seconds": 0.0045,
+                          "load_seconds": 0.001, "load_double_seconds": 0.002},
+        "solo_probe": {"per_slot_batch_size": 32, "points": [
+            {"threads": 1, "work_seconds": 0.0030, "work_double_seconds": 0.0054}]},
+        "step_jitter_seconds": 0.0002,
+        "compression_cost": {"fp16_seconds": 1e-4, "powersgd_seconds": 5e-4, "powersgd_bytes": 2e4,
+                             "powersgd_rank": 2},
+        "step_window_seconds": [step * f for f in windows],
+    }
+    if slots > 1:
+        sections["comm_probe"] = {"world": slots, "backend": "gloo",
+                                  "points": [{"bytes": b, "seconds": s} for b, s in LINK_POINTS]}
+    return make_profile([phases] * slots, "h0", slots=slots, **{**sections, **overrides})
+
+
+def test_an_interval_from_inputs_measured_here_is_at_most_25_percent_and_a_given_link_is_not_capped():
+    # A run that drifted by +/-40% between windows: its own figures say little, but +/-25% is the most a
+    # prediction from inputs measured on this host may claim.
+    model = CostModel.from_profile(_profile(windows=(0.6, 1.4, 0.6, 1.4)))
+    mine = model.predict(model.measured_target())
+    assert mine.high / mine.step == pytest.approx(1.25) and mine.step / mine.low == pytest.approx(1.25)
+    linked = CostModel.from_profile(_profile(windows=(0.6, 1.4, 0.6, 1.4)),
+                                    between_hosts=Link(25e6, 1e-3, "200mbit"))
+    far = linked.predict(Target(2, 2))
+    assert far.high / far.step > 1.25  # a given link between hosts is not measured here
+
+
+def test_facts_and_a_stored_model_round_trip_through_json():
+    model = CostModel.from_profile(_profile(), between_hosts=Link(25e6, 1e-3, "200mbit", burst_bytes=4000.0))
+    target = Target(2, 2, compression="powersgd")
+    assert Facts.from_json(json.loads(json.dumps(model.facts.to_json()))) == model.facts
+    stored = calibration.model_from_json(json.loads(json.dumps(calibration.model_to_json(model, target))))
+    assert stored.predict(target).step == pytest.approx(model.predict(target).step, rel=1e-12)
+
+
+# ----------------------------------------------------------------------- the terms issue 45 named (item 4)
+def test_nccl_runs_the_tree_across_many_nodes_and_the_ring_where_its_bandwidth_wins():
+    assert tree_latency_steps(64, 8) == (2 * 7, 2 * 3)  # 2(local - 1) within, 2 log2(nodes) across
+    spec = "params={p},compute=100ms@32,gpus-per-node=8,intra=2400gbit:2us,inter=100gbit:{lat}"
+    no_wait = fitted.Fitted(fitted.load().uncertainty, {**fitted.load().terms, "paper_jitter": 0.0})
+    with fitted.trying(no_wait):
+        # Bandwidth-bound (large gradients, no latency) on 2 nodes: the ring's full bandwidth wins.
+        big = plan_on_paper(spec.format(p="1G", lat="0us") + ",overlap=no", [16])["predictions"][0]
+        nbytes = 4e9
+        buckets = 1 + math.ceil((nbytes - 2**20) / (25 * 2**20))
+        ring = 2 * 15 * buckets * 2e-6 + 2 * 15 / 16 * nbytes / (100e9 / 8)
+        assert big["parts_seconds"]["exchange"] == pytest.approx(ring, rel=1e-4)  # not the tree's 1 / 0.92
+        # Latency-bound (small gradients, 20 us per step) on 64 nodes: the tree's 2 log2(64) steps win.
+        small = plan_on_paper(spec.format(p="1M", lat="20us") + ",overlap=no", [512])["predictions"][0]
+        ring_latency = 2 * 511 * (2e-6 + 20e-6)
+        assert small["parts_seconds"]["exchange"] < ring_latency / 10
+
+
+def test_a_shaped_link_paces_each_message_by_its_bucket():
+    tick = 60e-6
+    gbit = Link(125e6, 0.0, "1gbit", burst_bytes=4000.0)
+    # 52 KB through a 1 Gbit tbf with a 4 KB bucket: 13 buckets, 12 waits of a timer tick (the 32 us refill
+    # is shorter), not 416 us at the nominal rate.
+    assert shaped_seconds(52_000, gbit, tick) == pytest.approx(12 * tick)
+    # At 200 Mbit a bucket refills in 160 us, longer than a tick: the rate alone.
+    slow = Link(25e6, 0.0, "200mbit", burst_bytes=4000.0)
+    assert shaped_seconds(52_000, slow, tick) == pytest.approx(52_000 / 25e6)
+    # Unshaped (a NIC, or no bucket given): the rate alone.
+    assert shaped_seconds(52_000, Link(125e6, 0.0, "1gbit"), tick) == pytest.approx(52_000 / 125e6)
+    profile = _profile()
+    paced = CostModel.from_profile(profile, between_hosts=gbit).predict(Target(2, 2, cores=1))
+    nominal = CostModel.from_profile(profile, between_hosts=Link(125e6, 0.0, "1gbit")).predict(Target(2, 2, cores=1))
+    assert paced.parts["exchange"] > nominal.parts["exchange"]
+
+
+def test_powersgd_pays_its_hook_per_bucket_and_collective():
+    comm = {"busy_seconds_per_step": 0.004, "exposed_seconds_per_step": 0.004, "buckets_per_step": 4,
+            "latency_seconds": 0.0003, "bytes_per_step": 1e6, "algbw_bytes_per_second": 1e9,
+            "busbw_bytes_per_second": 1e9}
+    model = CostModel.from_profile(_profile(comm=comm))
+    hook = fitted.load().terms["powersgd_hook_seconds"]
+    one = model.predict(Target(2, compression="powersgd", one_bucket=True)).parts["compression"]
+    four = model.predict(Target(2, compression="powersgd")).parts["compression"]
+    # The measured matmuls and QR (5e-4 s) once; the hook's host time for each of 2 collectives per bucket.
+    assert one == pytest.approx(5e-4 + 2 * hook) and four == pytest.approx(5e-4 + 4 * 2 * hook)
+
+
+def test_more_slots_than_cores_wait_a_scheduler_slice_share_at_every_ring_step():
+    model = CostModel.from_profile(_profile())
+    values = fitted.load()
+    quiet = fitted.Fitted(values.uncertainty, {**values.terms, "scheduler_slice_seconds": 0.0})
+    with fitted.trying(quiet):
+        bare = model.predict(Target(3, cores=2)).parts["exchange"]
+        fits = model.predict(Target(2, cores=2)).parts["exchange"]
+    crowded = model.predict(Target(3, cores=2)).parts["exchange"]
+    # 3 processes on 2 cores: a third of them off a core, half a slice each, at 2(3-1) ring steps (on top of
+    # the crowd factor's shared time, which both sides pay).
+    expected = 2 * 2 * (1 / 3) * values.terms["scheduler_slice_seconds"] / 2
+    assert crowded - bare == pytest.approx(expected, rel=1e-6)
+    assert model.predict(Target(2, cores=2)).parts["exchange"] == pytest.approx(fits)  # no more slots than cores
+
+
+def test_on_paper_the_output_names_the_input_that_widens_the_interval_most():
+    doc = plan_on_paper("params=138.4M,compute=415.6ms@64,gpus-per-node=4,intra=96gbit:5us,inter=25gbit:5us",
+                        [4, 512])
+    widest = [i for i in doc["inputs"] if i["name"].startswith("widens the interval most")]
+    assert len(widest) == 1 and widest[0]["value"].startswith("inter")
+    assert all(p["widest_input"] for p in doc["predictions"])
+    assert math.isfinite(doc["predictions"][-1]["high"])
+
+
+# ------------------------------------------------------------- bench/plan_accuracy.py --measure, faked
+def _bench_module(monkeypatch):
+    import importlib.util
+
+    path = ROWS.parents[1] / "plan_accuracy.py"
+    spec = importlib.util.spec_from_file_location("plan_accuracy_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_measure_stores_rows_with_their_models_inputs_and_refit_reads_them(tmp_path, monkeypatch, capsys):
+    bench = _bench_module(monkeypatch)
+    import testhosts
+
+    # Runs faked: samples/s by slot count, the 10x model a tenth as fast; the 2-host rows by their rate.
+    def run_local(slots, sets, steps, run_dir):
+        return {1: 1000.0, 2: 1500.0, 3: 1600.0}[slots] / (10 if bench.BIG[0] in sets else 1)
+
+    def run_hosts(row, steps, run_dir):
+        sps = {None: 1400.0, "1gbit": 900.0, "200mbit": 500.0}[row.rate]
+        return sps * (1.5 if row.target.get("aggregation") else 1)
+
+    def build_model(run_dir, link=None, probe=False, log=None):  # a 1-slot source gets the local probe
+        slots = int(run_dir.name[-1])
+        if slots == 1:
+            return None, CostModel.from_profile(_profile(slots=1), LINK_POINTS, 2, 0.001)
+        return None, CostModel.from_profile(_profile(slots=slots))
+
+    monkeypatch.setattr(bench, "run_local", run_local)
+    monkeypatch.setattr(bench, "run_hosts", run_hosts)
+    monkeypatch.setattr(bench, "build_model", build_model)
+    monkeypatch.setattr(testhosts, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(bench, "held_out", lambda rows, start: calibration.evaluate(rows))  # tested above
+    rows_file, fitted_file = tmp_path / "rows.json", tmp_path / "fitted.json"
+    rows_file.write_text(ROWS.read_text())
+    fitted_file.write_text((Path(fitted.__file__).parent / fitted.FILE).read_text())
+    assert bench.main(["--measure", "--repeats", "2", "--rows", str(rows_file), "--fitted", str(fitted_file)]) == 0
+    document = json.loads(rows_file.read_text())
+    measured = document["measured"]
+    # 12 configurations from the 1- and 2-slot sources, but for the sources themselves (1 slot, 2 slots,
+    # and the 10x model's): 20 rows, each with 2 rounds and the inputs of the model that predicted it.
+    assert len(measured) == 20 and all(len(r["rounds"]) == 2 for r in measured)
+    shaped = [r for r in measured if "1 Gbit" in r["label"]]
+    assert shaped and all(r["source"]["between_hosts"]["burst_bytes"] == 4000.0 for r in shaped)
+    outcomes = calibration.evaluate(calibration.rows_from_json(document))
+    assert len(outcomes) == 20 + len(document["published"])
+    local = [o for o in outcomes if o.row.kind == "measured" and o.measured_here]
+    assert local and all(o.high / o.predicted <= 1.25 + 1e-9 and o.predicted / o.low <= 1.25 + 1e-9 for o in local)
+    written = json.loads(fitted_file.read_text())
+    assert written["fit"]["rows"] == len(outcomes)
+    assert "Held out" in capsys.readouterr().out
