@@ -18,6 +18,7 @@ import time
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from dtrain.profiling.modelsteps import restored
 from dtrain.profiling.record import DeviceFacts, Flops
 from dtrain.profiling.runfacts import ProbeHooks, RunFacts
 
@@ -48,23 +49,24 @@ def count_step_flops(facts: RunFacts) -> float:
             or "optimizer" in facts.unobserved_phases):
         return 0.0
     try:
-        batch = _one_batch(facts, hooks)
-        with hooks.gradient_sync(False), FlopCounterMode(display=False) as counter:
-            hooks.train_batch(batch, 0, 0)
+        # The run ends as without the count: buffers (batch norm's), random generators and gradients put back.
+        with restored(facts.models, facts.optimizers, facts.device):
+            batch = _one_batch(facts, hooks)
+            with hooks.gradient_sync(False), FlopCounterMode(display=False) as counter:
+                hooks.train_batch(batch, 0, 0)
         return float(counter.get_total_flops())
     except Exception as exc:  # a model the counter cannot follow: no MFU, not a failed run
         log.info("FLOPs not counted: %s", exc)
         return 0.0
     finally:
         facts.timer.exchanging = True
-        for opt in facts.optimizers:
-            opt.zero_grad(set_to_none=True)
 
 
 def cpu_matmul_flops_per_second(dtype: torch.dtype, budget: float = CPU_BUDGET_SECONDS) -> float:
     """The best of a few square matmuls in ``dtype`` on this process's threads (FLOP/s)."""
-    a = torch.randn(CPU_MATMUL_SIZE, CPU_MATMUL_SIZE, dtype=dtype)
-    b = torch.randn(CPU_MATMUL_SIZE, CPU_MATMUL_SIZE, dtype=dtype)
+    own = torch.Generator().manual_seed(0)  # not the global generator: the run ends as it would without this
+    a = torch.randn(CPU_MATMUL_SIZE, CPU_MATMUL_SIZE, dtype=dtype, generator=own)
+    b = torch.randn(CPU_MATMUL_SIZE, CPU_MATMUL_SIZE, dtype=dtype, generator=own)
     a @ b  # warm-up: the library's kernel and its buffers
     best, spent = float("inf"), 0.0
     while spent < budget or best == float("inf"):
