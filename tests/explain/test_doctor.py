@@ -364,8 +364,6 @@ def test_phases_not_observed_are_not_diagnosed(tmp_path, missing):
         make_profile([RAW_STEP], "vm", unobserved_phases=["data"])
 
 
-@pytest.mark.xfail(strict=True, reason="explain/costmodel.py (helper 'accuracy'): a run whose exchanges beat the "
-                   "fitted link calibrates a NEGATIVE per-exchange overhead, which fp16's halved bytes do not halve")
 def test_halving_the_bytes_of_a_communication_bound_step_gains_at_most_2x():
     """Issue 45's 10.7x: two hosts over 200 Mbit/s, 96% of the step the exchange. Halving its bytes can at
     most halve the exchange: the doctor's (and plan's) fp16 gain is bounded by step / (step - exchange / 2)."""
@@ -383,5 +381,10 @@ def test_halving_the_bytes_of_a_communication_bound_step_gains_at_most_2x():
         compression_cost={"fp16_seconds": 0.003, "powersgd_seconds": 0.01, "powersgd_bytes": 1e5, "powersgd_rank": 1})
     step = sum(phases.values())
     communication = diagnose(profile).factor("communication")
-    assert communication is not None and communication.key == "optimizations.gradient_compression"
-    assert communication.predicted_speedup <= 1.05 * step / (step - exchange / 2 + 0.003)
+    assert communication is not None and communication.advice is not None
+    # Aggregating 4 batches per exchange may lead now (it saves three exchanges in four): fp16 is then the
+    # alternative, and its figure is what this test bounds.
+    changes = [communication.advice, communication.advice.alternative]
+    fp16 = next(c for c in changes if c is not None and c.key == "optimizations.gradient_compression")
+    assert fp16.predicted_speedup is not None
+    assert 1.5 < fp16.predicted_speedup <= 1.05 * step / (step - exchange / 2 + 0.003)

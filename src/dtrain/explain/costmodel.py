@@ -60,6 +60,8 @@ FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 * 2**20, 25 * 2**20
 MEASURED_SPREAD = math.log(1.25)
 # Inputs given rather than measured here (a link, a datasheet, a loader count the run did not use): an
 # interval with one of them keeps its full width.
+# A run's exchanges may beat the fitted link (its rate in training is scaled down to match): at most this far.
+MIN_WIRE_SCALE = 0.1
 NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers")
 
 
@@ -128,6 +130,9 @@ class CostModel:
     factor: float  # a training step's compute over the probe's
     contention: float  # the run's local slots' compute over one slot alone (1 with one local slot)
     sources: list[Source] = field(default_factory=list)
+    # The link's bytes term in training over the probe's (calibrated): below 1 where the run's own exchanges
+    # beat the fitted link (the probe's rate was pessimistic), so fewer bytes save proportionally, never more.
+    wire_scale: float = 1.0
 
     # ------------------------------------------------------------------------------ building
     @classmethod
@@ -172,11 +177,15 @@ class CostModel:
             sources.append(Source("link among local slots", f"{1e6 * link.step_latency:.0f} us per ring step, "
                                   f"{link.busbw / 1e6:,.0f} MB/s (fit residual {100 * residual:.0f}%)", found_source))
         if f.slots > 1 and found_source in ("measured", "none"):  # no link: the whole exchange is overhead
-            model.overhead, model.overhead_source = model._calibrated_overhead(), "measured"
+            model.overhead, model.wire_scale = model._calibrated_exchange()
+            model.overhead_source = "measured"
         elif probe_overhead is not None:
             # The probe's exchanges waited for its peer already: the run's jitter is added back per slot count.
             model.overhead = max(0.0, probe_overhead - f.jitter * expected_max(probe_world))
             model.overhead_source = "probed"
+        if model.wire_scale < 1.0:
+            sources.append(Source("link's rate in training over the fitted link's", f"{1 / model.wire_scale:.2f}x "
+                                  "(the run's exchanges beat the fit: its bytes term scaled to match)", "measured"))
         if model.overhead_source != "none":
             sources.append(Source("exchange cost in training beyond the link", f"{1e3 * model.overhead:.2f} ms",
                                   model.overhead_source))
@@ -188,15 +197,36 @@ class CostModel:
         f = self.facts
         return Target(f.slots, f.hosts, f.global_batch, f.threads, f.aggregation, f.compression)
 
-    def _calibrated_overhead(self) -> float:
-        """Per-exchange seconds that make the run reproduce its own step (waiting, waking up, DDP's own work),
-        beyond the jitter part that :meth:`predict` adds back per slot count."""
+    def _calibrated_exchange(self) -> tuple[float, float]:
+        """(per-exchange seconds, the link's bytes scale) that make the run reproduce its own step.
+
+        An exchange slower than the fitted link (waiting, waking up, DDP's own work, beyond the jitter part
+        that :meth:`predict` adds back per slot count) is a per-exchange cost that fewer bytes do not shrink.
+        One faster than the link says the link's rate in training beat the probe's: that is the bytes term
+        scaled down, never a negative cost (which fewer bytes would not shrink either, and could drive an
+        exchange of half the bytes towards zero)."""
+        measured = self._measured_exchange()
+        bare = self._model_exchange(1.0)
+        if measured >= bare or self.link is None:
+            return max(0.0, measured - bare), 1.0
+        low, high = MIN_WIRE_SCALE, 1.0
+        if self._model_exchange(low) >= measured:
+            return 0.0, low
+        for _ in range(40):  # the exchange grows with the scale: bisect to where it meets the measured one
+            mid = (low + high) / 2
+            low, high = (mid, high) if self._model_exchange(mid) < measured else (low, mid)
+        return 0.0, (low + high) / 2
+
+    def _measured_exchange(self) -> float:
+        """Seconds per exchange the run spent beyond data, compute and fixed work."""
         f = self.facts
-        parts = replace(self, overhead=0.0)._parts(self.measured_target())
-        measured = (f.step - parts["data"] - parts["compute"] - parts["fixed"]) * f.aggregation
-        bare = parts["exchange"] * f.aggregation
-        # What overlapped with backward can make the measured exchange cheaper than the bare ring: down to half.
-        return max(-0.5 * bare, measured - bare)
+        parts = replace(self, overhead=0.0, wire_scale=1.0)._parts(self.measured_target())
+        return (f.step - parts["data"] - parts["compute"] - parts["fixed"]) * f.aggregation
+
+    def _model_exchange(self, scale: float) -> float:
+        """Seconds per exchange the model gives the run itself with no calibrated overhead and ``scale``."""
+        parts = replace(self, overhead=0.0, wire_scale=scale)._parts(self.measured_target())
+        return parts["exchange"] * self.facts.aggregation
 
     # ----------------------------------------------------------------------------- predicting
     def local_threads(self, target: Target) -> tuple[int, int]:
@@ -295,6 +325,7 @@ class CostModel:
             if between.bytes_per_second is not None:  # the slower link sets the ring's rate
                 wire = max(wire, 2 * (n - 1) * shaped_seconds(nbytes / n, between, terms["shaper_tick_seconds"]))
             between_latency = between.latency_seconds
+        wire *= self.wire_scale
         seconds = 2 * (n - 1) * (link.step_latency + between_latency) + wire
         if self.facts.device == "cuda" and nodes > 1:
             within, across = tree_latency_steps(n, nodes)
