@@ -17,14 +17,16 @@ all ask :class:`CostModel`. It starts from one measured run (its ``profile.json`
   fitted to all-reduces of several sizes (:mod:`dtrain.profiling.commprobe`) on the run's own ranks, or by
   ``dtrain plan --probe`` in local processes, or a given link; plus what an
   exchange costs inside training beyond that (waking up, waiting for the slowest peer: the step's jitter
-  grows with the expected maximum of ``N`` ranks), calibrated so the run reproduces its own step. fp16
+  grows with the expected maximum of ``N`` ranks), calibrated so the run reproduces its own step (an exchange
+  faster than the fitted link scales the whole exchange down, never by a negative cost). fp16
   halves the bytes and adds the measured cast; PowerSGD sends the measured low-rank bytes, in two
   collectives per bucket, and adds its measured matmuls and QR and its hook's own host time per collective.
   A shaped link (a token bucket) paces each message by its bucket; more slots than a host's cores wait,
   at every ring step, for a peer the scheduler has put aside.
 
 Every input is recorded with where it came from (measured, probed, given, assumed), and every prediction
-carries an 80% interval from the run's own step-to-step drift and the uncertainty of each input: those
+carries an 80% interval from the run's own step-to-step drift, the measured spread of the timed model steps
+a precision or batch change rests on, and the uncertainty of each input: those
 uncertainties and the terms' constants are fitted to stored held-out rows (:mod:`dtrain.explain.fitted`).
 The interval never reaches beyond linear scaling, and where every input was measured on this host it is at
 most +/-25% of its point.
@@ -60,8 +62,9 @@ FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 * 2**20, 25 * 2**20
 MEASURED_SPREAD = math.log(1.25)
 # Inputs given rather than measured here (a link, a datasheet, a loader count the run did not use): an
 # interval with one of them keeps its full width.
-# A run's exchanges may beat the fitted link (its rate in training is scaled down to match): at most this far.
-MIN_WIRE_SCALE = 0.1
+# A run's exchanges may beat the model's (its exchange is scaled down to match): at most this far (a run whose
+# exchange cost nothing measurable says nothing about what it would cost elsewhere).
+MIN_EXCHANGE_SCALE = 0.05
 NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers")
 
 
@@ -86,6 +89,7 @@ class Target:
     compression: str | None = None
     one_bucket: bool = False
     precision_gain: float = 1.0
+    precision_spread: float = 0.0  # one relative sd of precision_gain, as its timed steps spread (measured)
     data_workers_step: float | None = None  # the data wait with other loader processes (the doctor's plan)
     cores: int | None = None  # per host; None: as many as the run's host had
 
@@ -130,9 +134,9 @@ class CostModel:
     factor: float  # a training step's compute over the probe's
     contention: float  # the run's local slots' compute over one slot alone (1 with one local slot)
     sources: list[Source] = field(default_factory=list)
-    # The link's bytes term in training over the probe's (calibrated): below 1 where the run's own exchanges
-    # beat the fitted link (the probe's rate was pessimistic), so fewer bytes save proportionally, never more.
-    wire_scale: float = 1.0
+    # The run's own exchange over the model's (link and waiting; calibrated), where the run's was faster: the
+    # probe was pessimistic, so every term scales down alike, and fewer bytes save proportionally, never more.
+    exchange_scale: float = 1.0
 
     # ------------------------------------------------------------------------------ building
     @classmethod
@@ -177,15 +181,15 @@ class CostModel:
             sources.append(Source("link among local slots", f"{1e6 * link.step_latency:.0f} us per ring step, "
                                   f"{link.busbw / 1e6:,.0f} MB/s (fit residual {100 * residual:.0f}%)", found_source))
         if f.slots > 1 and found_source in ("measured", "none"):  # no link: the whole exchange is overhead
-            model.overhead, model.wire_scale = model._calibrated_exchange()
+            model.overhead, model.exchange_scale = model._calibrated_exchange()
             model.overhead_source = "measured"
         elif probe_overhead is not None:
             # The probe's exchanges waited for its peer already: the run's jitter is added back per slot count.
             model.overhead = max(0.0, probe_overhead - f.jitter * expected_max(probe_world))
             model.overhead_source = "probed"
-        if model.wire_scale < 1.0:
-            sources.append(Source("link's rate in training over the fitted link's", f"{1 / model.wire_scale:.2f}x "
-                                  "(the run's exchanges beat the fit: its bytes term scaled to match)", "measured"))
+        if model.exchange_scale < 1.0:
+            sources.append(Source("exchange in training over the fitted link's", f"{model.exchange_scale:.2f}x "
+                                  "(the run's exchanges beat the fit: its terms scaled to match)", "measured"))
         if model.overhead_source != "none":
             sources.append(Source("exchange cost in training beyond the link", f"{1e3 * model.overhead:.2f} ms",
                                   model.overhead_source))
@@ -198,18 +202,18 @@ class CostModel:
         return Target(f.slots, f.hosts, f.global_batch, f.threads, f.aggregation, f.compression)
 
     def _calibrated_exchange(self) -> tuple[float, float]:
-        """(per-exchange seconds, the link's bytes scale) that make the run reproduce its own step.
+        """(per-exchange seconds, the exchange's scale) that make the run reproduce its own step.
 
         An exchange slower than the fitted link (waiting, waking up, DDP's own work, beyond the jitter part
         that :meth:`predict` adds back per slot count) is a per-exchange cost that fewer bytes do not shrink.
-        One faster than the link says the link's rate in training beat the probe's: that is the bytes term
-        scaled down, never a negative cost (which fewer bytes would not shrink either, and could drive an
-        exchange of half the bytes towards zero)."""
+        One faster than the model's says the link (and the waiting) in training beat the probe's: the whole
+        exchange scales down, bytes term included, never by a negative cost (which fewer bytes would not
+        shrink, and which drove an exchange of half the bytes towards zero: issue 45's 10.7x)."""
         measured = self._measured_exchange()
         bare = self._model_exchange(1.0)
         if measured >= bare or self.link is None:
             return max(0.0, measured - bare), 1.0
-        low, high = MIN_WIRE_SCALE, 1.0
+        low, high = MIN_EXCHANGE_SCALE, 1.0
         if self._model_exchange(low) >= measured:
             return 0.0, low
         for _ in range(40):  # the exchange grows with the scale: bisect to where it meets the measured one
@@ -220,12 +224,12 @@ class CostModel:
     def _measured_exchange(self) -> float:
         """Seconds per exchange the run spent beyond data, compute and fixed work."""
         f = self.facts
-        parts = replace(self, overhead=0.0, wire_scale=1.0)._parts(self.measured_target())
+        parts = replace(self, overhead=0.0, exchange_scale=1.0)._parts(self.measured_target())
         return (f.step - parts["data"] - parts["compute"] - parts["fixed"]) * f.aggregation
 
     def _model_exchange(self, scale: float) -> float:
         """Seconds per exchange the model gives the run itself with no calibrated overhead and ``scale``."""
-        parts = replace(self, overhead=0.0, wire_scale=scale)._parts(self.measured_target())
+        parts = replace(self, overhead=0.0, exchange_scale=scale)._parts(self.measured_target())
         return parts["exchange"] * self.facts.aggregation
 
     # ----------------------------------------------------------------------------- predicting
@@ -310,8 +314,8 @@ class CostModel:
         spread = f.jitter + (fitted.load().terms["paper_jitter"] * compute if f.batch_given else 0.0)
         jitter = spread * expected_max(n)
         # More processes than cores: every exchange also waits for peers to get a core back, in proportion.
-        waiting = (self.overhead + jitter) * crowd / f.crowd
-        return max(0.0, wire + waiting), math_seconds
+        waiting = (self.overhead + jitter * self.exchange_scale) * crowd / f.crowd
+        return max(0.0, wire * self.exchange_scale + waiting), math_seconds
 
     def _allreduce(self, nbytes: float, target: Target) -> float:
         """Seconds of one all-reduce of ``nbytes``: the ring (or NCCL's tree, where faster) through the slower
@@ -325,7 +329,6 @@ class CostModel:
             if between.bytes_per_second is not None:  # the slower link sets the ring's rate
                 wire = max(wire, 2 * (n - 1) * shaped_seconds(nbytes / n, between, terms["shaper_tick_seconds"]))
             between_latency = between.latency_seconds
-        wire *= self.wire_scale
         seconds = 2 * (n - 1) * (link.step_latency + between_latency) + wire
         if self.facts.device == "cuda" and nodes > 1:
             within, across = tree_latency_steps(n, nodes)
@@ -409,6 +412,15 @@ class CostModel:
             out["drift over the run"] = _drift(self.facts.windows) * step
         if target.slots > 1 and self.link_residual > 0:
             out["link fit residual"] = self.link_residual * parts["exchange"]
+        # The few timed model steps a precision's gain (or a batch's growth) rests on: their own measured spread.
+        if target.precision_spread > 0:
+            out["model steps' spread (precision)"] = target.precision_spread * parts["compute"]
+        f = self.facts
+        batch = (target.global_batch or f.global_batch) / target.slots
+        if f.batch_spread > 0 and f.per_slot_batch and batch != f.per_slot_batch:
+            # Measured at the batch and twice it: a change of a doubling or more carries all of it.
+            out["model steps' spread (batch)"] = (f.batch_spread * parts["compute"]
+                                                  * min(1.0, abs(math.log2(batch / f.per_slot_batch))))
         return {name: value for name, value in out.items() if value > 0}
 
 

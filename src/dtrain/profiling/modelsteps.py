@@ -33,6 +33,8 @@ from dtrain.profiling.runfacts import ProbeHooks, SwitchablePrecision
 # Timed steps per setting, after one warm-up step each: enough for a least time on a shared machine, few
 # enough that the probe stays a small part of a run.
 STEPS_TIMED = 3
+# Expected range of n normal draws in standard deviations (d2 of quality control charts), for n timed steps.
+RANGE_IN_SIGMAS = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2.970, 10: 3.078}
 # The autocast dtype of each precision (None: float32, no autocast).
 AUTOCAST: dict[str, torch.dtype | None] = {"32-true": None, "tf32": None, "bf16-mixed": torch.bfloat16,
                                            "16-mixed": torch.float16}
@@ -129,7 +131,7 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
     names, skipped = precisions_for(device)
     settings: dict[str, tuple[str, object]] = {name: (name, batch) for name in names}
     settings["double"] = (run, double)
-    best = dict.fromkeys(settings, float("inf"))
+    times: dict[str, list[float]] = {key: [] for key in settings}
     failed: dict[str, str] = {}
     with restored(models, optimizers, device):
         for round_ in range(steps + 1):  # round 0 warms each setting up
@@ -149,11 +151,21 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
                         torch.cuda.empty_cache()
                     continue
                 if round_:
-                    best[key] = min(best[key], time.perf_counter() - began)
+                    times[key].append(time.perf_counter() - began)
     skipped.update({k: v for k, v in failed.items() if k != "double"})
+    best = {key: min(seconds, default=float("inf")) for key, seconds in times.items()}
     return ModelSteps(per_slot_batch_size=per_slot, run_precision=run, steps_timed=steps,
                       seconds_per_step={k: best[k] for k in names if k not in failed},
                       skipped=skipped,
                       double_batch_seconds_per_step=None if "double" in failed else best["double"],
                       double_batch_skipped=failed.get("double"),
-                      cost_seconds=time.perf_counter() - start)
+                      cost_seconds=time.perf_counter() - start,
+                      relative_spread={k: relative_spread(v) for k, v in times.items() if k not in failed and v})
+
+
+def relative_spread(seconds: list[float]) -> float:
+    """One relative standard deviation of a setting's timed steps: their range over the least, divided by the
+    expected range of that many normal draws in standard deviations (0 for a single step: nothing to say)."""
+    if len(seconds) < 2 or min(seconds) <= 0:
+        return 0.0
+    return (max(seconds) - min(seconds)) / min(seconds) / RANGE_IN_SIGMAS.get(len(seconds), 3.0)
