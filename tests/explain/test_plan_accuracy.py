@@ -240,3 +240,28 @@ def test_measure_stores_rows_with_their_models_inputs_and_refit_reads_them(tmp_p
     written = json.loads(fitted_file.read_text())
     assert written["fit"]["rows"] == len(outcomes)
     assert "Held out" in capsys.readouterr().out
+
+
+def test_another_fusion_threshold_is_priced_with_its_bucket_count():
+    """``--try optimizations.tensor_fusion_threshold=N``: DDP's layout at N, scaled by the run's measured
+    buckets over the layout at its own threshold; each further bucket pays its ring steps' latency."""
+    from dtrain.explain.predictor import Predictor
+    from dtrain.explain.trying import Tries
+
+    comm = {"busy_seconds_per_step": 0.004, "exposed_seconds_per_step": 0.004, "buckets_per_step": 2,
+            "latency_seconds": 0.0003, "bytes_per_step": 4e7, "algbw_bytes_per_second": 1e10,
+            "busbw_bytes_per_second": 1e10}
+    profile = _profile(comm=comm, parameters=10_000_000, tensor_fusion_threshold_mb=25.0)
+    model = CostModel.from_profile(profile)
+    assert len(model.buckets(4e7, False, 25.0)) == len(model.buckets(4e7, False)) == 2
+    # 40 MB at 5 MB: 1 + ceil(39 / 5) = 9 by DDP's layout, at 25 MB 3: the run's 2 scaled, 6.
+    assert len(model.buckets(4e7, False, 5.0)) == 6
+    measured, small = model.predict(Target(2)), model.predict(Target(2, bucket_mb=5.0))
+    same = model.predict(Target(2, bucket_mb=25.0))
+    assert same.step == pytest.approx(measured.step) and small.parts["exchange"] > measured.parts["exchange"]
+    predictor = Predictor(profile, model)
+    tries = Tries(Path("unused"), profile, predictor, lambda: predictor, None)
+    priced = tries.price("optimizations.tensor_fusion_threshold", 5.0)
+    assert priced.target is not None and priced.target.bucket_mb == 5.0 and priced.inputs["buckets"].startswith("6 ")
+    assert predictor.predict(priced.target).value < 1
+    assert tries.price("optimizations.tensor_fusion_threshold", 0.0).why.startswith("cannot predict")

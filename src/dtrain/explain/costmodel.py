@@ -88,6 +88,7 @@ class Target:
     aggregation: int | None = None
     compression: str | None = None
     one_bucket: bool = False
+    bucket_mb: float | None = None  # optimizations.tensor_fusion_threshold; None: the run's buckets as measured
     precision_gain: float = 1.0
     precision_spread: float = 0.0  # one relative sd of precision_gain, as its timed steps spread (measured)
     data_workers_step: float | None = None  # the data wait with other loader processes (the doctor's plan)
@@ -248,15 +249,21 @@ class CostModel:
             return 1.0 + (self.contention - 1.0) * (local - 1) / (run_local - 1)
         return 1.0  # not measured (one local slot): assumed none, with its uncertainty in the interval
 
-    def buckets(self, nbytes: float, one_bucket: bool) -> list[float]:
-        """Bucket sizes of one exchange: as many as the run measured, else DDP's default layout."""
+    def buckets(self, nbytes: float, one_bucket: bool, bucket_mb: float | None = None) -> list[float]:
+        """Bucket sizes of one exchange of ``nbytes``: as many as the run measured, else DDP's layout of its
+        buckets. ``bucket_mb``: another bucket cap (``tensor_fusion_threshold``): DDP's layout of the gradients
+        at it, scaled by the run's measured count over the layout at the run's cap (tensors' boundaries)."""
         f = self.facts
         if one_bucket:
             return [nbytes]
         count = f.buckets
-        if count < 1:
-            cap = (f.fusion_mb or 0) * 2**20 or BUCKET_BYTES
-            count = 1 + math.ceil(max(0.0, nbytes - FIRST_BUCKET_BYTES) / cap)
+        run_cap = (f.fusion_mb or 0) * 2**20 or BUCKET_BYTES
+        if bucket_mb is not None and bucket_mb > 0:
+            gradients = 4.0 * f.parameters  # DDP fills buckets with the float32 gradients, compressed or not
+            layout = ddp_bucket_count(gradients, bucket_mb * 2**20)
+            count = layout * count / ddp_bucket_count(gradients, run_cap) if count >= 1 else layout
+        elif count < 1:
+            count = ddp_bucket_count(nbytes, run_cap)
         count = max(1, round(count))
         return [nbytes / count] * count
 
@@ -295,7 +302,7 @@ class CostModel:
             math_seconds = costs.fp16_seconds if costs is not None else 0.0
         elif compression == "powersgd" and costs is not None:
             nbytes, math_seconds, collectives = costs.powersgd_bytes, costs.powersgd_seconds, 2
-        sizes = self.buckets(nbytes, target.one_bucket)
+        sizes = self.buckets(nbytes, target.one_bucket, target.bucket_mb)
         if compression == "powersgd" and costs is not None:
             # The probe times the hook's matmuls and QR; the hook's own Python and allocations run per bucket
             # and collective on the autograd thread, and on shared cores they take turns with the others.
@@ -430,6 +437,11 @@ def ratio(new: Prediction, base: Prediction) -> tuple[float, float, float]:
     value = new.samples_per_second / base.samples_per_second
     base_sps = base.samples_per_second
     return value, new.samples_per_second_low / base_sps, new.samples_per_second_high / base_sps
+
+
+def ddp_bucket_count(nbytes: float, cap: float) -> int:
+    """DDP's buckets for ``nbytes`` of gradients at ``cap`` bytes each, after its small first bucket."""
+    return 1 + math.ceil(max(0.0, nbytes - FIRST_BUCKET_BYTES) / cap)
 
 
 def _describe(work: Work) -> str:

@@ -9,7 +9,6 @@ Each change is one :class:`~dtrain.explain.costmodel.Target` priced by the same
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,11 +161,16 @@ class Tries:
         if mb * 2**20 >= gradients:
             return Priced(target_at(self.predictor.model, one_bucket=True),
                           {**inputs, "buckets": f"one ({gradients / 1e6:.2f} MB of gradients fit {mb:g} MB)"})
-        count = 1 + math.ceil(max(0.0, gradients - 2**20) / (mb * 2**20)) if mb > 0 else None
-        return Priced(None, inputs, f"cannot predict tensor_fusion_threshold: {mb:g} because the cost model prices "
-                      f"the run's measured buckets or one bucket only ({gradients / 1e6:.2f} MB of gradients would "
-                      f"take {count or 'one per tensor'} buckets; one bucket needs at least "
-                      f"{math.ceil(gradients / 2**20)} MB)")
+        if mb <= 0:
+            return Priced(None, inputs, "cannot predict tensor_fusion_threshold: 0 because it puts each gradient "
+                          "tensor in its own bucket and the run did not record its tensors' count")
+        model = self.predictor.model
+        count = len(model.buckets(gradients, False, mb))
+        how = (f"scaled by the run's {len(model.buckets(gradients, False))} measured over DDP's layout at its "
+               "threshold" if model.facts.buckets >= 1 else "DDP's layout")
+        return Priced(target_at(model, bucket_mb=mb),
+                      {**inputs, "buckets": f"{count} ({gradients / 1e6:.2f} MB of gradients in {mb:g} MB buckets "
+                       f"after a 1 MB first one: {how})"})
 
     def _loader(self, workers: int, inputs: dict[str, str]) -> Priced:
         """The loader plan's step with ``workers`` processes per slot, as the data factor predicts it."""
