@@ -195,7 +195,9 @@ class CostModel:
             sources.append(Source("exchange cost in training beyond the link", f"{1e3 * model.overhead:.2f} ms",
                                   model.overhead_source))
         if between_hosts is not None:
-            sources.append(Source("link between hosts", between_hosts.label, "given"))
+            replaces = " (replaces the link measured between the run's hosts)" if f.hosts > 1 else ""
+            burst = f", a shaper's {between_hosts.burst_bytes:,.0f}-byte burst" if between_hosts.burst_bytes else ""
+            sources.append(Source("link between hosts", between_hosts.label + burst + replaces, "given"))
         return model
 
     def measured_target(self) -> Target:
@@ -225,12 +227,13 @@ class CostModel:
     def _measured_exchange(self) -> float:
         """Seconds per exchange the run spent beyond data, compute and fixed work."""
         f = self.facts
-        parts = replace(self, overhead=0.0, exchange_scale=1.0)._parts(self.measured_target())
+        parts = replace(self, overhead=0.0, exchange_scale=1.0, between_hosts=None)._parts(self.measured_target())
         return (f.step - parts["data"] - parts["compute"] - parts["fixed"]) * f.aggregation
 
     def _model_exchange(self, scale: float) -> float:
-        """Seconds per exchange the model gives the run itself with no calibrated overhead and ``scale``."""
-        parts = replace(self, overhead=0.0, exchange_scale=scale)._parts(self.measured_target())
+        """Seconds per exchange the model gives the run itself with no calibrated overhead and ``scale``, on the
+        link its own ranks measured (a given link between hosts is what a prediction changes, not the run)."""
+        parts = replace(self, overhead=0.0, exchange_scale=scale, between_hosts=None)._parts(self.measured_target())
         return parts["exchange"] * self.facts.aggregation
 
     # ----------------------------------------------------------------------------- predicting
@@ -332,10 +335,14 @@ class CostModel:
         wire, between_latency = ring(n) * nbytes / link.busbw, 0.0
         between = self.between_hosts if nodes > 1 else None
         if between is not None:
-            terms = fitted.load().terms
-            if between.bytes_per_second is not None:  # the slower link sets the ring's rate
-                wire = max(wire, 2 * (n - 1) * shaped_seconds(nbytes / n, between, terms["shaper_tick_seconds"]))
-            between_latency = between.latency_seconds
+            paced = 2 * (n - 1) * shaped_seconds(nbytes / n, between, fitted.load().terms["shaper_tick_seconds"])
+            if self.facts.hosts > 1:
+                # The run's ring crossed its hosts: the given link replaces the measured one between them (its
+                # latency where longer than the measured ring step's, which holds the old link's and the software's).
+                wire = paced if between.bytes_per_second is not None else wire
+                between_latency = max(0.0, between.latency_seconds - link.step_latency)
+            else:  # the slower link sets the ring's rate
+                wire, between_latency = max(wire, paced), between.latency_seconds
         seconds = 2 * (n - 1) * (link.step_latency + between_latency) + wire
         if self.facts.device == "cuda" and nodes > 1:
             within, across = tree_latency_steps(n, nodes)

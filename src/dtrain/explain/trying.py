@@ -19,7 +19,7 @@ from dtrain.errors import ConfigError, UserError
 from dtrain.explain import advice, precision
 from dtrain.explain.costmodel import Link, Target
 from dtrain.explain.diagnosis import ConfigValue, TryResult
-from dtrain.explain.plan import build_model, parse_link
+from dtrain.explain.plan import as_ran, build_model, parse_link
 from dtrain.explain.predictor import Predictor, TargetValue, target_at
 from dtrain.profiling.record import ProfileRecord
 
@@ -64,8 +64,11 @@ class Tries:
         predictor = self.predictor if not self._needs_link(priced.target) else self.linked()
         found = predictor.predict(priced.target, priced.less_step)
         inputs = {**priced.inputs, **{s.name: f"{s.value} [{s.source}]" for s in predictor.model.sources}}
-        return TryResult(item, key, value, found.value * self.profile.samples_per_second, found.value, found.low,
-                         found.high, inputs, priced.why)
+        # A given link that replaces the one the run's hosts measured: the gain is over the run as it ran.
+        over = predictor.base.samples_per_second / as_ran(self.profile, predictor.model).samples_per_second
+        gain, low, high = found.value * over, found.low * over, found.high * over
+        return TryResult(item, key, value, gain * self.profile.samples_per_second, gain, low, high, inputs,
+                         priced.why)
 
     # ------------------------------------------------------------------------------------------ input
     def parse(self, item: str) -> tuple[str, ConfigValue]:
@@ -139,8 +142,8 @@ class Tries:
                           "between hosts was measured; give it with --link RATE[,LATENCY] (e.g. 200mbit)")
         return Priced(target_at(self.predictor.model, local * nodes, nodes),
                       {**inputs, "slots": f"{local * nodes} ({local} per node, as the run had)",
-                       "link between hosts": self.link.label if self.link is not None and p.hosts == 1
-                       else "as measured"})
+                       "link between hosts": self.link.label if self.link is not None
+                       and self.link.bytes_per_second is not None else "as measured"})
 
     def _compression(self, name: str, inputs: dict[str, str]) -> Priced:
         p = self.profile
@@ -186,8 +189,11 @@ class Tries:
 
     # ------------------------------------------------------------------------------------------ the link
     def _needs_link(self, target: Target) -> bool:
-        return target.slots > 1 and (self.predictor.model.link is None or (target.nodes > 1 and self.profile.hosts
-                                                                           == 1))
+        """A target priced by ``dtrain plan``'s model: a one-slot run's exchanges (probed), another host count
+        than one (the link between hosts), or any count of hosts where a link between them was given."""
+        given = self.link is not None and self.link.bytes_per_second is not None
+        return target.slots > 1 and (self.predictor.model.link is None
+                                     or (target.nodes > 1 and (self.profile.hosts == 1 or given)))
 
     def linked(self) -> Predictor:
         """``dtrain plan``'s model of the run (a local probe for a one-slot run, ``--link`` between hosts)."""
