@@ -198,20 +198,24 @@ def render(doc: PlanDocument) -> str:
     from dtrain.explain.render import as_text
 
     m = doc.measured
-    title = (f"dtrain plan on paper ({doc.scaling} scaling; nothing measured: every input given or assumed)"
+    title = (f"dtrain plan on paper ({doc.scaling} scaling; nothing measured: every input given, assumed or "
+             "fitted to published results)"
              if doc.what_if else
              f"dtrain plan from {doc.run_dir} ({m.slots} slot(s) measured at {m.samples_per_second:,.0f} "
              f"samples/s; link {doc.link or 'as measured'})")
     table = Table(title=title)
     priced = doc.costs is not None and doc.costs.price_per_slot_hour is not None
-    columns = ["slots", "nodes", "change", "samples/s", "80% interval", "efficiency", "ms/step", "to finish"]
+    # On paper nothing finishes (no run, no batch count): the column shows what widens each interval most.
+    last = "widest input" if doc.what_if else "to finish"
+    columns = ["slots", "nodes", "change", "samples/s", "80% interval", "efficiency", "ms/step", last]
     for col in [*columns, *(["cost"] if priced else [])]:
-        table.add_column(col, justify="left" if col == "change" else "right")
+        table.add_column(col, justify="left" if col in ("change", "widest input") else "right")
     for p in doc.predictions:
         done = p.seconds_to_finish
         cells = [str(p.slots), str(p.nodes), p.change, f"{p.samples_per_second:,.0f}",
-                 f"{p.low:,.0f}-{p.high:,.0f}", f"{100 * p.efficiency:.0f}%",
-                 f"{1e3 * p.seconds_per_step:.2f}", _duration(done) if done is not None else "-"]
+                 f"{p.low:,.0f}-{p.high:,.0f}", f"{100 * p.efficiency:.0f}%", f"{1e3 * p.seconds_per_step:.2f}",
+                 (p.widest_input or "-").split(" (")[0] if doc.what_if
+                 else _duration(done) if done is not None else "-"]
         if priced:
             cost = (p.finish or {}).get("configured", {}).get("cost")
             cells.append(f"{cost:,.2f}" if cost is not None else "-")
