@@ -27,6 +27,9 @@ def test_one_slot_on_nccl_trains_on_the_gpu(tmp_path):
     assert summary["backend"] == "nccl" and summary["device"] == "cuda" and summary["samples_per_second"] > 0
     profile = json.loads((run / "profile.json").read_text())
     assert profile["device_facts"]["type"] == "cuda" and profile["device_facts"]["matmul_tflops"]["fp32"] > 0
+    # The model's own steps, timed under every precision the GPU has (tf32 and 16-mixed on any CUDA device).
+    steps = profile["model_steps"]
+    assert {"32-true", "tf32", "16-mixed"} <= set(steps["seconds_per_step"]) and steps["double_batch_seconds_per_step"]
 
 
 def _assert_steps_add_up_to_the_training_time(tmp_path, train_size: int) -> None:

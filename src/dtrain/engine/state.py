@@ -113,7 +113,7 @@ class TrainingState:
         rank_extra = dict(rank_state.get("extra", {})) if same_layout else None
         return PendingRestore(path, loaded, rank_state, Restored(path, extra, rank_extra, same_layout))
 
-    def _log_layout_change(self, path: Path, saved_world: Any) -> None:
+    def _log_layout_change(self, path: Path, saved_world: object) -> None:
         """Say exactly what differs from an uninterrupted run when the slot count (or strategy) changed."""
         stochastic = sorted({type(m).__name__ for model in self.models for m in self.strategy.unwrap(model).modules()
                              if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0})

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
 
 import torch
+
+from dtrain.profiling.record import DeviceFacts, MatmulTflops
 
 MATMUL_SIZE = 4096
 MATMUL_REPEATS = 8
@@ -39,16 +40,17 @@ def cpu_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def device_facts(device: torch.device) -> dict[str, Any]:
+def device_facts(device: torch.device) -> DeviceFacts:
     """Name, memory and (CUDA) measured matmul throughput per precision of this rank's device."""
     if device.type != "cuda":
         pages = os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 0
         page_size = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 0
-        return {"type": "cpu", "name": "cpu", "cores": cpu_cores(), "total_memory_bytes": float(pages * page_size)}
+        return DeviceFacts(type="cpu", name="cpu", cores=cpu_cores(), total_memory_bytes=float(pages * page_size))
     props = torch.cuda.get_device_properties(device)
-    tflops = {"fp32": _matmul_tflops(device, torch.float32), "tf32": _matmul_tflops(device, torch.float32, tf32=True),
-              "bf16": _matmul_tflops(device, torch.bfloat16), "fp16": _matmul_tflops(device, torch.float16)}
-    return {"type": "cuda", "name": props.name, "capability": f"{props.major}.{props.minor}",
-            # Tensor cores (Volta and later) run fp16; Ampere and later also bf16 and TF32.
-            "tensor_cores": props.major >= 7, "total_memory_bytes": float(props.total_memory),
-            "matmul_tflops": tflops}
+    tflops = MatmulTflops(fp32=_matmul_tflops(device, torch.float32),
+                          tf32=_matmul_tflops(device, torch.float32, tf32=True),
+                          bf16=_matmul_tflops(device, torch.bfloat16), fp16=_matmul_tflops(device, torch.float16))
+    return DeviceFacts(type="cuda", name=props.name, capability=f"{props.major}.{props.minor}",
+                       # Tensor cores (Volta and later) run fp16; Ampere and later also bf16 and TF32.
+                       tensor_cores=props.major >= 7, total_memory_bytes=float(props.total_memory),
+                       matmul_tflops=tflops)

@@ -21,7 +21,6 @@ from dtrain.profiling.record import (
     CommPoint,
     CommProbe,
     CompressionCost,
-    DeviceFacts,
     LrHyperparameter,
     ModelSteps,
     PhaseSeconds,
@@ -251,7 +250,6 @@ def run_head(facts: RunFacts) -> RunHead:
         wall_seconds=facts.wall_seconds,
         step_window_seconds=list(timer.windows) if timer.enabled and timer.windows else None,
         unobserved_phases=list(facts.unobserved_phases) or None,
-        device_facts=(DeviceFacts.model_validate(device_facts(facts.device))
-                      if timer.enabled and facts.is_chief else None),
+        device_facts=device_facts(facts.device) if timer.enabled and facts.is_chief else None,
         resumed_at_batch=facts.resumed_at_batch,
         membership_changes=list(facts.membership_changes) or None)

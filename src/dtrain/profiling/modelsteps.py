@@ -6,8 +6,9 @@ softmax, norms, element-wise work, casts, the optimizer and memory traffic speed
 (bf16 autocast on a CPU casts every weight at every forward). So at the end of a profiled run, on the first
 rank alone (the others wait), a few of the trial's own steps run on one of its batches: ``train_batch``
 (forward and backward, gradients not exchanged) and every optimizer's ``step``, once untimed per setting
-(new kernels, allocator) then :data:`STEPS_TIMED` times, the settings interleaved round by round so that a
-disturbance hits them alike; the least time counts. Settings: every precision the device has
+(new kernels, allocator) then :data:`STEPS_TIMED` times (fewer, at least once, where that would take over
+:data:`BUDGET_SECONDS`), the settings interleaved round by round so that a disturbance hits them alike; the
+least time counts. Settings: every precision the device has
 (:func:`precisions_for`), and the run's precision at twice the per-slot batch.
 
 Training is left as it was: the models' and optimizers' state and the random generators are saved before
@@ -21,7 +22,7 @@ import copy
 import logging
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +34,8 @@ from dtrain.profiling.runfacts import ProbeHooks, SwitchablePrecision
 # Timed steps per setting, after one warm-up step each: enough for a least time on a shared machine, few
 # enough that the probe stays a small part of a run.
 STEPS_TIMED = 3
+# Seconds the timed rounds may take together, judged by the warm-up round (a step of every setting).
+BUDGET_SECONDS = 10.0
 # Expected range of n normal draws in standard deviations (d2 of quality control charts), for n timed steps.
 RANGE_IN_SIGMAS = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2.970, 10: 3.078}
 # The autocast dtype of each precision (None: float32, no autocast).
@@ -84,9 +87,10 @@ def as_precision(name: str, precision: SwitchablePrecision, device: torch.device
 def restored(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
              device: torch.device) -> Iterator[None]:
     """Put the models' parameters and buffers, the optimizers' state and every random generator back as
-    they were, whatever ran inside; gradients are cleared."""
-    weights = [{k: v.detach().clone() for k, v in m.state_dict().items()} for m in models]
-    states = [copy.deepcopy(opt.state_dict()) for opt in optimizers]
+    they were, whatever ran inside; gradients are cleared. The copies are kept in host memory: a model that
+    fills its GPU has no room for a second copy there."""
+    weights = [_host_copy(m.state_dict()) for m in models]
+    states = [_host_copy(opt.state_dict()) for opt in optimizers]
     cpu_rng, py_rng, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
     cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     try:
@@ -105,6 +109,22 @@ def restored(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optim
             torch.cuda.set_rng_state(cuda_rng, device)
 
 
+def _to_host(value: object) -> object:
+    """``value`` (tensors in dicts and lists) copied, its tensors into host memory."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _to_host(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_host(v) for v in value]
+    return copy.deepcopy(value)
+
+
+def _host_copy(state: Mapping[str, object]) -> dict[str, object]:
+    """A state dict copied into host memory."""
+    return {k: _to_host(v) for k, v in state.items()}
+
+
 def _step(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], batch: object) -> None:
     hooks.train_batch(batch, 0, 0)  # forward and backward (gradient_sync(False): no exchange, no update)
     for opt in optimizers:
@@ -121,37 +141,54 @@ def _too_big(exc: Exception) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
+           settings: dict[str, tuple[str, object]], failed: dict[str, str], times: dict[str, list[float]],
+           timed: bool) -> float:
+    """One step of every setting not failed yet; its time joins ``times`` where ``timed``. A setting that
+    fails is entered in ``failed`` with its reason. Returns the round's seconds."""
+    began_round = time.perf_counter()
+    for key, (name, data) in settings.items():
+        if key in failed:
+            continue
+        try:
+            with as_precision(name, hooks.precision, device):
+                _sync(device)
+                began = time.perf_counter()
+                _step(hooks, optimizers, data)
+                _sync(device)
+        except Exception as exc:  # a setting the model or the memory cannot take: said, not fatal
+            failed[key] = ("out of memory" if _too_big(exc) else f"failed: {exc}".splitlines()[0])[:200]
+            log.info("model-step probe: %s %s", key, failed[key])
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            continue
+        if timed:
+            times[key].append(time.perf_counter() - began)
+    return time.perf_counter() - began_round
+
+
 def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                      device: torch.device, batch: object, double: object, per_slot: int,
-                     steps: int = STEPS_TIMED) -> ModelSteps:
+                     steps: int = STEPS_TIMED, keep_state: bool = True) -> ModelSteps:
     """The model's steps timed as the module's docstring says; run on one rank with gradient exchange
-    off. Never raises for a setting that fails: it is skipped with its reason."""
+    off. Never raises for a setting that fails: it is skipped with its reason. ``keep_state`` False: the
+    caller restores the models, optimizers and random generators itself (:func:`restored`)."""
     start = time.perf_counter()
     run = hooks.precision.name
     names, skipped = precisions_for(device)
+    if run not in names:  # tf32 on a CPU runs as float32: timed under the run's own name all the same
+        names.insert(0, run)
+        skipped.pop(run, None)
     settings: dict[str, tuple[str, object]] = {name: (name, batch) for name in names}
     settings["double"] = (run, double)
     times: dict[str, list[float]] = {key: [] for key in settings}
     failed: dict[str, str] = {}
-    with restored(models, optimizers, device):
-        for round_ in range(steps + 1):  # round 0 warms each setting up
-            for key, (name, data) in settings.items():
-                if key in failed:
-                    continue
-                try:
-                    with as_precision(name, hooks.precision, device):
-                        _sync(device)
-                        began = time.perf_counter()
-                        _step(hooks, optimizers, data)
-                        _sync(device)
-                except Exception as exc:  # a setting the model or the memory cannot take: said, not fatal
-                    failed[key] = ("out of memory" if _too_big(exc) else f"failed: {exc}".splitlines()[0])[:200]
-                    log.info("model-step probe: %s %s", key, failed[key])
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                    continue
-                if round_:
-                    times[key].append(time.perf_counter() - began)
+    with restored(models, optimizers, device) if keep_state else contextlib.nullcontext():
+        warm_up = _round(hooks, optimizers, device, settings, failed, times, timed=False)
+        # A model whose steps are long gets fewer timed rounds (at least one): the probe stays a small cost.
+        steps = max(1, min(steps, int(BUDGET_SECONDS / warm_up))) if warm_up > 0 else steps
+        for _ in range(steps):
+            _round(hooks, optimizers, device, settings, failed, times, timed=True)
     skipped.update({k: v for k, v in failed.items() if k != "double"})
     best = {key: min(seconds, default=float("inf")) for key, seconds in times.items()}
     return ModelSteps(per_slot_batch_size=per_slot, run_precision=run, steps_timed=steps,
@@ -160,12 +197,12 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
                       double_batch_seconds_per_step=None if "double" in failed else best["double"],
                       double_batch_skipped=failed.get("double"),
                       cost_seconds=time.perf_counter() - start,
-                      relative_spread={k: relative_spread(v) for k, v in times.items() if k not in failed and v})
+                      relative_spread={k: relative_spread(v) for k, v in times.items()
+                                       if k not in failed and len(v) > 1})
 
 
 def relative_spread(seconds: list[float]) -> float:
     """One relative standard deviation of a setting's timed steps: their range over the least, divided by the
-    expected range of that many normal draws in standard deviations (0 for a single step: nothing to say)."""
-    if len(seconds) < 2 or min(seconds) <= 0:
-        return 0.0
-    return (max(seconds) - min(seconds)) / min(seconds) / RANGE_IN_SIGMAS.get(len(seconds), 3.0)
+    expected range of that many normal draws in standard deviations (d2). Needs two or more steps."""
+    least = min(seconds)
+    return (max(seconds) - least) / least / RANGE_IN_SIGMAS.get(len(seconds), 3.0) if least > 0 else 0.0

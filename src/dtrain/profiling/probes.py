@@ -9,9 +9,12 @@ stepping the optimizer, and one batch of each size is loaded in this thread. The
 overhead) to 2 (all per-sample), extrapolate linearly to other batch sizes.
 
 Each size runs once untimed (new shapes: autograd and allocator warm-up), then ``repeats`` times
-alternating; the minimum counts (the least disturbed by other processes on a shared machine). Weights are
-not changed: no optimizer step, and gradients are zeroed again. Skipped (zeros) for strategies with
-server ranks, and on any error (a trial that cannot take another batch size).
+alternating; the minimum counts (the least disturbed by other processes on a shared machine). Then the
+first rank alone, the others waiting at a barrier, repeats it at other thread counts (CPU), prices gradient
+compression, and times the model's whole training steps under each precision
+(:mod:`dtrain.profiling.modelsteps`). Models, optimizer state and random generators are restored after
+all of it, gradients cleared: the run ends as it would have without the probes. Skipped (zeros) for
+strategies with server ranks, and on any error (a trial that cannot take another batch size).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from torch.utils.data import DataLoader
 
 from dtrain import dist as ddist
 from dtrain.profiling.device import cpu_cores
-from dtrain.profiling.modelsteps import time_model_steps
+from dtrain.profiling.modelsteps import restored, time_model_steps
 from dtrain.profiling.record import ModelSteps
 from dtrain.profiling.runfacts import ProbeHooks, RunFacts
 
@@ -125,7 +128,7 @@ def _model_steps(facts: RunFacts, hooks: ProbeHooks, batches: dict[int, object])
         return None
     try:  # never raises: the other ranks wait at a barrier for this one
         return time_model_steps(hooks, facts.models, facts.optimizers, facts.device, batches[1], batches[2],
-                                facts.per_slot_batch_size)
+                                facts.per_slot_batch_size, keep_state=False)  # batch_probe restores it
     except Exception as exc:
         log.info("model-step probe skipped: %s", exc)
         return None
@@ -189,14 +192,17 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
         return ProbeResult(zeros)
     steps: ModelSteps | None = None
     try:
-        _, _, one = _load(hooks.loader, per_slot)
-        batches = {1: hooks.to_device(one), 2: hooks.to_device(_double(one))}
-        with hooks.gradient_sync(False):  # no exchange, no optimizer step: forward and backward only
-            work = _time_work(hooks, batches, device, repeats)
-            first = facts.strategy.dp_rank == 0
-            solo = _solo(facts, hooks, batches, repeats) if first else {}
-            steps = _model_steps(facts, hooks, batches) if first else None
-            _barrier(facts.strategy.dp_group)  # the others wait, idle, while the first rank probes alone
+        # The probes' forwards move norm statistics and draw random numbers, the model-step probe updates
+        # the weights: all is put back (gradients cleared), so the run ends as it would have without them.
+        with restored(facts.models, facts.optimizers, device):
+            _, _, one = _load(hooks.loader, per_slot)
+            batches = {1: hooks.to_device(one), 2: hooks.to_device(_double(one))}
+            with hooks.gradient_sync(False):  # no exchange, no optimizer step: forward and backward only
+                work = _time_work(hooks, batches, device, repeats)
+                first = facts.strategy.dp_rank == 0
+                solo = _solo(facts, hooks, batches, repeats) if first else {}
+                steps = _model_steps(facts, hooks, batches) if first else None
+                _barrier(facts.strategy.dp_group)  # the others wait, idle, while the first rank probes alone
         out = {"probe_work": work[1], "probe_work_double": work[2], **solo}
         if not facts.synthetic_data:
             out.update(_load_figures(hooks.loader, per_slot))
@@ -206,8 +212,6 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
         return ProbeResult(zeros, steps)
     finally:
         timer.exchanging = True
-        for opt in facts.optimizers:
-            opt.zero_grad(set_to_none=True)
 
 
 def _load_figures(loader: DataLoader[object], per_slot: int) -> dict[str, float]:
