@@ -114,6 +114,12 @@ def test_facts_and_a_stored_model_round_trip_through_json():
     assert Facts.from_json(json.loads(json.dumps(model.facts.to_json()))) == model.facts
     stored = calibration.model_from_json(json.loads(json.dumps(calibration.model_to_json(model, target))))
     assert stored.predict(target).step == pytest.approx(model.predict(target).step, rel=1e-12)
+    # A run whose exchange beat its fitted link (20 MB at 1 GB/s, 4 ms measured) keeps its scale.
+    fast = CostModel.from_profile(_profile(parameters=5_000_000))
+    assert fast.exchange_scale < 1 and fast.overhead == 0
+    stored = calibration.model_from_json(json.loads(json.dumps(calibration.model_to_json(fast, target))))
+    assert stored.exchange_scale == fast.exchange_scale
+    assert stored.predict(target).step == pytest.approx(fast.predict(target).step, rel=1e-12)
 
 
 # ----------------------------------------------------------------------- the terms issue 45 named (item 4)
