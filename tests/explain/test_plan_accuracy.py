@@ -271,3 +271,7 @@ def test_another_fusion_threshold_is_priced_with_its_bucket_count():
     assert priced.target is not None and priced.target.bucket_mb == 5.0 and priced.inputs["buckets"].startswith("6 ")
     assert predictor.predict(priced.target).value < 1
     assert tries.price("optimizations.tensor_fusion_threshold", 0.0).why.startswith("cannot predict")
+    unfused = _profile(comm=comm, parameters=10_000_000, tensor_fusion_threshold_mb=None)
+    unfused_tries = Tries(Path("unused"), unfused, Predictor(unfused), lambda: predictor, None)
+    same = unfused_tries.price("optimizations.tensor_fusion_threshold", 5.0)
+    assert "changes nothing" in same.why and Predictor(unfused).predict(same.target).value == pytest.approx(1.0)

@@ -159,7 +159,10 @@ class Tries:
     def _fusion(self, mb: float, inputs: dict[str, str]) -> Priced:
         p = self.profile
         gradients = 4.0 * p.parameters
-        if p.tensor_fusion_threshold_mb is not None and mb == p.tensor_fusion_threshold_mb:
+        if p.tensor_fusion_threshold_mb is None:
+            return Priced(target_at(self.predictor.model), inputs, f"sync.strategy {p.strategy} does not fuse "
+                          "gradients into buckets: the threshold changes nothing")
+        if mb == p.tensor_fusion_threshold_mb:
             return self._priced(inputs)
         if mb * 2**20 >= gradients:
             return Priced(target_at(self.predictor.model, one_bucket=True),
