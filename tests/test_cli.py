@@ -1,6 +1,8 @@
 """Bad input: one clear line, exit code 2, no traceback, nothing destroyed. And `dtrain launch`."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 from helpers import ROOT, cli_in_process, dtrain_cli, tiny_config, write
@@ -88,6 +90,11 @@ def test_launch_runs_your_own_loop_and_resumes(tmp_path):
 
 
 def _profiled_run(tmp_path):
+    # test_report.py's builders; its folder is on sys.path only once pytest has collected it, so add it here
+    # for a run of this file alone.
+    here = str(Path(__file__).parent / "explain")
+    if here not in sys.path:
+        sys.path.append(here)
     from test_report import _profile, _records, make_run
 
     return make_run(tmp_path / "run", profile=_profile(), records=_records())

@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "resources.slots_per_trial, nodes, optimizations.aggregation_frequency, "
                         "optimizations.gradient_compression, optimizations.tensor_fusion_threshold, "
                         "data_loader.num_workers; repeatable)")
-    doctor.add_argument("--link", help="--try nodes=N: the link between nodes, RATE[,LATENCY] as for dtrain plan")
+    doctor.add_argument("--link", help="--try: the link between nodes, RATE[,LATENCY][,BURST] as for dtrain plan "
+                        "(replaces the measured one for a run across hosts)")
 
     plan = sub.add_parser("plan", help="predict other slot/node counts and the doctor's options from one run")
     plan.add_argument("run_dir", type=Path, nargs="?", help="a run directory made by 'dtrain run' (or --what-if)")
@@ -112,7 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "[,overlap=no] (docs: dtrain.explain.paper)")
     plan.add_argument("--slots", default="1,2,4,8", help="comma-separated slot counts (default 1,2,4,8)")
     plan.add_argument("--nodes", type=_positive_int, default=1, help="also spread each slot count over N nodes")
-    plan.add_argument("--link", help="link between nodes: RATE[,LATENCY] like 200mbit or 1gbit,0.2ms, or measured")
+    plan.add_argument("--link", help="link between nodes: RATE[,LATENCY][,BURST] like 200mbit, 1gbit,0.2ms or "
+                      "200mbit,50us,4000b (a token-bucket shaper's burst, bytes), or measured; for a run across "
+                      "hosts it replaces the link they measured")
     plan.add_argument("--probe", action="store_true", help="measure the link among local processes again (a run "
                       "with one slot measured none; saved beside the run as comm_probe.json)")
     plan.add_argument("--png", type=Path, help="chart path (default RUN_DIR/plan.png; with --json, only when given)")

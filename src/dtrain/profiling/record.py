@@ -266,6 +266,9 @@ class ModelSteps(_Section):
     double_batch_seconds_per_step: float | None
     double_batch_skipped: str | None
     cost_seconds: float
+    # Setting (a precision name, or "double" for twice the batch) -> relative standard deviation of its timed
+    # steps (their range over the least, scaled as a normal sample's range); empty in files of an older dtrain.
+    relative_spread: dict[str, float] = {}
 
     @field_validator("version")
     @classmethod
