@@ -308,10 +308,8 @@ class MembershipChange(_Section):
 
 class FirstSteps(_Section):
     """``first_steps`` (dtrain.profiling.warmup): the time to the first step, and the first steps' excess."""
-
     OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
         {"startup_seconds", "time_to_first_step_seconds", "allocator_segments", "allocator_segments_later"})
-
     startup_seconds: float | None = None
     first_step_seconds: float
     time_to_first_step_seconds: float | None = None
@@ -326,7 +324,6 @@ class FirstSteps(_Section):
 
 class Flops(_Section):
     """``flops`` (dtrain.profiling.flops): FLOPs per step per slot over the measured matmul peak (MFU)."""
-
     flops_per_step: float
     flops_per_step_all_slots: float
     peak_flops_per_second: float
@@ -406,8 +403,7 @@ class ProfileRecord(_Section):
     # The model's own steps under each precision and at twice the batch (absent where not probed, and
     # from profiles written before it existed).
     model_steps: ModelSteps | None = None
-    # The first steps apart from the steady state, and MFU (also summary.json's; absent from older files).
-    first_steps: FirstSteps | None = None
+    first_steps: FirstSteps | None = None  # also summary.json's (RunHead), as flops: absent from older files
     flops: Flops | None = None
 
     @field_validator("phases")
