@@ -276,8 +276,11 @@ def verify_tries(run_dir: Path, items: list[str], steps: int, repeats: int = 1, 
         if item.partition("=")[0].strip() == NODES:
             raise UserError(f"--try {item} --verify: a short run here cannot add hosts; measure it with "
                             "'dtrain run --set resources.slots_per_trial=...' on the hosts, or drop --verify")
-    session = open_session(run_dir, steps, repeats, max_repeats, target_spread, log)
+    held: list[str] = []  # the session's own lines wait until every try is accepted: a refusal is one line
+    session = open_session(run_dir, steps, repeats, max_repeats, target_spread, held.append)
     predictions = predict_all(run_dir, session.profile, session.predictor, items, link)
+    for line in held:
+        log(line)
     experiments = [Experiment("baseline", "baseline", [])]
     experiments += [Experiment(t.change, "try", [f"{t.key}={t.change.partition('=')[2].strip()}"], t.gain)
                     for t in predictions]
