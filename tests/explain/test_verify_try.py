@@ -72,3 +72,21 @@ def test_a_refused_try_is_one_line_before_any_run(run, args, fragment):
     lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
     assert result.code == 2 and len(lines) == 1 and fragment in lines[0], result
     assert set(run.iterdir()) == before  # no verify session folder: nothing ran
+
+
+def test_error_and_interval_held_from_faked_measurements(run, monkeypatch):
+    """Short runs faked: the batch try measures 4x its baseline (beyond any interval the model gives it), the
+    seed try 1x; the figures follow from those and from the same predictions as ``doctor --try``."""
+    figures = {"baseline": 100.0, "hyperparameters.global_batch_size=32": 400.0, "seed=4": 100.0}
+    monkeypatch.setattr(verify_mod, "_short_run", lambda config, exp, *rest: figures[exp.action])
+    lines = []
+    doc = verify_mod.verify_tries(run, list(figures)[1:], steps=10, repeats=1, log=lines.append)
+    predicted = json.loads(cli_in_process("doctor", str(run), "--json", "--try",
+                                          "hyperparameters.global_batch_size=32").stdout)["tries"][0]
+    batch, seed = doc["tried"]
+    assert batch["predicted_speedup"] == pytest.approx(predicted["gain"]) and batch["measured_speedup"] == 4.0
+    assert batch["error"] == pytest.approx(predicted["gain"] / 4.0 - 1.0) and batch["interval_held"] is False
+    assert seed["measured_speedup"] == 1.0 and seed["error"] is None and seed["speedup_range"] == [1.0, 1.0]
+    assert doc["rounds"] == 1 and any("steps per run instead of 10" in line for line in lines)
+    text = verify_mod.render_tries(doc)
+    assert "4.00x" in text and f"{100 * batch['error']:+.0f}%" in text and "noise of unknown size" in text
