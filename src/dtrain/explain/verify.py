@@ -272,13 +272,13 @@ def verify_tries(run_dir: Path, items: list[str], steps: int, repeats: int = 1, 
     price are measured all the same; a bad key or value fails before any run."""
     from dtrain.explain.trying import NODES, predict_all
 
-    for item in items:
-        if item.partition("=")[0].strip() == NODES:
-            raise UserError(f"--try {item} --verify: a short run here cannot add hosts; measure it with "
-                            "'dtrain run --set resources.slots_per_trial=...' on the hosts, or drop --verify")
     held: list[str] = []  # the session's own lines wait until every try is accepted: a refusal is one line
     session = open_session(run_dir, steps, repeats, max_repeats, target_spread, held.append)
     predictions = predict_all(run_dir, session.profile, session.predictor, items, link)
+    for t in predictions:
+        if t.key == NODES:
+            raise UserError(f"--try {t.change} --verify: a short run here cannot add hosts; measure it with "
+                            "'dtrain run' on the hosts, or drop --verify")
     for line in held:
         log(line)
     experiments = [Experiment("baseline", "baseline", [])]
