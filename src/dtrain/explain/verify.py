@@ -19,6 +19,11 @@ budget (``max_repeats``) rounds are added until every range is no wider than ``t
 recommendation with the best paired median that beats the baseline is written as ``RUN_DIR/tuned.yaml``:
 the run's full config with that one change (for a bigger batch, with the learning rate rescaled when the
 config names it, as the doctor says).
+
+With ``--try KEY=VALUE`` (:func:`verify_tries`) exactly the tried changes run instead, each as given (a bigger
+batch keeps the config's learning rate: throughput does not depend on it), in the same paired rounds; each row
+holds the prediction with its 80% interval (as ``doctor --try`` gives it), the measured median and range, the
+point's error and whether the interval held the measured median. No ``tuned.yaml`` is written.
 """
 
 from __future__ import annotations
