@@ -196,4 +196,6 @@ def test_doctor_try_bad_input(tmp_path, change, fragment):
     step = {"data": 0.001, "forward": 0.004, "backward": 0.004, "comm_exposed": 0.002, "optimizer": 0.001}
     write_profile(run, make_profile([step, step], "vm"))
     _assert_one_line_error(cli_in_process("doctor", str(run), "--try", change), fragment)
-    _assert_one_line_error(cli_in_process("doctor", str(run), "--try", "seed=1", "--verify"), "give one of them")
+    # Measuring it (--verify) refuses it the same way, before any short run.
+    _assert_one_line_error(cli_in_process("doctor", str(run), "--try", change, "--verify"), fragment)
+    assert [p.name for p in run.iterdir() if p.name.startswith("verify-")] == []

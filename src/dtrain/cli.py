@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument("--verify", action="store_true", help="measure the top recommendations and bisection "
-                        "experiments as short runs beside a baseline; write RUN_DIR/tuned.yaml")
+                        "experiments as short runs beside a baseline; write RUN_DIR/tuned.yaml (with --try: measure "
+                        "the tried changes instead, predicted vs measured)")
     doctor.add_argument("--steps", type=_step_count, default=60, help="steps per --verify run (default 60)")
     _add_rounds(doctor, "--verify: ", "the same round's baseline")
     doctor.add_argument("--top", type=_positive_int, default=3, help="--verify: how many recommendations to run")
@@ -385,7 +386,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from dtrain.profiling.record import load_run_profile
 
     if args.tries and args.verify:
-        raise UserError("--try predicts and --verify measures the doctor's own advice: give one of them")
+        from dtrain.explain.verify import render_tries, verify_tries
+
+        result = verify_tries(args.run_dir, args.tries, args.steps, args.repeats, debug=args.debug,
+                              log=lambda line: print(line, file=sys.stderr, flush=True),
+                              max_repeats=args.max_repeats, target_spread=args.target_spread, link=args.link)
+        print(json.dumps(result, indent=2) if args.json else render_tries(result), end="\n" if args.json else "")
+        return 0
     if args.verify:
         from dtrain.explain.verify import render as render_verify
         from dtrain.explain.verify import verify
