@@ -1,20 +1,32 @@
-"""dtrain on one GPU next to a plain loop: honest throughput, profiler cost, each precision.
+"""dtrain on one GPU next to a plain loop, per precision: steady throughput, the first steps, MFU, and the
+operations and kernels one step runs.
 
-    .venv/bin/python bench/gpu.py [--steps 200] [--warmup 30] [--batch 32] [--rounds 3]
+    .venv/bin/python bench/gpu.py [--steps 200] [--warmup 30] [--batch 32] [--rounds 3] [--ops 5] [--json FILE]
 
 Workload: the GPT-like causal LM of bench/models.py (6 layers, d=512, 8 heads, vocab 8192, 256 tokens,
 27.4M parameters), batch 32, AdamW lr 3e-4, random tokens, 1 slot on ``cuda:0``.
 
 Rows, run alternately round after round (so drift hits all alike):
 
-* plain loop, fp32 / TF32 / bf16 autocast: pinned memory, non-blocking copies, nothing else;
-* ``dtrain run`` with ``precision`` 32-true / tf32 / bf16-mixed / 16-mixed, profiling on, and 32-true with
-  profiling off.
+* plain loops, pinned memory and non-blocking copies, nothing else: ``fp32``; ``tf32``; ``bf16`` (autocast
+  around forward and loss, backward and optimizer outside); ``fp16`` (the same in float16, with
+  ``torch.amp.GradScaler``: scale, step, update); ``bf16-resident``: bf16 on one batch kept on the device;
+* ``dtrain run`` with ``precision`` 32-true / tf32 / bf16-mixed / 16-mixed, profiling on, 32-true with
+  profiling off, and bf16-mixed on ``data_loader.synthetic`` (one batch kept on the device), held against
+  ``bf16-resident``: where the bf16 gap closes without a data path, the data path (the loader, the side
+  stream's copy) is where it was.
 
-Plain loops time steps ``warmup``..``steps`` with a device synchronization at both ends. dtrain rows use
-``summary.json``'s ``samples_per_second_all_steps`` (every step over device-synchronized training time)
-and, for profiled runs, ``samples_per_second`` (device-timed steady state); both are printed so that
-they can be checked against each other. Ratios are to the plain fp32 loop.
+Steady state: plain loops time steps ``warmup``..``steps`` between two device synchronizations; dtrain rows
+give ``summary.json``'s ``samples_per_second`` (device-timed profiled steps after ``warmup``) and
+``samples_per_second_all_steps`` (every step over device-synchronized time). First steps: the plain loop's
+time from its first batch to the end of step ``warmup`` (synchronized); dtrain's ``first_steps`` (time to
+the first step from the worker's start, and the warm-up steps' excess over steady ones). The targets of
+issue 46: dtrain at >= 0.98 of the plain loop in bf16, >= 0.97 in fp16, 1.00 in fp32 (steady state).
+
+``--ops N`` then profiles N steady steps of the plain bf16 loop and of dtrain's bf16-mixed run with
+torch.profiler (CPU and CUDA): per step, the aten operations and CUDA kernels of each and the ones that
+differ, and the host time of a step. That says where a gap comes from, where the timings only say that
+there is one.
 """
 
 from __future__ import annotations
@@ -26,31 +38,57 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from dtrain.profiling.record import load_profile
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 ROOT = HERE.parent
 
 TRIAL = '''
+import json
+import time
 import torch
 import dtrain
 from models import GPT, RandomTokens, lm_loss
+from gpu import count_ops
+
+
+class _Ops(dtrain.LoopCallback):
+    def __init__(self, first, steps, out):
+        self.first, self.steps, self.out, self.profiler = first, steps, out, None
+
+    def on_step_end(self, batch_idx):
+        if batch_idx == self.first - 1:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                               torch.profiler.ProfilerActivity.CUDA])
+            self.profiler.start()
+            self.start = time.perf_counter()
+        elif batch_idx == self.first + self.steps - 1:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            host = (time.perf_counter() - self.start) / self.steps
+            self.profiler.stop()
+            with open(self.out, "w") as f:
+                json.dump(count_ops(self.profiler, self.steps, host), f)
 
 
 class GPTTrial(dtrain.PyTorchTrial):
     def __init__(self, context):
         super().__init__(context)
+        self.hp = context.get_hparams()
         self.model = context.wrap_model(GPT())
         self.opt = context.wrap_optimizer(torch.optim.AdamW(self.model.parameters(), lr=3e-4))
 
     def build_training_data(self):
         return RandomTokens(records=8192)
+
+    def build_callbacks(self):
+        out = self.hp.get("ops_out")
+        return {"ops": _Ops(self.hp["ops_first"], self.hp["ops_steps"], out)} if out else {}
 
     def train_batch(self, batch, epoch_idx, batch_idx):
         tokens, targets = batch
@@ -60,59 +98,160 @@ class GPTTrial(dtrain.PyTorchTrial):
         return {"loss": loss}
 '''
 
+PLAIN = ("fp32", "tf32", "bf16", "fp16", "bf16-resident")
+# (precision, profiling, synthetic data). Synthetic: one batch kept on the device, as the plain loop's
+# "-resident" variant: the pair without any data path, so a gap that closes there is the data path's.
+DTRAIN = (("32-true", True, False), ("32-true", False, False), ("tf32", True, False), ("bf16-mixed", True, False),
+          ("16-mixed", True, False), ("bf16-mixed", True, True))
+# Which plain loop each dtrain precision is held against.
+BASELINE = {"32-true": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 
-def plain_loop(variant: str, steps: int, warmup: int, batch: int) -> float:
-    """Samples/s of a hand-written loop: ``fp32``, ``tf32`` or ``bf16`` (autocast around forward+loss)."""
+
+def baseline(precision: str, synthetic: bool) -> str:
+    return "bf16-resident" if synthetic else BASELINE[precision]
+
+
+def count_ops(profiler: Any, steps: int, host_seconds: float) -> dict[str, Any]:
+    """Per step: aten operations and CUDA kernels by name (torch.profiler's events), and host seconds."""
+    ops: Counter[str] = Counter()
+    kernels: Counter[str] = Counter()
+    for event in profiler.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] += 1
+        elif event.name.startswith("aten::"):
+            ops[event.name] += 1
+    return {"ops": {k: v / steps for k, v in ops.items()}, "kernels": {k: v / steps for k, v in kernels.items()},
+            "host_seconds_per_step": host_seconds}
+
+
+def plain_loop(variant: str, steps: int, warmup: int, batch: int, ops_steps: int = 0) -> dict[str, Any]:
+    """A hand-written loop (see the module's doc): steady samples/s and the first steps' seconds; with
+    ``ops_steps``, the operations of that many steps after the warm-up instead. ``...-resident``: one batch
+    copied to the device once and used at every step (no data path)."""
     from models import GPT, RandomTokens, lm_loss
 
     device = torch.device("cuda", 0)
-    torch.backends.cuda.matmul.allow_tf32 = variant == "tf32"
-    torch.backends.cudnn.allow_tf32 = variant == "tf32"
+    precision, resident = variant.removesuffix("-resident"), variant.endswith("-resident")
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    torch.backends.cudnn.allow_tf32 = precision == "tf32"
     torch.manual_seed(0)
     model = GPT().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    loader = torch.utils.data.DataLoader(RandomTokens(records=8192), batch_size=batch, shuffle=True,
-                                         drop_last=True, pin_memory=True)
-    start, timed = 0.0, 0
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    loader: Any = torch.utils.data.DataLoader(RandomTokens(records=8192), batch_size=batch, shuffle=True,
+                                              drop_last=True, pin_memory=True)
+    last = warmup + ops_steps if ops_steps else steps
+    if resident:
+        one = [t.to(device) for t in next(iter(loader))]
+        loader = [one] * (last + 1)
+    profiler, out = None, {}
+    torch.cuda.synchronize(device)
+    begin = start = time.perf_counter()
     for i, (tokens, targets) in enumerate(loader):
         if i == warmup:
             torch.cuda.synchronize(device)
             start = time.perf_counter()
-        if i == steps:
+            out["first_steps_seconds"] = start - begin
+            if ops_steps:
+                profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                              torch.profiler.ProfilerActivity.CUDA])
+                profiler.start()
+        if i == last:
             break
-        timed += i >= warmup
         tokens, targets = tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=variant == "bf16"):
+        with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = lm_loss(model(tokens), targets)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        else:
+            loss.backward()
+            opt.step()
     torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
     torch.backends.cuda.matmul.allow_tf32 = False
-    if not timed:  # the loader ran out before the warm-up ended
-        raise SystemExit(f"--warmup {warmup} leaves no timed step: the loader has {len(loader)} batches")
-    return timed * batch / (time.perf_counter() - start)
+    if last > len(loader):
+        raise SystemExit(f"--steps {last} is more than the loader's {len(loader)} batches")
+    if profiler is not None:
+        profiler.stop()
+        return count_ops(profiler, ops_steps, seconds / ops_steps)
+    return {**out, "steady": (last - warmup) * batch / seconds}
 
 
-def dtrain_run(precision: str, profiling: bool, steps: int, warmup: int, batch: int, tmp: Path) -> dict[str, Any]:
+def dtrain_run(precision: str, profiling: bool, synthetic: bool, steps: int, warmup: int, batch: int, tmp: Path,
+               ops_steps: int = 0) -> dict[str, Any]:
+    """One ``dtrain run`` of the GPT trial; its summary's figures (or, with ``ops_steps``, its operations)."""
     (tmp / "gpt_trial.py").write_text(TRIAL)
     (tmp / "models.py").write_text((HERE / "models.py").read_text())
-    config = {"name": "gpu", "entrypoint": "gpt_trial:GPTTrial", "hyperparameters": {"global_batch_size": batch},
+    (tmp / "gpu.py").write_text(Path(__file__).read_text())
+    ops_out = tmp / f"ops-{precision}.json"
+    hparams: dict[str, Any] = {"global_batch_size": batch}
+    if ops_steps:
+        hparams.update(ops_out=str(ops_out), ops_first=warmup, ops_steps=ops_steps)
+        steps = warmup + ops_steps + 1
+    config = {"name": "gpu", "entrypoint": "gpt_trial:GPTTrial", "hyperparameters": hparams,
               "resources": {"slots_per_trial": 1}, "max_length": {"batches": steps}, "scheduling_unit": 50,
-              "precision": precision, "profiling": {"enabled": profiling, "warmup_steps": warmup}}
+              "precision": precision, "profiling": {"enabled": profiling, "warmup_steps": warmup},
+              "data_loader": {"synthetic": synthetic}}
     import yaml
 
     cfg = tmp / "gpu.yaml"
     cfg.write_text(yaml.safe_dump(config))
-    run_dir = tmp / f"run-{precision}-{profiling}-{time.monotonic_ns()}"
+    run_dir = tmp / f"run-{precision}-{profiling}-{synthetic}-{time.monotonic_ns()}"
     subprocess.run([sys.executable, "-m", "dtrain.cli", "run", str(cfg), "--run-dir", str(run_dir), "--quiet"],
                    check=True, cwd=ROOT, stdout=subprocess.DEVNULL, timeout=1200)
+    if ops_steps:
+        return json.loads(ops_out.read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
-    profile = load_profile(run_dir / "profile.json") if profiling else None
+    first = summary.get("first_steps") or {}
     return {"all_steps": summary["samples_per_second_all_steps"], "steady": summary["samples_per_second"],
-            "wall_seconds": summary["wall_seconds"], "train_seconds": summary["train_seconds"],
-            "breakdown": {k: v.mean for k, v in profile.seconds_per_step.items()} if profile else {},
-            "peak_memory_bytes": max((r.peak_memory_bytes for r in profile.per_rank), default=0) if profile else 0}
+            "time_to_first_step": first.get("time_to_first_step_seconds"), "first_steps_seconds": first.get("seconds"),
+            "first_steps_excess": first.get("excess_seconds"), "mfu": (summary.get("flops") or {}).get("mfu"),
+            "breakdown": summary.get("step_breakdown_seconds", {})}
+
+
+def _median(values: list[Any]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def print_tables(plain: dict[str, list[dict[str, Any]]],
+                 ours: dict[tuple[str, bool, bool], list[dict[str, Any]]]) -> None:
+    print("\n| what | steady samples/s | vs its plain loop | all steps | first steps s | to first step s | MFU |")
+    print("|---|---|---|---|---|---|---|")
+    for variant, runs in plain.items():
+        print(f"| plain loop, {variant} | {_median([r['steady'] for r in runs]):,.0f} | 1.00 | - | "
+              f"{_fmt(_median([r['first_steps_seconds'] for r in runs]), '.2f')} | - | - |")
+    for (precision, profiling, synthetic), runs in ours.items():
+        steady = _median([r["steady"] for r in runs]) or 0.0
+        base = _median([r["steady"] for r in plain[baseline(precision, synthetic)]]) or 1.0
+        mfu, all_steps = _median([r["mfu"] for r in runs]), _median([r["all_steps"] for r in runs])
+        first, to_first = (_median([r[k] for r in runs]) for k in ("first_steps_seconds", "time_to_first_step"))
+        name = f"dtrain, {precision}, profiling {'on' if profiling else 'off'}" + (", synthetic" if synthetic else "")
+        print(f"| {name} | {steady:,.0f} | "
+              f"{steady / base:.3f} | {all_steps:,.0f} | {_fmt(first, '.2f')} | {_fmt(to_first, '.2f')} | "
+              f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} |")
+
+
+def print_op_diff(plain: dict[str, Any], ours: dict[str, Any]) -> None:
+    """What dtrain's bf16 step runs that the plain bf16 loop's does not, and the reverse, per step."""
+    for kind in ("ops", "kernels"):
+        a, b = plain[kind], ours[kind]
+        diff = sorted(((b.get(k, 0) - a.get(k, 0), k) for k in set(a) | set(b) if b.get(k, 0) != a.get(k, 0)),
+                      key=lambda d: -abs(d[0]))
+        print(f"\n{kind} per step: plain bf16 {sum(a.values()):.0f}, dtrain bf16-mixed {sum(b.values()):.0f}; "
+              f"differences (dtrain - plain), largest first:")
+        for delta, name in diff[:25]:
+            print(f"  {delta:+8.2f}  {name[:110]}")
+    print(f"\nhost seconds per step (profiled): plain {1e3 * plain['host_seconds_per_step']:.2f} ms, dtrain "
+          f"{1e3 * ours['host_seconds_per_step']:.2f} ms")
 
 
 def main() -> None:
@@ -121,39 +260,36 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ops", type=int, default=0, help="profile this many bf16 steps of each (0: none)")
+    parser.add_argument("--json", type=Path, default=None, help="write every figure here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA GPU")
     print(f"dtrain GPU bench: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, GPT-like LM, batch "
           f"{args.batch}, steps {args.warmup}..{args.steps}, {args.rounds} rounds", flush=True)
-    plain_rows = ("fp32", "tf32", "bf16")
-    dtrain_rows = (("32-true", True), ("32-true", False), ("tf32", True), ("bf16-mixed", True), ("16-mixed", True))
-    plain: dict[str, list[float]] = {v: [] for v in plain_rows}
-    ours: dict[tuple[str, bool], list[dict[str, Any]]] = {r: [] for r in dtrain_rows}
+    plain: dict[str, list[dict[str, Any]]] = {v: [] for v in PLAIN}
+    ours: dict[tuple[str, bool, bool], list[dict[str, Any]]] = {r: [] for r in DTRAIN}
+    ops: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
-            for variant in plain_rows:
+            for variant in PLAIN:
                 plain[variant].append(plain_loop(variant, args.steps, args.warmup, args.batch))
-            for row in dtrain_rows:
+            for row in DTRAIN:
                 ours[row].append(dtrain_run(*row, args.steps, args.warmup, args.batch, Path(tmp)))
-            latest = ours[("32-true", True)][-1]["all_steps"]
-            print(f"  round {i}: plain fp32 {plain['fp32'][-1]:,.0f}, dtrain 32-true {latest:,.0f} samples/s",
-                  flush=True)
-    base = statistics.median(plain["fp32"])
-    print("\n| what | samples/s (median) | vs plain fp32 | dtrain: steady (profiled) | wall s | peak GB |")
-    print("|---|---|---|---|---|---|")
-    for variant in plain_rows:
-        value = statistics.median(plain[variant])
-        print(f"| plain loop, {variant} | {value:,.0f} | {value / base:.2f} | - | - | - |")
-    for (precision, profiling), runs in ours.items():
-        value = statistics.median(r["all_steps"] for r in runs)
-        steady = statistics.median(r["steady"] for r in runs)
-        wall = statistics.median(r["wall_seconds"] for r in runs)
-        peak = max(r["peak_memory_bytes"] for r in runs) / 1e9
-        print(f"| dtrain, {precision}, profiling {'on' if profiling else 'off'} | {value:,.0f} | {value / base:.2f} | "
-              f"{steady:,.0f} | {wall:.1f} | {peak:.2f} |")
-    breakdown = ours[("32-true", True)][-1]["breakdown"]
-    print("\ndtrain 32-true step breakdown (ms): " + ", ".join(f"{k} {1e3 * v:.2f}" for k, v in breakdown.items()))
+            print(f"  round {i}: plain bf16 {plain['bf16'][-1]['steady']:,.0f}, dtrain bf16-mixed "
+                  f"{ours[('bf16-mixed', True, False)][-1]['steady']:,.0f} samples/s", flush=True)
+        print_tables(plain, ours)
+        if args.ops:
+            ops = {"plain": plain_loop("bf16", args.steps, args.warmup, args.batch, ops_steps=args.ops),
+                   "dtrain": dtrain_run("bf16-mixed", True, False, args.steps, args.warmup, args.batch,
+                                        Path(tmp), ops_steps=args.ops)}
+            print_op_diff(ops["plain"], ops["dtrain"])
+    if args.json is not None:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                                         "args": {k: str(v) for k, v in vars(args).items()}, "plain": plain,
+                                         "dtrain": {f"{p}/{'on' if on else 'off'}{'/synthetic' if syn else ''}": r
+                                                    for (p, on, syn), r in ours.items()},
+                                         "ops": ops}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Run-wide settings and fixtures: one thread per rank; reference runs that several test modules compare
-with are trained once."""
+"""Run-wide settings and fixtures: one thread per rank; CUDA hidden from every test not marked ``gpu`` (from
+pytest_configure on, so fixtures of every scope and the processes tests start see none); reference runs
+that several test modules compare with are trained once."""
 
 import os
 import sys
@@ -15,7 +16,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import cuda_visibility
 from helpers import cli_in_process, final_weights, tiny_config
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """CUDA hidden before collection and before any fixture of any scope runs (see cuda_visibility); by
+    pytest-xdist's controller only from the workers it starts."""
+    controller = bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
+    cuda_visibility.hide(in_process=not controller)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -65,14 +74,8 @@ def report_page(monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def cpu_unless_marked_gpu(request, monkeypatch):
-    """Tests not marked ``gpu`` run on Gloo and the CPU whatever the machine has: without this, on a GPU
-    machine ``dtrain.init()`` and ``backend: auto`` pick NCCL and CUDA, and tests that feed CPU tensors
-    fail. Hidden in this process (and ranks forked from it) and for the processes tests start."""
+def cuda_only_where_marked_gpu(request, monkeypatch):
+    """A test marked ``gpu`` sees the machine's CUDA again (it is hidden from everything else from
+    pytest_configure on: :mod:`cuda_visibility`). Fixtures of other scopes still see none."""
     if request.node.get_closest_marker("gpu") is not None:
-        return
-    import torch
-
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+        cuda_visibility.reveal(monkeypatch)

@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.add_argument("--verify", action="store_true", help="measure the top recommendations and bisection "
-                        "experiments as short runs beside a baseline; write RUN_DIR/tuned.yaml")
+                        "experiments as short runs beside a baseline; write RUN_DIR/tuned.yaml (with --try: measure "
+                        "the tried changes instead, predicted vs measured)")
     doctor.add_argument("--steps", type=_step_count, default=60, help="steps per --verify run (default 60)")
     _add_rounds(doctor, "--verify: ", "the same round's baseline")
     doctor.add_argument("--top", type=_positive_int, default=3, help="--verify: how many recommendations to run")
@@ -103,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "resources.slots_per_trial, nodes, optimizations.aggregation_frequency, "
                         "optimizations.gradient_compression, optimizations.tensor_fusion_threshold, "
                         "data_loader.num_workers; repeatable)")
-    doctor.add_argument("--link", help="--try nodes=N: the link between nodes, RATE[,LATENCY] as for dtrain plan")
+    doctor.add_argument("--link", help="--try: the link between nodes, RATE[,LATENCY][,BURST] as for dtrain plan "
+                        "(replaces the measured one for a run across hosts)")
 
     plan = sub.add_parser("plan", help="predict other slot/node counts and the doctor's options from one run")
     plan.add_argument("run_dir", type=Path, nargs="?", help="a run directory made by 'dtrain run' (or --what-if)")
@@ -112,7 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "[,overlap=no] (docs: dtrain.explain.paper)")
     plan.add_argument("--slots", default="1,2,4,8", help="comma-separated slot counts (default 1,2,4,8)")
     plan.add_argument("--nodes", type=_positive_int, default=1, help="also spread each slot count over N nodes")
-    plan.add_argument("--link", help="link between nodes: RATE[,LATENCY] like 200mbit or 1gbit,0.2ms, or measured")
+    plan.add_argument("--link", help="link between nodes: RATE[,LATENCY][,BURST] like 200mbit, 1gbit,0.2ms or "
+                      "200mbit,50us,4000b (a token-bucket shaper's burst, bytes), or measured; for a run across "
+                      "hosts it replaces the link they measured")
     plan.add_argument("--probe", action="store_true", help="measure the link among local processes again (a run "
                       "with one slot measured none; saved beside the run as comm_probe.json)")
     plan.add_argument("--png", type=Path, help="chart path (default RUN_DIR/plan.png; with --json, only when given)")
@@ -383,7 +387,13 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     from dtrain.profiling.record import load_run_profile
 
     if args.tries and args.verify:
-        raise UserError("--try predicts and --verify measures the doctor's own advice: give one of them")
+        from dtrain.explain.verify import render_tries, verify_tries
+
+        result = verify_tries(args.run_dir, args.tries, args.steps, args.repeats, debug=args.debug,
+                              log=lambda line: print(line, file=sys.stderr, flush=True),
+                              max_repeats=args.max_repeats, target_spread=args.target_spread, link=args.link)
+        print(json.dumps(result, indent=2) if args.json else render_tries(result), end="\n" if args.json else "")
+        return 0
     if args.verify:
         from dtrain.explain.verify import render as render_verify
         from dtrain.explain.verify import verify

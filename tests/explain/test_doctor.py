@@ -153,6 +153,38 @@ def test_lower_precision_is_predicted_from_the_model_own_steps(device, timed, ex
         assert f"precision: bf16-mixed is predicted at {gain:.2f}x, no faster than" in rows["precision"]["why"]
 
 
+def test_a_precision_interval_carries_its_timed_steps_spread_and_stays_within_25_percent():
+    """The few timed model steps a precision's gain rests on are noisy: their measured spread widens the
+    interval (more spread, wider), and with every input measured here it stays within +/-25% of its point."""
+    from dtrain.explain.doctor import diagnose
+
+    timed = {"32-true": 0.0334, "bf16-mixed": 0.016}
+    widths = []
+    for spread in (None, 0.01, 0.05, 0.5):
+        steps = _model_steps(timed)
+        if spread is not None:  # None: a profile of an older dtrain kept no spread
+            steps = {**steps, "relative_spread": {"32-true": spread, "bf16-mixed": spread}}
+        row = {f["factor"]: f for f in diagnose(_gpu_profile(model_steps=steps)).to_json()["factors"]}["precision"]
+        low, high = row["predicted_interval"]
+        assert low < row["predicted_speedup"] < high
+        assert high / row["predicted_speedup"] <= 1.25 + 1e-9 and row["predicted_speedup"] / low <= 1.25 + 1e-9
+        widths.append(high / low)
+    assert widths[0] == pytest.approx(widths[1], rel=0.05) and widths[1] < widths[2] <= widths[3]
+
+
+def test_a_batch_change_interval_carries_the_double_batch_steps_spread():
+    from dtrain.explain.predictor import Predictor, target_at
+
+    def interval(spread):
+        steps = {**_model_steps({"32-true": 0.0334}), "double_batch_seconds_per_step": 0.06,
+                 "double_batch_skipped": None, "relative_spread": {"32-true": spread, "double": spread}}
+        predictor = Predictor(_gpu_profile(model_steps=steps))
+        found = predictor.predict(target_at(predictor.model, global_batch=64))
+        return found.high / found.low
+
+    assert interval(0.0) < interval(0.05)
+
+
 def test_batch_size_advice_is_bounded_by_gpu_memory():
     from dtrain.explain.doctor import diagnose
 
@@ -364,8 +396,6 @@ def test_phases_not_observed_are_not_diagnosed(tmp_path, missing):
         make_profile([RAW_STEP], "vm", unobserved_phases=["data"])
 
 
-@pytest.mark.xfail(strict=True, reason="explain/costmodel.py (helper 'accuracy'): a run whose exchanges beat the "
-                   "fitted link calibrates a NEGATIVE per-exchange overhead, which fp16's halved bytes do not halve")
 def test_halving_the_bytes_of_a_communication_bound_step_gains_at_most_2x():
     """Issue 45's 10.7x: two hosts over 200 Mbit/s, 96% of the step the exchange. Halving its bytes can at
     most halve the exchange: the doctor's (and plan's) fp16 gain is bounded by step / (step - exchange / 2)."""
@@ -383,5 +413,10 @@ def test_halving_the_bytes_of_a_communication_bound_step_gains_at_most_2x():
         compression_cost={"fp16_seconds": 0.003, "powersgd_seconds": 0.01, "powersgd_bytes": 1e5, "powersgd_rank": 1})
     step = sum(phases.values())
     communication = diagnose(profile).factor("communication")
-    assert communication is not None and communication.key == "optimizations.gradient_compression"
-    assert communication.predicted_speedup <= 1.05 * step / (step - exchange / 2 + 0.003)
+    assert communication is not None and communication.advice is not None
+    # Aggregating 4 batches per exchange may lead now (it saves three exchanges in four): fp16 is then the
+    # alternative, and its figure is what this test bounds.
+    changes = [communication.advice, communication.advice.alternative]
+    fp16 = next(c for c in changes if c is not None and c.key == "optimizations.gradient_compression")
+    assert fp16.predicted_speedup is not None
+    assert 1.5 < fp16.predicted_speedup <= 1.05 * step / (step - exchange / 2 + 0.003)

@@ -80,6 +80,11 @@ def test_what_if_cli_json_and_its_refusals(tmp_path):
     result = cli_in_process("plan", "--what-if", BERT, "--slots", "8,1024", "--json")
     assert result.code == 0, result.stderr
     assert [p["slots"] for p in json.loads(result.stdout)["predictions"]] == [8, 1024]
+    text = cli_in_process("plan", "--what-if", BERT, "--slots", "8,1024", "--png", str(tmp_path / "c.png"))
+    assert text.code == 0 and "every input given, assumed or fitted" in text.stdout
+    widest = [p["widest_input"].split(" (")[0] for p in json.loads(result.stdout)["predictions"]]
+    rows = [line for line in text.stdout.splitlines() if "strong scaling" in line and "│" in line]
+    assert "widest input" in text.stdout and len(rows) == 2 and all(w in r for w, r in zip(widest, rows, strict=True))
     too_many = cli_in_process("plan", "--what-if", BERT, "--slots", "2048")
     assert too_many.code == 2 and "at most 1024" in too_many.stderr
     both = cli_in_process("plan", str(tmp_path), "--what-if", BERT)

@@ -8,7 +8,7 @@ from profiles import make_profile, write
 
 from dtrain.errors import UserError
 from dtrain.explain import fitted
-from dtrain.explain.costmodel import CostModel, Target, expected_max
+from dtrain.explain.costmodel import CostModel, Link, Target, expected_max
 from dtrain.explain.facts import Work
 from dtrain.explain.plan import parse_link, plan
 from dtrain.profiling import commprobe
@@ -170,3 +170,39 @@ def test_a_run_whose_phases_were_not_seen_is_not_planned_or_verified(tmp_path):
         result = cli_in_process(*args)
         assert result.code == 2 and "the step's phases were not observed" in result.stderr, result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_link_carries_a_shapers_burst_and_refuses_anything_else():
+    assert parse_link("200mbit,50us,4000b") == Link(25e6, pytest.approx(50e-6), "200mbit,50us,4000b", 4000.0)
+    assert parse_link("1gbit,4kb").burst_bytes == 4096.0 and parse_link("1gbit,4kb").latency_seconds == 0.0
+    assert parse_link("1gbit,0.2ms").burst_bytes is None
+    for text in ("200mbit,1ms,2ms", "200mbit,4000b,4000b", "200mbit,0b", "200mbit,1ms,4000b,x"):
+        with pytest.raises(UserError, match="at most a latency"):
+            parse_link(text)
+
+
+def test_a_given_link_replaces_the_one_a_multi_host_run_measured(tmp_path):
+    """A run across two hosts measured its ring through their link; ``--link`` replaces it (faster or slower),
+    says so among the inputs, and the gains stay over the run as it ran."""
+    phases = {"data": 0.001, "forward": 0.001, "backward": 0.002, "comm_exposed": 0.05, "optimizer": 0.001}
+    points = [{"bytes": b, "seconds": 4e-4 + b / 25e6} for b in commprobe.SIZES]  # 200 Mbit between the hosts
+    profile = make_profile([phases, phases], ["a", "b"], parameters=250_000, samples_per_second=64 / 0.055,
+                           strategy_compressions=["none", "fp16"], step_jitter_seconds=0.0002,
+                           comm={"busy_seconds_per_step": 0.05, "exposed_seconds_per_step": 0.05,
+                                 "buckets_per_step": 1, "bytes_per_step": 1e6, "latency_seconds": 4e-4,
+                                 "algbw_bytes_per_second": 2e7},
+                           comm_probe={"world": 2, "backend": "gloo", "points": points})
+    measured = CostModel.from_profile(profile).predict(Target(2, 2)).step
+    fast = CostModel.from_profile(profile, between_hosts=parse_link("10gbit")).predict(Target(2, 2)).step
+    slow = CostModel.from_profile(profile, between_hosts=parse_link("50mbit")).predict(Target(2, 2)).step
+    assert fast < 0.5 * measured < measured < slow
+    run = _run_dir(tmp_path, profile)
+    doc = plan(run, [2], nodes=2, link=parse_link("10gbit"))
+    assert any("replaces the link measured" in i.value for i in doc.inputs)
+    row = next(r for r in doc.predictions if r.option == "base" and r.nodes == 2)
+    assert row.gain > 2  # over the run as it ran on its 200 Mbit, not over the run re-priced on 10 Gbit
+    from dtrain.explain.predictor import Predictor
+    from dtrain.explain.trying import predict_all
+
+    (tried,) = predict_all(run, profile, Predictor(profile), ["nodes=2"], "10gbit")
+    assert tried.gain == pytest.approx(row.gain) and "10gbit (replaces" in tried.inputs["link between hosts"]

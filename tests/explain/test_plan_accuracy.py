@@ -114,6 +114,12 @@ def test_facts_and_a_stored_model_round_trip_through_json():
     assert Facts.from_json(json.loads(json.dumps(model.facts.to_json()))) == model.facts
     stored = calibration.model_from_json(json.loads(json.dumps(calibration.model_to_json(model, target))))
     assert stored.predict(target).step == pytest.approx(model.predict(target).step, rel=1e-12)
+    # A run whose exchange beat its fitted link (20 MB at 1 GB/s, 4 ms measured) keeps its scale.
+    fast = CostModel.from_profile(_profile(parameters=5_000_000))
+    assert fast.exchange_scale < 1 and fast.overhead == 0
+    stored = calibration.model_from_json(json.loads(json.dumps(calibration.model_to_json(fast, target))))
+    assert stored.exchange_scale == fast.exchange_scale
+    assert stored.predict(target).step == pytest.approx(fast.predict(target).step, rel=1e-12)
 
 
 # ----------------------------------------------------------------------- the terms issue 45 named (item 4)
@@ -240,3 +246,32 @@ def test_measure_stores_rows_with_their_models_inputs_and_refit_reads_them(tmp_p
     written = json.loads(fitted_file.read_text())
     assert written["fit"]["rows"] == len(outcomes)
     assert "Held out" in capsys.readouterr().out
+
+
+def test_another_fusion_threshold_is_priced_with_its_bucket_count():
+    """``--try optimizations.tensor_fusion_threshold=N``: DDP's layout at N, scaled by the run's measured
+    buckets over the layout at its own threshold; each further bucket pays its ring steps' latency."""
+    from dtrain.explain.predictor import Predictor
+    from dtrain.explain.trying import Tries
+
+    comm = {"busy_seconds_per_step": 0.004, "exposed_seconds_per_step": 0.004, "buckets_per_step": 2,
+            "latency_seconds": 0.0003, "bytes_per_step": 4e7, "algbw_bytes_per_second": 1e10,
+            "busbw_bytes_per_second": 1e10}
+    profile = _profile(comm=comm, parameters=10_000_000, tensor_fusion_threshold_mb=25.0)
+    model = CostModel.from_profile(profile)
+    assert len(model.buckets(4e7, False, 25.0)) == len(model.buckets(4e7, False)) == 2
+    # 40 MB at 5 MB: 1 + ceil(39 / 5) = 9 by DDP's layout, at 25 MB 3: the run's 2 scaled, 6.
+    assert len(model.buckets(4e7, False, 5.0)) == 6
+    measured, small = model.predict(Target(2)), model.predict(Target(2, bucket_mb=5.0))
+    same = model.predict(Target(2, bucket_mb=25.0))
+    assert same.step == pytest.approx(measured.step) and small.parts["exchange"] > measured.parts["exchange"]
+    predictor = Predictor(profile, model)
+    tries = Tries(Path("unused"), profile, predictor, lambda: predictor, None)
+    priced = tries.price("optimizations.tensor_fusion_threshold", 5.0)
+    assert priced.target is not None and priced.target.bucket_mb == 5.0 and priced.inputs["buckets"].startswith("6 ")
+    assert predictor.predict(priced.target).value < 1
+    assert tries.price("optimizations.tensor_fusion_threshold", 0.0).why.startswith("cannot predict")
+    unfused = _profile(comm=comm, parameters=10_000_000, tensor_fusion_threshold_mb=None)
+    unfused_tries = Tries(Path("unused"), unfused, Predictor(unfused), lambda: predictor, None)
+    same = unfused_tries.price("optimizations.tensor_fusion_threshold", 5.0)
+    assert "changes nothing" in same.why and Predictor(unfused).predict(same.target).value == pytest.approx(1.0)

@@ -71,6 +71,9 @@ def test_the_probe_leaves_weights_optimizer_state_and_random_generators_as_they_
     assert set(record.seconds_per_step) == {"32-true", "bf16-mixed"} and set(record.skipped) == {"tf32", "16-mixed"}
     assert all(s > 0 for s in record.seconds_per_step.values()) and record.double_batch_seconds_per_step
     assert record.steps_timed == STEPS_TIMED and record.per_slot_batch_size == 12
+    # Each setting's timed steps' spread is kept: the doctor's intervals carry it.
+    assert set(record.relative_spread) == {*record.seconds_per_step, "double"}
+    assert all(0 <= s < 10 for s in record.relative_spread.values())
     timed = (sum(record.seconds_per_step.values()) + record.double_batch_seconds_per_step) * STEPS_TIMED
     assert record.cost_seconds >= timed and record.run_precision == "32-true"
 

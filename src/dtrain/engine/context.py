@@ -31,7 +31,8 @@ from dtrain.engine.seeding import rank_seed, seed_everything
 from dtrain.engine.state import PendingRestore, TrainingState
 from dtrain.engine.watchdog import STATUS
 from dtrain.errors import CheckpointError
-from dtrain.profiling import NULL_RECORDER, DDPTiming, StepTimer
+from dtrain.profiling import NULL_RECORDER, DDPTiming
+from dtrain.profiling.warmup import FirstStepsTimer
 from dtrain.sync import registry
 from dtrain.sync.base import SyncStrategy
 
@@ -66,7 +67,7 @@ class DistributedContext:
         ddist.init_process_group(self.env, self.backend, timeout_seconds)
         self.seed = seed
         self.precision = make_precision(precision, self.device)
-        self.timer = StepTimer(self.device, enabled=profile, warmup_steps=warmup_steps,
+        self.timer = FirstStepsTimer(self.device, enabled=profile, warmup_steps=warmup_steps,
                                sample_every=config.profiling.sample_every if config is not None else 1)
         opts = config.optimizations if config is not None else None
         self.aggregation_frequency = opts.aggregation_frequency if opts is not None else 1

@@ -140,6 +140,10 @@ class FP16Mixed(Precision):
         # The flags unscale_ just computed, one per device (private but stable since torch 1.6). Reading
         # them avoids a second pass over every gradient.
         flags = list(self.scaler._found_inf_per_device(optimizer).values())
+        if len(flags) == 1 and not ddist.is_distributed(group):
+            # One device and nobody to agree with: the flag as it is, read as GradScaler.step reads it (the
+            # one host sync of loss scaling), with no kernel of ours beside it.
+            return bool(flags[0].item())
         found = torch.stack([f.to(self.device) for f in flags]).sum().clamp_(max=1.0)
         if ddist.is_distributed(group):
             dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)

@@ -488,7 +488,7 @@ class Trainer:
         changes = membership_records(self.run_dir) if self.writer is not None else []
         facts = run_facts(self, wall_seconds, [MembershipChange.model_validate(c) for c in changes])
         figures = collect_rank_figures(facts)  # collectives and probes
-        head = run_head(facts)
+        head = run_head(facts, figures)
         summary = RunSummary.of(head, self.batches, self.batches / self.batches_per_epoch,
                                 figures.per_rank[0] if timer.enabled else {}, self.last_validation,
                                 self.nonfinite_skips)

@@ -117,7 +117,7 @@ def model_to_json(built: CostModel, target: Target) -> dict[str, object]:
             "link_source": built.link_source, "link_residual": built.link_residual,
             "between_hosts": asdict(built.between_hosts) if built.between_hosts else None,
             "overhead": built.overhead, "overhead_source": built.overhead_source, "factor": built.factor,
-            "contention": built.contention, "target": asdict(target)}
+            "contention": built.contention, "exchange_scale": built.exchange_scale, "target": asdict(target)}
 
 
 def model_from_json(data: dict[str, object]) -> CostModel:
@@ -127,7 +127,8 @@ def model_from_json(data: dict[str, object]) -> CostModel:
                      RingLink(*link) if isinstance(link, list) else None, str(data["link_source"]),
                      float(data["link_residual"]), Link(**between) if isinstance(between, dict) else None,  # type: ignore[arg-type]
                      float(data["overhead"]), str(data["overhead_source"]), float(data["factor"]),  # type: ignore[arg-type]
-                     float(data["contention"]))  # type: ignore[arg-type]
+                     float(data["contention"]),  # type: ignore[arg-type]
+                     exchange_scale=float(data.get("exchange_scale", 1.0)))  # type: ignore[arg-type]
 
 
 def evaluate(rows: list[Row]) -> list[Outcome]:

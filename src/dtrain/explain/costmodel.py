@@ -17,14 +17,16 @@ all ask :class:`CostModel`. It starts from one measured run (its ``profile.json`
   fitted to all-reduces of several sizes (:mod:`dtrain.profiling.commprobe`) on the run's own ranks, or by
   ``dtrain plan --probe`` in local processes, or a given link; plus what an
   exchange costs inside training beyond that (waking up, waiting for the slowest peer: the step's jitter
-  grows with the expected maximum of ``N`` ranks), calibrated so the run reproduces its own step. fp16
+  grows with the expected maximum of ``N`` ranks), calibrated so the run reproduces its own step (an exchange
+  faster than the fitted link scales the whole exchange down, never by a negative cost). fp16
   halves the bytes and adds the measured cast; PowerSGD sends the measured low-rank bytes, in two
   collectives per bucket, and adds its measured matmuls and QR and its hook's own host time per collective.
   A shaped link (a token bucket) paces each message by its bucket; more slots than a host's cores wait,
   at every ring step, for a peer the scheduler has put aside.
 
 Every input is recorded with where it came from (measured, probed, given, assumed), and every prediction
-carries an 80% interval from the run's own step-to-step drift and the uncertainty of each input: those
+carries an 80% interval from the run's own step-to-step drift, the measured spread of the timed model steps
+a precision or batch change rests on, and the uncertainty of each input: those
 uncertainties and the terms' constants are fitted to stored held-out rows (:mod:`dtrain.explain.fitted`).
 The interval never reaches beyond linear scaling, and where every input was measured on this host it is at
 most +/-25% of its point.
@@ -60,6 +62,9 @@ FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 * 2**20, 25 * 2**20
 MEASURED_SPREAD = math.log(1.25)
 # Inputs given rather than measured here (a link, a datasheet, a loader count the run did not use): an
 # interval with one of them keeps its full width.
+# A run's exchanges may beat the model's (its exchange is scaled down to match): at most this far (a run whose
+# exchange cost nothing measurable says nothing about what it would cost elsewhere).
+MIN_EXCHANGE_SCALE = 0.05
 NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers")
 
 
@@ -83,7 +88,9 @@ class Target:
     aggregation: int | None = None
     compression: str | None = None
     one_bucket: bool = False
+    bucket_mb: float | None = None  # optimizations.tensor_fusion_threshold; None: the run's buckets as measured
     precision_gain: float = 1.0
+    precision_spread: float = 0.0  # one relative sd of precision_gain, as its timed steps spread (measured)
     data_workers_step: float | None = None  # the data wait with other loader processes (the doctor's plan)
     cores: int | None = None  # per host; None: as many as the run's host had
 
@@ -128,6 +135,9 @@ class CostModel:
     factor: float  # a training step's compute over the probe's
     contention: float  # the run's local slots' compute over one slot alone (1 with one local slot)
     sources: list[Source] = field(default_factory=list)
+    # The run's own exchange over the model's (link and waiting; calibrated), where the run's was faster: the
+    # probe was pessimistic, so every term scales down alike, and fewer bytes save proportionally, never more.
+    exchange_scale: float = 1.0
 
     # ------------------------------------------------------------------------------ building
     @classmethod
@@ -172,31 +182,59 @@ class CostModel:
             sources.append(Source("link among local slots", f"{1e6 * link.step_latency:.0f} us per ring step, "
                                   f"{link.busbw / 1e6:,.0f} MB/s (fit residual {100 * residual:.0f}%)", found_source))
         if f.slots > 1 and found_source in ("measured", "none"):  # no link: the whole exchange is overhead
-            model.overhead, model.overhead_source = model._calibrated_overhead(), "measured"
+            model.overhead, model.exchange_scale = model._calibrated_exchange()
+            model.overhead_source = "measured"
         elif probe_overhead is not None:
             # The probe's exchanges waited for its peer already: the run's jitter is added back per slot count.
             model.overhead = max(0.0, probe_overhead - f.jitter * expected_max(probe_world))
             model.overhead_source = "probed"
+        if model.exchange_scale < 1.0:
+            sources.append(Source("exchange in training over the fitted link's", f"{model.exchange_scale:.2f}x "
+                                  "(the run's exchanges beat the fit: its terms scaled to match)", "measured"))
         if model.overhead_source != "none":
             sources.append(Source("exchange cost in training beyond the link", f"{1e3 * model.overhead:.2f} ms",
                                   model.overhead_source))
         if between_hosts is not None:
-            sources.append(Source("link between hosts", between_hosts.label, "given"))
+            replaces = " (replaces the link measured between the run's hosts)" if f.hosts > 1 else ""
+            burst = f", a shaper's {between_hosts.burst_bytes:,.0f}-byte burst" if between_hosts.burst_bytes else ""
+            sources.append(Source("link between hosts", between_hosts.label + burst + replaces, "given"))
         return model
 
     def measured_target(self) -> Target:
         f = self.facts
         return Target(f.slots, f.hosts, f.global_batch, f.threads, f.aggregation, f.compression)
 
-    def _calibrated_overhead(self) -> float:
-        """Per-exchange seconds that make the run reproduce its own step (waiting, waking up, DDP's own work),
-        beyond the jitter part that :meth:`predict` adds back per slot count."""
+    def _calibrated_exchange(self) -> tuple[float, float]:
+        """(per-exchange seconds, the exchange's scale) that make the run reproduce its own step.
+
+        An exchange slower than the fitted link (waiting, waking up, DDP's own work, beyond the jitter part
+        that :meth:`predict` adds back per slot count) is a per-exchange cost that fewer bytes do not shrink.
+        One faster than the model's says the link (and the waiting) in training beat the probe's: the whole
+        exchange scales down, bytes term included, never by a negative cost (which fewer bytes would not
+        shrink, and which drove an exchange of half the bytes towards zero: issue 45's 10.7x)."""
+        measured = self._measured_exchange()
+        bare = self._model_exchange(1.0)
+        if measured >= bare or self.link is None:
+            return max(0.0, measured - bare), 1.0
+        low, high = MIN_EXCHANGE_SCALE, 1.0
+        if self._model_exchange(low) >= measured:
+            return 0.0, low
+        for _ in range(40):  # the exchange grows with the scale: bisect to where it meets the measured one
+            mid = (low + high) / 2
+            low, high = (mid, high) if self._model_exchange(mid) < measured else (low, mid)
+        return 0.0, (low + high) / 2
+
+    def _measured_exchange(self) -> float:
+        """Seconds per exchange the run spent beyond data, compute and fixed work."""
         f = self.facts
-        parts = replace(self, overhead=0.0)._parts(self.measured_target())
-        measured = (f.step - parts["data"] - parts["compute"] - parts["fixed"]) * f.aggregation
-        bare = parts["exchange"] * f.aggregation
-        # What overlapped with backward can make the measured exchange cheaper than the bare ring: down to half.
-        return max(-0.5 * bare, measured - bare)
+        parts = replace(self, overhead=0.0, exchange_scale=1.0, between_hosts=None)._parts(self.measured_target())
+        return (f.step - parts["data"] - parts["compute"] - parts["fixed"]) * f.aggregation
+
+    def _model_exchange(self, scale: float) -> float:
+        """Seconds per exchange the model gives the run itself with no calibrated overhead and ``scale``, on the
+        link its own ranks measured (a given link between hosts is what a prediction changes, not the run)."""
+        parts = replace(self, overhead=0.0, exchange_scale=scale, between_hosts=None)._parts(self.measured_target())
+        return parts["exchange"] * self.facts.aggregation
 
     # ----------------------------------------------------------------------------- predicting
     def local_threads(self, target: Target) -> tuple[int, int]:
@@ -214,15 +252,21 @@ class CostModel:
             return 1.0 + (self.contention - 1.0) * (local - 1) / (run_local - 1)
         return 1.0  # not measured (one local slot): assumed none, with its uncertainty in the interval
 
-    def buckets(self, nbytes: float, one_bucket: bool) -> list[float]:
-        """Bucket sizes of one exchange: as many as the run measured, else DDP's default layout."""
+    def buckets(self, nbytes: float, one_bucket: bool, bucket_mb: float | None = None) -> list[float]:
+        """Bucket sizes of one exchange of ``nbytes``: as many as the run measured, else DDP's layout of its
+        buckets. ``bucket_mb``: another bucket cap (``tensor_fusion_threshold``): DDP's layout of the gradients
+        at it, scaled by the run's measured count over the layout at the run's cap (tensors' boundaries)."""
         f = self.facts
         if one_bucket:
             return [nbytes]
         count = f.buckets
-        if count < 1:
-            cap = (f.fusion_mb or 0) * 2**20 or BUCKET_BYTES
-            count = 1 + math.ceil(max(0.0, nbytes - FIRST_BUCKET_BYTES) / cap)
+        run_cap = (f.fusion_mb or 0) * 2**20 or BUCKET_BYTES
+        if bucket_mb is not None and bucket_mb > 0:
+            gradients = 4.0 * f.parameters  # DDP fills buckets with the float32 gradients, compressed or not
+            layout = ddp_bucket_count(gradients, bucket_mb * 2**20)
+            count = layout * count / ddp_bucket_count(gradients, run_cap) if count >= 1 else layout
+        elif count < 1:
+            count = ddp_bucket_count(nbytes, run_cap)
         count = max(1, round(count))
         return [nbytes / count] * count
 
@@ -261,7 +305,7 @@ class CostModel:
             math_seconds = costs.fp16_seconds if costs is not None else 0.0
         elif compression == "powersgd" and costs is not None:
             nbytes, math_seconds, collectives = costs.powersgd_bytes, costs.powersgd_seconds, 2
-        sizes = self.buckets(nbytes, target.one_bucket)
+        sizes = self.buckets(nbytes, target.one_bucket, target.bucket_mb)
         if compression == "powersgd" and costs is not None:
             # The probe times the hook's matmuls and QR; the hook's own Python and allocations run per bucket
             # and collective on the autograd thread, and on shared cores they take turns with the others.
@@ -280,8 +324,8 @@ class CostModel:
         spread = f.jitter + (fitted.load().terms["paper_jitter"] * compute if f.batch_given else 0.0)
         jitter = spread * expected_max(n)
         # More processes than cores: every exchange also waits for peers to get a core back, in proportion.
-        waiting = (self.overhead + jitter) * crowd / f.crowd
-        return max(0.0, wire + waiting), math_seconds
+        waiting = (self.overhead + jitter * self.exchange_scale) * crowd / f.crowd
+        return max(0.0, wire * self.exchange_scale + waiting), math_seconds
 
     def _allreduce(self, nbytes: float, target: Target) -> float:
         """Seconds of one all-reduce of ``nbytes``: the ring (or NCCL's tree, where faster) through the slower
@@ -291,10 +335,14 @@ class CostModel:
         wire, between_latency = ring(n) * nbytes / link.busbw, 0.0
         between = self.between_hosts if nodes > 1 else None
         if between is not None:
-            terms = fitted.load().terms
-            if between.bytes_per_second is not None:  # the slower link sets the ring's rate
-                wire = max(wire, 2 * (n - 1) * shaped_seconds(nbytes / n, between, terms["shaper_tick_seconds"]))
-            between_latency = between.latency_seconds
+            paced = 2 * (n - 1) * shaped_seconds(nbytes / n, between, fitted.load().terms["shaper_tick_seconds"])
+            if self.facts.hosts > 1:
+                # The run's ring crossed its hosts: the given link replaces the measured one between them (its
+                # latency where longer than the measured ring step's, which holds the old link's and the software's).
+                wire = paced if between.bytes_per_second is not None else wire
+                between_latency = max(0.0, between.latency_seconds - link.step_latency)
+            else:  # the slower link sets the ring's rate
+                wire, between_latency = max(wire, paced), between.latency_seconds
         seconds = 2 * (n - 1) * (link.step_latency + between_latency) + wire
         if self.facts.device == "cuda" and nodes > 1:
             within, across = tree_latency_steps(n, nodes)
@@ -378,6 +426,15 @@ class CostModel:
             out["drift over the run"] = _drift(self.facts.windows) * step
         if target.slots > 1 and self.link_residual > 0:
             out["link fit residual"] = self.link_residual * parts["exchange"]
+        # The few timed model steps a precision's gain (or a batch's growth) rests on: their own measured spread.
+        if target.precision_spread > 0:
+            out["model steps' spread (precision)"] = target.precision_spread * parts["compute"]
+        f = self.facts
+        batch = (target.global_batch or f.global_batch) / target.slots
+        if f.batch_spread > 0 and f.per_slot_batch and batch != f.per_slot_batch:
+            # Measured at the batch and twice it: a change of a doubling or more carries all of it.
+            out["model steps' spread (batch)"] = (f.batch_spread * parts["compute"]
+                                                  * min(1.0, abs(math.log2(batch / f.per_slot_batch))))
         return {name: value for name, value in out.items() if value > 0}
 
 
@@ -387,6 +444,11 @@ def ratio(new: Prediction, base: Prediction) -> tuple[float, float, float]:
     value = new.samples_per_second / base.samples_per_second
     base_sps = base.samples_per_second
     return value, new.samples_per_second_low / base_sps, new.samples_per_second_high / base_sps
+
+
+def ddp_bucket_count(nbytes: float, cap: float) -> int:
+    """DDP's buckets for ``nbytes`` of gradients at ``cap`` bytes each, after its small first bucket."""
+    return 1 + math.ceil(max(0.0, nbytes - FIRST_BUCKET_BYTES) / cap)
 
 
 def _describe(work: Work) -> str:

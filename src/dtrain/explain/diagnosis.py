@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dtrain.explain.advice import Straggler
+from dtrain.explain.efficiency import Efficiency
 
 # A config value as the doctor proposes it (an int, a name, a bool).
 ConfigValue = int | float | str | bool | None
@@ -185,6 +186,8 @@ class Diagnosis:
     finish: Json | None = None
     finish_asked: bool = False  # ``--mttf``: the document says ``finish``, null where none was computed
     tries: list[TryResult] = field(default_factory=list)
+    # MFU and the first steps (explain.efficiency); none for a profile written before them.
+    efficiency: Efficiency = field(default_factory=lambda: Efficiency(None, None, None, []))
 
     def factor(self, name: str) -> FactorRow | None:
         """The row of factor ``name``, or None."""
@@ -203,4 +206,5 @@ class Diagnosis:
             out["finish"] = self.finish
         if self.tries:
             out["tries"] = [t.to_json() for t in self.tries]
+        out.update(self.efficiency.to_json())
         return out

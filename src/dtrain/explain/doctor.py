@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dtrain.explain import advice
 from dtrain.explain.diagnosis import Advice, Diagnosis, FactorRow, Json, Recommendation, Scaling, TryResult
+from dtrain.explain.efficiency import Efficiency
 from dtrain.explain.factors import registry
 from dtrain.explain.factors.base import ONE_SLOT, Context, build_context, gains
 from dtrain.explain.predictor import Predictor
@@ -73,7 +74,7 @@ def _unobserved_diagnosis(profile: ProfileRecord) -> Diagnosis:
     ]
     factors.sort(key=lambda f: f.seconds_per_step, reverse=True)
     return Diagnosis(profile.slots, profile.samples_per_second, step, None, False, unobserved_note(profile), factors,
-                     [], Scaling(None, False), unobserved_phases=missing)
+                     [], Scaling(None, False), unobserved_phases=missing, efficiency=Efficiency.of(profile))
 
 
 def diagnose(profile: ProfileRecord, predictor: Predictor | None = None) -> Diagnosis:
@@ -99,7 +100,8 @@ def diagnose(profile: ProfileRecord, predictor: Predictor | None = None) -> Diag
         rec.predicted_interval = predictor.intervals.get(rec.action)
     top = rows[0]
     return Diagnosis(profile.slots, profile.samples_per_second, ctx.step, top.factor, True,
-                     _verdict(top, ctx.scaling, profile, rows), rows, recommendations, ctx.scaling)
+                     _verdict(top, ctx.scaling, profile, rows), rows, recommendations, ctx.scaling,
+                     efficiency=Efficiency.of(profile))
 
 
 def _recommendations(rows: list[FactorRow], ctx: Context) -> list[Recommendation]:
@@ -211,8 +213,9 @@ def render(diagnosis: Diagnosis) -> str:
     extra = (f"checkpoints: {checkpoints.action} (predicted {checkpoints.predicted_speedup:.2f}x less time to "
              f"finish): {checkpoints.why}\n") if checkpoints else ""
     tries = "".join(f"try {t.change}: {_try_text(t)}\n" for t in diagnosis.tries)
+    lines = "".join(f"{line}\n" for line in diagnosis.efficiency.lines)
     return (as_text(table) + f"verdict: {diagnosis.verdict}\n" + extra + (f"why:\n{notes}" if notes else "")
-            + tries)
+            + tries + lines)
 
 
 def _predicted(f: FactorRow) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from dtrain.explain.advice import probe_growth
+from dtrain.explain.precision import batch_spread
 from dtrain.profiling.record import ProfileRecord
 
 
@@ -94,6 +95,7 @@ class Facts:
     batch_given: bool = False  # on paper: compute at any batch is given (proportional), not extrapolated
     jitter: float = 0.0  # standard deviation of a step
     windows: tuple[float, ...] = ()  # mean step of successive windows of the run
+    batch_spread: float = 0.0  # relative sd of the model's own timed steps' growth to twice the batch (0: none)
 
     @classmethod
     def from_profile(cls, p: ProfileRecord) -> Facts:
@@ -117,7 +119,8 @@ class Facts:
             compression_costs=(CompressionFacts(costs.fp16_seconds, costs.powersgd_seconds, costs.powersgd_bytes)
                                if costs is not None else None),
             train_latency=p.comm.latency_seconds, train_algbw=p.comm.algbw_bytes_per_second,
-            jitter=p.step_jitter_seconds or 0.0, windows=tuple(p.step_window_seconds or ()))
+            jitter=p.step_jitter_seconds or 0.0, windows=tuple(p.step_window_seconds or ()),
+            batch_spread=batch_spread(p.model_steps))
 
     def to_json(self) -> dict[str, object]:
         """The facts as plain JSON (the stored held-out rows keep the inputs their predictions came from)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from dtrain.errors import UserError
 from dtrain.explain import precision
-from dtrain.explain.costmodel import CostModel, Link, Target
+from dtrain.explain.costmodel import CostModel, Link, Prediction, Target
 from dtrain.explain.doctor import unobserved_note
 from dtrain.explain.finish import finish, run_costs
 from dtrain.explain.plandoc import Input, Measured, PlanDocument, PlanRow, RunCostsFacts
@@ -30,28 +30,37 @@ PROBE_WORLD = 2
 
 
 def parse_link(text: str | None) -> Link | None:
-    """``200mbit``, ``1gbit,0.2ms`` (tc's SI units) or ``measured``; None when not given."""
+    """``RATE[,LATENCY][,BURST]``: ``200mbit``, ``1gbit,0.2ms``, ``200mbit,50us,4000b`` (tc's SI units; a
+    burst in bytes, ``b`` or ``kb`` as tc's tbf takes it, for a token-bucket shaper) or ``measured``; None
+    when not given."""
     if text is None:
         return None
     if text.strip() == "measured":
         return Link(None, 0.0, "measured")
-    rate, _, latency = text.partition(",")
+    rate, *extras = (part.strip().lower() for part in text.split(","))
     units = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "mb": 1e6, "gb": 1e9}
-    for suffix, scale in units.items():
-        number = rate.strip().lower().removesuffix(suffix)
-        if rate.strip().lower().endswith(suffix) and _is_number(number):
-            seconds = 0.0
-            if latency:
-                value = latency.strip().lower()
-                factor = 1e-3 if value.endswith("ms") else 1e-6 if value.endswith("us") else None
-                digits = value.removesuffix("ms").removesuffix("us")
-                if factor is None or not _is_number(digits):
-                    raise UserError(f"--link {text!r}: the latency after the comma must look like 0.2ms or 50us")
-                seconds = float(digits) * factor
-            if float(number) <= 0:
-                raise UserError(f"--link {text!r}: the rate must be positive")
-            return Link(float(number) * scale, seconds, text)
-    raise UserError(f"--link {text!r}: expected a rate like 200mbit or 1gbit (optionally ',0.2ms'), or 'measured'")
+    suffix = next((u for u in units if rate.endswith(u) and _is_number(rate.removesuffix(u))), None)
+    if suffix is None:
+        raise UserError(f"--link {text!r}: expected a rate like 200mbit or 1gbit (optionally ',0.2ms' and a "
+                        "shaper's burst ',4000b'), or 'measured'")
+    if float(rate.removesuffix(suffix)) <= 0:
+        raise UserError(f"--link {text!r}: the rate must be positive")
+    latencies = [found for e in extras if (found := _with_unit(e, {"ms": 1e-3, "us": 1e-6})) is not None]
+    bursts = [found for e in extras if (found := _with_unit(e, {"kb": 1024.0, "b": 1.0})) is not None]
+    stray = len(latencies) + len(bursts) != len(extras)
+    if stray or len(latencies) > 1 or len(bursts) > 1 or min(bursts, default=1.0) <= 0:
+        raise UserError(f"--link {text!r}: after the rate, at most a latency like 0.2ms or 50us and a shaper's "
+                        "burst like 4000b or 4kb, comma-separated")
+    burst = bursts[0] if bursts else None
+    return Link(float(rate.removesuffix(suffix)) * units[suffix], sum(latencies, 0.0), text, burst)
+
+
+def _with_unit(text: str, units: dict[str, float]) -> float | None:
+    """``text``'s number times its unit's factor, or None where it has none of ``units`` (longest first)."""
+    for unit, factor in units.items():
+        if text.endswith(unit) and _is_number(text.removesuffix(unit)):
+            return float(text.removesuffix(unit)) * factor
+    return None
 
 
 def _is_number(text: str) -> bool:
@@ -96,7 +105,8 @@ def cases(model: CostModel, p: ProfileRecord, slot_counts: list[int], nodes: int
                 if len(model.buckets(4.0 * p.parameters, False)) > 1:
                     out.append(Case(target_at(model, n, hosts, one_bucket=True), "fusion"))
             if lower is not None and gain is not None:
-                out.append(Case(target_at(model, n, hosts, precision_gain=gain), "precision", lower.precision))
+                out.append(Case(target_at(model, n, hosts, precision_gain=gain, precision_spread=lower.spread),
+                                "precision", lower.precision))
     return out
 
 
@@ -156,7 +166,7 @@ def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | Non
     costs = run_costs(run_dir, p)
     total = costs.total_batches
     one = model.predict(Target(1))
-    mine = model.predict(model.measured_target())
+    mine = as_ran(p, model)
     predictions = []
     for case in cases(model, p, slot_counts, nodes):
         pred = model.predict(case.target)
@@ -174,26 +184,38 @@ def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | Non
                                                    costs.period_batches))
 
 
+def as_ran(profile: ProfileRecord, model: CostModel) -> Prediction:
+    """The model's figure for the run as it ran: where a given link replaces the one its hosts measured, the
+    run on its own link (so a gain is over the run as measured, not over the run re-priced on the given link)."""
+    if profile.hosts > 1 and model.between_hosts is not None:
+        model = CostModel.from_profile(profile)
+    return model.predict(model.measured_target())
+
+
 def render(doc: PlanDocument) -> str:
     from rich.table import Table
 
     from dtrain.explain.render import as_text
 
     m = doc.measured
-    title = (f"dtrain plan on paper ({doc.scaling} scaling; nothing measured: every input given or assumed)"
+    title = (f"dtrain plan on paper ({doc.scaling} scaling; nothing measured: every input given, assumed or "
+             "fitted to published results)"
              if doc.what_if else
              f"dtrain plan from {doc.run_dir} ({m.slots} slot(s) measured at {m.samples_per_second:,.0f} "
              f"samples/s; link {doc.link or 'as measured'})")
     table = Table(title=title)
     priced = doc.costs is not None and doc.costs.price_per_slot_hour is not None
-    columns = ["slots", "nodes", "change", "samples/s", "80% interval", "efficiency", "ms/step", "to finish"]
+    # On paper nothing finishes (no run, no batch count): the column shows what widens each interval most.
+    last = "widest input" if doc.what_if else "to finish"
+    columns = ["slots", "nodes", "change", "samples/s", "80% interval", "efficiency", "ms/step", last]
     for col in [*columns, *(["cost"] if priced else [])]:
-        table.add_column(col, justify="left" if col == "change" else "right")
+        table.add_column(col, justify="left" if col in ("change", "widest input") else "right")
     for p in doc.predictions:
         done = p.seconds_to_finish
         cells = [str(p.slots), str(p.nodes), p.change, f"{p.samples_per_second:,.0f}",
-                 f"{p.low:,.0f}-{p.high:,.0f}", f"{100 * p.efficiency:.0f}%",
-                 f"{1e3 * p.seconds_per_step:.2f}", _duration(done) if done is not None else "-"]
+                 f"{p.low:,.0f}-{p.high:,.0f}", f"{100 * p.efficiency:.0f}%", f"{1e3 * p.seconds_per_step:.2f}",
+                 (p.widest_input or "-").split(" (")[0] if doc.what_if
+                 else _duration(done) if done is not None else "-"]
         if priced:
             cost = (p.finish or {}).get("configured", {}).get("cost")
             cells.append(f"{cost:,.2f}" if cost is not None else "-")

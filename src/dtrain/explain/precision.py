@@ -11,6 +11,7 @@ than float32, and then the prediction says slower.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from dtrain.profiling.record import ModelSteps, ProfileRecord
@@ -32,6 +33,7 @@ class PrecisionEstimate:
     gain: float | None
     bound: float | None
     source: str  # in words, for the doctor's why and --try's inputs
+    spread: float = 0.0  # one relative standard deviation of ``gain`` from its timed steps' spread (0: unknown)
 
 
 def model_steps(profile: ProfileRecord) -> ModelSteps | None:
@@ -62,7 +64,8 @@ def estimate(profile: ProfileRecord, precision: str) -> PrecisionEstimate:
         if bound is not None:  # a step cannot beat its matmuls' peak: noise in a short timing can
             gain = min(gain, bound)
         return PrecisionEstimate(precision, gain, bound, f"the model's own step timed in {profile.precision} and "
-                                 f"{precision} at the end of the run (measured; its float32 optimizer step left out)")
+                                 f"{precision} at the end of the run (measured; its float32 optimizer step left out)",
+                                 gain_spread(profile, steps, precision))
     if bound is not None:
         return PrecisionEstimate(precision, None, bound, f"matmuls ran {bound:.1f}x faster in {precision} on this "
                                  f"{_device(profile)} (measured); only the matmul share of the step speeds up, and "
@@ -84,6 +87,28 @@ def compute_speedup(profile: ProfileRecord, steps: ModelSteps, precision: str) -
     if optimizer < 0.5 * min(mine, other):
         return (mine - optimizer) / (other - optimizer)
     return mine / other
+
+
+def gain_spread(profile: ProfileRecord, steps: ModelSteps, precision: str) -> float:
+    """One relative standard deviation of :func:`compute_speedup`'s figure, from the spread of the two
+    precisions' timed steps (each step's own spread, carried through the optimizer's subtraction where
+    :func:`compute_speedup` takes it out); 0 where the profile kept no spread (an older dtrain)."""
+    mine, other = steps.seconds_per_step.get(steps.run_precision), steps.seconds_per_step.get(precision)
+    spread_mine, spread_other = steps.relative_spread.get(steps.run_precision), steps.relative_spread.get(precision)
+    if not mine or not other or spread_mine is None or spread_other is None:
+        return 0.0
+    optimizer = profile.seconds_per_step.optimizer.min
+    if optimizer >= 0.5 * min(mine, other):
+        optimizer = 0.0
+    return math.hypot(spread_mine * mine / (mine - optimizer), spread_other * other / (other - optimizer))
+
+
+def batch_spread(steps: ModelSteps | None) -> float:
+    """One relative standard deviation of the step's growth from the batch to twice it, from the spread of
+    the run's-precision steps at both (0 where not timed or no spread kept)."""
+    if steps is None or steps.double_batch_seconds_per_step is None:
+        return 0.0
+    return math.hypot(steps.relative_spread.get(steps.run_precision, 0.0), steps.relative_spread.get("double", 0.0))
 
 
 def best(profile: ProfileRecord) -> PrecisionEstimate | None:

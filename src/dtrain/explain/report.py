@@ -381,8 +381,8 @@ def _doctor_section(run: _Run) -> str:
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a profile the doctor cannot model
         return title + _note(f"The doctor could not diagnose this profile: {exc!r}") + "\n</section>"
     return (f'{title}<p class="verdict" id="verdict">{_esc(diagnosis.verdict)}</p>\n'
-            f"{_recommendation_list(diagnosis)}\n{_scaling_line(diagnosis)}\n"
-            f"<h3>Every factor</h3>\n{_factor_table(diagnosis)}\n</section>")
+            f"{''.join(map(_note, diagnosis.efficiency.lines))}{_recommendation_list(diagnosis)}\n"
+            f"{_scaling_line(diagnosis)}\n<h3>Every factor</h3>\n{_factor_table(diagnosis)}\n</section>")
 
 
 def _factor_table(diagnosis: Diagnosis) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 from rich.table import Table
 
 from dtrain.explain.doctor import diagnose
+from dtrain.explain.efficiency import efficiency_lines
 from dtrain.explain.render import as_text
 from dtrain.profiling.record import ProfileRecord, load_profile
 from dtrain.profiling.runsummary import load_summary
@@ -48,7 +49,7 @@ def time_cost_table(profile: ProfileRecord) -> str:
             f"{comm.algbw_bytes_per_second / 1e9:.3f} GB/s algbw, "
             f"{comm.busbw_bytes_per_second / 1e9:.3f} GB/s busbw, "
             f"latency {1e3 * comm.latency_seconds:.3f} ms\n")
-    return text
+    return text + "".join(f"{line}\n" for line in efficiency_lines(profile))
 
 
 def short_verdict(profile: ProfileRecord, limit: int = 3) -> str:

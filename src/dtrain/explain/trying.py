@@ -9,7 +9,6 @@ Each change is one :class:`~dtrain.explain.costmodel.Target` priced by the same
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,7 @@ from dtrain.errors import ConfigError, UserError
 from dtrain.explain import advice, precision
 from dtrain.explain.costmodel import Link, Target
 from dtrain.explain.diagnosis import ConfigValue, TryResult
-from dtrain.explain.plan import build_model, parse_link
+from dtrain.explain.plan import as_ran, build_model, parse_link
 from dtrain.explain.predictor import Predictor, TargetValue, target_at
 from dtrain.profiling.record import ProfileRecord
 
@@ -65,8 +64,11 @@ class Tries:
         predictor = self.predictor if not self._needs_link(priced.target) else self.linked()
         found = predictor.predict(priced.target, priced.less_step)
         inputs = {**priced.inputs, **{s.name: f"{s.value} [{s.source}]" for s in predictor.model.sources}}
-        return TryResult(item, key, value, found.value * self.profile.samples_per_second, found.value, found.low,
-                         found.high, inputs, priced.why)
+        # A given link that replaces the one the run's hosts measured: the gain is over the run as it ran.
+        over = predictor.base.samples_per_second / as_ran(self.profile, predictor.model).samples_per_second
+        gain, low, high = found.value * over, found.low * over, found.high * over
+        return TryResult(item, key, value, gain * self.profile.samples_per_second, gain, low, high, inputs,
+                         priced.why)
 
     # ------------------------------------------------------------------------------------------ input
     def parse(self, item: str) -> tuple[str, ConfigValue]:
@@ -124,7 +126,7 @@ class Tries:
         found = precision.estimate(self.profile, name)
         inputs = {**inputs, "precision": found.source}
         if found.gain is not None:
-            return self._priced(inputs, precision_gain=found.gain)
+            return self._priced(inputs, precision_gain=found.gain, precision_spread=found.spread)
         if found.bound is not None:
             bound = self.predictor.predict(target_at(self.predictor.model, precision_gain=found.bound)).value
             return Priced(None, inputs, f"cannot predict precision: {name} because the model's own step was not "
@@ -140,8 +142,8 @@ class Tries:
                           "between hosts was measured; give it with --link RATE[,LATENCY] (e.g. 200mbit)")
         return Priced(target_at(self.predictor.model, local * nodes, nodes),
                       {**inputs, "slots": f"{local * nodes} ({local} per node, as the run had)",
-                       "link between hosts": self.link.label if self.link is not None and p.hosts == 1
-                       else "as measured"})
+                       "link between hosts": self.link.label if self.link is not None
+                       and self.link.bytes_per_second is not None else "as measured"})
 
     def _compression(self, name: str, inputs: dict[str, str]) -> Priced:
         p = self.profile
@@ -157,16 +159,24 @@ class Tries:
     def _fusion(self, mb: float, inputs: dict[str, str]) -> Priced:
         p = self.profile
         gradients = 4.0 * p.parameters
-        if p.tensor_fusion_threshold_mb is not None and mb == p.tensor_fusion_threshold_mb:
+        if p.tensor_fusion_threshold_mb is None:
+            return Priced(target_at(self.predictor.model), inputs, f"sync.strategy {p.strategy} does not fuse "
+                          "gradients into buckets: the threshold changes nothing")
+        if mb == p.tensor_fusion_threshold_mb:
             return self._priced(inputs)
         if mb * 2**20 >= gradients:
             return Priced(target_at(self.predictor.model, one_bucket=True),
                           {**inputs, "buckets": f"one ({gradients / 1e6:.2f} MB of gradients fit {mb:g} MB)"})
-        count = 1 + math.ceil(max(0.0, gradients - 2**20) / (mb * 2**20)) if mb > 0 else None
-        return Priced(None, inputs, f"cannot predict tensor_fusion_threshold: {mb:g} because the cost model prices "
-                      f"the run's measured buckets or one bucket only ({gradients / 1e6:.2f} MB of gradients would "
-                      f"take {count or 'one per tensor'} buckets; one bucket needs at least "
-                      f"{math.ceil(gradients / 2**20)} MB)")
+        if mb <= 0:
+            return Priced(None, inputs, "cannot predict tensor_fusion_threshold: 0 because it puts each gradient "
+                          "tensor in its own bucket and the run did not record its tensors' count")
+        model = self.predictor.model
+        count = len(model.buckets(gradients, False, mb))
+        how = (f"scaled by the run's {len(model.buckets(gradients, False))} measured over DDP's layout at its "
+               "threshold" if model.facts.buckets >= 1 else "DDP's layout")
+        return Priced(target_at(model, bucket_mb=mb),
+                      {**inputs, "buckets": f"{count} ({gradients / 1e6:.2f} MB of gradients in {mb:g} MB buckets "
+                       f"after a 1 MB first one: {how})"})
 
     def _loader(self, workers: int, inputs: dict[str, str]) -> Priced:
         """The loader plan's step with ``workers`` processes per slot, as the data factor predicts it."""
@@ -182,8 +192,11 @@ class Tries:
 
     # ------------------------------------------------------------------------------------------ the link
     def _needs_link(self, target: Target) -> bool:
-        return target.slots > 1 and (self.predictor.model.link is None or (target.nodes > 1 and self.profile.hosts
-                                                                           == 1))
+        """A target priced by ``dtrain plan``'s model: a one-slot run's exchanges (probed), another host count
+        than one (the link between hosts), or any count of hosts where a link between them was given."""
+        given = self.link is not None and self.link.bytes_per_second is not None
+        return target.slots > 1 and (self.predictor.model.link is None
+                                     or (target.nodes > 1 and (self.profile.hosts == 1 or given)))
 
     def linked(self) -> Predictor:
         """``dtrain plan``'s model of the run (a local probe for a one-slot run, ``--link`` between hosts)."""

@@ -19,6 +19,11 @@ budget (``max_repeats``) rounds are added until every range is no wider than ``t
 recommendation with the best paired median that beats the baseline is written as ``RUN_DIR/tuned.yaml``:
 the run's full config with that one change (for a bigger batch, with the learning rate rescaled when the
 config names it, as the doctor says).
+
+With ``--try KEY=VALUE`` (:func:`verify_tries`) exactly the tried changes run instead, each as given (a bigger
+batch keeps the config's learning rate: throughput does not depend on it), in the same paired rounds; each row
+holds the prediction with its 80% interval (as ``doctor --try`` gives it), the measured median and range, the
+point's error and whether the interval held the measured median. No ``tuned.yaml`` is written.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from typing import Any
 
 from dtrain.errors import UserError
 from dtrain.explain import paired
-from dtrain.explain.diagnosis import Diagnosis
+from dtrain.explain.diagnosis import Diagnosis, TryResult
 from dtrain.explain.predictor import Predictor
 from dtrain.profiling.record import ProfileRecord, load_profile, load_run_profile
 
@@ -111,12 +116,23 @@ def _short_run(config: Path, exp: Experiment, steps: int, out: Path, debug: bool
     return load_profile(out / "profile.json").samples_per_second
 
 
-def verify(run_dir: Path, steps: int, repeats: int = 1, top: int = 3, debug: bool = False,
-           log: Any = print, max_repeats: int | None = None,
-           target_spread: float = paired.DEFAULT_TARGET_SPREAD) -> dict[str, Any]:
-    """Run every experiment in rounds (``repeats``, then more up to ``max_repeats`` while a ratio's range is
-    wider than ``target_spread``), write ``tuned.yaml`` when a change beats the baseline; returns the
-    ``--json`` document."""
+@dataclass
+class Session:
+    """What every short run of one ``--verify`` session shares: the run as profiled and the doctor's view of it,
+    the steps per short run (raised to last :data:`MIN_SECONDS`), the round budget and the thread count."""
+
+    run_dir: Path
+    profile: ProfileRecord
+    predictor: Predictor
+    diagnosis: Diagnosis
+    steps: int
+    budget: int
+    threads: int | None
+
+
+def open_session(run_dir: Path, steps: int, repeats: int, max_repeats: int | None, target_spread: float,
+                 log: Any) -> Session:
+    """Check the options and the run, and size the short runs (:class:`UserError` where they cannot be run)."""
     from dtrain.explain.doctor import diagnose
 
     if steps < MIN_STEPS:
@@ -139,34 +155,64 @@ def verify(run_dir: Path, steps: int, repeats: int = 1, top: int = 3, debug: boo
     from dtrain.launcher import cpu
 
     threads = cpu.for_bench(max(1, profile.slots // profile.hosts))[0]  # one thread rule for the whole session
-    config = run_dir / "config.yaml"
-    experiments = plan_experiments(diagnosis, profile, steps, top, predictor)
+    return Session(run_dir, profile, predictor, diagnosis, steps, budget, threads)
+
+
+def measure(session: Session, experiments: list[Experiment], repeats: int, target_spread: float, debug: bool,
+            log: Any) -> tuple[int, Path]:
+    """Run ``experiments`` (the baseline first) in paired rounds; returns (rounds run, the session's folder)."""
+    folder = session.run_dir / f"verify-{time.strftime('%Y%m%d-%H%M%S')}"
+    config = session.run_dir / "config.yaml"
     base = experiments[0]
-    session = run_dir / f"verify-{time.strftime('%Y%m%d-%H%M%S')}"
-    planned = str(repeats) if budget == repeats else f"{repeats}-{budget}"
+    planned = str(repeats) if session.budget == repeats else f"{repeats}-{session.budget}"
     rounds = 0
-    while paired.more_rounds(rounds, repeats, budget, [_ratios(e, base) for e in experiments[1:]], target_spread):
+    while paired.more_rounds(rounds, repeats, session.budget, [_ratios(e, base) for e in experiments[1:]],
+                             target_spread):
         for i, exp in paired.order(list(enumerate(experiments)), rounds, keep_first=True):
             log(f"dtrain doctor --verify: [{rounds + 1}/{planned}] {exp.action} ...")
-            exp.samples_per_second.append(_short_run(config, exp, steps, session / f"r{rounds}-{i:02d}", debug,
-                                                     threads))
+            exp.samples_per_second.append(_short_run(config, exp, session.steps, folder / f"r{rounds}-{i:02d}",
+                                                     debug, session.threads))
         rounds += 1
-    rows = []
-    for e in experiments[1:]:
-        ratios = _ratios(e, base)
-        figures = paired.summary(ratios, target_spread)
-        rows.append({"action": e.action, "kind": e.kind, "factor": e.factor, "sets": e.sets,
-                     "predicted_speedup": e.predicted_speedup, "measured_speedup": figures["median"],
-                     "speedup_ratios": ratios, "speedup_range": figures["range"], "spread": figures["spread"],
-                     "narrow": figures["narrow"], "spread_verdict": figures["spread_verdict"],
-                     "samples_per_second": e.measured, "samples_per_second_runs": e.samples_per_second})
+    return rounds, folder
+
+
+def measured_figures(exp: Experiment, base: Experiment, target_spread: float) -> dict[str, Any]:
+    """``exp``'s paired figures for ``--json``: the median of its per-round ratios over the baseline, their
+    range and spread, and its own samples/s."""
+    ratios = _ratios(exp, base)
+    figures = paired.summary(ratios, target_spread)
+    return {"measured_speedup": figures["median"], "speedup_ratios": ratios, "speedup_range": figures["range"],
+            "spread": figures["spread"], "narrow": figures["narrow"], "spread_verdict": figures["spread_verdict"],
+            "samples_per_second": exp.measured, "samples_per_second_runs": exp.samples_per_second}
+
+
+def session_json(session: Session, repeats: int, rounds: int, target_spread: float, base: Experiment,
+                 folder: Path) -> dict[str, Any]:
+    """The ``--json`` fields every verify session has: what ran, how often, and the baseline's figures."""
+    return {"run_dir": str(session.run_dir), "steps": session.steps, "repeats": repeats,
+            "max_repeats": session.budget, "rounds": rounds, "target_spread": target_spread,
+            "median_confidence": paired.median_confidence(rounds), "noise": paired.noise(rounds),
+            "slots": session.profile.slots, "baseline_samples_per_second": base.measured or 0.0,
+            "baseline_runs": base.samples_per_second, "session_dir": str(folder)}
+
+
+def verify(run_dir: Path, steps: int, repeats: int = 1, top: int = 3, debug: bool = False,
+           log: Any = print, max_repeats: int | None = None,
+           target_spread: float = paired.DEFAULT_TARGET_SPREAD) -> dict[str, Any]:
+    """Run every experiment in rounds (``repeats``, then more up to ``max_repeats`` while a ratio's range is
+    wider than ``target_spread``), write ``tuned.yaml`` when a change beats the baseline; returns the
+    ``--json`` document."""
+    session = open_session(run_dir, steps, repeats, max_repeats, target_spread, log)
+    experiments = plan_experiments(session.diagnosis, session.profile, session.steps, top, session.predictor)
+    base = experiments[0]
+    rounds, folder = measure(session, experiments, repeats, target_spread, debug, log)
+    rows = [{"action": e.action, "kind": e.kind, "factor": e.factor, "sets": e.sets,
+             "predicted_speedup": e.predicted_speedup, **measured_figures(e, base, target_spread)}
+            for e in experiments[1:]]
     rows.sort(key=lambda r: r["measured_speedup"] or 0.0, reverse=True)
-    tuned = _write_tuned(run_dir, config, rows)
-    return {"run_dir": str(run_dir), "steps": steps, "repeats": repeats, "max_repeats": budget, "rounds": rounds,
-            "target_spread": target_spread, "median_confidence": paired.median_confidence(rounds),
-            "noise": paired.noise(rounds), "slots": profile.slots,
-            "baseline_samples_per_second": base.measured or 0.0, "baseline_runs": base.samples_per_second,
-            "verified": rows, "tuned_config": str(tuned) if tuned else None, "session_dir": str(session)}
+    tuned = _write_tuned(run_dir, run_dir / "config.yaml", rows)
+    return {**session_json(session, repeats, rounds, target_spread, base, folder), "verified": rows,
+            "tuned_config": str(tuned) if tuned else None}
 
 
 def _ratios(exp: Experiment, base: Experiment) -> list[float]:
@@ -220,3 +266,97 @@ def render(result: dict[str, Any]) -> str:
 
 def _sps(value: float | None) -> str:
     return f"{value:,.0f}" if value is not None else "-"
+
+
+# ------------------------------------------------------------------ --try KEY=VALUE --verify: tried changes
+def verify_tries(run_dir: Path, items: list[str], steps: int, repeats: int = 1, debug: bool = False,
+                 log: Any = print, max_repeats: int | None = None,
+                 target_spread: float = paired.DEFAULT_TARGET_SPREAD, link: str | None = None) -> dict[str, Any]:
+    """``--try``'s changes predicted (as ``dtrain doctor --try`` does) and measured, each as a short run with
+    that ``--set`` beside the same round's baseline; returns the ``--json`` document. Changes the model cannot
+    price are measured all the same; a bad key or value fails before any run."""
+    from dtrain.explain.trying import NODES, predict_all
+
+    held: list[str] = []  # the session's own lines wait until every try is accepted: a refusal is one line
+    session = open_session(run_dir, steps, repeats, max_repeats, target_spread, held.append)
+    predictions = predict_all(run_dir, session.profile, session.predictor, items, link)
+    for t in predictions:
+        if t.key == NODES:
+            raise UserError(f"--try {t.change} --verify: a short run here cannot add hosts; measure it with "
+                            "'dtrain run' on the hosts, or drop --verify")
+    for line in held:
+        log(line)
+    experiments = [Experiment("baseline", "baseline", [])]
+    experiments += [Experiment(t.change, "try", [f"{t.key}={t.change.partition('=')[2].strip()}"], t.gain)
+                    for t in predictions]
+    base = experiments[0]
+    rounds, folder = measure(session, experiments, repeats, target_spread, debug, log)
+    rows = [_tried_row(t, e, base, session.profile, target_spread)
+            for t, e in zip(predictions, experiments[1:], strict=True)]
+    return {**session_json(session, repeats, rounds, target_spread, base, folder), "tried": rows,
+            "tuned_config": None}
+
+
+def _tried_row(t: TryResult, exp: Experiment, base: Experiment, profile: ProfileRecord,
+               target_spread: float) -> dict[str, Any]:
+    """One tried change: its prediction with the 80% interval, its paired measurement, the point's error and
+    whether the interval held the measured median."""
+    figures = measured_figures(exp, base, target_spread)
+    measured = figures["measured_speedup"]
+    error = held = None
+    if t.gain is not None and measured:
+        error = (t.gain - measured) / measured
+        held = t.low is not None and t.high is not None and t.low <= measured <= t.high
+    return {"try": t.change, "key": t.key, "value": t.value, "sets": exp.sets, "predicted_speedup": t.gain,
+            "predicted_low": t.low, "predicted_high": t.high, "predicted_samples_per_second": t.samples_per_second,
+            "reason": t.reason, "inputs": t.inputs, **figures, "error": error, "interval_held": held,
+            "note": _batch_note(t, profile)}
+
+
+def _batch_note(t: TryResult, profile: ProfileRecord) -> str | None:
+    """For a try that changes the global batch: its gain is in samples/s, and the learning rate was left as
+    the config had it (throughput does not depend on it; training equivalence does)."""
+    from dtrain.explain.advice import batch_change
+
+    if t.key != "hyperparameters.global_batch_size" or not isinstance(t.value, int) \
+            or t.value == profile.global_batch_size:
+        return None
+    change = batch_change(profile, t.value)
+    lr = profile.lr_hyperparameter
+    kept = (f"the learning rate was left as the config had it (hyperparameters.{lr.name}: {lr.value:g})"
+            if lr is not None and lr.name else "the learning rate was left as the trial sets it")
+    return (f"gain in samples/s, not steps/s (a step carries {t.value} samples instead of "
+            f"{profile.global_batch_size}); {kept}: to train at this batch use the {change.rule} rule "
+            f"(learning rate x {change.lr_factor:.3g})")
+
+
+def render_tries(result: dict[str, Any]) -> str:
+    """Each tried change: predicted gain with its 80% interval, measured paired median with its range, the
+    point's error and whether the interval held the measurement; reasons and notes below."""
+    from rich.table import Table
+
+    from dtrain.explain.render import as_text
+
+    rounds = result["rounds"]
+    table = Table(title=f"dtrain doctor --try --verify: {result['slots']} slot(s), {result['steps']} steps x "
+                        f"{rounds} round(s); baseline {result['baseline_samples_per_second']:,.0f} samples/s")
+    for col in ("try", "samples/s", "predicted (80% interval)", "measured (range over rounds)", "error",
+                "interval held"):
+        table.add_column(col, justify="left" if col == "try" else "right")
+    notes: list[str] = []
+    for r in result["tried"]:
+        predicted = (f"{r['predicted_speedup']:.2f}x ({r['predicted_low']:.2f}-{r['predicted_high']:.2f})"
+                     if r["predicted_speedup"] is not None else "no prediction")
+        span = r["speedup_range"]
+        measured = ("-" if r["measured_speedup"] is None else f"{r['measured_speedup']:.2f}x"
+                    + (f" ({span[0]:.2f}-{span[1]:.2f})" if span and rounds > 1 else ""))
+        error = f"{100 * r['error']:+.0f}%" if r["error"] is not None else "-"
+        held = "-" if r["interval_held"] is None else ("yes" if r["interval_held"] else "no")
+        table.add_row(r["try"], _sps(r["samples_per_second"]), predicted, measured, error, held)
+        notes += [f"{r['try']}: {text}" for text in (r["reason"], r["note"]) if text]
+    text = as_text(table, width=160)
+    text += "".join(f"  {line}\n" for line in notes)
+    text += ("gains are samples/s over the same round's baseline, steady state from each short run's profile; "
+             "error = (predicted - measured) / measured\n")
+    text += paired.footer(rounds, "baseline")
+    return text + "no tuned.yaml written: --try --verify measures the changes given, not the doctor's advice\n"

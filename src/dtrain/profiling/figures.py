@@ -14,6 +14,7 @@ from torch.distributed import ProcessGroup
 
 from dtrain.profiling import commprobe, stragglers
 from dtrain.profiling.device import cpu_cores, device_facts
+from dtrain.profiling.flops import count_step_flops, mfu_section
 from dtrain.profiling.probes import PROBE_FIELDS, SOLO_THREADS, batch_probe
 from dtrain.profiling.record import (
     BatchScaling,
@@ -34,8 +35,10 @@ from dtrain.profiling.record import (
 from dtrain.profiling.runfacts import RunFacts
 from dtrain.profiling.runsummary import RunHead
 from dtrain.profiling.timer import COMM_FIELDS, PHASES, StepTimer
+from dtrain.profiling.warmup import first_steps_of
 
-RANK_FIELDS = (*PHASES, "step", "step_std", *COMM_FIELDS, "peak_memory_bytes", "state_bytes", *PROBE_FIELDS)
+RANK_FIELDS = (*PHASES, "step", "step_std", *COMM_FIELDS, "peak_memory_bytes", "state_bytes", *PROBE_FIELDS,
+               "step_flops")
 
 
 def peak_memory_bytes(device: torch.device) -> float:
@@ -200,6 +203,7 @@ def collect_rank_figures(facts: RunFacts) -> EndFigures:
     if facts.probe is not None and timer.enabled:
         probed = batch_probe(facts)
         memory.update(probed.figures)
+        memory["step_flops"] = count_step_flops(facts)
         steps = probed.model_steps
         if not facts.strategy.has_server_ranks:
             points = commprobe.end_of_run(group)
@@ -223,13 +227,15 @@ def _lr_hyperparameter(hparams: Mapping[str, object]) -> tuple[str, int | float]
     return None
 
 
-def run_head(facts: RunFacts) -> RunHead:
+def run_head(facts: RunFacts, figures: EndFigures | None = None) -> RunHead:
     """What a run was and how fast it went: the head of ``summary.json`` and ``profile.json``
-    (:class:`dtrain.profiling.runsummary.RunHead` says what each figure means)."""
+    (:class:`dtrain.profiling.runsummary.RunHead` says what each figure means); MFU from the ``figures``."""
     timer, strategy, gbs = facts.timer, facts.strategy, facts.global_batch_size
     all_steps = facts.steps * gbs / facts.train_seconds if facts.train_seconds > 0 else 0.0
     steady = timer.profiled_weight * gbs / timer.profiled_seconds if timer.profiled_seconds > 0 else 0.0
+    samples_per_second = steady if timer.enabled and steady > 0 else all_steps
     lr = _lr_hyperparameter(facts.hyperparameters)
+    device = device_facts(facts.device) if timer.enabled and facts.is_chief else None
     return RunHead(
         slots=strategy.dp_world, strategy=strategy.name, backend=facts.backend, device=facts.device.type,
         precision=facts.precision, threads_per_slot=facts.threads_per_slot, cpu_cores=cpu_cores(),
@@ -244,12 +250,13 @@ def run_head(facts: RunFacts) -> RunHead:
         comm_measured=strategy.comm_measured, strategy_compressions=sorted(strategy.compressions),
         profiling=timer.enabled, steps=facts.steps, profiled_steps=timer.profiled_steps,
         timed_steps=timer.timed_steps,
-        samples_per_second=steady if timer.enabled and steady > 0 else all_steps,
+        samples_per_second=samples_per_second,
         samples_per_second_all_steps=all_steps, train_seconds=facts.train_seconds,
         validation_seconds=facts.validation_seconds, checkpoint_seconds=facts.checkpoint_seconds,
         wall_seconds=facts.wall_seconds,
         step_window_seconds=list(timer.windows) if timer.enabled and timer.windows else None,
         unobserved_phases=list(facts.unobserved_phases) or None,
-        device_facts=device_facts(facts.device) if timer.enabled and facts.is_chief else None,
-        resumed_at_batch=facts.resumed_at_batch,
-        membership_changes=list(facts.membership_changes) or None)
+        device_facts=device, resumed_at_batch=facts.resumed_at_batch,
+        membership_changes=list(facts.membership_changes) or None,
+        first_steps=first_steps_of(timer, gbs / samples_per_second if samples_per_second > 0 else 0.0),
+        flops=mfu_section(figures.per_rank, facts.precision, device) if figures is not None and device else None)

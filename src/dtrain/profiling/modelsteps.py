@@ -36,6 +36,8 @@ from dtrain.profiling.runfacts import ProbeHooks, SwitchablePrecision
 STEPS_TIMED = 3
 # Seconds the timed rounds may take together, judged by the warm-up round (a step of every setting).
 BUDGET_SECONDS = 10.0
+# Expected range of n normal draws in standard deviations (d2 of quality control charts), for n timed steps.
+RANGE_IN_SIGMAS = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2.970, 10: 3.078}
 # The autocast dtype of each precision (None: float32, no autocast).
 AUTOCAST: dict[str, torch.dtype | None] = {"32-true": None, "tf32": None, "bf16-mixed": torch.bfloat16,
                                            "16-mixed": torch.float16}
@@ -140,9 +142,9 @@ def _too_big(exc: Exception) -> bool:
 
 
 def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
-           settings: dict[str, tuple[str, object]], failed: dict[str, str], best: dict[str, float],
+           settings: dict[str, tuple[str, object]], failed: dict[str, str], times: dict[str, list[float]],
            timed: bool) -> float:
-    """One step of every setting not failed yet; its time lowers ``best`` where ``timed``. A setting that
+    """One step of every setting not failed yet; its time joins ``times`` where ``timed``. A setting that
     fails is entered in ``failed`` with its reason. Returns the round's seconds."""
     began_round = time.perf_counter()
     for key, (name, data) in settings.items():
@@ -161,7 +163,7 @@ def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], devic
                 torch.cuda.empty_cache()
             continue
         if timed:
-            best[key] = min(best[key], time.perf_counter() - began)
+            times[key].append(time.perf_counter() - began)
     return time.perf_counter() - began_round
 
 
@@ -179,18 +181,28 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
         skipped.pop(run, None)
     settings: dict[str, tuple[str, object]] = {name: (name, batch) for name in names}
     settings["double"] = (run, double)
-    best = dict.fromkeys(settings, float("inf"))
+    times: dict[str, list[float]] = {key: [] for key in settings}
     failed: dict[str, str] = {}
     with restored(models, optimizers, device) if keep_state else contextlib.nullcontext():
-        warm_up = _round(hooks, optimizers, device, settings, failed, best, timed=False)
+        warm_up = _round(hooks, optimizers, device, settings, failed, times, timed=False)
         # A model whose steps are long gets fewer timed rounds (at least one): the probe stays a small cost.
         steps = max(1, min(steps, int(BUDGET_SECONDS / warm_up))) if warm_up > 0 else steps
         for _ in range(steps):
-            _round(hooks, optimizers, device, settings, failed, best, timed=True)
+            _round(hooks, optimizers, device, settings, failed, times, timed=True)
     skipped.update({k: v for k, v in failed.items() if k != "double"})
+    best = {key: min(seconds, default=float("inf")) for key, seconds in times.items()}
     return ModelSteps(per_slot_batch_size=per_slot, run_precision=run, steps_timed=steps,
                       seconds_per_step={k: best[k] for k in names if k not in failed},
                       skipped=skipped,
                       double_batch_seconds_per_step=None if "double" in failed else best["double"],
                       double_batch_skipped=failed.get("double"),
-                      cost_seconds=time.perf_counter() - start)
+                      cost_seconds=time.perf_counter() - start,
+                      relative_spread={k: relative_spread(v) for k, v in times.items()
+                                       if k not in failed and len(v) > 1})
+
+
+def relative_spread(seconds: list[float]) -> float:
+    """One relative standard deviation of a setting's timed steps: their range over the least, divided by the
+    expected range of that many normal draws in standard deviations (d2). Needs two or more steps."""
+    least = min(seconds)
+    return (max(seconds) - least) / least / RANGE_IN_SIGMAS.get(len(seconds), 3.0) if least > 0 else 0.0

@@ -266,6 +266,9 @@ class ModelSteps(_Section):
     double_batch_seconds_per_step: float | None
     double_batch_skipped: str | None
     cost_seconds: float
+    # Setting (a precision name, or "double" for twice the batch) -> relative standard deviation of its timed
+    # steps (their range over the least, scaled as a normal sample's range); empty in files of an older dtrain.
+    relative_spread: dict[str, float] = {}
 
     @field_validator("version")
     @classmethod
@@ -305,6 +308,32 @@ class MembershipChange(_Section):
     fallback_reason: str | None = None  # why it went back to the latest checkpoint
 
 
+class FirstSteps(_Section):
+    """``first_steps`` (dtrain.profiling.warmup): the time to the first step, and the first steps' excess."""
+    OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
+        {"startup_seconds", "time_to_first_step_seconds", "allocator_segments", "allocator_segments_later"})
+    startup_seconds: float | None = None
+    first_step_seconds: float
+    time_to_first_step_seconds: float | None = None
+    steps: int
+    seconds: float
+    steady_step_seconds: float
+    excess_seconds: float
+    allocator_segments: int | None = None  # CUDA: memory segments the caching allocator created in them
+    allocator_segments_later: int | None = None  # ... and in the rest of the run
+    autotuning: list[str]
+
+
+class Flops(_Section):
+    """``flops`` (dtrain.profiling.flops): FLOPs per step per slot over the measured matmul peak (MFU)."""
+    flops_per_step: float
+    flops_per_step_all_slots: float
+    peak_flops_per_second: float
+    peak: str
+    mfu_per_slot: list[float]
+    mfu: float
+
+
 class ProfileRecord(_Section):
     """The whole of ``profile.json`` (docs/profile.md): run facts, per-phase spreads, per-rank figures,
     communication, and the sections only some runs measure (None: absent from the file)."""
@@ -312,7 +341,8 @@ class ProfileRecord(_Section):
     OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset(
         {"device_facts", "stragglers", "batch_scaling", "allreduce_probe", "data_load_seconds_per_batch",
          "data_load_cpu_share", "solo_probe", "comm_probe", "compression_cost", "step_jitter_seconds",
-         "step_window_seconds", "unobserved_phases", "membership_changes", "model_steps"})
+         "step_window_seconds", "unobserved_phases", "membership_changes", "model_steps", "first_steps",
+         "flops"})
 
     schema_version: int = SCHEMA_VERSION
     # What the run was (also summary.json's head: dtrain.profiling.runsummary.RunHead).
@@ -375,6 +405,8 @@ class ProfileRecord(_Section):
     # The model's own steps under each precision and at twice the batch (absent where not probed, and
     # from profiles written before it existed).
     model_steps: ModelSteps | None = None
+    first_steps: FirstSteps | None = None  # also summary.json's (RunHead), as flops: absent from older files
+    flops: Flops | None = None
 
     @field_validator("phases")
     @classmethod

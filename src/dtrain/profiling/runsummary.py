@@ -15,7 +15,15 @@ from typing import ClassVar
 
 from pydantic import ValidationError
 
-from dtrain.profiling.record import DeviceFacts, LrHyperparameter, MembershipChange, ProfileError, _Section
+from dtrain.profiling.record import (
+    DeviceFacts,
+    FirstSteps,
+    Flops,
+    LrHyperparameter,
+    MembershipChange,
+    ProfileError,
+    _Section,
+)
 
 FILE_NAME = "summary.json"
 
@@ -27,7 +35,7 @@ class RunHead(_Section):
     step over the device-synchronized training time; both exclude validation and checkpoints."""
 
     OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"unobserved_phases", "device_facts",
-                                                             "membership_changes"})
+                                                             "membership_changes", "first_steps", "flops"})
 
     slots: int
     strategy: str
@@ -70,6 +78,9 @@ class RunHead(_Section):
     resumed_at_batch: int = 0
     # An elastic job's joins and leaves (dtrain.launcher.membership), absent where there were none.
     membership_changes: list[MembershipChange] | None = None
+    # The first steps apart from the steady state (dtrain.profiling.warmup) and MFU (dtrain.profiling.flops).
+    first_steps: FirstSteps | None = None
+    flops: Flops | None = None
 
 
 class RunSummary(RunHead):

@@ -78,6 +78,7 @@ class AllReduceStrategy(SyncStrategy):
     name = "allreduce"
     compressions = frozenset({"none", "fp16", "bf16"})
     exchanges_in_step = True
+    one_slot_stand_in = "single_device"
 
     def __init__(self, device: torch.device, bucket_cap_mb: float, compression: str = "none",
                  recorder: CommRecorder = NULL_RECORDER) -> None:

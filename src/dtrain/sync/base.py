@@ -53,6 +53,11 @@ class SyncStrategy(ABC):
     has_server_ranks: ClassVar[bool] = False
     # dtrain's profiler sees this strategy's communication (FSDP's runs inside its own hooks: unknown).
     comm_measured: ClassVar[bool] = True
+    # The strategy the registry builds in its place in a world of one, by name (None: itself): for one whose
+    # one slot is plain training, "single_device" (no wrapper, buckets or hooks: sync/single.py).
+    one_slot_stand_in: ClassVar[str | None] = None
+    # Trains one slot only (single_device): not offered where strategies are listed to choose from.
+    one_slot_only: ClassVar[bool] = False
     # A forward takes every rank (FSDP gathers each layer's shards from all of them): no rank can run the
     # model alone (a chief-only evaluation, a one-rank probe).
     forward_needs_every_rank: ClassVar[bool] = False
@@ -69,6 +74,12 @@ class SyncStrategy(ABC):
                     recorder: CommRecorder = NULL_RECORDER) -> SyncStrategy:
         """Build from the experiment config (``None``: ``dtrain.init()``'s defaults)."""
         return cls(device, recorder)
+
+    @classmethod
+    def standing_in(cls, configured: type[SyncStrategy], config: StrategyConfig | None, device: torch.device,
+                    recorder: CommRecorder = NULL_RECORDER) -> SyncStrategy:
+        """Built in place of ``configured`` (whose ``one_slot_stand_in`` names this class) in a world of one."""
+        return cls.from_config(config, device, recorder)
 
     @classmethod
     def training_slots(cls, config: StrategyConfig) -> int:

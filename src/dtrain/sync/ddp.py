@@ -17,7 +17,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from dtrain import dist as ddist
 from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
 from dtrain.sync.base import SyncStrategy
 from dtrain.sync.compression import COMPRESSORS, CompressionHookState, compressed_allreduce_hook
@@ -65,6 +64,7 @@ class DDPStrategy(SyncStrategy):
     name = "ddp"
     compressions = frozenset({"none", "fp16", "bf16", "powersgd"})
     tunable_fusion = True
+    one_slot_stand_in = "single_device"
 
     def __init__(self, device: torch.device, bucket_cap_mb: float = DEFAULT_BUCKET_MB, compression: str = "none",
                  powersgd: PowerSGDOptions | None = None, recorder: CommRecorder = NULL_RECORDER,
@@ -96,11 +96,9 @@ class DDPStrategy(SyncStrategy):
         return self.bucket_cap_mb
 
     def setup_model(self, model: nn.Module) -> nn.Module:
+        # A world of one never gets here from the registry: it builds the single-device strategy instead
+        # (DDP would still copy every gradient through a one-process all-reduce).
         model = model.to(self.device)
-        if not ddist.is_distributed():
-            # One slot: nothing to synchronize. Plain training is the honest baseline that N slots are
-            # compared with (DDP would still copy every gradient through a one-process all-reduce).
-            return model
         if self.rebuildable:
             return RebuildableDDP(model, self._build_ddp, self.bucket_cap_mb)
         return self._build_ddp(model, self.bucket_cap_mb)

@@ -27,6 +27,7 @@ class LocalSGDStrategy(AllReduceStrategy):
     exchanges_in_step = True
     replicas_may_differ = True
     per_rank_optimizer_state = True
+    one_slot_stand_in = None  # its checkpoints keep each rank's own state, at one slot too
 
     def __init__(self, device: torch.device, period: int, warmup_steps: int, bucket_cap_mb: float,
                  compression: str = "none", recorder: CommRecorder = NULL_RECORDER) -> None:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 S = TypeVar("S", bound="type[SyncStrategy]")
 
 BUILTIN_MODULES = ("dtrain.sync.ddp", "dtrain.sync.allreduce", "dtrain.sync.parameter_server",
-                   "dtrain.sync.local_sgd", "dtrain.sync.fsdp")
+                   "dtrain.sync.local_sgd", "dtrain.sync.fsdp", "dtrain.sync.single")
 _STRATEGIES: dict[str, type[SyncStrategy]] = {}
 _loaded = False
 
@@ -39,14 +39,15 @@ def _load_builtins() -> None:
 
 
 def names() -> tuple[str, ...]:
-    """Every registered strategy name, built-ins first in their documented order."""
+    """Every registered strategy name to choose from, built-ins first in their documented order (not those
+    that train one slot only: ``dtrain compare`` runs each of these on the same slots)."""
     _load_builtins()
 
     def order(name: str) -> int:
         module = _STRATEGIES[name].__module__
         return BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
 
-    return tuple(sorted(_STRATEGIES, key=order))
+    return tuple(sorted((n for n, cls in _STRATEGIES.items() if not cls.one_slot_only), key=order))
 
 
 def lookup(name: str) -> type[SyncStrategy]:
@@ -64,6 +65,12 @@ def unknown_message(name: str) -> str:
 
 
 def build(config: StrategyConfig | None, device: torch.device, recorder: CommRecorder) -> SyncStrategy:
-    """The strategy the config asks for (``dtrain.init()``: plain DDP); ``recorder`` times its collectives."""
-    name = config.sync.strategy if config is not None else "ddp"
-    return lookup(name).from_config(config, device, recorder)
+    """The strategy the config asks for (``dtrain.init()``: plain DDP); ``recorder`` times its collectives.
+    In a world of one, a strategy whose one slot is plain training is stood in for by the single-device
+    strategy (:mod:`dtrain.sync.single`)."""
+    from dtrain import dist as ddist
+
+    configured = lookup(config.sync.strategy if config is not None else "ddp")
+    if configured.one_slot_stand_in is not None and not ddist.is_distributed():
+        return lookup(configured.one_slot_stand_in).standing_in(configured, config, device, recorder)
+    return configured.from_config(config, device, recorder)
