@@ -138,8 +138,11 @@ def evaluate(rows: list[Row]) -> list[Outcome]:
 
 # ------------------------------------------------------------------------------------------- the fit
 def _term_rows(rows: list[Row], values: Fitted, name: str) -> list[Row]:
-    """Rows whose prediction moves with the term ``name``."""
-    bumped = replace(values, terms={**values.terms, name: values.terms[name] * 2 + 1e-3})
+    """Rows whose prediction moves with the term ``name`` near its present value: a term that binds only far
+    from it (a shaper's timer on a link whose bucket refills slower than the timer ticks) would otherwise be
+    bent to absorb those rows' other errors."""
+    value = values.terms[name]
+    bumped = replace(values, terms={**values.terms, name: value * 1.25 if value > 0 else 1e-3})
     with fitted.trying(values):
         before = {o.row.label: o.predicted for o in evaluate(rows)}
     with fitted.trying(bumped):
