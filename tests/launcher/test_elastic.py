@@ -286,6 +286,19 @@ def test_an_elastic_range_needs_a_global_batch_that_every_size_divides(tmp_path)
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.parametrize("strategy", ["fsdp", "local_sgd"])
+def test_an_elastic_range_refuses_a_strategy_that_keeps_optimizer_state_per_rank(tmp_path, strategy):
+    cfg = tiny_config(tmp_path, **{"resources.slots_per_trial": 2, "sync.strategy": strategy})
+    result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--nnodes", "1:2", "--rdzv-backend",
+                            "c10d", "--master", "127.0.0.1:1")
+    assert result.code == 2, result.stderr
+    assert result.stderr.strip() == (
+        f"dtrain: error: sync.strategy {strategy} keeps optimizer state per rank, so a job cannot go on at another "
+        "world size: with --nnodes 1:2 it would stop at its first membership change; use sync.strategy ddp or "
+        "allreduce for an elastic job, or a fixed --nnodes")
+    assert not (tmp_path / "r").exists()
+
+
 def test_the_first_node_to_see_a_change_names_its_cause_and_the_record_reads_as_one_line(tmp_path):
     from dtrain.launcher import membership
 

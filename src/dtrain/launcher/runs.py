@@ -296,8 +296,14 @@ def _job_token(run_dir: Path) -> str | None:
 
 
 def _check_elastic_batch(config: ExperimentConfig, low: int, high: int, per_node: int, nnodes: str) -> None:
-    """An elastic job keeps its global batch at every size it may take: it must divide each of them."""
-    if registry.lookup(config.sync.strategy).has_server_ranks:
+    """An elastic job keeps its global batch at every size it may take: it must divide each of them. And it
+    continues at another world size, which a strategy keeping optimizer state per rank cannot."""
+    strategy = registry.lookup(config.sync.strategy)
+    if low < high and strategy.per_rank_optimizer_state:
+        raise UserError(f"sync.strategy {config.sync.strategy} keeps optimizer state per rank, so a job cannot go on "
+                        f"at another world size: with --nnodes {nnodes} it would stop at its first membership "
+                        "change; use sync.strategy ddp or allreduce for an elastic job, or a fixed --nnodes")
+    if strategy.has_server_ranks:
         return  # a parameter server's servers hold no data: its workers' count is not the slot count
     batch = config.global_batch_size
     bad = [n for n in range(low, high + 1) if batch % (n * per_node)]
