@@ -33,6 +33,17 @@ def membership_section(run_dir: Path) -> str:
             f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>\n</section>")
 
 
+def slot_counts(run_dir: Path) -> list[int]:
+    """The slot counts the run trained at, in order; one entry (or none) where its nodes never changed."""
+    records = membership_records(Path(run_dir))
+    return _worlds(records) if records else []
+
+
+def change_batches(run_dir: Path) -> list[int]:
+    """The batch at which each membership change took effect, for marks on the throughput chart."""
+    return [r["batches"] for r in membership_records(Path(run_dir)) if isinstance(r.get("batches"), int)]
+
+
 def doctor_note(run_dir: Path) -> str:
     """``dtrain doctor``'s line for a run whose nodes changed (its profile is the last world's), else ""."""
     records = membership_records(Path(run_dir))

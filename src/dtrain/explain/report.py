@@ -26,7 +26,7 @@ import yaml
 from dtrain.errors import UserError
 from dtrain.explain.diagnosis import Diagnosis, FactorRow
 from dtrain.explain.doctor import diagnose
-from dtrain.explain.membership_view import membership_section
+from dtrain.explain.membership_view import change_batches, membership_section, slot_counts
 from dtrain.explain.render import pyplot
 from dtrain.profiling.record import ProfileRecord, load_run_profile
 from dtrain.profiling.runsummary import RunSummary, load_summary
@@ -39,21 +39,16 @@ PHASE_COLORS = {"data": "#4e79a7", "forward": "#59a14f", "backward": "#8cd17d", 
                 "optimizer": "#f28e2b", "other": "#bab0ac"}
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; padding: 0 1em; }
-h1 { margin-bottom: 0.2em; }
-h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 1.6em; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 1.6em; }
 dl.facts { display: flex; flex-wrap: wrap; gap: 0.2em 0.4em; margin: 0.4em 0; color: #555; }
-dl.facts dt { font-weight: bold; }
-dl.facts dt::after { content: ":"; }
-dl.facts dd { margin: 0 1em 0 0; }
+dl.facts dt { font-weight: bold; } dl.facts dt::after { content: ":"; } dl.facts dd { margin: 0 1em 0 0; }
 details summary { cursor: pointer; color: #4e79a7; }
-pre { background: #f6f8fa; padding: 1em; overflow-x: auto; font-size: 0.85em; }
+pre { background: #f6f8fa; padding: 1em; overflow-x: auto; font-size: 0.85em; } img { max-width: 100%; }
 table { border-collapse: collapse; margin: 0.8em 0; font-size: 0.9em; }
 th, td { border: 1px solid #ddd; padding: 0.3em 0.6em; text-align: left; vertical-align: top; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-tr.top { background: #fff3cd; font-weight: bold; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; } tr.top { background: #fff3cd; font-weight: bold; }
 .note { background: #eef4fb; border-left: 4px solid #4e79a7; padding: 0.5em 1em; }
 .verdict { font-size: 1.05em; background: #fff3cd; border-left: 4px solid #f0ad4e; padding: 0.5em 1em; }
-img { max-width: 100%; }
 """
 
 
@@ -255,6 +250,9 @@ def _header_section(run: _Run) -> str:
 
 
 def _slots(run: _Run) -> str:
+    worlds = slot_counts(run.run_dir)
+    if len(worlds) > 1:  # an elastic run: the profile's slot count is the last world's only
+        return " -> ".join(map(str, worlds)) + " (nodes changed: see Membership changes)"
     if run.profile is not None:
         return str(run.profile.slots)
     if run.summary is not None:
@@ -345,7 +343,8 @@ def _throughput_section(run: _Run) -> str:
     if not points:
         return title + _note("No training records with samples/s in metrics.jsonl.") + "\n</section>"
     mean = run.profile.samples_per_second if run.profile is not None else None
-    return title + _img(_plot_throughput(points, mean), "samples per second vs batches") + "\n</section>"
+    plot = _plot_throughput(points, mean, change_batches(run.run_dir))
+    return title + _img(plot, "samples per second vs batches") + "\n</section>"
 
 
 def _curves_section(run: _Run) -> str:
@@ -466,15 +465,16 @@ def _plot_breakdown(profile: ProfileRecord) -> str:
     return _png_data_uri(fig)
 
 
-def _plot_throughput(points: list[tuple[float, float]], profiled_mean: float | None) -> str:
-    """Samples/s of each training report vs batches, with the profiled mean as a reference line."""
+def _plot_throughput(points: list[tuple[float, float]], profiled_mean: float | None, changes: list[int]) -> str:
+    """Samples/s per training report vs batches; the profiled mean, and each membership change, as lines."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8.0, 3.5))
     ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label="training reports")
     if _finite(profiled_mean):
         ax.axhline(profiled_mean, color="#e15759", linestyle="--", linewidth=1, label="profiled mean")
-    ax.set_xlabel("batches")
-    ax.set_ylabel("samples / s")
+    for i, batch in enumerate(changes):
+        ax.axvline(batch, color="#59a14f", linestyle=":", linewidth=1, label="nodes changed" if i == 0 else None)
+    ax.set(xlabel="batches", ylabel="samples / s")
     top = max([p[1] for p in points] + ([profiled_mean] if _finite(profiled_mean) else []))
     ax.set_ylim(0, 1.1 * top if top > 0 else 1.0)  # from zero, so a small wobble does not look like a collapse
     ax.legend(fontsize=8)
