@@ -179,9 +179,12 @@ def test_asha_search_stops_early_and_resumes_after_ctrl_c(tmp_path):
                            "hyperparameters.hold_at_batch": 2, "hyperparameters.hold_lr": 0.05,
                            "hyperparameters.hold_file": str(hold)})
     out = tmp_path / "search"
+    # Ctrl-C's default action in the search whatever started the suite: a shell running it as a background
+    # job (`make test &`) leaves SIGINT ignored in every process it starts, and Python keeps it ignored.
     proc = subprocess.Popen([sys.executable, "-m", "dtrain.cli", "search", str(cfg), "--slots", "1", "--out",
                              str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     stdout, stderr = _interrupt_when(proc, out / "trials" / "1" / "checkpoints" / "latest", timeout=120)
     assert proc.returncode == 130, stdout + stderr
     assert f"continue with: dtrain search --resume {out}" in stderr
