@@ -6,8 +6,9 @@ Adding a strategy is one module with a registered class: nothing else names stra
 from __future__ import annotations
 
 import difflib
-import importlib
 from typing import TYPE_CHECKING, TypeVar
+
+from dtrain.plugins import Plugins
 
 if TYPE_CHECKING:
     import torch
@@ -20,46 +21,31 @@ S = TypeVar("S", bound="type[SyncStrategy]")
 
 BUILTIN_MODULES = ("dtrain.sync.ddp", "dtrain.sync.allreduce", "dtrain.sync.parameter_server",
                    "dtrain.sync.local_sgd", "dtrain.sync.fsdp", "dtrain.sync.single")
-_STRATEGIES: dict[str, type[SyncStrategy]] = {}
-_loaded = False
+_STRATEGIES: Plugins[type[SyncStrategy]] = Plugins(BUILTIN_MODULES)
 
 
 def register(cls: S) -> S:
     """Class decorator: make ``cls`` selectable as ``sync.strategy: <cls.name>``."""
-    _STRATEGIES[cls.name] = cls
-    return cls
-
-
-def _load_builtins() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in BUILTIN_MODULES:
-            importlib.import_module(module)
+    return _STRATEGIES.register(cls)
 
 
 def names() -> tuple[str, ...]:
     """Every registered strategy name to choose from, built-ins first in their documented order (not those
     that train one slot only: ``dtrain compare`` runs each of these on the same slots)."""
-    _load_builtins()
-
-    def order(name: str) -> int:
-        module = _STRATEGIES[name].__module__
-        return BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
-
-    return tuple(sorted((n for n, cls in _STRATEGIES.items() if not cls.one_slot_only), key=order))
+    classes = _STRATEGIES.classes()
+    return tuple(n for n in _STRATEGIES.ordered() if not classes[n].one_slot_only)
 
 
 def lookup(name: str) -> type[SyncStrategy]:
     """The class registered as ``name``; KeyError with a did-you-mean otherwise."""
-    _load_builtins()
-    if name not in _STRATEGIES:
+    classes = _STRATEGIES.classes()
+    if name not in classes:
         raise KeyError(unknown_message(name))
-    return _STRATEGIES[name]
+    return classes[name]
 
 
 def unknown_message(name: str) -> str:
-    close = difflib.get_close_matches(name, list(_STRATEGIES), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(name, list(_STRATEGIES.classes()), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]!r}? " if close else ""
     return f"{name!r} is not a strategy; {hint}registered: {', '.join(names())}"
 

@@ -5,8 +5,9 @@ registered class: the doctor's table, time split, recommendations and ``--verify
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, TypeVar
+
+from dtrain.plugins import Plugins
 
 if TYPE_CHECKING:
     from dtrain.explain.factors.base import Factor
@@ -16,40 +17,25 @@ F = TypeVar("F", bound="type[Factor]")
 # In the order the table lists factors of equal time.
 BUILTIN_MODULES = tuple(f"dtrain.explain.factors.{name}" for name in (
     "communication", "data_loading", "compute", "precision", "straggler", "batch_size", "sync_frequency"))
-_FACTORS: dict[str, type[Factor]] = {}
-_loaded = False
+_FACTORS: Plugins[type[Factor]] = Plugins(BUILTIN_MODULES)
 
 
 def register(cls: F) -> F:
     """Class decorator: make ``cls`` one of the doctor's factors, under ``cls.name``."""
-    _FACTORS[cls.name] = cls
-    return cls
+    return _FACTORS.register(cls)
 
 
 def unregister(name: str) -> None:
     """Forget factor ``name`` (a test's factor, once the test is done)."""
-    _FACTORS.pop(name, None)
-
-
-def _load_builtins() -> None:
-    global _loaded
-    if not _loaded:
-        _loaded = True
-        for module in BUILTIN_MODULES:
-            importlib.import_module(module)
+    _FACTORS.unregister(name)
 
 
 def names() -> tuple[str, ...]:
     """Every registered factor, built-ins first in their documented order."""
-    _load_builtins()
-
-    def order(name: str) -> int:
-        module = _FACTORS[name].__module__
-        return BUILTIN_MODULES.index(module) if module in BUILTIN_MODULES else len(BUILTIN_MODULES)
-
-    return tuple(sorted(_FACTORS, key=order))
+    return tuple(_FACTORS.ordered())
 
 
 def factors() -> list[Factor]:
     """One instance of every registered factor, in :func:`names`' order."""
-    return [_FACTORS[name]() for name in names()]
+    classes = _FACTORS.classes()
+    return [classes[name]() for name in names()]
