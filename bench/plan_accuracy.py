@@ -8,7 +8,7 @@ without each row's configuration (leave-one-configuration-out), and prints the a
 
     .venv/bin/python bench/plan_accuracy.py [--json out.json]        # evaluate the stored rows
     .venv/bin/python bench/plan_accuracy.py --refit                  # fit the constants again, write them
-    sudo .venv/bin/python bench/plan_accuracy.py --measure [--steps 300] [--repeats 3] [--out DIR]
+    sudo .venv/bin/python bench/plan_accuracy.py --measure [--append] [--steps 1500] [--repeats 3] [--out DIR]
 
 ``--measure`` runs the held-out configurations on this host and stores them as rows (replacing the stored
 measured rows): source runs (examples/digits, and the same model 10x larger) with 1 and 2 slots; from each
@@ -17,14 +17,19 @@ predicts every row:
 
 * 1, 2 and 3 slots on one host; 2 slots with aggregation_frequency 4, fp16, PowerSGD;
 * the 10x model on 1 and 2 slots (from its own source runs);
+* compute changes, predicted from the source run's own timed model steps (``model_steps``) as ``dtrain doctor
+  --try`` predicts them: bf16-mixed on 1 and 2 slots and for the 10x model, twice the global batch for both;
 * 2 test hosts x 1 slot (network namespaces, scripts/testhosts.py, one core each): unthrottled veth,
   200 Mbit and 1 Gbit tc tbf links (``--link`` as a user would give it, with tbf's bucket), 200 Mbit with
   aggregation 4.
 
-Each row is then run and measured, in rounds; within a round every source configuration is measured
-again, and a row's measured figure is its *ratio to the same round's run of the source configuration*
-(absolute samples/s drift by 10-50% within minutes on a shared host; ratios to a run just before do not).
-The prediction is compared the same way: predicted row / predicted source configuration. Root is needed for
+Each row is then run and measured, in rounds; every source configuration is measured again at the start
+and at the end of each round (one round's end is the next one's start), and a row's measured figure is its
+*ratio to the geometric mean of that round's two runs of the source configuration* (absolute samples/s drift
+by 10-50% within minutes on a shared host; a ratio to runs just before and after cancels a drift that is
+steady over the round), the median over the rounds. ``--append`` keeps the rows of earlier sessions and adds
+this one's (each session is one repeat of the bench; the accuracy goals hold in each). The prediction is
+compared the same way: predicted row / predicted source configuration. Root is needed for
 the test hosts (without it their rows are skipped and said so). With ``--out DIR`` runs are kept, and a run
 whose profile.json is there is not run again (an interrupted session continues). Measure on a quiet host:
 other processes on the cores move the ratios by more than the model's error.
@@ -35,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -58,6 +64,7 @@ from dtrain.explain.calibration import (
 )
 from dtrain.explain.costmodel import CostModel, Link, Target
 from dtrain.explain.plan import build_model, parse_link
+from dtrain.explain.precision import estimate
 from dtrain.profiling.record import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +89,7 @@ class Row:
     rate: str | None = None  # tbf rate between test hosts (None: unthrottled)
     target: dict = field(default_factory=dict)
     model: str = "small"
+    precision: str | None = None  # a compute change priced from the source run's timed model steps
     measured: list[float] = field(default_factory=list)  # per round: ratio to each source's run, by source
 
 
@@ -98,6 +106,14 @@ def rows() -> list[Row]:
             target={"compression": "powersgd"}),
         Row("10x model, 1 slot", 1, sets=BIG, model="big"),
         Row("10x model, 2 slots", 2, sets=BIG, model="big"),
+        Row("1 slot, bf16-mixed", 1, sets=["precision=bf16-mixed"], precision="bf16-mixed"),
+        Row("2 slots, bf16-mixed", 2, sets=["precision=bf16-mixed"], precision="bf16-mixed"),
+        Row("10x model, 1 slot, bf16-mixed", 1, sets=[*BIG, "precision=bf16-mixed"], model="big",
+            precision="bf16-mixed"),
+        Row("1 slot, global batch 128", 1, sets=["hyperparameters.global_batch_size=128"],
+            target={"global_batch": 128}),
+        Row("10x model, 2 slots, global batch 128", 2, sets=[*BIG, "hyperparameters.global_batch_size=128"],
+            model="big", target={"global_batch": 128}),
         Row("2 hosts x 1 slot, unthrottled veth", 2, 2, target={"cores": 1}),
         Row("2 hosts x 1 slot, 1 Gbit", 2, 2, rate="1gbit", target={"cores": 1}),
         Row("2 hosts x 1 slot, 200 Mbit", 2, 2, rate="200mbit", target={"cores": 1}),
@@ -156,6 +172,23 @@ def source_link(rate: str | None) -> Link | None:
     return replace(parse_link(rate), burst_bytes=TBF_BURST_BYTES) if rate else None
 
 
+def _target(row: Row, source_dir: Path) -> Target | None:
+    """The row's target as the source run's model takes it; a precision from the run's timed model steps,
+    as ``dtrain doctor --try precision=...`` prices it (None: the source did not time that precision)."""
+    changes = dict(row.target)
+    if row.precision is not None:
+        found = estimate(load_profile(source_dir / "profile.json"), row.precision)
+        if found.gain is None:
+            print(f"plan_accuracy: {row.label} skipped: {found.source}", file=sys.stderr)
+            return None
+        changes.update(precision_gain=found.gain, precision_spread=found.spread)
+    return Target(row.slots, row.nodes, **changes)
+
+
+def _references(sources: dict[tuple[str, int], list[str]], steps: int, folder: Path) -> dict[tuple[str, int], float]:
+    return {key: run_local(key[1], sets, steps, folder / f"ref-{key[0]}-{key[1]}") for key, sets in sources.items()}
+
+
 def measure(args: argparse.Namespace) -> list[dict]:
     """Run the source configurations and every row in rounds; the rows with their models' inputs."""
     from testhosts import unavailable_reason
@@ -179,28 +212,38 @@ def measure(args: argparse.Namespace) -> list[dict]:
                                            log=lambda line: print(line, file=sys.stderr))
                     models[key] = replace(built, between_hosts=source_link(row.rate))
         ratios: dict[tuple[str, int], list[float]] = {(row.label, n): [] for row in table for n in (1, 2)}
+        after = _references(sources, args.steps, tmp / "r0-before")
         for r in range(args.repeats):
-            reference = {key: run_local(key[1], sets, args.steps, tmp / f"r{r}-ref-{key[0]}-{key[1]}")
-                         for key, sets in sources.items()}
+            runs: dict[str, float] = {}
+            before = after  # one round's closing references open the next
             for row in table if r % 2 == 0 else list(reversed(table)):
                 if row.nodes > 1 and no_hosts:
                     continue
                 print(f"plan_accuracy: [{r + 1}/{args.repeats}] {row.label} ...", file=sys.stderr, flush=True)
                 folder = tmp / f"r{r}-{table.index(row):02d}"
-                sps = (run_hosts(row, args.steps, folder) if row.nodes > 1
-                       else run_local(row.slots, row.sets, args.steps, folder))
+                runs[row.label] = (run_hosts(row, args.steps, folder) if row.nodes > 1
+                                   else run_local(row.slots, row.sets, args.steps, folder))
+            after = _references(sources, args.steps, tmp / f"r{r}-after")
+            for row in table:
                 for n in (1, 2):
-                    ratios[(row.label, n)].append(sps / reference[(row.model, n)])
+                    if row.label in runs:
+                        reference = math.sqrt(before[(row.model, n)] * after[(row.model, n)])
+                        ratios[(row.label, n)].append(runs[row.label] / reference)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for row in table:
         for n in (1, 2):
-            if (row.slots == n and row.nodes == 1 and not row.target) or not ratios[(row.label, n)]:
+            itself = row.slots == n and row.nodes == 1 and not row.target and row.precision is None
+            if itself or not ratios[(row.label, n)]:
                 continue  # the source itself, or skipped
+            source_dir = tmp / f"source-{row.model}-{n}"
+            target = _target(row, source_dir)
+            if target is None:
+                continue
             built = models[(row.model, n, row.rate)]
-            target = Target(row.slots, row.nodes, **row.target)
-            stored.append({"config": row.label, "label": f"{row.label} (from the {'10x ' if row.model == 'big' else ''}"
-                           f"{n}-slot run)", "rounds": ratios[(row.label, n)], "measured_at": when,
-                           "steps": args.steps, "source": model_to_json(built, target)})
+            source = f"{'10x ' if row.model == 'big' else ''}{n}-slot run"
+            stored.append({"config": row.label, "label": f"{row.label} (from the {source}), repeat {args.session}",
+                           "rounds": ratios[(row.label, n)], "measured_at": when,
+                           "steps": args.steps, "repeat": args.session, "source": model_to_json(built, target)})
     return stored
 
 
@@ -235,20 +278,41 @@ def _legacy(document: dict) -> str:
     return "\n".join(lines)
 
 
+def repeat_of(label: str) -> str | None:
+    """The bench session (repeat) a measured row's label names, None for a published row."""
+    head, sep, tail = label.rpartition(", repeat ")
+    return tail if sep and head else None
+
+
+def _repeats(outcomes: list[Outcome]) -> str:
+    """The held-out summary of each repeat's measured rows (the goals hold in each)."""
+    lines = []
+    for repeat in sorted({r for o in outcomes if (r := repeat_of(o.row.label)) is not None}):
+        s = Summary.of([o for o in outcomes if repeat_of(o.row.label) == repeat])
+        lines.append(f"repeat {repeat}: {s.rows} measured rows held out: mean absolute error "
+                     f"{100 * s.mean_error:.1f}%, worst {100 * s.worst_error:.1f}%, covered {100 * s.covered:.0f}%, "
+                     f"widest interval +/-{100 * s.widest_half_width:.0f}%")
+    return "\n".join(["", *lines]) if lines else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--refit", action="store_true", help="fit the constants to the stored rows and write them")
     parser.add_argument("--measure", action="store_true", help="run the held-out configurations and store them")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rows", type=Path, default=ROWS, help="the stored rows (default: bench/data/plan_rows.json)")
     parser.add_argument("--fitted", type=Path, default=FITTED, help="the constants' file --refit writes")
     parser.add_argument("--json", type=Path, help="write the evaluation here")
+    parser.add_argument("--append", action="store_true",
+                        help="--measure: keep the measured rows of earlier sessions (one repeat each) and add these")
     parser.add_argument("--out", type=Path, help="--measure: keep the runs here (and continue an interrupted session)")
     args = parser.parse_args(argv)
     document = json.loads(args.rows.read_text())
     if args.measure:
-        document["measured"] = measure(args)
+        kept = document["measured"] if args.append else []
+        args.session = 1 + len({r.get("repeat", 0) for r in kept})
+        document["measured"] = kept + measure(args)
         args.rows.write_text(json.dumps(document, indent=1) + "\n")
     stored = rows_from_json(document)
     start = fitted.load()
@@ -268,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         current = evaluate(stored)
     print(_table("With the stored constants (in-sample)", current))
     print(_table("Held out (constants fitted without the row's configuration)", out))
+    print(_repeats(out))
     print(_legacy(document))
     if args.json:
         args.json.write_text(json.dumps({"held_out": [_as_dict(o) for o in out],

@@ -17,6 +17,7 @@ from dtrain.explain.costmodel import CostModel, Link, Target
 from dtrain.explain.facts import Facts
 from dtrain.explain.network import shaped_seconds, tree_latency_steps
 from dtrain.explain.paper import plan_on_paper
+from dtrain.explain.precision import PrecisionEstimate
 from dtrain.profiling import commprobe
 
 ROWS = Path(__file__).resolve().parents[2] / "bench" / "data" / "plan_rows.json"
@@ -232,6 +233,9 @@ def test_measure_stores_rows_with_their_models_inputs_and_refit_reads_them(tmp_p
 
     monkeypatch.setattr(bench, "run_local", run_local)
     monkeypatch.setattr(bench, "run_hosts", run_hosts)
+    # The precision rows' gain: from the source run's timed model steps, as doctor --try prices it.
+    monkeypatch.setattr(bench, "load_profile", lambda path: path.parent.name)
+    monkeypatch.setattr(bench, "estimate", lambda source, name: PrecisionEstimate(name, 0.8, None, source, 0.05))
     monkeypatch.setattr(bench, "build_model", build_model)
     monkeypatch.setattr(testhosts, "unavailable_reason", lambda: None)
     monkeypatch.setattr(bench, "held_out", lambda rows, start: calibration.evaluate(rows))  # tested above
@@ -241,18 +245,27 @@ def test_measure_stores_rows_with_their_models_inputs_and_refit_reads_them(tmp_p
     assert bench.main(["--measure", "--repeats", "2", "--rows", str(rows_file), "--fitted", str(fitted_file)]) == 0
     document = json.loads(rows_file.read_text())
     measured = document["measured"]
-    # 12 configurations from the 1- and 2-slot sources, but for the sources themselves (1 slot, 2 slots,
-    # and the 10x model's): 20 rows, each with 2 rounds and the inputs of the model that predicted it.
-    assert len(measured) == 20 and all(len(r["rounds"]) == 2 for r in measured)
+    # 17 configurations from the 1- and 2-slot sources, but for the sources themselves (1 slot, 2 slots,
+    # and the 10x model's): 30 rows, each with 2 rounds and the inputs of the model that predicted it.
+    assert len(measured) == 30 and all(len(r["rounds"]) == 2 for r in measured)
+    assert all(r["label"].endswith(", repeat 1") and r["repeat"] == 1 for r in measured)
     shaped = [r for r in measured if "1 Gbit" in r["label"]]
     assert shaped and all(r["source"]["between_hosts"]["burst_bytes"] == 4000.0 for r in shaped)
+    bf16 = [r for r in measured if "bf16-mixed" in r["label"]]
+    assert len(bf16) == 6 and all(r["source"]["target"]["precision_gain"] == 0.8 for r in bf16)
     outcomes = calibration.evaluate(calibration.rows_from_json(document))
-    assert len(outcomes) == 20 + len(document["published"])
+    assert len(outcomes) == 30 + len(document["published"])
     local = [o for o in outcomes if o.row.kind == "measured" and o.measured_here]
     assert local and all(o.high / o.predicted <= 1.25 + 1e-9 and o.predicted / o.low <= 1.25 + 1e-9 for o in local)
     written = json.loads(fitted_file.read_text())
     assert written["fit"]["rows"] == len(outcomes)
     assert "Held out" in capsys.readouterr().out
+    # A second session is a second repeat beside the first.
+    assert bench.main(["--measure", "--append", "--repeats", "1", "--rows", str(rows_file), "--fitted",
+                       str(fitted_file)]) == 0
+    measured = json.loads(rows_file.read_text())["measured"]
+    assert len(measured) == 60 and {r["repeat"] for r in measured} == {1, 2}
+    assert "repeat 2: 30 measured rows held out" in capsys.readouterr().out
 
 
 def test_another_fusion_threshold_is_priced_with_its_bucket_count():

@@ -408,6 +408,10 @@ class CostModel:
                 out["exchange_overhead"] = exchange
             if target.slots != max(2, f.slots):
                 out["slot_extrapolation"] = exchange * abs(math.log(target.slots / max(2, f.slots)))
+        if target.precision_gain != 1.0:
+            # A precision's gain rests on a few steps timed at the end of the run, alone (no loader, no exchange
+            # beside them, the caches warm): a whole run in that precision may gain less or more than they did.
+            out["precision_probe"] = compute
         if target.data_workers_step is not None:
             # Other loader processes: their start-up and the hand-over of each batch from them are not modelled,
             # and on shared cores they compete with training; the planted slow-data case's measured gain was about
