@@ -18,7 +18,9 @@ predicts every row:
 * 1, 2 and 3 slots on one host; 2 slots with aggregation_frequency 4, fp16, PowerSGD;
 * the 10x model on 1 and 2 slots (from its own source runs);
 * compute changes, predicted from the source run's own timed model steps (``model_steps``) as ``dtrain doctor
-  --try`` predicts them: bf16-mixed on 1 and 2 slots and for the 10x model, twice the global batch for both;
+  --try`` predicts them: bf16-mixed on 1 and 2 slots, for the 10x model and for bench/models.py's mlp-1m
+  (1.06M parameters, one slot: on a CPU with AMX its bf16 steps are faster, digits' slower), twice the
+  global batch for each model;
 * 2 test hosts x 1 slot (network namespaces, scripts/testhosts.py, one core each): unthrottled veth,
   200 Mbit and 1 Gbit tc tbf links (``--link`` as a user would give it, with tbf's bucket), 200 Mbit with
   aggregation 4.
@@ -74,10 +76,28 @@ CONFIG = ROOT / "examples" / "digits" / "experiment.yaml"
 PORT = 29530
 # hidden 480 instead of 128: 10.2x the parameters (266k).
 BIG = ["hyperparameters.hidden=480"]
+# bench/models.py's mlp-1m: matmuls large enough that bf16 autocast beats float32 on a CPU with AMX.
+MLP1M = ROOT / "bench" / "trials" / "mlp1m.yaml"
 ROWS = ROOT / "bench" / "data" / "plan_rows.json"
 FITTED = ROOT / "src" / "dtrain" / "explain" / "fitted_intervals.json"
 # scripts/testhosts.py shapes each test host's link with tc tbf "burst 32kbit": 4,000 bytes.
 TBF_BURST_BYTES = 4000.0
+
+
+@dataclass(frozen=True)
+class Source:
+    """A source model: its config and sets, the slot counts of its source runs, its share of ``--steps``
+    (mlp-1m's step is ten times digits'), and its name in row labels."""
+
+    config: Path
+    sets: tuple[str, ...]
+    slots: tuple[int, ...]
+    steps_share: float
+    name: str
+
+
+SOURCES = {"small": Source(CONFIG, (), (1, 2), 1.0, ""), "big": Source(CONFIG, tuple(BIG), (1, 2), 1.0, "10x "),
+           "mlp-1m": Source(MLP1M, (), (1,), 0.25, "mlp-1m ")}
 
 
 @dataclass
@@ -114,6 +134,9 @@ def rows() -> list[Row]:
             target={"global_batch": 128}),
         Row("10x model, 2 slots, global batch 128", 2, sets=[*BIG, "hyperparameters.global_batch_size=128"],
             model="big", target={"global_batch": 128}),
+        Row("mlp-1m, 1 slot, bf16-mixed", 1, sets=["precision=bf16-mixed"], model="mlp-1m", precision="bf16-mixed"),
+        Row("mlp-1m, 1 slot, global batch 512", 1, sets=["hyperparameters.global_batch_size=512"], model="mlp-1m",
+            target={"global_batch": 512}),
         Row("2 hosts x 1 slot, unthrottled veth", 2, 2, target={"cores": 1}),
         Row("2 hosts x 1 slot, 1 Gbit", 2, 2, rate="1gbit", target={"cores": 1}),
         Row("2 hosts x 1 slot, 200 Mbit", 2, 2, rate="200mbit", target={"cores": 1}),
@@ -137,11 +160,11 @@ def _done(run_dir: Path) -> float | None:
     return load_profile(path).samples_per_second if path.is_file() else None
 
 
-def run_local(slots: int, sets: list[str], steps: int, run_dir: Path) -> float:
+def run_local(slots: int, sets: list[str], steps: int, run_dir: Path, config: Path = CONFIG) -> float:
     if (done_before := _done(run_dir)) is not None:
         return done_before
     shutil.rmtree(run_dir, ignore_errors=True)  # an interrupted attempt
-    argv = [sys.executable, "-m", "dtrain.cli", "run", str(CONFIG), "--slots", str(slots), "--run-dir",
+    argv = [sys.executable, "-m", "dtrain.cli", "run", str(config), "--slots", str(slots), "--run-dir",
             str(run_dir), "--quiet", *_short(steps), *_sets(sets)]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
@@ -185,8 +208,17 @@ def _target(row: Row, source_dir: Path) -> Target | None:
     return Target(row.slots, row.nodes, **changes)
 
 
-def _references(sources: dict[tuple[str, int], list[str]], steps: int, folder: Path) -> dict[tuple[str, int], float]:
-    return {key: run_local(key[1], sets, steps, folder / f"ref-{key[0]}-{key[1]}") for key, sets in sources.items()}
+def _steps(model: str, steps: int) -> int:
+    return max(100, round(steps * SOURCES[model].steps_share))
+
+
+def _run(model: str, slots: int, sets: list[str], steps: int, run_dir: Path) -> float:
+    return run_local(slots, sets, _steps(model, steps), run_dir, SOURCES[model].config)
+
+
+def _references(steps: int, folder: Path) -> dict[tuple[str, int], float]:
+    return {(m, n): _run(m, n, list(src.sets), steps, folder / f"ref-{m}-{n}")
+            for m, src in SOURCES.items() for n in src.slots}
 
 
 def measure(args: argparse.Namespace) -> list[dict]:
@@ -197,22 +229,23 @@ def measure(args: argparse.Namespace) -> list[dict]:
     if no_hosts:
         print(f"plan_accuracy: the 2-host rows are skipped: {no_hosts}", file=sys.stderr)
     table = rows()
-    sources = {(m, n): [*(BIG if m == "big" else [])] for m in ("small", "big") for n in (1, 2)}
     stored = []
     with contextlib.ExitStack() as stack:
         tmp = Path(args.out or stack.enter_context(tempfile.TemporaryDirectory(prefix="dtrain-plan-accuracy-")))
         models: dict[tuple[str, int, str | None], CostModel] = {}
-        for (m, n), sets in sources.items():
-            run_local(n, sets, args.steps, tmp / f"source-{m}-{n}")
+        for m, src in SOURCES.items():
+            for n in src.slots:
+                _run(m, n, list(src.sets), args.steps, tmp / f"source-{m}-{n}")
         for row in table:
-            for n in (1, 2):
+            for n in SOURCES[row.model].slots:
                 key = (row.model, n, row.rate)
                 if key not in models:
                     _, built = build_model(tmp / f"source-{row.model}-{n}", None,
                                            log=lambda line: print(line, file=sys.stderr))
                     models[key] = replace(built, between_hosts=source_link(row.rate))
-        ratios: dict[tuple[str, int], list[float]] = {(row.label, n): [] for row in table for n in (1, 2)}
-        after = _references(sources, args.steps, tmp / "r0-before")
+        ratios: dict[tuple[str, int], list[float]] = {(row.label, n): [] for row in table
+                                                      for n in SOURCES[row.model].slots}
+        after = _references(args.steps, tmp / "r0-before")
         for r in range(args.repeats):
             runs: dict[str, float] = {}
             before = after  # one round's closing references open the next
@@ -222,16 +255,16 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 print(f"plan_accuracy: [{r + 1}/{args.repeats}] {row.label} ...", file=sys.stderr, flush=True)
                 folder = tmp / f"r{r}-{table.index(row):02d}"
                 runs[row.label] = (run_hosts(row, args.steps, folder) if row.nodes > 1
-                                   else run_local(row.slots, row.sets, args.steps, folder))
-            after = _references(sources, args.steps, tmp / f"r{r}-after")
+                                   else _run(row.model, row.slots, row.sets, args.steps, folder))
+            after = _references(args.steps, tmp / f"r{r}-after")
             for row in table:
-                for n in (1, 2):
+                for n in SOURCES[row.model].slots:
                     if row.label in runs:
                         reference = math.sqrt(before[(row.model, n)] * after[(row.model, n)])
                         ratios[(row.label, n)].append(runs[row.label] / reference)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     for row in table:
-        for n in (1, 2):
+        for n in SOURCES[row.model].slots:
             itself = row.slots == n and row.nodes == 1 and not row.target and row.precision is None
             if itself or not ratios[(row.label, n)]:
                 continue  # the source itself, or skipped
@@ -240,7 +273,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
             if target is None:
                 continue
             built = models[(row.model, n, row.rate)]
-            source = f"{'10x ' if row.model == 'big' else ''}{n}-slot run"
+            source = f"{SOURCES[row.model].name}{n}-slot run"
             stored.append({"config": row.label, "label": f"{row.label} (from the {source}), repeat {args.session}",
                            "rounds": ratios[(row.label, n)], "measured_at": when,
                            "steps": args.steps, "repeat": args.session, "source": model_to_json(built, target)})

@@ -17,6 +17,14 @@ def test_valid_config_and_defaults(tmp_path):
     assert cfg.code_dir == str(tmp_path.resolve())
 
 
+def test_a_relative_code_dir_is_relative_to_the_config_file_not_to_the_working_directory(tmp_path, monkeypatch):
+    (tmp_path / "exp").mkdir()
+    monkeypatch.chdir(tmp_path / "exp")
+    cfg = load_config(tiny_config(tmp_path, code_dir="../code"))
+    assert cfg.code_dir == str(tmp_path.resolve() / "../code")
+    assert load_config(tiny_config(tmp_path, code_dir="/abs/code")).code_dir == "/abs/code"
+
+
 @pytest.mark.parametrize(("key", "value", "expected"), [
     ("resourcs", {}, "unknown key 'resourcs'; did you mean 'resources'?"),
     ("resources.slots_per_trail", 2,

@@ -218,8 +218,8 @@ def test_measure_stores_rows_with_their_models_inputs_and_refit_reads_them(tmp_p
     import testhosts
 
     # Runs faked: samples/s by slot count, the 10x model a tenth as fast; the 2-host rows by their rate.
-    def run_local(slots, sets, steps, run_dir):
-        return {1: 1000.0, 2: 1500.0, 3: 1600.0}[slots] / (10 if bench.BIG[0] in sets else 1)
+    def run_local(slots, sets, steps, run_dir, config=bench.CONFIG):
+        return {1: 1000.0, 2: 1500.0, 3: 1600.0}[slots] / (10 if bench.BIG[0] in sets or config != bench.CONFIG else 1)
 
     def run_hosts(row, steps, run_dir):
         sps = {None: 1400.0, "1gbit": 900.0, "200mbit": 500.0}[row.rate]
@@ -246,15 +246,16 @@ def test_measure_stores_rows_with_their_models_inputs_and_refit_reads_them(tmp_p
     document = json.loads(rows_file.read_text())
     measured = document["measured"]
     # 17 configurations from the 1- and 2-slot sources, but for the sources themselves (1 slot, 2 slots,
-    # and the 10x model's): 30 rows, each with 2 rounds and the inputs of the model that predicted it.
-    assert len(measured) == 30 and all(len(r["rounds"]) == 2 for r in measured)
+    # and the 10x model's), and mlp-1m's 2 from its 1-slot source: 32 rows, each with 2 rounds and the
+    # inputs of the model that predicted it.
+    assert len(measured) == 32 and all(len(r["rounds"]) == 2 for r in measured)
     assert all(r["label"].endswith(", repeat 1") and r["repeat"] == 1 for r in measured)
     shaped = [r for r in measured if "1 Gbit" in r["label"]]
     assert shaped and all(r["source"]["between_hosts"]["burst_bytes"] == 4000.0 for r in shaped)
     bf16 = [r for r in measured if "bf16-mixed" in r["label"]]
-    assert len(bf16) == 6 and all(r["source"]["target"]["precision_gain"] == 0.8 for r in bf16)
+    assert len(bf16) == 7 and all(r["source"]["target"]["precision_gain"] == 0.8 for r in bf16)
     outcomes = calibration.evaluate(calibration.rows_from_json(document))
-    assert len(outcomes) == 30 + len(document["published"])
+    assert len(outcomes) == 32 + len(document["published"])
     local = [o for o in outcomes if o.row.kind == "measured" and o.measured_here]
     assert local and all(o.high / o.predicted <= 1.25 + 1e-9 and o.predicted / o.low <= 1.25 + 1e-9 for o in local)
     written = json.loads(fitted_file.read_text())
@@ -264,8 +265,8 @@ def test_measure_stores_rows_with_their_models_inputs_and_refit_reads_them(tmp_p
     assert bench.main(["--measure", "--append", "--repeats", "1", "--rows", str(rows_file), "--fitted",
                        str(fitted_file)]) == 0
     measured = json.loads(rows_file.read_text())["measured"]
-    assert len(measured) == 60 and {r["repeat"] for r in measured} == {1, 2}
-    assert "repeat 2: 30 measured rows held out" in capsys.readouterr().out
+    assert len(measured) == 64 and {r["repeat"] for r in measured} == {1, 2}
+    assert "repeat 2: 32 measured rows held out" in capsys.readouterr().out
 
 
 def test_another_fusion_threshold_is_priced_with_its_bucket_count():

@@ -57,7 +57,12 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
     written = copy.deepcopy(raw) if overrides else raw
     for item in overrides or []:
         apply_override(raw, item)
-    raw.setdefault("code_dir", str(path.resolve().parent))
+    here = path.resolve().parent
+    given = raw.get("code_dir")
+    if isinstance(given, str) and given and not Path(given).is_absolute():
+        # Relative to the config file, as the default is: not to wherever the command happens to run.
+        raw["code_dir"] = str(here / given)
+    raw.setdefault("code_dir", str(here))
     source = safeyaml.plain(str(path))
     config = config_from_dict(raw, source=source)
     if overrides:
