@@ -311,17 +311,11 @@ def _legacy(document: dict) -> str:
     return "\n".join(lines)
 
 
-def repeat_of(label: str) -> str | None:
-    """The bench session (repeat) a measured row's label names, None for a published row."""
-    head, sep, tail = label.rpartition(", repeat ")
-    return tail if sep and head else None
-
-
 def _repeats(outcomes: list[Outcome]) -> str:
     """The held-out summary of each repeat's measured rows (the goals hold in each)."""
     lines = []
-    for repeat in sorted({r for o in outcomes if (r := repeat_of(o.row.label)) is not None}):
-        s = Summary.of([o for o in outcomes if repeat_of(o.row.label) == repeat])
+    for repeat in sorted({o.row.repeat for o in outcomes if o.row.repeat}):
+        s = Summary.of([o for o in outcomes if o.row.repeat == repeat])
         lines.append(f"repeat {repeat}: {s.rows} measured rows held out: mean absolute error "
                      f"{100 * s.mean_error:.1f}%, worst {100 * s.worst_error:.1f}%, covered {100 * s.covered:.0f}%, "
                      f"widest interval +/-{100 * s.widest_half_width:.0f}%")

@@ -52,6 +52,7 @@ class Row:
     slots: int = 1
     measure: str = "samples_per_second"  # published: "samples_per_second" | "efficiency"
     source: dict[str, object] | None = None  # measured: Facts.to_json, probe, link, target
+    repeat: int = 0  # measured: the bench session (repeat) that measured it; 0 for a published row
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,7 +243,8 @@ def rows_from_json(document: dict[str, list[dict[str, object]]]) -> list[Row]:
     published = [Row(str(r["config"]), str(r["label"]), float(str(r["measured"])), "published", spec=str(r["spec"]),
                      slots=int(str(r["slots"])), measure=str(r["measure"])) for r in document["published"]]
     measured = [Row(str(r["config"]), str(r["label"]), statistics.median(r["rounds"]), "measured",  # type: ignore[arg-type]
-                    source=r["source"]) for r in document["measured"]]  # type: ignore[arg-type]
+                    source=r["source"], repeat=int(str(r.get("repeat", 0))))  # type: ignore[arg-type]
+                for r in document["measured"]]
     return published + measured
 
 
