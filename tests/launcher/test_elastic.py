@@ -32,8 +32,10 @@ def _config(tmp: Path, **extra: object) -> Path:
     return tiny_config(tmp, **{
         "resources.join_timeout_seconds": 60, "resources.collective_timeout_seconds": 30,
         "max_length": {"batches": TOTAL}, "min_checkpoint_period": {"batches": 40},
-        # Rank 0 sleeps a little every batch: the run lasts long enough for a node to leave mid-run.
+        # Rank 0 sleeps a little every batch: the run lasts long enough for a node to leave mid-run. Only while
+        # the file "slow" exists: once the last change is recorded, the test removes it and the run ends fast.
         "hyperparameters.sleep_rank": 0, "hyperparameters.sleep_seconds": 0.04,
+        "hyperparameters.sleep_while": str(tmp / "slow"),
         "hyperparameters.hold_at_batch": HOLD_AT, "hyperparameters.hold_file": str(tmp / "hold"), **extra})
 
 
@@ -110,6 +112,7 @@ class Job:
 @pytest.fixture
 def job(tmp_path):
     (tmp_path / "hold").write_text("hold")
+    (tmp_path / "slow").write_text("slow")
     made = Job(tmp_path, _config(tmp_path))
     try:
         yield made
@@ -175,6 +178,7 @@ def test_a_node_joins_then_one_leaves_and_the_run_matches_the_same_world_sizes(j
     leave = records[0]
     assert (leave["cause"], leave["old_world_size"], leave["new_world_size"]) == ("leave", 2, 1), leave
     assert leave["lost_batches"] == 0 and 0 < leave["seconds"] <= 30 and leave["node"] == join["node"], leave
+    (tmp_path / "slow").unlink()  # the last change: the rest of the run need not be slow
 
     assert job.finish("b") == 143
     [stop_line] = job.err("b").strip().splitlines()
@@ -211,6 +215,7 @@ def test_a_node_signalled_as_its_workers_start_leaves_and_is_no_crash(job, tmp_p
     assert [r["cause"] for r in job.records()] == ["join", "leave"] and records[0]["lost_batches"] == 0, records
     assert "leaving the job" in job.out("b")
     (tmp_path / "hold").unlink(missing_ok=True)
+    (tmp_path / "slow").unlink()  # the last change: the rest of the run need not be slow
     assert job.finish("a") == 0, job.err("a")
 
 
@@ -220,6 +225,8 @@ def test_two_nodes_started_together_train_as_one_job(job, tmp_path):
     (tmp_path / "hold").unlink()
     job.start("a")
     job.start("b")
+    job.wait("two ranks train", lambda: job.training(2, 0))
+    (tmp_path / "slow").unlink()  # both nodes are in: the rest of the run need not be slow
     assert job.finish("a") == 0, job.err("a")
     assert job.finish("b") == 0, job.err("b")
     summary = json.loads((job.run_dir / "summary.json").read_text())
@@ -236,6 +243,7 @@ def test_two_nodes_started_together_train_as_one_job(job, tmp_path):
 @pytest.mark.timeout(300)
 def test_a_node_killed_outright_costs_at_most_one_step_and_rejoins_with_the_same_command(tmp_path):
     (tmp_path / "hold").write_text("hold")
+    (tmp_path / "slow").write_text("slow")
     job = Job(tmp_path, _config(tmp_path, max_length={"batches": LONG}))
     try:
         _killed_and_rejoined(job, tmp_path)
@@ -265,6 +273,7 @@ def _killed_and_rejoined(job: Job, tmp_path: Path) -> None:
     records = job.wait("the rejoin is recorded", lambda: job.records()[2:], timeout=120)
     rejoin = records[0]
     assert (rejoin["cause"], rejoin["old_world_size"], rejoin["new_world_size"]) == ("join", 1, 2), rejoin
+    (tmp_path / "slow").unlink()  # the last change: the rest of the run need not be slow
     assert job.finish("a") == 0, job.err("a")
     assert job.finish("b-again") == 0, job.err("b-again")
     expected = _reference(tmp_path, job.cfg, [(0, 1), (9, 2), (lost["batches"], 1), (rejoin["batches"], 2)], LONG)

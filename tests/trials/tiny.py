@@ -67,8 +67,10 @@ class TinyTrial(dtrain.PyTorchTrial):
                 raise RuntimeError(f"planted failure at batch {batch_idx}")
         if hp.get("die_at_batch") == batch_idx and hp.get("crash_rank", 1) == rank:
             os._exit(17)
-        if hp.get("sleep_rank") == rank and hp.get("sleep_at_batch") in (None, batch_idx):
-            time.sleep(hp.get("sleep_seconds", 0.0))  # every batch, or only at sleep_at_batch
+        if hp.get("sleep_rank") == rank and hp.get("sleep_at_batch") in (None, batch_idx) and (
+                hp.get("sleep_while") is None or Path(hp["sleep_while"]).exists()):
+            # every batch, or only at sleep_at_batch; with sleep_while, only while the test's file exists
+            time.sleep(hp.get("sleep_seconds", 0.0))
         if hp.get("hold_at_batch") == batch_idx and hp.get("hold_lr", hp.get("lr")) == hp.get("lr"):
             _hold_until_stop_requested(Path(hp["hold_file"]))
         if hp.get("freeze_at_batch") == batch_idx and hp.get("crash_rank", 1) == rank:

@@ -63,7 +63,8 @@ KEEP_ALIVE_SECONDS = 2
 KEEP_ALIVE_ATTEMPTS = 3
 _POLL_SECONDS = 0.1
 _NODE_KEY = "dtrain/node/{group_rank}"
-# The rendezvous's last call after a lost node (the usual one, 5 s, lets nodes that start together meet).
+# The rendezvous's last call after a lost node or a leave (the usual one, 5 s, lets nodes that start together
+# meet).
 LOST_LAST_CALL_SECONDS = 2
 
 
@@ -235,6 +236,8 @@ class ElasticAgent(LocalElasticAgent):
         if remaining < self.setup.min_nodes:
             raise JobStopped(f"{names} left the job: {remaining} node(s) remain, fewer than --nnodes's minimum "
                              f"{self.setup.min_nodes}")
+        if leaving:  # as after a lost node: the remaining nodes, stopped together, are already on their way
+            self._quick_last_call(worker_group)
         self._restart(worker_group)
 
     def _clean_stop(self, worker_group: WorkerGroup) -> RunResult | None:
