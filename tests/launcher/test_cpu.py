@@ -38,3 +38,36 @@ def test_user_setting_is_respected_by_run_and_overridden_by_bench(two_cores, mon
 def test_free_cores_reads_this_machine():
     free = cpu.free_cores(0.02)
     assert 0.0 <= free <= cpu.cores()
+
+
+def test_this_process_and_its_children_are_not_other_processes(monkeypatch):
+    """The fork server ``dtrain run`` starts first imports torch on one core while the launcher looks: that
+    core is dtrain's own, not busy with another job (it gave a one-slot run on 2 idle cores one thread)."""
+    # Both cores 60% busy over the look (100 ticks each), 120 of those ticks this process tree's own.
+    times = iter([{0: (0, 0), 1: (0, 0)}, {0: (40, 100), 1: (40, 100)}])
+    own = iter([1000, 1120])
+    monkeypatch.setattr(cpu, "_affinity", lambda: [0, 1])
+    monkeypatch.setattr(cpu, "_cpu_times", lambda: next(times))
+    monkeypatch.setattr(cpu, "_own_ticks", lambda: next(own))
+    monkeypatch.setattr(cpu.time, "sleep", lambda seconds: None)
+    assert cpu.free_cores() == pytest.approx(0.8 + 1.2)
+
+
+def test_a_child_and_its_cpu_time_count_as_this_process_trees():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    child = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        deadline = time.monotonic() + 60
+        while (mine := cpu._processes().get(child.pid, (0, 0)))[1] < 5:  # the child has spent CPU time
+            assert child.poll() is None and time.monotonic() < deadline
+            time.sleep(0.01)
+        table = cpu._processes()
+        assert child.pid in cpu.own_tree(table) and table[child.pid][0] == os.getpid()
+        assert mine[1] >= 5
+    finally:
+        child.kill()
+        child.wait()

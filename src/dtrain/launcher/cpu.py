@@ -45,21 +45,58 @@ def _cpu_times() -> dict[int, tuple[int, int]]:
     return out
 
 
+def _processes() -> dict[int, tuple[int, int]]:
+    """Every process: pid -> (parent pid, CPU ticks spent so far, user + system, /proc's clock)."""
+    table = {}
+    try:
+        entries = [e for e in Path("/proc").iterdir() if e.name.isdigit()]
+    except OSError:
+        return table
+    for entry in entries:
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # exited meanwhile
+        table[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
+    return table
+
+
+def own_tree(table: dict[int, tuple[int, int]]) -> set[int]:
+    """This process and its descendants in ``table``."""
+    ours, grew = {os.getpid()}, True
+    while grew:
+        found = {pid for pid, (parent, _) in table.items() if parent in ours} - ours
+        grew, ours = bool(found), ours | found
+    return ours
+
+
+def _own_ticks() -> int:
+    """CPU ticks spent so far by this process and its descendants: dtrain's own work, such as the fork server
+    that ``dtrain run`` starts first to import torch while it prepares the launch (0 where /proc cannot tell)."""
+    table = _processes()
+    return sum(table[pid][1] for pid in own_tree(table) if pid in table)
+
+
 def free_cores(look_seconds: float = 0.1) -> float:
-    """This process's cores that other processes left idle over ``look_seconds`` (all of them where
-    /proc/stat cannot tell). Call it while this process's own workers are not running."""
+    """This process's cores that *other* processes left idle over ``look_seconds`` (all of them where
+    /proc/stat cannot tell). What this process and its children spend meanwhile (the fork server importing
+    torch) is not another process's load: counted as busy, it gave a one-slot run on an idle 2-core machine
+    one thread instead of two."""
     mine = _affinity()
-    before = _cpu_times()
+    before, own_before = _cpu_times(), _own_ticks()
     time.sleep(look_seconds)
-    after = _cpu_times()
+    after, own_after = _cpu_times(), _own_ticks()
     if not before or not after:
         return float(len(mine))
-    free = 0.0
+    free, elapsed = 0.0, []
     for cpu in mine:
         if cpu in before and cpu in after and after[cpu][1] > before[cpu][1]:
             free += (after[cpu][0] - before[cpu][0]) / (after[cpu][1] - before[cpu][1])
+            elapsed.append(after[cpu][1] - before[cpu][1])
         else:
             free += 1.0
+    if elapsed:  # our own ticks, in cores: the ticks over one core's ticks in the same look
+        free += max(0, own_after - own_before) / (sum(elapsed) / len(elapsed))
     return min(float(len(mine)), free)
 
 
