@@ -67,6 +67,7 @@ from dtrain.explain.calibration import (
 from dtrain.explain.costmodel import CostModel, Link, Target
 from dtrain.explain.plan import build_model, parse_link
 from dtrain.explain.precision import estimate
+from dtrain.explain.predictor import target_at
 from dtrain.profiling.record import load_profile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -195,9 +196,10 @@ def source_link(rate: str | None) -> Link | None:
     return replace(parse_link(rate), burst_bytes=TBF_BURST_BYTES) if rate else None
 
 
-def _target(row: Row, source_dir: Path) -> Target | None:
-    """The row's target as the source run's model takes it; a precision from the run's timed model steps,
-    as ``dtrain doctor --try precision=...`` prices it (None: the source did not time that precision)."""
+def _target(row: Row, source_dir: Path, built: CostModel) -> Target | None:
+    """The row's target as ``dtrain doctor --try`` builds it from the source run's model (at the run's own
+    slot and node count its threads stay as measured, elsewhere they follow the launcher's rule); a precision
+    from the run's timed model steps (None: the source did not time that precision)."""
     changes = dict(row.target)
     if row.precision is not None:
         found = estimate(load_profile(source_dir / "profile.json"), row.precision)
@@ -205,7 +207,13 @@ def _target(row: Row, source_dir: Path) -> Target | None:
             print(f"plan_accuracy: {row.label} skipped: {found.source}", file=sys.stderr)
             return None
         changes.update(precision_gain=found.gain, precision_spread=found.spread)
-    return Target(row.slots, row.nodes, **changes)
+    return target_at(built, row.slots, row.nodes, **changes)
+
+
+def _threads(run_dir: Path) -> int:
+    """Torch threads per slot a run got (the launcher gives fewer where it finds cores busy)."""
+    path = run_dir / "profile.json"
+    return load_profile(path).threads_per_slot if path.is_file() else 0
 
 
 def _steps(model: str, steps: int) -> int:
@@ -245,6 +253,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                     models[key] = replace(built, between_hosts=source_link(row.rate))
         ratios: dict[tuple[str, int], list[float]] = {(row.label, n): [] for row in table
                                                       for n in SOURCES[row.model].slots}
+        threads: dict[str, set[int]] = {}
         after = _references(args.steps, tmp / "r0-before")
         for r in range(args.repeats):
             runs: dict[str, float] = {}
@@ -256,6 +265,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
                 folder = tmp / f"r{r}-{table.index(row):02d}"
                 runs[row.label] = (run_hosts(row, args.steps, folder) if row.nodes > 1
                                    else _run(row.model, row.slots, row.sets, args.steps, folder))
+                threads.setdefault(row.label, set()).add(_threads(folder))
             after = _references(args.steps, tmp / f"r{r}-after")
             for row in table:
                 for n in SOURCES[row.model].slots:
@@ -269,10 +279,14 @@ def measure(args: argparse.Namespace) -> list[dict]:
             if itself or not ratios[(row.label, n)]:
                 continue  # the source itself, or skipped
             source_dir = tmp / f"source-{row.model}-{n}"
-            target = _target(row, source_dir)
+            built = models[(row.model, n, row.rate)]
+            target = _target(row, source_dir, built)
             if target is None:
                 continue
-            built = models[(row.model, n, row.rate)]
+            ran, assumed = threads[row.label], built.local_threads(target)[1]
+            if ran != {assumed}:  # the launcher found busy cores: the model priced other threads than ran
+                print(f"plan_accuracy: warning: {row.label} ran with {sorted(ran)} thread(s) per slot; the model "
+                      f"priced {assumed}", file=sys.stderr)
             source = f"{SOURCES[row.model].name}{n}-slot run"
             stored.append({"config": row.label, "label": f"{row.label} (from the {source}), repeat {args.session}",
                            "rounds": ratios[(row.label, n)], "measured_at": when,
@@ -333,6 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="write the evaluation here")
     parser.add_argument("--append", action="store_true",
                         help="--measure: keep the measured rows of earlier sessions (one repeat each) and add these")
+    parser.add_argument("--no-fit", action="store_true",
+                        help="--measure: store the rows and stop (a later --refit fits and evaluates them)")
     parser.add_argument("--out", type=Path, help="--measure: keep the runs here (and continue an interrupted session)")
     args = parser.parse_args(argv)
     document = json.loads(args.rows.read_text())
@@ -341,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         args.session = 1 + len({r.get("repeat", 0) for r in kept})
         document["measured"] = kept + measure(args)
         args.rows.write_text(json.dumps(document, indent=1) + "\n")
+        if args.no_fit:
+            return 0
     stored = rows_from_json(document)
     start = fitted.load()
     out = held_out(stored, start)
