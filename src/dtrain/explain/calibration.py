@@ -38,6 +38,8 @@ GRID = tuple(10 ** (k / 8) for k in range(-8, 9))
 UNCERTAINTY_GRID = tuple(10 ** (k / 16) for k in range(-48, 1))
 FIRST_GUESS = 0.1
 JITTER_GRID = tuple(k / 400 for k in range(0, 41))  # 0 .. 10% of a GPU's compute
+SHARE_GRID = tuple(k / 100 for k in range(70, 101))  # a share of a link's rate: 70% .. all of it
+TERM_GRIDS = {"paper_jitter": JITTER_GRID, "tcp_goodput": SHARE_GRID}
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,7 +169,7 @@ def fit_terms(rows: list[Row], start: Fitted) -> tuple[Fitted, list[str]]:
         exposed = _term_rows(rows, values, name)
         if not exposed:
             continue
-        grid = JITTER_GRID if name == "paper_jitter" else tuple(values.terms[name] * g for g in GRID)
+        grid = TERM_GRIDS.get(name) or tuple(values.terms[name] * g for g in GRID)
         best = min(grid, key=lambda v: _squared_log_error(exposed, replace(values, terms={**values.terms, name: v})))
         values = replace(values, terms={**values.terms, name: best})
         names.append(name)

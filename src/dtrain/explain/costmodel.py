@@ -21,6 +21,7 @@ all ask :class:`CostModel`. It starts from one measured run (its ``profile.json`
   faster than the fitted link scales the whole exchange down, never by a negative cost). fp16
   halves the bytes and adds the measured cast; PowerSGD sends the measured low-rank bytes, in two
   collectives per bucket, and adds its measured matmuls and QR and its hook's own host time per collective.
+  A given link's rate counts frames on the wire: on CPU (Gloo over TCP) payload gets a fitted share of it.
   A shaped link (a token bucket) paces each message by its bucket; more slots than a host's cores wait,
   at every ring step, for a peer the scheduler has put aside.
 
@@ -335,7 +336,11 @@ class CostModel:
         wire, between_latency = ring(n) * nbytes / link.busbw, 0.0
         between = self.between_hosts if nodes > 1 else None
         if between is not None:
-            paced = 2 * (n - 1) * shaped_seconds(nbytes / n, between, fitted.load().terms["shaper_tick_seconds"])
+            terms = fitted.load().terms
+            # A given rate counts frames on the wire; Gloo's TCP payload gets a share of it (headers, and the
+            # peer's acknowledgements sharing the sender's link).
+            payload = terms["tcp_goodput"] if self.facts.device == "cpu" else 1.0
+            paced = 2 * (n - 1) * shaped_seconds(nbytes / n / payload, between, terms["shaper_tick_seconds"])
             if self.facts.hosts > 1:
                 # The run's ring crossed its hosts: the given link replaces the measured one between them (its
                 # latency where longer than the measured ring step's, which holds the old link's and the software's).
