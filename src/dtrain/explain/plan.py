@@ -130,7 +130,10 @@ def local_probe(run_dir: Path, profile: ProfileRecord, fresh: bool, log: Any) ->
     buckets = bare.buckets(4.0 * profile.parameters, False)
     log(f"dtrain plan: the run had one slot and measured no link: probing {PROBE_WORLD} local processes "
         f"({threads} thread(s) each; saved as {path.name}) ...")
-    probe = commprobe.probe_local(PROBE_WORLD, threads, buckets, profile.parameters)
+    try:
+        probe = commprobe.probe_local(PROBE_WORLD, threads, buckets, profile.parameters)
+    except commprobe.ProbeFailed as exc:
+        raise UserError(f"dtrain plan: {exc}") from None
     commprobe.save(probe, path)
     return probe
 

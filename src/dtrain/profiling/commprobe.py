@@ -18,6 +18,7 @@ import math
 import os
 import socket
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,6 +34,8 @@ from dtrain import dist as ddist
 SIZES = (4 * 2**10, 64 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
 REPEATS = 11
 PROBE_FILE = "comm_probe.json"
+# Fresh processes a local probe gets before it gives up: one that dies (a native thread's abort) is rare.
+PROBE_ATTEMPTS = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +152,14 @@ def _worker(rank: int, world: int, port: int, threads: int, parameters: int, ste
             synced, alone = statistics.mean(seconds[True]), statistics.mean(seconds[False])
             Path(out).write_text(json.dumps({"points": points, "exchange_seconds": max(0.0, synced - alone),
                                              "compute_seconds": alone}))
+        dist.barrier()  # rank 0 serves the store: it leaves once every rank is done with it
     finally:
         dist.destroy_process_group()
+    # Past the interpreter's teardown, which Gloo's and DDP's native threads were seen to race: a finished probe
+    # process aborted ("terminate called without an active exception"), as dtrain's workers once did.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +185,25 @@ def probe_local(world: int, threads: int, buckets: list[float], parameters: int,
     """All-reduces among ``world`` processes on this host over loopback (Gloo), as local slots would talk,
     each with ``threads`` torch threads as the launcher would give it: several sizes back to back, then
     ``steps`` DDP steps of a stand-in with ``parameters`` parameters (``buckets``: DDP's layout of them)."""
+    failures = []
+    for _ in range(PROBE_ATTEMPTS):
+        try:
+            result = _probe_once(world, threads, parameters, steps, timeout)
+        except ProbeFailed as exc:  # a process that died: another pair of fresh processes, once
+            failures.append(str(exc))
+            continue
+        return LocalProbe(world, threads, [(float(b), float(s)) for b, s in result["points"]], buckets,
+                          float(result["compute_seconds"]), float(result["exchange_seconds"]))
+    raise ProbeFailed(f"the local all-reduce probe of {world} processes failed {len(failures)} times ("
+                      f"{'; '.join(failures)}); run it again, or give the link with --link RATE,LATENCY")
+
+
+class ProbeFailed(RuntimeError):
+    """A local probe's process died or hung before it gave its figures."""
+
+
+def _probe_once(world: int, threads: int, parameters: int, steps: int, timeout: float) -> dict[str, Any]:
+    """One attempt of :func:`probe_local` in ``world`` fresh processes: rank 0's figures."""
     import tempfile
 
     import torch.multiprocessing as mp
@@ -185,14 +213,17 @@ def probe_local(world: int, threads: int, buckets: list[float], parameters: int,
         args = (world, _free_port(), threads, parameters, steps, out)
         ctx = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() > deadline:
-                for process in ctx.processes:
+        try:
+            while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+                if time.monotonic() > deadline:
+                    raise ProbeFailed(f"it took over {timeout:.0f} s")
+        except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
+            raise ProbeFailed(str(exc).splitlines()[0]) from exc
+        finally:
+            for process in ctx.processes:
+                if process.is_alive():
                     process.kill()
-                raise TimeoutError(f"the local all-reduce probe of {world} processes took over {timeout:.0f} s")
-        result = json.loads(Path(out).read_text())
-    return LocalProbe(world, threads, [(float(b), float(s)) for b, s in result["points"]], buckets,
-                      float(result["compute_seconds"]), float(result["exchange_seconds"]))
+        return dict(json.loads(Path(out).read_text()))
 
 
 def save(probe: LocalProbe, path: Path) -> None:

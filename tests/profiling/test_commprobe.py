@@ -1,0 +1,38 @@
+"""dtrain plan's local all-reduce probe: real processes give a link, a process that dies gets one more try."""
+
+from __future__ import annotations
+
+import pytest
+
+from dtrain.profiling import commprobe
+
+
+def test_two_local_processes_measure_a_link_and_a_training_exchange():
+    probe = commprobe.probe_local(2, 1, [40_000.0], 10_000, steps=20, timeout=120)
+    assert [b for b, _ in probe.points] == [float(b) for b in commprobe.SIZES]
+    assert all(s > 0 for _, s in probe.points)
+    link = commprobe.fit(probe.points)
+    assert link.rate > 0 and link.latency >= 0
+    assert probe.compute_seconds > 0 and probe.exchange_seconds >= 0
+
+
+def test_a_probe_process_that_dies_is_retried_once_then_named(monkeypatch):
+    figures = {"points": [[4096, 1e-4], [2**20, 1e-3]], "compute_seconds": 1e-3, "exchange_seconds": 2e-4}
+    attempts = []
+
+    def dies_first(*args):
+        attempts.append(args)
+        if len(attempts) == 1:
+            raise commprobe.ProbeFailed("process 1 terminated with signal SIGABRT")
+        return figures
+
+    monkeypatch.setattr(commprobe, "_probe_once", dies_first)
+    probe = commprobe.probe_local(2, 1, [1.0], 100)
+    assert len(attempts) == 2 and probe.exchange_seconds == 2e-4
+
+    def always_dies(*args):
+        raise commprobe.ProbeFailed("process 1 terminated with signal SIGABRT")
+
+    monkeypatch.setattr(commprobe, "_probe_once", always_dies)
+    with pytest.raises(commprobe.ProbeFailed, match=r"failed 2 times \(process 1 terminated .*SIGABRT;.*--link"):
+        commprobe.probe_local(2, 1, [1.0], 100)
