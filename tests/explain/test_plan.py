@@ -1,6 +1,7 @@
 """``dtrain plan`` and the cost model under it, on scripted profiles; bad input."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from helpers import cli_in_process
@@ -80,6 +81,16 @@ def test_a_multi_slot_run_reproduces_itself_and_its_options_move_the_way_they_sh
     # PowerSGD: its measured matmuls and QR, and its hook's own host time for each of its 2 collectives.
     hook = fitted.load().terms["powersgd_hook_seconds"]
     assert model.predict(Target(2, compression="powersgd")).parts["compression"] == pytest.approx(5e-4 + 2 * hook)
+
+
+def test_on_fewer_local_slots_a_cpu_runs_loading_and_host_work_shed_the_slots_contention():
+    """Two local slots slowed each other's model steps by 1.5x: their data loading and optimizer steps ran beside
+    each other on the same cores too, so one slot alone does them 1.5x faster (at the same per-slot batch)."""
+    model = replace(CostModel.from_profile(_profile()), contention=1.5)
+    own = model.predict(model.measured_target())
+    alone = model.predict(Target(1, global_batch=model.facts.per_slot_batch))
+    assert alone.parts["fixed"] == pytest.approx(own.parts["fixed"] / 1.5)
+    assert alone.parts["data"] == pytest.approx(own.parts["data"] / 1.5)
 
 
 def test_a_slow_link_between_hosts_costs_its_bytes_and_latency():

@@ -11,7 +11,8 @@ all ask :class:`CostModel`. It starts from one measured run (its ``profile.json`
   slots on one host slow each other down (memory bandwidth: the same probe on every rank at once, over
   the solo one) and how much a training step costs over the probe (hooks, autocast): both measured on
   the run. More threads than cores share them.
-* **data** and **fixed** (optimizer, bookkeeping) as measured; data grows with the batch as probed.
+* **data** and **fixed** (optimizer, bookkeeping) as measured; data grows with the batch as probed. On a CPU
+  both scale with the local slots' contention as compute does (same cores' caches and memory).
 * **exchange**: per bucket ``latency + bytes / rate`` of a ring all-reduce (``2(N-1)`` steps, ``2(N-1)/N`` of
   the bytes through each link; across nodes on GPUs, NCCL's tree where it is faster: :mod:`.network`),
   fitted to all-reduces of several sizes (:mod:`dtrain.profiling.commprobe`) on the run's own ranks, or by
@@ -281,10 +282,13 @@ class CostModel:
         compute = (f.work.seconds(batch, threads) * self._contention(local) * self.factor * crowd
                    / target.precision_gain)
         ratio = batch / f.per_slot_batch if f.per_slot_batch else 1.0
-        data = f.data / f.crowd * (1 + f.load_growth * (ratio - 1)) * crowd
+        # The run's loading and host work per step ran beside its other local slots, which slowed its model
+        # steps by the measured contention: on a CPU they share the same cores' caches and memory.
+        shared = self._contention(local) / self._contention(f.local_slots) if f.device == "cpu" else 1.0
+        data = f.data / f.crowd * (1 + f.load_growth * (ratio - 1)) * crowd * shared
         if target.data_workers_step is not None:
             data = target.data_workers_step
-        fixed = f.fixed / f.crowd * crowd
+        fixed = f.fixed / f.crowd * crowd * shared
         exchange = compression = 0.0
         if target.slots > 1:
             exchange, compression = self._exchange(target, crowd, compute)
