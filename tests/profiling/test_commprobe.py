@@ -23,7 +23,7 @@ def test_a_probe_process_that_dies_is_retried_once_then_named(monkeypatch):
     def dies_first(*args):
         attempts.append(args)
         if len(attempts) == 1:
-            raise commprobe.ProbeFailed("process 1 terminated with signal SIGABRT")
+            raise commprobe.ProbeDied("process 1 terminated with signal SIGABRT")
         return figures
 
     monkeypatch.setattr(commprobe, "_probe_once", dies_first)
@@ -31,8 +31,21 @@ def test_a_probe_process_that_dies_is_retried_once_then_named(monkeypatch):
     assert len(attempts) == 2 and probe.exchange_seconds == 2e-4
 
     def always_dies(*args):
-        raise commprobe.ProbeFailed("process 1 terminated with signal SIGABRT")
+        raise commprobe.ProbeDied("process 1 terminated with signal SIGABRT")
 
     monkeypatch.setattr(commprobe, "_probe_once", always_dies)
     with pytest.raises(commprobe.ProbeFailed, match=r"failed 2 times \(process 1 terminated .*SIGABRT;.*--link"):
         commprobe.probe_local(2, 1, [1.0], 100)
+
+
+def test_a_probe_that_hangs_is_not_tried_again(monkeypatch):
+    attempts = []
+
+    def hangs(*args):
+        attempts.append(args)
+        raise commprobe.ProbeFailed("the local all-reduce probe of 2 processes took over 120 s")
+
+    monkeypatch.setattr(commprobe, "_probe_once", hangs)
+    with pytest.raises(commprobe.ProbeFailed, match="took over 120 s"):
+        commprobe.probe_local(2, 1, [1.0], 100)
+    assert len(attempts) == 1

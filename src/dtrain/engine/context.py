@@ -64,7 +64,7 @@ class DistributedContext:
         self.backend = ddist.resolve_backend(backend, self.env.local_world_size, warn=False)
         self.device = ddist.device_for(self.backend, self.env)
         self.num_threads = ddist.limit_cpu_threads(self.env)
-        self.keeps_freed_memory = hostmemory.keep_freed_memory()  # a step's memory is reused, not faulted in anew
+        hostmemory.keep_freed_memory()  # a step's memory is reused, not faulted in anew
         ddist.init_process_group(self.env, self.backend, timeout_seconds)
         self.seed = seed
         self.precision = make_precision(precision, self.device)

@@ -189,7 +189,7 @@ def probe_local(world: int, threads: int, buckets: list[float], parameters: int,
     for _ in range(PROBE_ATTEMPTS):
         try:
             result = _probe_once(world, threads, parameters, steps, timeout)
-        except ProbeFailed as exc:  # a process that died: another pair of fresh processes, once
+        except ProbeDied as exc:  # another pair of fresh processes, once (a hang is not tried again)
             failures.append(str(exc))
             continue
         return LocalProbe(world, threads, [(float(b), float(s)) for b, s in result["points"]], buckets,
@@ -200,6 +200,10 @@ def probe_local(world: int, threads: int, buckets: list[float], parameters: int,
 
 class ProbeFailed(RuntimeError):
     """A local probe's process died or hung before it gave its figures."""
+
+
+class ProbeDied(ProbeFailed):
+    """A local probe's process ended before it gave its figures (tried again once)."""
 
 
 def _probe_once(world: int, threads: int, parameters: int, steps: int, timeout: float) -> dict[str, Any]:
@@ -216,9 +220,10 @@ def _probe_once(world: int, threads: int, parameters: int, steps: int, timeout: 
         try:
             while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
                 if time.monotonic() > deadline:
-                    raise ProbeFailed(f"it took over {timeout:.0f} s")
+                    raise ProbeFailed(f"the local all-reduce probe of {world} processes took over {timeout:.0f} s; "
+                                      "give the link with --link RATE,LATENCY")
         except (mp.ProcessExitedException, mp.ProcessRaisedException) as exc:
-            raise ProbeFailed(str(exc).splitlines()[0]) from exc
+            raise ProbeDied(str(exc).splitlines()[0]) from exc
         finally:
             for process in ctx.processes:
                 if process.is_alive():
