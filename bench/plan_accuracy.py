@@ -11,9 +11,9 @@ without each row's configuration (leave-one-configuration-out), and prints the a
     sudo .venv/bin/python bench/plan_accuracy.py --measure [--append] [--steps 1500] [--repeats 3] [--out DIR]
 
 ``--measure`` runs the held-out configurations on this host and stores them as rows (replacing the stored
-measured rows): source runs (examples/digits, and the same model 10x larger) with 1 and 2 slots; from each
-alone, the cost model (as ``dtrain plan`` builds it; a 1-slot source gets ``dtrain plan``'s local link probe)
-predicts every row:
+measured rows): source runs (examples/digits, and the same model 10x larger) with 1 and 2 slots, four times
+as long as the rows' runs; from each alone, the cost model (as ``dtrain plan`` builds it; a 1-slot source gets
+``dtrain plan``'s local link probe) predicts every row:
 
 * 1, 2 and 3 slots on one host; 2 slots with aggregation_frequency 4, fp16, PowerSGD;
 * the 10x model on 1 and 2 slots (from its own source runs);
@@ -83,6 +83,13 @@ ROWS = ROOT / "bench" / "data" / "plan_rows.json"
 FITTED = ROOT / "src" / "dtrain" / "explain" / "fitted_intervals.json"
 # scripts/testhosts.py shapes each test host's link with tc tbf "burst 32kbit": 4,000 bytes.
 TBF_BURST_BYTES = 4000.0
+# Each test host is one pinned core of this machine, a network namespace: the two hosts' slots share its caches
+# and memory bandwidth, as two local slots do (real hosts would not).
+TEST_HOSTS = {"cores": 1, "machine_slots": 2}
+# The source runs, whose profiles the model is built from, run this many times the rows' steps: a user's run
+# lasts minutes, and this machine's speed drifts by 10-20% from one second to the next, so a one-second
+# source would carry one moment's speed into every row predicted from it.
+SOURCE_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -138,11 +145,11 @@ def rows() -> list[Row]:
         Row("mlp-1m, 1 slot, bf16-mixed", 1, sets=["precision=bf16-mixed"], model="mlp-1m", precision="bf16-mixed"),
         Row("mlp-1m, 1 slot, global batch 512", 1, sets=["hyperparameters.global_batch_size=512"], model="mlp-1m",
             target={"global_batch": 512}),
-        Row("2 hosts x 1 slot, unthrottled veth", 2, 2, target={"cores": 1}),
-        Row("2 hosts x 1 slot, 1 Gbit", 2, 2, rate="1gbit", target={"cores": 1}),
-        Row("2 hosts x 1 slot, 200 Mbit", 2, 2, rate="200mbit", target={"cores": 1}),
+        Row("2 hosts x 1 slot, unthrottled veth", 2, 2, target=TEST_HOSTS),
+        Row("2 hosts x 1 slot, 1 Gbit", 2, 2, rate="1gbit", target=TEST_HOSTS),
+        Row("2 hosts x 1 slot, 200 Mbit", 2, 2, rate="200mbit", target=TEST_HOSTS),
         Row("2 hosts x 1 slot, 200 Mbit, aggregation_frequency 4", 2, 2,
-            sets=["optimizations.aggregation_frequency=4"], rate="200mbit", target={"cores": 1, "aggregation": 4}),
+            sets=["optimizations.aggregation_frequency=4"], rate="200mbit", target={**TEST_HOSTS, "aggregation": 4}),
     ]
 
 
@@ -243,7 +250,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
         models: dict[tuple[str, int, str | None], CostModel] = {}
         for m, src in SOURCES.items():
             for n in src.slots:
-                _run(m, n, list(src.sets), args.steps, tmp / f"source-{m}-{n}")
+                _run(m, n, list(src.sets), SOURCE_STEPS * args.steps, tmp / f"source-{m}-{n}")
         for row in table:
             for n in SOURCES[row.model].slots:
                 key = (row.model, n, row.rate)

@@ -51,6 +51,9 @@ def test_a_real_run_records_what_the_cost_model_needs_and_reproduces_itself(refe
     record = load_profile(reference_runs.run_dir(slots) / "profile.json")
     assert record.solo_probe is not None and {p.threads for p in record.solo_probe.points} >= {1}
     assert all(p.work_seconds > 0 and p.work_double_seconds > 0 for p in record.solo_probe.points)
+    # The optimizer's own step, alone at each thread count and on every rank at once (its contention).
+    assert all(p.optimizer_seconds > 0 for p in record.solo_probe.points)
+    assert record.batch_scaling is not None and record.batch_scaling.optimizer_seconds > 0
     assert record.compression_cost is not None and record.compression_cost.powersgd_bytes > 0
     assert record.step_jitter_seconds is not None and record.step_window_seconds
     # The link is probed among the run's own ranks, at sizes from a few KB to tens of MB.

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from dtrain.explain import fitted
-from dtrain.explain.facts import Facts, Work
+from dtrain.explain.facts import Facts, Work, linear_contention
 from dtrain.explain.network import (
     TREE_BANDWIDTH,
     Link,
@@ -95,6 +95,9 @@ class Target:
     precision_spread: float = 0.0  # one relative sd of precision_gain, as its timed steps spread (measured)
     data_workers_step: float | None = None  # the data wait with other loader processes (the doctor's plan)
     cores: int | None = None  # per host; None: as many as the run's host had
+    # Slots sharing one machine's caches and memory bandwidth; None: a host's local slots. Hosts that are network
+    # namespaces of one machine (scripts/testhosts.py) share it: their slots slow each other as local ones do.
+    machine_slots: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,12 +250,8 @@ class CostModel:
         return local, threads
 
     def _contention(self, local: int) -> float:
-        run_local = self.facts.local_slots
-        if local == 1:
-            return 1.0
-        if run_local > 1:  # measured at the run's local slots: more or fewer scale the excess linearly
-            return 1.0 + (self.contention - 1.0) * (local - 1) / (run_local - 1)
-        return 1.0  # not measured (one local slot): assumed none, with its uncertainty in the interval
+        # Not measured with one local slot: assumed none, with its uncertainty in the interval.
+        return linear_contention(self.contention, local, self.facts.local_slots)
 
     def buckets(self, nbytes: float, one_bucket: bool, bucket_mb: float | None = None) -> list[float]:
         """Bucket sizes of one exchange of ``nbytes``: as many as the run measured, else DDP's layout of its
@@ -279,22 +278,33 @@ class CostModel:
         crowd = max(1.0, local * threads / cores) if f.device == "cpu" else 1.0
         gbs = target.global_batch or f.global_batch
         batch = gbs / target.slots
-        compute = (f.work.seconds(batch, threads) * self._contention(local) * self.factor * crowd
-                   / target.precision_gain)
+        contention = self._contention(target.machine_slots or local)
+        compute = f.work.seconds(batch, threads) * contention * self.factor * crowd / target.precision_gain
         ratio = batch / f.per_slot_batch if f.per_slot_batch else 1.0
         # The run's loading and host work per step ran beside its other local slots, which slowed its model
         # steps by the measured contention: on a CPU they share the same cores' caches and memory.
-        shared = self._contention(local) / self._contention(f.local_slots) if f.device == "cpu" else 1.0
-        data = f.data / f.crowd * (1 + f.load_growth * (ratio - 1)) * crowd * shared
+        shared = contention / self._contention(f.local_slots) if f.device == "cpu" else 1.0
+        data = (f.data + self._data_growth(ratio)) / f.crowd * crowd
         if target.data_workers_step is not None:
             data = target.data_workers_step
-        fixed = f.fixed / f.crowd * crowd * shared
+        # The optimizer's own probe where it ran (its thread scaling and contention differ from the matmuls').
+        fixed_scale = f.optimizer_scale(threads, target.machine_slots or local) if f.device == "cpu" else None
+        fixed = f.fixed / f.crowd * crowd * (shared if fixed_scale is None else fixed_scale)
         exchange = compression = 0.0
         if target.slots > 1:
             exchange, compression = self._exchange(target, crowd, compute)
         aggregation = target.aggregation or f.aggregation
         return {"data": data, "compute": compute, "fixed": fixed, "exchange": (exchange + compression) / aggregation,
                 "compression": compression / aggregation}
+
+    def _data_growth(self, ratio: float) -> float:
+        """Seconds the run's data wait grows by (shrinks, below 1) at ``ratio`` times its per-slot batch: its
+        probed growth, relative, and no more than the probe's own load grows in this thread; the run's wait also
+        holds per-batch costs a bigger batch does not grow (the loader's iterator and sampler), and with loader
+        processes only what they did not hide."""
+        f = self.facts
+        relative = f.data * f.load_growth
+        return (ratio - 1) * (min(relative, f.load_increment) if f.load_increment > 0 else relative)
 
     def _exchange(self, target: Target, crowd: float, compute: float) -> tuple[float, float]:
         """(seconds of one gradient exchange on the wire and waiting, seconds of compression math)."""
@@ -379,7 +389,7 @@ class CostModel:
         if target.slots > 1:
             # Never beyond linear: N slots do at most N times what one slot with a host's cores does (a probe's
             # noise between thread counts must not read as superlinear scaling).
-            one = self._parts(replace(target, slots=1, nodes=1, threads=None))
+            one = self._parts(replace(target, slots=1, nodes=1, threads=None, machine_slots=None))
             linear = (one["data"] + one["compute"] + one["fixed"]) / target.slots
             step = max(step, linear)
         sigmas = self.uncertainties(target, parts, step)
@@ -401,7 +411,7 @@ class CostModel:
         out = {"compute_given" if f.batch_given else "compute": compute, "data": parts["data"]}
         if not f.work.probed(threads):
             out["threads"] = compute
-        if local > 1 and f.local_slots == 1 and f.device == "cpu":
+        if (target.machine_slots or local) > 1 and f.local_slots == 1 and f.device == "cpu":
             out["contention"] = compute
         batch = (target.global_batch or f.global_batch) / target.slots
         if not f.batch_given and batch != f.per_slot_batch:

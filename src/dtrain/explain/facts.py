@@ -86,6 +86,14 @@ class Facts:
     threads_probed: bool
     concurrent_work: float | None  # the probe at the run's batch, all local slots at once
     load_growth: float  # 0 (per-step) .. 1 (per-sample) of data loading
+    # Seconds the end-of-run probe's in-thread load of twice the per-slot batch took beyond one batch's (0: not
+    # probed): what a bigger batch adds to loading, where the run's data wait also holds per-batch costs (the
+    # loader's iterator and sampler) that do not grow with it.
+    load_increment: float = 0.0
+    # One optimizer step of the first rank alone, by thread count, and of every rank at once at the run's
+    # threads (empty, 0: not probed): the fixed part's own thread scaling and contention (memory traffic).
+    optimizer_solo: tuple[tuple[int, float], ...] = ()
+    optimizer_concurrent: float = 0.0
     link_points: tuple[tuple[float, float], ...] = ()
     link_world: int = 0
     compression_costs: CompressionFacts | None = None
@@ -113,14 +121,15 @@ class Facts:
             fixed=_mean_phase(p, "optimizer") + _mean_phase(p, "other"), step=p.seconds_per_step.step.mean,
             work=work, threads_probed=threads_probed and p.solo_probe is not None,
             concurrent_work=p.batch_scaling.work_seconds if p.batch_scaling is not None else None,
-            load_growth=probe_growth(p.batch_scaling)[1],
+            load_growth=probe_growth(p.batch_scaling)[1], load_increment=_load_increment(p),
             link_points=tuple((c.bytes, c.seconds) for c in p.comm_probe.points) if p.comm_probe else (),
             link_world=p.comm_probe.world if p.comm_probe else 0,
             compression_costs=(CompressionFacts(costs.fp16_seconds, costs.powersgd_seconds, costs.powersgd_bytes)
                                if costs is not None else None),
             train_latency=p.comm.latency_seconds, train_algbw=p.comm.algbw_bytes_per_second,
             jitter=p.step_jitter_seconds or 0.0, windows=tuple(p.step_window_seconds or ()),
-            batch_spread=batch_spread(p.model_steps))
+            batch_spread=batch_spread(p.model_steps), optimizer_solo=_optimizer_solo(p),
+            optimizer_concurrent=p.batch_scaling.optimizer_seconds if p.batch_scaling is not None else 0.0)
 
     def to_json(self) -> dict[str, object]:
         """The facts as plain JSON (the stored held-out rows keep the inputs their predictions came from)."""
@@ -139,11 +148,33 @@ class Facts:
                                          for t, (a, c) in work.items()}))  # type: ignore[union-attr]
         return replace(built, compression_costs=CompressionFacts(**costs) if isinstance(costs, dict) else None,
                        link_points=tuple(tuple(p) for p in built.link_points),  # type: ignore[misc]
-                       windows=tuple(built.windows))
+                       windows=tuple(built.windows),
+                       optimizer_solo=tuple((int(t), float(s)) for t, s in built.optimizer_solo))
 
     @property
     def local_slots(self) -> int:
         return max(1, self.slots // self.hosts)
+
+    def optimizer_seconds(self, threads: int) -> float | None:
+        """The solo probe's optimizer step at ``threads`` (the most threads probed up to it: a slot can always
+        run fewer); None where not probed."""
+        probed = [(t, s) for t, s in self.optimizer_solo if s > 0]
+        fewer = [s for t, s in probed if t <= threads]
+        if not probed:
+            return None
+        return min(fewer) if fewer else min(probed)[1]
+
+    def optimizer_scale(self, threads: int, machine_slots: int) -> float | None:
+        """The run's optimizer step at ``threads`` beside ``machine_slots`` slots over the run's own, by the probe's
+        optimizer steps (alone at each thread count; every rank at once); None where not probed. An optimizer
+        streams parameters, gradients and state through memory: threads and neighbours change it otherwise
+        than the matmuls of forward and backward."""
+        alone, at_run = self.optimizer_seconds(threads), self.optimizer_seconds(self.threads)
+        if alone is None or at_run is None:
+            return None
+        measured = max(1.0, self.optimizer_concurrent / at_run) if self.optimizer_concurrent > 0 else 1.0
+        return (alone / at_run * linear_contention(measured, machine_slots, self.local_slots)
+                / linear_contention(measured, self.local_slots, self.local_slots))
 
     @property
     def crowd(self) -> float:
@@ -151,9 +182,30 @@ class Facts:
         return max(1.0, self.local_slots * self.threads / self.cores) if self.device == "cpu" else 1.0
 
 
+def linear_contention(measured: float, slots: int, run_slots: int) -> float:
+    """How much ``slots`` slots on one machine slow each other, from ``measured`` at the run's ``run_slots``: the
+    excess linear in the other slots; 1 alone, and where the run had one slot (not measured)."""
+    if slots <= 1 or run_slots <= 1:
+        return 1.0
+    return 1.0 + (measured - 1.0) * (slots - 1) / (run_slots - 1)
+
+
 # -------------------------------------------------------------------------------- the run's figures
 def _mean_phase(p: ProfileRecord, phase: str) -> float:
     return sum(r.seconds_per_step.of(phase) for r in p.per_rank) / len(p.per_rank)
+
+
+def _optimizer_solo(p: ProfileRecord) -> tuple[tuple[int, float], ...]:
+    if p.solo_probe is None:
+        return ()
+    return tuple((w.threads, w.optimizer_seconds) for w in p.solo_probe.points if w.optimizer_seconds > 0)
+
+
+def _load_increment(p: ProfileRecord) -> float:
+    probe = p.batch_scaling
+    if probe is None or probe.load_seconds <= 0:
+        return 0.0
+    return max(0.0, probe.load_double_seconds - probe.load_seconds)
 
 
 def _mean_compute(p: ProfileRecord) -> float:

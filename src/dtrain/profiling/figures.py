@@ -172,10 +172,11 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
         batch_scaling = BatchScaling(
             per_slot_batch_size=per_slot, work_seconds=mean("probe_work"),
             work_double_seconds=mean("probe_work_double"), load_seconds=mean("probe_load"),
-            load_double_seconds=mean("probe_load_double"))
+            load_double_seconds=mean("probe_load_double"), optimizer_seconds=mean("probe_optimizer"))
     first = per_rank[0]  # the solo probe ran on the first rank alone
     points = [WorkPoint(threads=int(first[f"probe_solo{i}_threads"]), work_seconds=first[f"probe_solo{i}_work"],
-                        work_double_seconds=first[f"probe_solo{i}_double"])
+                        work_double_seconds=first[f"probe_solo{i}_double"],
+                        optimizer_seconds=first.get(f"probe_solo{i}_optimizer", 0.0))
               for i in range(SOLO_THREADS) if first.get(f"probe_solo{i}_threads", 0.0) > 0]
     solo = SoloProbe(per_slot_batch_size=per_slot, points=points) if points else None
     compression = (CompressionCost(fp16_seconds=first["probe_fp16_seconds"],

@@ -5,7 +5,8 @@ per-slot batch. Work is not proportional to the batch: a small model's step is m
 (Python, kernel launches, allocator) that a bigger batch does not grow. So after training, on every
 rank at the same point (the probe's forward may hold collectives, as DDP's buffer broadcast), the trial's
 own ``train_batch`` runs on the run's per-slot batch and on twice it, without exchanging gradients or
-stepping the optimizer, and one batch of each size is loaded in this thread. The ratios, 1 (all
+stepping the optimizer; then every optimizer steps on the gradients left (an optimizer streams memory: its
+own thread scaling and contention), and one batch of each size is loaded in this thread. The ratios, 1 (all
 overhead) to 2 (all per-sample), extrapolate linearly to other batch sizes.
 
 Each size runs once untimed (new shapes: autograd and allocator warm-up), then ``repeats`` times
@@ -38,8 +39,10 @@ from dtrain.profiling.runfacts import ProbeHooks, RunFacts
 
 # Thread counts the solo probe tries: the run's own, one, and every core (at most this many).
 SOLO_THREADS = 3
-SOLO_FIELDS = tuple(f"probe_solo{i}_{what}" for i in range(SOLO_THREADS) for what in ("threads", "work", "double"))
-PROBE_FIELDS = ("probe_work", "probe_work_double", "probe_load", "probe_load_double", "probe_load_cpu_share",
+SOLO_FIELDS = tuple(f"probe_solo{i}_{what}" for i in range(SOLO_THREADS)
+                    for what in ("threads", "work", "double", "optimizer"))
+PROBE_FIELDS = ("probe_work", "probe_work_double", "probe_optimizer", "probe_load", "probe_load_double",
+                "probe_load_cpu_share",
                 *SOLO_FIELDS, "probe_fp16_seconds", "probe_powersgd_seconds", "probe_powersgd_bytes",
                 "probe_powersgd_rank")
 # Rounds of the probe: as many as fit in this many seconds (by the run's last step time), within bounds:
@@ -87,6 +90,26 @@ def _time_work(hooks: ProbeHooks, batches: dict[int, object], device: torch.devi
     return work
 
 
+def _time_optimizer(optimizers: Sequence[torch.optim.Optimizer], device: torch.device, repeats: int) -> float:
+    """Least seconds of one step of every optimizer on the gradients the work left (the first round warms up):
+    the run's optimizer phase is memory traffic that threads and other slots on the host change otherwise
+    than the model's matmuls. 0 where a step fails (an optimizer that needs a closure)."""
+    least = float("inf")
+    try:
+        for round_ in range(repeats + 1):
+            _sync(device)
+            start = time.perf_counter()
+            for opt in optimizers:
+                opt.step()
+            _sync(device)
+            if round_:
+                least = min(least, time.perf_counter() - start)
+    except Exception as exc:
+        log.info("optimizer probe skipped: %s", exc)
+        return 0.0
+    return least if optimizers and least < float("inf") else 0.0
+
+
 def thread_counts(run_threads: int, cores: int) -> list[int]:
     """The run's own thread count first, then one and every core: what other slot counts would get."""
     counts = [run_threads]
@@ -112,7 +135,8 @@ def _solo(facts: RunFacts, hooks: ProbeHooks, batches: dict[int, object], repeat
             torch.set_num_threads(threads)
             work = _time_work(hooks, batches, facts.device, repeats)
             out.update({f"probe_solo{i}_threads": float(threads), f"probe_solo{i}_work": work[1],
-                        f"probe_solo{i}_double": work[2]})
+                        f"probe_solo{i}_double": work[2],
+                        f"probe_solo{i}_optimizer": _time_optimizer(facts.optimizers, facts.device, repeats)})
         out.update(compression_cost(facts.models, facts.powersgd_rank))
     except Exception as exc:  # a trial that cannot take other threads: what was measured stays
         log.info("solo probe stopped: %s", exc)
@@ -199,11 +223,12 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
             batches = {1: hooks.to_device(one), 2: hooks.to_device(_double(one))}
             with hooks.gradient_sync(False):  # no exchange, no optimizer step: forward and backward only
                 work = _time_work(hooks, batches, device, repeats)
+                optimizer = _time_optimizer(facts.optimizers, device, repeats)  # every rank at once, as in the run
                 first = facts.strategy.dp_rank == 0
                 solo = _solo(facts, hooks, batches, repeats) if first else {}
                 steps = _model_steps(facts, hooks, batches) if first else None
                 _barrier(facts.strategy.dp_group)  # the others wait, idle, while the first rank probes alone
-        out = {"probe_work": work[1], "probe_work_double": work[2], **solo}
+        out = {"probe_work": work[1], "probe_work_double": work[2], "probe_optimizer": optimizer, **solo}
         if not facts.synthetic_data:
             out.update(_load_figures(hooks.loader, per_slot))
         return ProbeResult({**zeros, **out}, steps)

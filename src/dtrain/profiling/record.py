@@ -187,13 +187,15 @@ class LrHyperparameter(_Section):
 
 
 class BatchScaling(_Section):
-    """``batch_scaling``: the end-of-run probe at the per-slot batch and twice it, means over ranks."""
+    """``batch_scaling``: the end-of-run probe at the per-slot batch and twice it, and one optimizer step, every
+    rank at once; means over ranks. ``optimizer_seconds`` is 0 in files of an older dtrain."""
 
     per_slot_batch_size: int
     work_seconds: float
     work_double_seconds: float
     load_seconds: float
     load_double_seconds: float
+    optimizer_seconds: float = 0.0
 
 
 class AllreduceProbe(_Section):
@@ -204,11 +206,13 @@ class AllreduceProbe(_Section):
 
 
 class WorkPoint(_Section):
-    """The trial's forward and backward at one thread count, at the per-slot batch and twice it."""
+    """The trial's forward and backward at one thread count, at the per-slot batch and twice it; one optimizer
+    step (0 in files of an older dtrain)."""
 
     threads: int
     work_seconds: float
     work_double_seconds: float
+    optimizer_seconds: float = 0.0
 
 
 class SoloProbe(_Section):
@@ -396,15 +400,12 @@ class ProfileRecord(_Section):
     solo_probe: SoloProbe | None = None
     comm_probe: CommProbe | None = None
     compression_cost: CompressionCost | None = None
-    # How steps vary: the standard deviation of a step (mean over ranks), and the first rank's mean step
-    # over each window of 16 timed steps, in order (drift over the run).
+    # How steps vary: a step's standard deviation (mean over ranks); the first rank's mean step per 16 steps.
     step_jitter_seconds: float | None = None
     step_window_seconds: list[float] | None = None
     # An elastic job's membership changes, in order (absent where its members never changed).
     membership_changes: list[MembershipChange] | None = None
-    # The model's own steps under each precision and at twice the batch (absent where not probed, and
-    # from profiles written before it existed).
-    model_steps: ModelSteps | None = None
+    model_steps: ModelSteps | None = None  # absent where not probed, and from older profiles
     first_steps: FirstSteps | None = None  # also summary.json's (RunHead), as flops: absent from older files
     flops: Flops | None = None
 
