@@ -133,6 +133,11 @@ def test_a_slow_link_between_hosts_costs_its_bytes_and_latency():
     # per ring step (two steps for two ranks).
     extra = 1e6 / (25e6 * fitted.load().terms["tcp_goodput"]) - 1e6 / 1e9 + 2 * 0.001
     assert hosts.parts["exchange"] - local.parts["exchange"] == pytest.approx(extra, rel=0.05)
+    # The given link prices the exchange between the hosts: its uncertainty, not the measured link fit's residual.
+    noisy = replace(model, link_residual=0.3)
+    assert "link fit residual" in noisy.uncertainties(Target(2), noisy._parts(Target(2)), local.step)
+    between = noisy.uncertainties(Target(2, 2, cores=1), noisy._parts(Target(2, 2, cores=1)), hosts.step)
+    assert "link fit residual" not in between and "link_between_hosts" in between
 
 
 def test_a_one_slot_run_on_shared_cores_prices_communication_from_a_probe_and_never_beats_linear(tmp_path):

@@ -27,19 +27,20 @@ REPRODUCED = ("bart", "txl", "horovod:inception3")
 # efficiency at 512 GPUs, the page 68%) and BERT on DGX-2H at 64 GPUs (its README's 1-node row, from another
 # container, makes the published 4.28x for 4x the GPUs superlinear).
 LINK_POINTS = [(float(b), 3e-4 + b / 1e9) for b in commprobe.SIZES]
-# Measured rows beyond the 20% goal in some repeat of 2026-11-26 21:32-22:23 UTC, with the most each may miss by
-# held out (docs/benchmarks.md says why): all from repeat 1, whose 1-slot source ran about 20% slower than the
-# same configuration's other runs that session; and 2-host rows over veth predicted high.
+# Measured rows beyond the 20% goal in some repeat of 2026-11-26 23:34 - 2026-11-27 00:21 UTC, with the most each
+# may miss by held out (docs/benchmarks.md says why): 2-host rows over unthrottled veth, predicted high (the
+# model is given no link for them: it keeps the one measured on the source's host); rows from repeat 3's 1-slot
+# source, which ran about 15% slower than that configuration's other runs of the session; bf16-mixed where the
+# few model steps the gain rests on were disturbed.
 KNOWN_MISSES = {
-    "2 hosts x 1 slot, unthrottled veth (from the 1-slot run)": 0.40,
-    "2 hosts x 1 slot, unthrottled veth (from the 2-slot run)": 0.31,
-    "2 hosts x 1 slot, 1 Gbit (from the 1-slot run)": 0.28,
-    "2 hosts x 1 slot, 200 Mbit (from the 1-slot run)": 0.24,
-    "3 slots (from the 1-slot run)": 0.25,
-    "2 slots, fp16 compression (from the 1-slot run)": 0.23,
+    "2 hosts x 1 slot, unthrottled veth (from the 1-slot run)": 0.35,
+    "2 hosts x 1 slot, unthrottled veth (from the 2-slot run)": 0.27,
+    "1 slot, bf16-mixed (from the 1-slot run)": 0.27,
+    "mlp-1m, 1 slot, bf16-mixed (from the mlp-1m 1-slot run)": 0.25,
+    "3 slots (from the 1-slot run)": 0.23,
 }
-# The goal is a mean error of 10% in each repeat; repeat 1 of 2026-11-26 21:32 has 10.8%.
-REPEAT_MEAN_LIMIT = 0.11
+# The goal: a mean error of 10% at most in each repeat.
+REPEAT_MEAN_LIMIT = 0.10
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,12 @@ all ask :class:`CostModel`. It starts from one measured run (its ``profile.json`
   slots on one host slow each other down (memory bandwidth: the same probe on every rank at once, over
   the solo one) and how much a training step costs over the probe (hooks, autocast): both measured on
   the run. More threads than cores share them.
-* **data** and **fixed** (optimizer, bookkeeping) as measured; data grows with the batch as probed. On a CPU
-  both scale with the local slots' contention as compute does (same cores' caches and memory).
+* **data** as measured, plus what the probe's own load of a batch grew by at twice the batch (the run's wait
+  also holds per-batch costs that do not grow; loader processes hide part of it: then in proportion).
+* **fixed** (optimizer, bookkeeping) as measured, scaled on a CPU by the probe's optimizer steps (alone at
+  each thread count, and on every rank at once: an optimizer streams memory, so threads and neighbours
+  change it otherwise than matmuls); without that probe, by the model steps' contention. Slots that share
+  one machine's memory contend though on other hosts (``Target.machine_slots``: test hosts in namespaces).
 * **exchange**: per bucket ``latency + bytes / rate`` of a ring all-reduce (``2(N-1)`` steps, ``2(N-1)/N`` of
   the bytes through each link; across nodes on GPUs, NCCL's tree where it is faster: :mod:`.network`),
   fitted to all-reduces of several sizes (:mod:`dtrain.profiling.commprobe`) on the run's own ranks, or by
@@ -447,7 +451,9 @@ class CostModel:
         out = {name: u[name] * seconds for name, seconds in self.exposures(target, parts, step).items()}
         if len(self.facts.windows) >= 3:
             out["drift over the run"] = _drift(self.facts.windows) * step
-        if target.slots > 1 and self.link_residual > 0:
+        # The fit's residual is the measured link's; a link given between hosts prices the exchange there instead,
+        # with its own uncertainty.
+        if target.slots > 1 and self.link_residual > 0 and not (target.nodes > 1 and self.between_hosts is not None):
             out["link fit residual"] = self.link_residual * parts["exchange"]
         # The few timed model steps a precision's gain (or a batch's growth) rests on: their own measured spread.
         if target.precision_spread > 0:
