@@ -6,8 +6,9 @@ softmax, norms, element-wise work, casts, the optimizer and memory traffic speed
 (bf16 autocast on a CPU casts every weight at every forward). So at the end of a profiled run, on the first
 rank alone (the others wait), a few of the trial's own steps run on one of its batches: ``train_batch``
 (forward and backward, gradients not exchanged) and every optimizer's ``step``, once untimed per setting
-(new kernels, allocator) then :data:`STEPS_TIMED` times (fewer, at least once, where that would take over
-:data:`BUDGET_SECONDS`), the settings interleaved round by round so that a disturbance hits them alike; the
+(new kernels, allocator) then :data:`STEPS_TIMED` times, more (up to :data:`MAX_STEPS_TIMED`) while the
+rounds fit in :data:`TARGET_SECONDS`, fewer (at least once) where they would take over :data:`BUDGET_SECONDS`,
+the settings interleaved round by round so that a disturbance hits them alike; the
 median time counts: the prediction is of a run's mean step, and the least of a few steps is a best case whose
 ratio between precisions drifts from that of typical steps wherever a disturbance grows with a step's length
 (on a loaded CPU, the least-time ratio of float32 to bf16 was 2.5 where the median's was 2.0). Settings:
@@ -35,13 +36,17 @@ from torch import nn
 from dtrain.profiling.record import ModelSteps
 from dtrain.profiling.runfacts import ProbeHooks, SwitchablePrecision
 
-# Timed steps per setting, after one warm-up step each: a median that one disturbed step does not move, few
-# enough that the probe stays a small part of a run.
-STEPS_TIMED = 5
-# Seconds the timed rounds may take together, judged by the warm-up round (a step of every setting).
+# Timed steps per setting, after one warm-up step each: at least STEPS_TIMED (a median that one disturbed step
+# does not move), and more, up to MAX_STEPS_TIMED, while the timed rounds fit in TARGET_SECONDS: the median of a
+# few short steps moves a precision's gain from one run to the next (docs/benchmarks.md).
+STEPS_TIMED, MAX_STEPS_TIMED = 5, 25
+TARGET_SECONDS = 0.5
+# Seconds the timed rounds may take together at most, judged by the warm-up round (a step of every setting).
 BUDGET_SECONDS = 10.0
 # Expected range of n normal draws in standard deviations (d2 of quality control charts), for n timed steps.
-RANGE_IN_SIGMAS = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2.970, 10: 3.078}
+RANGE_IN_SIGMAS = {2: 1.128, 3: 1.693, 4: 2.059, 5: 2.326, 6: 2.534, 7: 2.704, 8: 2.847, 9: 2.970, 10: 3.078,
+                   11: 3.173, 12: 3.258, 13: 3.336, 14: 3.407, 15: 3.472, 16: 3.532, 17: 3.588, 18: 3.640,
+                   19: 3.689, 20: 3.735, 21: 3.778, 22: 3.819, 23: 3.858, 24: 3.895, 25: 3.931}
 # The autocast dtype of each precision (None: float32, no autocast).
 AUTOCAST: dict[str, torch.dtype | None] = {"32-true": None, "tf32": None, "bf16-mixed": torch.bfloat16,
                                            "16-mixed": torch.float16}
@@ -189,8 +194,10 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
     failed: dict[str, str] = {}
     with restored(models, optimizers, device) if keep_state else contextlib.nullcontext():
         warm_up = _round(hooks, optimizers, device, settings, failed, times, timed=False)
-        # A model whose steps are long gets fewer timed rounds (at least one): the probe stays a small cost.
-        steps = max(1, min(steps, int(BUDGET_SECONDS / warm_up))) if warm_up > 0 else steps
+        # Short steps get more timed rounds, long ones fewer (at least one): the probe stays a small cost.
+        if warm_up > 0:
+            steps = max(1, min(max(steps, min(MAX_STEPS_TIMED, int(TARGET_SECONDS / warm_up))),
+                               int(BUDGET_SECONDS / warm_up)))
         for _ in range(steps):
             _round(hooks, optimizers, device, settings, failed, times, timed=True)
     skipped.update({k: v for k, v in failed.items() if k != "double"})
