@@ -11,9 +11,9 @@ without each row's configuration (leave-one-configuration-out), and prints the a
     sudo .venv/bin/python bench/plan_accuracy.py --measure [--append] [--steps 1500] [--repeats 3] [--out DIR]
 
 ``--measure`` runs the held-out configurations on this host and stores them as rows (replacing the stored
-measured rows): source runs (examples/digits, and the same model 10x larger) with 1 and 2 slots, four times
-as long as the rows' runs; from each alone, the cost model (as ``dtrain plan`` builds it; a 1-slot source gets
-``dtrain plan``'s local link probe) predicts every row:
+measured rows): source runs (examples/digits, and the same model 10x larger) with 1 and 2 slots (as long as
+the rows' runs, or ``--source-factor`` times); from each alone, the cost model (as ``dtrain plan`` builds it; a
+1-slot source gets ``dtrain plan``'s local link probe) predicts every row:
 
 * 1, 2 and 3 slots on one host; 2 slots with aggregation_frequency 4, fp16, PowerSGD;
 * the 10x model on 1 and 2 slots (from its own source runs);
@@ -86,10 +86,6 @@ TBF_BURST_BYTES = 4000.0
 # Each test host is one pinned core of this machine, a network namespace: the two hosts' slots share its caches
 # and memory bandwidth, as two local slots do (real hosts would not).
 TEST_HOSTS = {"cores": 1, "machine_slots": 2}
-# The source runs, whose profiles the model is built from, run this many times the rows' steps: a user's run
-# lasts minutes, and this machine's speed drifts by 10-20% from one second to the next, so a one-second
-# source would carry one moment's speed into every row predicted from it.
-SOURCE_STEPS = 4
 
 
 @dataclass(frozen=True)
@@ -250,7 +246,7 @@ def measure(args: argparse.Namespace) -> list[dict]:
         models: dict[tuple[str, int, str | None], CostModel] = {}
         for m, src in SOURCES.items():
             for n in src.slots:
-                _run(m, n, list(src.sets), SOURCE_STEPS * args.steps, tmp / f"source-{m}-{n}")
+                _run(m, n, list(src.sets), args.source_factor * args.steps, tmp / f"source-{m}-{n}")
         for row in table:
             for n in SOURCES[row.model].slots:
                 key = (row.model, n, row.rate)
@@ -349,6 +345,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--measure", action="store_true", help="run the held-out configurations and store them")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--repeats", type=int, default=3)
+    # Longer sources average this machine's drift, but a run's late steps differ from a short run's (the 10x
+    # model's optimizer phase was slower over 6,000 steps than over 1,500): the rows' runs are the truth.
+    parser.add_argument("--source-factor", type=int, default=1,
+                        help="--measure: source runs this many times --steps (the 2026-11-27 rows: 4)")
     parser.add_argument("--rows", type=Path, default=ROWS, help="the stored rows (default: bench/data/plan_rows.json)")
     parser.add_argument("--fitted", type=Path, default=FITTED, help="the constants' file --refit writes")
     parser.add_argument("--json", type=Path, help="write the evaluation here")
