@@ -285,15 +285,15 @@ class CostModel:
         contention = self._contention(target.machine_slots or local)
         compute = f.work.seconds(batch, threads) * contention * self.factor * crowd / target.precision_gain
         ratio = batch / f.per_slot_batch if f.per_slot_batch else 1.0
-        # The run's loading and host work per step ran beside its other local slots, which slowed its model
-        # steps by the measured contention: on a CPU they share the same cores' caches and memory.
-        shared = contention / self._contention(f.local_slots) if f.device == "cpu" else 1.0
         data = (f.data + self._data_growth(ratio)) / f.crowd * crowd
         if target.data_workers_step is not None:
             data = target.data_workers_step
-        # The optimizer's own probe where it ran (its thread scaling and contention differ from the matmuls').
-        fixed_scale = f.optimizer_scale(threads, target.machine_slots or local) if f.device == "cpu" else None
-        fixed = f.fixed / f.crowd * crowd * (shared if fixed_scale is None else fixed_scale)
+        # The run's host work ran beside its other local slots: on a CPU, by the optimizer's own probe where it
+        # ran (its thread scaling and contention differ from the matmuls'), else as the model steps contended.
+        fixed_scale = f.optimizer_scale(threads, target.machine_slots or local) if f.device == "cpu" else 1.0
+        if fixed_scale is None:
+            fixed_scale = contention / self._contention(f.local_slots)
+        fixed = f.fixed / f.crowd * crowd * fixed_scale
         exchange = compression = 0.0
         if target.slots > 1:
             exchange, compression = self._exchange(target, crowd, compute)

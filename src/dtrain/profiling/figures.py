@@ -176,7 +176,7 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
     first = per_rank[0]  # the solo probe ran on the first rank alone
     points = [WorkPoint(threads=int(first[f"probe_solo{i}_threads"]), work_seconds=first[f"probe_solo{i}_work"],
                         work_double_seconds=first[f"probe_solo{i}_double"],
-                        optimizer_seconds=first.get(f"probe_solo{i}_optimizer", 0.0))
+                        optimizer_seconds=first[f"probe_solo{i}_optimizer"])
               for i in range(SOLO_THREADS) if first.get(f"probe_solo{i}_threads", 0.0) > 0]
     solo = SoloProbe(per_slot_batch_size=per_slot, points=points) if points else None
     compression = (CompressionCost(fp16_seconds=first["probe_fp16_seconds"],
