@@ -124,13 +124,21 @@ def count_ops(profiler: Any, steps: int, host_seconds: float) -> dict[str, Any]:
             "host_seconds_per_step": host_seconds}
 
 
-def plain_loop(variant: str, steps: int, warmup: int, batch: int, ops_steps: int = 0) -> dict[str, Any]:
+GPU = torch.device("cuda", 0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def plain_loop(variant: str, steps: int, warmup: int, batch: int, ops_steps: int = 0,
+               device: torch.device = GPU) -> dict[str, Any]:
     """A hand-written loop (see the module's doc): steady samples/s and the first steps' seconds; with
     ``ops_steps``, the operations of that many steps after the warm-up instead. ``...-resident``: one batch
     copied to the device once and used at every step (no data path)."""
     from models import GPT, RandomTokens, lm_loss
 
-    device = torch.device("cuda", 0)
     precision, resident = variant.removesuffix("-resident"), variant.endswith("-resident")
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
@@ -138,19 +146,19 @@ def plain_loop(variant: str, steps: int, warmup: int, batch: int, ops_steps: int
     model = GPT().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
     loader: Any = torch.utils.data.DataLoader(RandomTokens(records=8192), batch_size=batch, shuffle=True,
-                                              drop_last=True, pin_memory=True)
+                                              drop_last=True, pin_memory=device.type == "cuda")
     last = warmup + ops_steps if ops_steps else steps
     if resident:
         one = [t.to(device) for t in next(iter(loader))]
         loader = [one] * (last + 1)
     profiler, out = None, {}
-    torch.cuda.synchronize(device)
+    _sync(device)
     begin = start = time.perf_counter()
     for i, (tokens, targets) in enumerate(loader):
         if i == warmup:
-            torch.cuda.synchronize(device)
+            _sync(device)
             start = time.perf_counter()
             out["first_steps_seconds"] = start - begin
             if ops_steps:
@@ -160,7 +168,7 @@ def plain_loop(variant: str, steps: int, warmup: int, batch: int, ops_steps: int
         if i == last:
             break
         tokens, targets = tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        with torch.autocast("cuda", dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
             loss = lm_loss(model(tokens), targets)
         opt.zero_grad(set_to_none=True)
         if scaler is not None:
@@ -170,7 +178,7 @@ def plain_loop(variant: str, steps: int, warmup: int, batch: int, ops_steps: int
         else:
             loss.backward()
             opt.step()
-    torch.cuda.synchronize(device)
+    _sync(device)
     seconds = time.perf_counter() - start
     torch.backends.cuda.matmul.allow_tf32 = False
     if last > len(loader):
@@ -254,6 +262,26 @@ def print_op_diff(plain: dict[str, Any], ours: dict[str, Any]) -> None:
           f"{1e3 * ours['host_seconds_per_step']:.2f} ms")
 
 
+def _write(path: Path | None, name: str, args: argparse.Namespace, plain: dict[str, list[dict[str, Any]]],
+           ours: dict[tuple[str, bool, bool], list[dict[str, Any]]], ops: dict[str, Any]) -> None:
+    """Every figure so far: written after each row, so a run cut off by its time limit keeps what it measured."""
+    if path is not None:
+        path.write_text(json.dumps({"device": name, "torch": torch.__version__,
+                                    "args": {k: str(v) for k, v in vars(args).items()}, "plain": plain,
+                                    "dtrain": {f"{p}/{'on' if on else 'off'}{'/synthetic' if syn else ''}": r
+                                               for (p, on, syn), r in ours.items()},
+                                    "ops": ops}, indent=2))
+
+
+def _dtrain_row(row: tuple[str, bool, bool], args: argparse.Namespace, tmp: Path) -> dict[str, Any] | None:
+    """One dtrain row, or None (said on stderr) where its run failed: the other rows still get measured."""
+    try:
+        return dtrain_run(*row, args.steps, args.warmup, args.batch, tmp)
+    except (subprocess.SubprocessError, OSError, KeyError, ValueError) as exc:
+        print(f"  dtrain {row} failed: {exc}", file=sys.stderr, flush=True)
+        return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
@@ -261,35 +289,41 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ops", type=int, default=0, help="profile this many bf16 steps of each (0: none)")
-    parser.add_argument("--json", type=Path, default=None, help="write every figure here")
+    parser.add_argument("--json", type=Path, default=None, help="write every figure here (after each row)")
+    parser.add_argument("--smoke-on-cpu", action="store_true",
+                        help="run every row on the CPU (no fp16 rows): checks the script, measures nothing useful")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    device = torch.device("cpu") if args.smoke_on_cpu else torch.device("cuda", 0)
+    if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA GPU")
-    print(f"dtrain GPU bench: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, GPT-like LM, batch "
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)"
+    variants = [v for v in PLAIN if device.type == "cuda" or v != "fp16"]
+    rows = [r for r in DTRAIN if device.type == "cuda" or r[0] != "16-mixed"]
+    print(f"dtrain GPU bench: {name}, torch {torch.__version__}, GPT-like LM, batch "
           f"{args.batch}, steps {args.warmup}..{args.steps}, {args.rounds} rounds", flush=True)
-    plain: dict[str, list[dict[str, Any]]] = {v: [] for v in PLAIN}
-    ours: dict[tuple[str, bool, bool], list[dict[str, Any]]] = {r: [] for r in DTRAIN}
+    plain: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    ours: dict[tuple[str, bool, bool], list[dict[str, Any]]] = {r: [] for r in rows}
     ops: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
-            for variant in PLAIN:
-                plain[variant].append(plain_loop(variant, args.steps, args.warmup, args.batch))
-            for row in DTRAIN:
-                ours[row].append(dtrain_run(*row, args.steps, args.warmup, args.batch, Path(tmp)))
-            print(f"  round {i}: plain bf16 {plain['bf16'][-1]['steady']:,.0f}, dtrain bf16-mixed "
-                  f"{ours[('bf16-mixed', True, False)][-1]['steady']:,.0f} samples/s", flush=True)
-        print_tables(plain, ours)
+            for variant in variants:
+                plain[variant].append(plain_loop(variant, args.steps, args.warmup, args.batch, device=device))
+                print(f"  round {i}: plain {variant} {plain[variant][-1]['steady']:,.0f} samples/s", flush=True)
+                _write(args.json, name, args, plain, ours, ops)
+            for row in rows:
+                result = _dtrain_row(row, args, Path(tmp))
+                if result is not None:
+                    ours[row].append(result)
+                    print(f"  round {i}: dtrain {row} {result['steady']:,.0f} samples/s steady, "
+                          f"{result['all_steps']:,.0f} all steps", flush=True)
+                _write(args.json, name, args, plain, ours, ops)
+        print_tables(plain, {r: runs for r, runs in ours.items() if runs})
         if args.ops:
-            ops = {"plain": plain_loop("bf16", args.steps, args.warmup, args.batch, ops_steps=args.ops),
+            ops = {"plain": plain_loop("bf16", args.steps, args.warmup, args.batch, ops_steps=args.ops, device=device),
                    "dtrain": dtrain_run("bf16-mixed", True, False, args.steps, args.warmup, args.batch,
                                         Path(tmp), ops_steps=args.ops)}
+            _write(args.json, name, args, plain, ours, ops)
             print_op_diff(ops["plain"], ops["dtrain"])
-    if args.json is not None:
-        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                                         "args": {k: str(v) for k, v in vars(args).items()}, "plain": plain,
-                                         "dtrain": {f"{p}/{'on' if on else 'off'}{'/synthetic' if syn else ''}": r
-                                                    for (p, on, syn), r in ours.items()},
-                                         "ops": ops}, indent=2))
 
 
 if __name__ == "__main__":
