@@ -230,21 +230,32 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_tables(plain: dict[str, list[dict[str, Any]]],
-                 ours: dict[tuple[str, bool, bool], list[dict[str, Any]]]) -> None:
+def plain_all_steps(run: dict[str, Any], steps: int, warmup: int, batch: int) -> float:
+    """A plain loop's samples/s over all its steps: its first steps' seconds plus the steady ones'."""
+    return steps * batch / (run["first_steps_seconds"] + (steps - warmup) * batch / run["steady"])
+
+
+def print_tables(plain: dict[str, list[dict[str, Any]]], ours: dict[tuple[str, bool, bool], list[dict[str, Any]]],
+                 steps: int, warmup: int, batch: int) -> None:
+    """Steady rows are held against their plain loop's steady state; a run without profiling has no steady
+    state of its own (its samples/s are all its steps'), so it is held against the plain loop's all steps."""
     print("\n| what | steady samples/s | vs its plain loop | all steps | first steps s | to first step s | MFU |")
     print("|---|---|---|---|---|---|---|")
+    all_plain = {v: _median([plain_all_steps(r, steps, warmup, batch) for r in runs]) for v, runs in plain.items()}
     for variant, runs in plain.items():
-        print(f"| plain loop, {variant} | {_median([r['steady'] for r in runs]):,.0f} | 1.00 | - | "
-              f"{_fmt(_median([r['first_steps_seconds'] for r in runs]), '.2f')} | - | - |")
+        print(f"| plain loop, {variant} | {_median([r['steady'] for r in runs]):,.0f} | 1.00 | "
+              f"{all_plain[variant]:,.0f} | {_fmt(_median([r['first_steps_seconds'] for r in runs]), '.2f')} | - | - |")
     for (precision, profiling, synthetic), runs in ours.items():
+        base = baseline(precision, synthetic)
         steady = _median([r["steady"] for r in runs]) or 0.0
-        base = _median([r["steady"] for r in plain[baseline(precision, synthetic)]]) or 1.0
-        mfu, all_steps = _median([r["mfu"] for r in runs]), _median([r["all_steps"] for r in runs])
+        mfu, all_steps = _median([r["mfu"] for r in runs]), _median([r["all_steps"] for r in runs]) or 0.0
         first, to_first = (_median([r[k] for r in runs]) for k in ("first_steps_seconds", "time_to_first_step"))
         name = f"dtrain, {precision}, profiling {'on' if profiling else 'off'}" + (", synthetic" if synthetic else "")
-        print(f"| {name} | {steady:,.0f} | "
-              f"{steady / base:.3f} | {all_steps:,.0f} | {_fmt(first, '.2f')} | {_fmt(to_first, '.2f')} | "
+        if profiling:
+            shown, ratio = f"{steady:,.0f}", f"{steady / (_median([r['steady'] for r in plain[base]]) or 1.0):.3f}"
+        else:
+            shown, ratio = "-", f"{all_steps / (all_plain[base] or 1.0):.3f} (all steps)"
+        print(f"| {name} | {shown} | {ratio} | {all_steps:,.0f} | {_fmt(first, '.2f')} | {_fmt(to_first, '.2f')} | "
               f"{'-' if mfu is None else f'{100 * mfu:.1f}%'} |")
 
 
@@ -282,6 +293,18 @@ def _dtrain_row(row: tuple[str, bool, bool], args: argparse.Namespace, tmp: Path
         return None
 
 
+def reprint(path: Path) -> None:
+    """The tables of a stored ``--json`` file (its own steps, warm-up and batch)."""
+    stored = json.loads(path.read_text())
+    steps, warmup, batch = (int(stored["args"][k]) for k in ("steps", "warmup", "batch"))
+    print(f"{stored['device']}, torch {stored['torch']}, steps {warmup}..{steps}, batch {batch}")
+    rows = {(p, on == "on", rest == ["synthetic"]): runs for key, runs in stored["dtrain"].items()
+            for p, on, *rest in [key.split("/")] if runs}
+    print_tables(stored["plain"], rows, steps, warmup, batch)
+    if stored.get("ops"):
+        print_op_diff(stored["ops"]["plain"], stored["ops"]["dtrain"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=200)
@@ -292,7 +315,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="write every figure here (after each row)")
     parser.add_argument("--smoke-on-cpu", action="store_true",
                         help="run every row on the CPU (no fp16 rows): checks the script, measures nothing useful")
+    parser.add_argument("--table", type=Path, default=None, help="print the tables of a stored --json file")
     args = parser.parse_args()
+    if args.table is not None:
+        reprint(args.table)
+        return
     device = torch.device("cpu") if args.smoke_on_cpu else torch.device("cuda", 0)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA GPU")
@@ -317,7 +344,7 @@ def main() -> None:
                     print(f"  round {i}: dtrain {row} {result['steady']:,.0f} samples/s steady, "
                           f"{result['all_steps']:,.0f} all steps", flush=True)
                 _write(args.json, name, args, plain, ours, ops)
-        print_tables(plain, {r: runs for r, runs in ours.items() if runs})
+        print_tables(plain, {r: runs for r, runs in ours.items() if runs}, args.steps, args.warmup, args.batch)
         if args.ops:
             ops = {"plain": plain_loop("bf16", args.steps, args.warmup, args.batch, ops_steps=args.ops, device=device),
                    "dtrain": dtrain_run("bf16-mixed", True, False, args.steps, args.warmup, args.batch,
