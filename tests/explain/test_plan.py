@@ -256,3 +256,20 @@ def test_a_given_link_replaces_the_one_a_multi_host_run_measured(tmp_path):
 
     (tried,) = predict_all(run, profile, Predictor(profile), ["nodes=2"], "10gbit")
     assert tried.gain == pytest.approx(row.gain) and "10gbit (replaces" in tried.inputs["link between hosts"]
+
+
+def test_hosts_priced_on_a_one_host_runs_link_say_it_is_loopback(tmp_path):
+    """``--link measured`` from a run on one host prices the hosts' link as the host's own loopback: the plan
+    and the doctor's ``--try nodes`` say so, and how to give a network instead; a given rate does not."""
+    from dtrain.explain.predictor import Predictor
+    from dtrain.explain.trying import predict_all
+
+    profile = _profile(slots=2)
+    run = _run_dir(tmp_path, profile)
+    assumed = [i for i in plan(run, [2], nodes=2, link=parse_link("measured")).inputs
+               if i.name == "link between hosts"]
+    assert [i.source for i in assumed] == ["assumed"] and "loopback" in assumed[0].value
+    assert "--link RATE,LATENCY" in assumed[0].value
+    assert not any("loopback" in i.value for i in plan(run, [2], nodes=2, link=parse_link("1gbit")).inputs)
+    (tried,) = predict_all(run, profile, Predictor(profile), ["nodes=2"], "measured")
+    assert "loopback" in tried.inputs["link between hosts"]

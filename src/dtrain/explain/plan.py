@@ -152,6 +152,14 @@ def build_model(run_dir: Path, link: Link | None = None, probe: bool = False,
     return profile, CostModel.from_profile(profile, found.points, found.world, found.overhead(), between_hosts=link)
 
 
+# Said wherever hosts are priced on the link a one-host run measured (``--link measured``): that link is the
+# host's loopback, and the note gives the one comparison measured here (bench/plan_accuracy.py's rows: Gloo's
+# all-reduce of digits' 104 KB over veth between test hosts against 2 local slots, 2026-11-27).
+LOOPBACK_BETWEEN_HOSTS = ("as among the run's own slots, measured on one host: its loopback, without a network's "
+                          "per-packet costs (between test hosts on this machine's veth, the same exchanges took "
+                          "1.2-1.8x as long); give --link RATE,LATENCY for a real network")
+
+
 def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | None = None, probe: bool = False,
          log: Any = None, mttf_hours: float | None = None, price: float | None = None) -> PlanDocument:
     """One prediction per case, with its interval and the model's inputs; with a per-node ``mttf_hours`` or a
@@ -181,8 +189,11 @@ def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | Non
         if row.finish is not None:
             row.seconds_to_finish = row.finish["configured"]["seconds"]
         predictions.append(row)
+    inputs = [Input(s.name, s.value, s.source) for s in model.sources]
+    if nodes > 1 and p.hosts == 1 and model.between_hosts is None:
+        inputs.append(Input("link between hosts", LOOPBACK_BETWEEN_HOSTS, "assumed"))
     return PlanDocument(str(run_dir), Measured(p.slots, p.hosts, p.samples_per_second, mine.samples_per_second),
-                        link.label if link else None, total, [Input(s.name, s.value, s.source) for s in model.sources],
+                        link.label if link else None, total, inputs,
                         predictions, RunCostsFacts(mttf_hours, price, costs.checkpoint_seconds, costs.restart_seconds,
                                                    costs.period_batches))
 

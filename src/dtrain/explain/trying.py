@@ -19,7 +19,7 @@ from dtrain.errors import ConfigError, UserError
 from dtrain.explain import advice, precision
 from dtrain.explain.costmodel import Link, Target
 from dtrain.explain.diagnosis import ConfigValue, TryResult
-from dtrain.explain.plan import as_ran, build_model, parse_link
+from dtrain.explain.plan import LOOPBACK_BETWEEN_HOSTS, as_ran, build_model, parse_link
 from dtrain.explain.predictor import Predictor, TargetValue, target_at
 from dtrain.profiling.record import ProfileRecord
 
@@ -142,8 +142,12 @@ class Tries:
                           "between hosts was measured; give it with --link RATE[,LATENCY] (e.g. 200mbit)")
         return Priced(target_at(self.predictor.model, local * nodes, nodes),
                       {**inputs, "slots": f"{local * nodes} ({local} per node, as the run had)",
-                       "link between hosts": self.link.label if self.link is not None
-                       and self.link.bytes_per_second is not None else "as measured"})
+                       "link between hosts": self._between_hosts()})
+
+    def _between_hosts(self) -> str:
+        if self.link is not None and self.link.bytes_per_second is not None:
+            return self.link.label
+        return "as the run's hosts measured it" if self.profile.hosts > 1 else LOOPBACK_BETWEEN_HOSTS
 
     def _compression(self, name: str, inputs: dict[str, str]) -> Priced:
         p = self.profile
