@@ -23,6 +23,9 @@ time from its first batch to the end of step ``warmup`` (synchronized); dtrain's
 the first step from the worker's start, and the warm-up steps' excess over steady ones). The targets of
 issue 46: dtrain at >= 0.98 of the plain loop in bf16, >= 0.97 in fp16, 1.00 in fp32 (steady state).
 
+``dtrain doctor --try precision=...`` on the profiled fp32 run is held against the precision rows' measured
+gains (issue 45: within +/-20% on a GPU): no extra run.
+
 ``--ops N`` then profiles N steady steps of the plain bf16 loop and of dtrain's bf16-mixed run with
 torch.profiler (CPU and CUDA): per step, the aten operations and CUDA kernels of each and the ones that
 differ, and the host time of a step. That says where a gap comes from, where the timings only say that
@@ -215,10 +218,11 @@ def dtrain_run(precision: str, profiling: bool, synthetic: bool, steps: int, war
         return json.loads(ops_out.read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
     first = summary.get("first_steps") or {}
+    doctor = ask_doctor(run_dir) if precision == "32-true" and profiling and not synthetic else None
     return {"all_steps": summary["samples_per_second_all_steps"], "steady": summary["samples_per_second"],
             "time_to_first_step": first.get("time_to_first_step_seconds"), "first_steps_seconds": first.get("seconds"),
             "first_steps_excess": first.get("excess_seconds"), "mfu": (summary.get("flops") or {}).get("mfu"),
-            "breakdown": summary.get("step_breakdown_seconds", {})}
+            "breakdown": summary.get("step_breakdown_seconds", {}), "doctor": doctor}
 
 
 def _median(values: list[Any]) -> float | None:
@@ -228,6 +232,40 @@ def _median(values: list[Any]) -> float | None:
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
+
+
+def ask_doctor(run_dir: Path) -> dict[str, Any]:
+    """What ``dtrain doctor --try precision=...`` predicts for the fp32 run (issue 45: within +/-20% of the
+    measured gain on a GPU): gain and 80% interval per precision, or why it cannot say."""
+    argv = [sys.executable, "-m", "dtrain.cli", "doctor", str(run_dir), "--json",
+            *[a for p in ("tf32", "bf16-mixed", "16-mixed") for a in ("--try", f"precision={p}")]]
+    done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return {"error": done.stderr[-2000:]}
+    tries = json.loads(done.stdout)["tries"]
+    return {t["value"]: {k: t[k] for k in ("gain", "low", "high", "reason")} for t in tries}
+
+
+def print_doctor(ours: dict[tuple[str, bool, bool], list[dict[str, Any]]]) -> None:
+    """The doctor's precision predictions from the fp32 run against the gains the precision rows measured."""
+    runs = ours.get(("32-true", True, False), [])
+    base = _median([r["steady"] for r in runs])
+    asked = [r.get("doctor") for r in runs if r.get("doctor")]
+    if not asked or not base:
+        return
+    print("\n| dtrain doctor on the fp32 run: --try | predicted gain (80% interval) | measured (steady) | error |")
+    print("|---|---|---|---|")
+    for precision, said in asked[0].items() if "error" not in asked[0] else []:
+        measured = _median([r["steady"] for r in ours.get((precision, True, False), [])])
+        gain = measured / base if measured else None
+        if said["gain"] is None:
+            print(f"| precision={precision} | none: {said['reason']} | {'-' if gain is None else f'{gain:.2f}x'} | - |")
+            continue
+        error = f"{100 * (said['gain'] / gain - 1):+.0f}%" if gain else "-"
+        print(f"| precision={precision} | {said['gain']:.2f}x ({said['low']:.2f}-{said['high']:.2f}) | "
+              f"{_fmt(gain, '.2f')}x | {error} |")
+    if "error" in asked[0]:
+        print(f"dtrain doctor failed: {asked[0]['error']}")
 
 
 def plain_all_steps(run: dict[str, Any], steps: int, warmup: int, batch: int) -> float:
@@ -301,6 +339,7 @@ def reprint(path: Path) -> None:
     rows = {(p, on == "on", rest == ["synthetic"]): runs for key, runs in stored["dtrain"].items()
             for p, on, *rest in [key.split("/")] if runs}
     print_tables(stored["plain"], rows, steps, warmup, batch)
+    print_doctor(rows)
     if stored.get("ops"):
         print_op_diff(stored["ops"]["plain"], stored["ops"]["dtrain"])
 
@@ -345,6 +384,7 @@ def main() -> None:
                           f"{result['all_steps']:,.0f} all steps", flush=True)
                 _write(args.json, name, args, plain, ours, ops)
         print_tables(plain, {r: runs for r, runs in ours.items() if runs}, args.steps, args.warmup, args.batch)
+        print_doctor(ours)
         if args.ops:
             ops = {"plain": plain_loop("bf16", args.steps, args.warmup, args.batch, ops_steps=args.ops, device=device),
                    "dtrain": dtrain_run("bf16-mixed", True, False, args.steps, args.warmup, args.batch,

@@ -9,7 +9,8 @@
 #   suite.txt      the files that failed where CUDA was visible (fixtures of every scope must see none)
 #   bench.txt      bench/gpu.py: plain loop vs dtrain run in fp32, tf32, bf16, fp16 (GradScaler) and bf16
 #   bench.json     without a data path (a batch kept on the device): steady state and first steps, MFU,
-#                  and the aten operations and CUDA kernels of one bf16 step on each side
+#                  and the aten operations and CUDA kernels of one bf16 step on each side; and what
+#                  `dtrain doctor --try precision=...` predicted from the fp32 run against the measured gains
 #
 # Sizes (estimates): install ~20 s, tests ~3-4 min, suite ~2 min, bench ~5-6 min (one round, 5 steps
 # profiled). With a 15-minute device budget, run `install tests` and `install bench` as two calls (each
