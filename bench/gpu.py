@@ -350,6 +350,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=30)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--only", default=",".join(PLAIN),
+                        help="plain loops to run, comma-separated, and the dtrain rows held against them (more "
+                             "rounds of fewer rows in a short GPU lease; the doctor's row needs fp32)")
     parser.add_argument("--ops", type=int, default=0, help="profile this many bf16 steps of each (0: none)")
     parser.add_argument("--json", type=Path, default=None, help="write every figure here (after each row)")
     parser.add_argument("--smoke-on-cpu", action="store_true",
@@ -363,8 +366,11 @@ def main() -> None:
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA GPU")
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)"
-    variants = [v for v in PLAIN if device.type == "cuda" or v != "fp16"]
-    rows = [r for r in DTRAIN if device.type == "cuda" or r[0] != "16-mixed"]
+    only = set(args.only.split(","))
+    if not only <= set(PLAIN):
+        sys.exit(f"--only: unknown {sorted(only - set(PLAIN))}; choose among {', '.join(PLAIN)}")
+    variants = [v for v in PLAIN if v in only and (device.type == "cuda" or v != "fp16")]
+    rows = [r for r in DTRAIN if baseline(r[0], r[2]) in variants]
     print(f"dtrain GPU bench: {name}, torch {torch.__version__}, GPT-like LM, batch "
           f"{args.batch}, steps {args.warmup}..{args.steps}, {args.rounds} rounds", flush=True)
     plain: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}

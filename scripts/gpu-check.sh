@@ -28,7 +28,9 @@
 #     -d .whl pydantic==2.14.3 pydantic-core==2.50.4 annotated-types typing-inspection \
 #     'typing-extensions>=4.16' optuna==5.0.0 alembic sqlalchemy colorlog Mako
 # Knobs: PYTHON (python3), WHEELS (.whl), OUT, BENCH_ROUNDS (1), BENCH_STEPS (200), BENCH_WARMUP (30),
-# BENCH_OPS (5: bf16 steps profiled op by op; 0: none).
+# BENCH_OPS (5: bf16 steps profiled op by op; 0: none), BENCH_ONLY (the plain loops, and the dtrain rows held
+# against them; e.g. BENCH_ROUNDS=3 BENCH_ONLY=fp32,tf32,bf16 BENCH_OPS=0: three rounds, about 6 minutes as
+# estimated from the 2026-11-27 call, whose one round of every row took 222 s with the install).
 set -uo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -72,6 +74,7 @@ suite() {
 
 bench() {
     "$PYTHON" bench/gpu.py --rounds "${BENCH_ROUNDS:-1}" --steps "${BENCH_STEPS:-200}" \
+        --only "${BENCH_ONLY:-fp32,tf32,bf16,fp16,bf16-resident}" \
         --warmup "${BENCH_WARMUP:-30}" --ops "${BENCH_OPS:-5}" --json "$OUT/bench.json" 2>&1 \
         | tee "$OUT/bench.txt" || status=1
 }
