@@ -253,9 +253,12 @@ def print_doctor(ours: dict[tuple[str, bool, bool], list[dict[str, Any]]]) -> No
     asked = [r.get("doctor") for r in runs if r.get("doctor")]
     if not asked or not base:
         return
+    if "error" in asked[0]:
+        print(f"\ndtrain doctor failed on the fp32 run: {asked[0]['error']}")
+        return
     print("\n| dtrain doctor on the fp32 run: --try | predicted gain (80% interval) | measured (steady) | error |")
     print("|---|---|---|---|")
-    for precision, said in asked[0].items() if "error" not in asked[0] else []:
+    for precision, said in asked[0].items():
         measured = _median([r["steady"] for r in ours.get((precision, True, False), [])])
         gain = measured / base if measured else None
         if said["gain"] is None:
@@ -264,8 +267,6 @@ def print_doctor(ours: dict[tuple[str, bool, bool], list[dict[str, Any]]]) -> No
         error = f"{100 * (said['gain'] / gain - 1):+.0f}%" if gain else "-"
         print(f"| precision={precision} | {said['gain']:.2f}x ({said['low']:.2f}-{said['high']:.2f}) | "
               f"{_fmt(gain, '.2f')}x | {error} |")
-    if "error" in asked[0]:
-        print(f"dtrain doctor failed: {asked[0]['error']}")
 
 
 def plain_all_steps(run: dict[str, Any], steps: int, warmup: int, batch: int) -> float:
@@ -362,7 +363,7 @@ def main() -> None:
     if args.table is not None:
         reprint(args.table)
         return
-    device = torch.device("cpu") if args.smoke_on_cpu else torch.device("cuda", 0)
+    device = torch.device("cpu") if args.smoke_on_cpu else GPU
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA GPU")
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)"

@@ -12,9 +12,10 @@
 #                  and the aten operations and CUDA kernels of one bf16 step on each side; and what
 #                  `dtrain doctor --try precision=...` predicted from the fp32 run against the measured gains
 #
-# Sizes (estimates): install ~20 s, tests ~3-4 min, suite ~2 min, bench ~5-6 min (one round, 5 steps
-# profiled). With a 15-minute device budget, run `install tests` and `install bench` as two calls (each
-# under 10 minutes, timeout_s 540), or `install tests bench` in one call where only one fits.
+# Sizes, measured on an H100 on 2026-11-27: install 10-13 s; `install bench` (one round, 5 steps profiled)
+# 222 s; tests 232 s; the suite stage did not finish in the about 180 s left of a 430 s call. The machine's
+# start counts too (about 40 s then), and a 15-minute budget held two calls: `install bench`, then `install
+# tests` (add `suite` only with more than 3 minutes to spare beyond those).
 #
 # Carry the wheels the machine's image lacks (it has torch, lightning, rich, matplotlib, pyyaml, numpy,
 # scikit-learn, tensorboard, typer, pytest, pytest-timeout, pytest-xdist; see
