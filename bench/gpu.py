@@ -243,7 +243,11 @@ def ask_doctor(run_dir: Path) -> dict[str, Any]:
     if done.returncode != 0:
         return {"error": done.stderr[-2000:]}
     tries = json.loads(done.stdout)["tries"]
-    return {t["value"]: {k: t[k] for k in ("gain", "low", "high", "reason")} for t in tries}
+    said: dict[str, Any] = {t["value"]: {k: t[k] for k in ("gain", "low", "high", "reason")} for t in tries}
+    # What the predictions rest on, kept so that a prediction far off can be taken apart after the lease.
+    profile = json.loads((run_dir / "profile.json").read_text())
+    said["_inputs"] = {k: profile.get(k) for k in ("model_steps", "seconds_per_step", "device_facts")}
+    return said
 
 
 def print_doctor(ours: dict[tuple[str, bool, bool], list[dict[str, Any]]]) -> None:
@@ -259,6 +263,8 @@ def print_doctor(ours: dict[tuple[str, bool, bool], list[dict[str, Any]]]) -> No
     print("\n| dtrain doctor on the fp32 run: --try | predicted gain (80% interval) | measured (steady) | error |")
     print("|---|---|---|---|")
     for precision, said in asked[0].items():
+        if precision.startswith("_"):
+            continue
         measured = _median([r["steady"] for r in ours.get((precision, True, False), [])])
         gain = measured / base if measured else None
         if said["gain"] is None:
