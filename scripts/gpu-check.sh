@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The GPU checks of dtrain, as one prepared script: what a session lent a GPU machine runs (issue 46).
 #
-#   scripts/gpu-check.sh [STAGE ...]      stages: install tests suite bench (default: install tests bench)
+#   scripts/gpu-check.sh [STAGE ...]      stages: install tests suite probe bench (default: install tests bench)
 #
 # Run from the repository's root on the GPU machine; results go under $OUT (default /tmp/gpu-check-out):
 #   env.txt        nvidia-smi, python, torch, the installed wheels
 #   test_gpu.txt   tests/test_gpu.py (every test marked gpu) and tests/test_cuda_hidden.py, with CUDA visible
 #   suite.txt      the files that failed where CUDA was visible (fixtures of every scope must see none)
+#   probe.txt      bench/gpu_probe.py: a GPU step timed alone, in chains and in a long loop, per precision
 #   bench.txt      bench/gpu.py: plain loop vs dtrain run in fp32, tf32, bf16, fp16 (GradScaler) and bf16
 #   bench.json     without a data path (a batch kept on the device): steady state and first steps, MFU,
 #                  and the aten operations and CUDA kernels of one bf16 step on each side; and what
@@ -73,6 +74,12 @@ suite() {
         tests/sync/test_single.py 2>&1 | tee "$OUT/suite.txt" || status=1
 }
 
+probe() {
+    # How a GPU step must be timed to predict a run's step (issue 45): one step, chains, a long loop.
+    "$PYTHON" bench/gpu_probe.py --rounds "${PROBE_ROUNDS:-2}" --json "$OUT/probe.json" 2>&1 \
+        | tee "$OUT/probe.txt" || status=1
+}
+
 bench() {
     "$PYTHON" bench/gpu.py --rounds "${BENCH_ROUNDS:-1}" --steps "${BENCH_STEPS:-200}" \
         --only "${BENCH_ONLY:-fp32,tf32,bf16,fp16,bf16-resident}" \
@@ -82,8 +89,8 @@ bench() {
 
 for stage in "${stages[@]}"; do
     case "$stage" in
-        install | tests | suite | bench) echo "== $stage ($(date -u +%H:%M:%S))"; "$stage" ;;
-        *) echo "unknown stage '$stage': use install, tests, suite or bench"; exit 2 ;;
+        install | tests | suite | probe | bench) echo "== $stage ($(date -u +%H:%M:%S))"; "$stage" ;;
+        *) echo "unknown stage '$stage': use install, tests, suite, probe or bench"; exit 2 ;;
     esac
 done
 echo "== done ($(date -u +%H:%M:%S)): results in $OUT"

@@ -249,3 +249,40 @@ def test_long_steps_are_timed_fewer_times(monkeypatch):
     model = nn.Linear(8, 1)
     record = _probe(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.randn(4, 8), torch.randn(4, 1))
     assert record.steps_timed == 1 and all(s > 0 for s in record.seconds_per_step.values())
+
+
+def test_a_gpu_sample_is_several_steps_in_a_row_timed_per_step(monkeypatch):
+    """On a GPU a sample chains steps between two synchronizations (the host queues ahead, as in a run):
+    every timed setting runs CHAIN steps a sample, and its seconds are per step, not per sample."""
+    from dtrain.profiling import modelsteps
+
+    calls: list[int] = []
+    monkeypatch.setattr(modelsteps, "_chain", lambda device: 3)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks = _hooks(model, Float32())
+    counted = ProbeHooks(train_batch=lambda b, e, i: (calls.append(1), hooks.train_batch(b, e, i))[1],
+                         to_device=hooks.to_device, gradient_sync=hooks.gradient_sync, loader=hooks.loader,
+                         precision=hooks.precision)
+    times: dict[str, list[float]] = {"32-true": []}
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    began = __import__("time").perf_counter()
+    modelsteps._round(counted, [optimizer], CPU, {"32-true": ("32-true", (x, y))}, {}, times, True, {})
+    elapsed = __import__("time").perf_counter() - began
+    assert len(calls) == 3 and len(times["32-true"]) == 1
+    assert 0 < times["32-true"][0] <= elapsed / 3
+
+
+def test_a_16_mixed_step_goes_through_a_loss_scaler():
+    """16-mixed runs step through a GradScaler (its found-inf check waits for the device once a step): the
+    probe's 16-mixed steps do too, and the optimizer still steps."""
+    from dtrain.profiling import modelsteps
+
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = modelsteps.loss_scaler(CPU)
+    before = model.weight.detach().clone()
+    modelsteps._step(_hooks(model, Float32()), [optimizer], (torch.randn(8, 4), torch.randn(8, 1)), scaler)
+    assert not torch.equal(model.weight, before)  # unscaled and stepped: the flag said finite
+    assert scaler._scale is not None  # update() ran: the scale exists and moves with the steps
+    assert all(p.grad is None for p in model.parameters())

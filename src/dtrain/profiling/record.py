@@ -255,7 +255,8 @@ class ModelSteps(_Section):
     """``model_steps``: the model's own training steps (forward, backward and optimizer step on the run's
     data shape) timed on the first rank at the end of the run (:mod:`dtrain.profiling.modelsteps`), under each
     precision the device supports, and in the run's precision at twice the per-slot batch. Seconds per step
-    are the median of ``steps_timed`` steps after one warm-up step; ``cost_seconds`` is the whole probe's
+    are the median of ``steps_timed`` samples after untimed warm-up (a sample: one step; on a GPU, several
+    in a row); ``cost_seconds`` is the whole probe's
     wall time (what it added to the run). Absent from the file where not probed."""
 
     version: int = MODEL_STEPS_VERSION
