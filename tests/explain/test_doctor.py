@@ -153,34 +153,6 @@ def test_lower_precision_is_predicted_from_the_model_own_steps(device, timed, ex
         assert f"precision: bf16-mixed is predicted at {gain:.2f}x, no faster than" in rows["precision"]["why"]
 
 
-def test_a_gpu_precision_gain_stops_where_the_host_becomes_the_bound():
-    """A GPU-bound fp32 step hides the host's work; bf16 makes the device fast enough to bring it back. The
-    host's seconds (queueing the step, measured per precision, plus fetching a batch, measured in the run)
-    are the least a step can take: the predicted step is no shorter, and the why says so. Where the host is
-    well below the device's step, or its times were not measured, the gain is the timed steps' alone."""
-    from dtrain.explain import precision as precision_mod
-    from dtrain.explain.predictor import Predictor, target_at
-
-    timed = {"32-true": 0.0334, "bf16-mixed": 0.016}  # the GPU profile: 34 ms steps, 30 ms of them compute
-    free = precision_mod.estimate(_gpu_profile(model_steps=_model_steps(timed)), "bf16-mixed")
-    for queued, fetch, capped in ((0.019, 0.001, True), (0.004, 0.001, False)):
-        steps = {**_model_steps(timed), "host_seconds_per_step": {"32-true": 0.014, "bf16-mixed": queued},
-                 "fetch_host_seconds": fetch}
-        profile = _gpu_profile(model_steps=steps)
-        found = precision_mod.estimate(profile, "bf16-mixed")
-        if not capped:
-            assert found.gain == pytest.approx(free.gain) and "on the host" not in found.source
-            continue
-        # The step: 4 ms besides its 30 ms of compute, which may shrink only to the host's 20 ms in all.
-        assert found.gain == pytest.approx(0.030 / (0.020 - 0.004)) and found.gain < free.gain
-        assert "queueing a bf16-mixed step took 19.00 ms and fetching a batch 1.00 ms" in found.source
-        predictor = Predictor(profile)
-        step = 0.034 / predictor.predict(target_at(predictor.model, precision_gain=found.gain)).value
-        assert step == pytest.approx(0.020, rel=0.02)
-    cpu = precision_mod.estimate(make_profile([FAST], "vm", model_steps=_model_steps(timed)), "bf16-mixed")
-    assert "on the host" not in cpu.source  # a CPU step is its host's time already: no second bound
-
-
 def test_a_precision_interval_carries_its_timed_steps_spread_and_stays_within_25_percent():
     """The few timed model steps a precision's gain rests on are noisy: their measured spread widens the
     interval (more spread, wider), and with every input measured here it stays within +/-25% of its point."""

@@ -263,22 +263,3 @@ def test_collectives_are_timed_by_the_steps_clock(deferred):
     assert step["comm_busy"] == 4.0 and step["comm_bytes"] == 2000 and step["comm_buckets"] == 2
     assert step["comm_exposed"] == 3.0 and step["backward"] == 4.0 and step["step"] == 13.0
     assert t.clock.synchronized == (1 if deferred else 0)
-
-
-@pytest.mark.parametrize("deferred", [False, True])
-def test_a_gpu_run_samples_the_hosts_fetch_only_right_after_a_synchronization(monkeypatch, deferred):
-    """The host's seconds to fetch a batch (start to data edge) are sampled on the step right after each
-    flush's synchronization, where the device queue is empty and cannot hold the host back; never on a CPU
-    (nothing is deferred), never in warm-up steps."""
-    monkeypatch.setattr(timer_module, "FLUSH_EVERY", 2)
-    host = iter([10.0, 10.25, 20.0, 20.5])  # the host clock at the two sampled steps' start and data edge
-    monkeypatch.setattr(timer_module, "host_now", lambda: next(host))
-    t = _timer([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0] * 8, deferred=deferred, warmup=2)
-    for _ in range(8):  # flushes after steps 2, 4, 6, 8: steps 3, 5 and 7 follow a synchronization
-        _one_step(t)
-        if len(t.fetch_host_samples) == 2:
-            break
-    if deferred:
-        assert t.fetch_host_samples == [0.25, 0.5] and t.fetch_host_seconds() == 0.375
-    else:
-        assert t.fetch_host_samples == [] and t.fetch_host_seconds() is None

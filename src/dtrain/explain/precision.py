@@ -60,15 +60,12 @@ def estimate(profile: ProfileRecord, precision: str) -> PrecisionEstimate:
     if precision == profile.precision:
         return PrecisionEstimate(precision, 1.0, 1.0, "the run's own precision")
     gain = compute_speedup(profile, steps, precision) if steps is not None else None
-    if gain is not None and steps is not None:
+    if gain is not None:
         if bound is not None:  # a step cannot beat its matmuls' peak: noise in a short timing can
             gain = min(gain, bound)
-        source = (f"the model's own step timed in {profile.precision} and {precision} at the end of the run "
-                  "(measured; its float32 optimizer step left out)")
-        host = host_bound(profile, steps, precision)
-        if host is not None and host[0] < gain:
-            gain, source = host[0], f"{source}; {host[1]}"
-        return PrecisionEstimate(precision, gain, bound, source, gain_spread(profile, steps, precision))
+        return PrecisionEstimate(precision, gain, bound, f"the model's own step timed in {profile.precision} and "
+                                 f"{precision} at the end of the run (measured; its float32 optimizer step left out)",
+                                 gain_spread(profile, steps, precision))
     if bound is not None:
         return PrecisionEstimate(precision, None, bound, f"matmuls ran {bound:.1f}x faster in {precision} on this "
                                  f"{_device(profile)} (measured); only the matmul share of the step speeds up, and "
@@ -90,29 +87,6 @@ def compute_speedup(profile: ProfileRecord, steps: ModelSteps, precision: str) -
     if optimizer < 0.5 * min(mine, other):
         return (mine - optimizer) / (other - optimizer)
     return mine / other
-
-
-def host_bound(profile: ProfileRecord, steps: ModelSteps, precision: str) -> tuple[float, str] | None:
-    """The most forward + backward can gain in ``precision`` before the host becomes the bound (GPU runs),
-    and why, in words; None where the host's times were not measured (a CPU, an older dtrain).
-
-    A GPU step can go no faster than its host: the host queues the step's kernels (its seconds measured for
-    each precision by the model-step probe) and fetches the next batch (measured in the run) one after the
-    other. Where the device was the bound, its timed phases hide this host work; a precision that makes the
-    device fast enough brings it back. So the predicted step, the run's other phases plus its compute over
-    the gain, is at least the host's seconds: the gain is capped where they meet."""
-    queued = (steps.host_seconds_per_step or {}).get(precision)
-    fetch = steps.fetch_host_seconds
-    if queued is None or fetch is None:
-        return None
-    phases = profile.seconds_per_step
-    compute = phases.forward.mean + phases.backward.mean
-    rest = phases.step.mean - compute
-    floor = queued + fetch
-    if compute <= 0 or floor <= rest:
-        return None
-    return compute / (floor - rest), (f"on the host, queueing a {precision} step took {queued * 1e3:.2f} ms and "
-                                      f"fetching a batch {fetch * 1e3:.2f} ms (measured): no step is shorter")
 
 
 def gain_spread(profile: ProfileRecord, steps: ModelSteps, precision: str) -> float:

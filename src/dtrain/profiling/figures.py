@@ -206,8 +206,6 @@ def collect_rank_figures(facts: RunFacts) -> EndFigures:
         memory.update(probed.figures)
         memory["step_flops"] = count_step_flops(facts)
         steps = probed.model_steps
-        if steps is not None and steps.host_seconds_per_step:
-            steps = steps.model_copy(update={"fetch_host_seconds": timer.fetch_host_seconds()})
         if not facts.strategy.has_server_ranks:
             points = commprobe.end_of_run(group)
     per_rank = gather_rank_stats(timer, memory, group)

@@ -21,9 +21,7 @@ the host's work and the device's, so a timed sample is :data:`CHAIN` consecutive
 synchronizations (on an H100, a bf16 step timed alone read 14.8 ms where the run's took 18.4 ms: the host
 was the bound). And ``16-mixed`` steps through a ``GradScaler``, whose found-inf check waits for the device
 once a step: that wait is in its steps here too. The first round of a new precision pays for its kernels'
-first launches (seconds on a GPU): a second untimed round sizes the timed ones there. The host's own seconds
-for a step (until its last kernel was queued, the queue empty before it) are kept beside: a step can go no
-faster than its host, which is the bound of a step made short enough by a lower precision.
+first launches (seconds on a GPU): a second untimed round sizes the timed ones there.
 
 Training is left as it was: the models' and optimizers' state and the random generators are saved before
 and restored after (:func:`restored`), and gradients are cleared.
@@ -184,11 +182,10 @@ def _too_big(exc: Exception) -> bool:
 
 def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
            settings: dict[str, tuple[str, object]], failed: dict[str, str], times: dict[str, list[float]],
-           host: dict[str, list[float]], timed: bool, scalers: dict[str, torch.amp.GradScaler]) -> float:
+           timed: bool, scalers: dict[str, torch.amp.GradScaler]) -> float:
     """One sample of every setting not failed yet (:data:`CHAIN` steps on a GPU, one on a CPU); its seconds
-    per step join ``times`` where ``timed``, and on a GPU the host's seconds for the first step (until it
-    returned, the device queue empty before it) join ``host``. A setting that fails is entered in ``failed``
-    with its reason. Returns the round's seconds."""
+    per step join ``times`` where ``timed``. A setting that fails is entered in ``failed`` with its reason.
+    Returns the round's seconds."""
     began_round = time.perf_counter()
     chain = _chain(device)
     for key, (name, data) in settings.items():
@@ -198,9 +195,7 @@ def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], devic
             with as_precision(name, hooks.precision, device):
                 _sync(device)
                 began = time.perf_counter()
-                _step(hooks, optimizers, data, scalers.get(name))
-                issued = time.perf_counter() - began
-                for _ in range(chain - 1):
+                for _ in range(chain):
                     _step(hooks, optimizers, data, scalers.get(name))
                 _sync(device)
         except Exception as exc:  # a setting the model or the memory cannot take: said, not fatal
@@ -211,8 +206,6 @@ def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], devic
             continue
         if timed:
             times[key].append((time.perf_counter() - began) / chain)
-            if chain > 1:
-                host[key].append(issued)
     return time.perf_counter() - began_round
 
 
@@ -231,20 +224,19 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
     settings: dict[str, tuple[str, object]] = {name: (name, batch) for name in names}
     settings["double"] = (run, double)
     times: dict[str, list[float]] = {key: [] for key in settings}
-    host: dict[str, list[float]] = {key: [] for key in settings}
     failed: dict[str, str] = {}
     # 16-mixed steps through a loss scaler of its own here (a 16-mixed run's scaler is left as it was).
     scalers = {"16-mixed": loss_scaler(device)} if "16-mixed" in names else {}
     with restored(models, optimizers, device) if keep_state else contextlib.nullcontext():
-        warm_up = _round(hooks, optimizers, device, settings, failed, times, host, False, scalers)
+        warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers)
         if device.type == "cuda":  # the first round paid for new kernels: the next one sizes the timed rounds
-            warm_up = _round(hooks, optimizers, device, settings, failed, times, host, False, scalers)
+            warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers)
         # Short steps get more timed rounds, long ones fewer (at least one): the probe stays a small cost.
         if warm_up > 0:
             steps = max(1, min(max(steps, min(MAX_STEPS_TIMED, int(TARGET_SECONDS / warm_up))),
                                int(BUDGET_SECONDS / warm_up)))
         for _ in range(steps):
-            _round(hooks, optimizers, device, settings, failed, times, host, True, scalers)
+            _round(hooks, optimizers, device, settings, failed, times, True, scalers)
     skipped.update({k: v for k, v in failed.items() if k != "double"})
     best = {key: statistics.median(seconds) if seconds else float("inf") for key, seconds in times.items()}
     return ModelSteps(per_slot_batch_size=per_slot, run_precision=run, steps_timed=steps,
@@ -254,9 +246,7 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
                       double_batch_skipped=failed.get("double"),
                       cost_seconds=time.perf_counter() - start,
                       relative_spread={k: relative_spread(v) for k, v in times.items()
-                                       if k not in failed and len(v) > 1},
-                      host_seconds_per_step={k: statistics.median(host[k]) for k in names
-                                             if k not in failed and host[k]} or None)
+                                       if k not in failed and len(v) > 1})
 
 
 def relative_spread(seconds: list[float]) -> float:

@@ -2,13 +2,17 @@
 
 The end of a run builds a :class:`ProfileRecord` (:func:`dtrain.profiling.figures.build_profile`) and rank 0
 writes it with :func:`write_profile`; the doctor, ``dtrain plan``, ``--verify``, ``compare``, ``bench``, the
-summary and the report read it back with :func:`load_profile` (a file) or :func:`load_run_profile` (a run's
-directory) and use attributes, never string keys. The file is a user-facing contract (docs/profile.md):
-field names are its keys, in its order, as ``json.dumps(..., indent=2)`` of the former dict gave. Sections a
-run does not measure (``stragglers`` with one slot, the end-of-run probes, a device's own facts) are left out
-of the file, not written as null; they are None here. Loading is strict: no coercion, no unknown keys, every
-key the producer always writes is required. A file of another :data:`SCHEMA_VERSION`, damaged JSON or a
-structure that does not validate is a :class:`ProfileError` in one line: what was found, and to re-run.
+end-of-run summary and the report read it back with :func:`load_profile` (a file) or
+:func:`load_run_profile` (a finished run's directory) and use attributes, never string keys.
+
+The file is a user-facing contract (docs/profile.md): field names are its keys, in its order, and the JSON
+written is what ``json.dumps(..., indent=2)`` of the former dict gave. Sections that a run does not measure
+(``stragglers`` with one slot, the end-of-run probes, a CPU's or a GPU's own device facts) are left out of
+the file, not written as null; they are None here.
+
+Loading is strict: no coercion, no unknown keys, every key the producer always writes is required. A file of
+another :data:`SCHEMA_VERSION`, damaged JSON or a structure that does not validate is a :class:`ProfileError`
+in one line, saying what was found and to re-run the experiment.
 """
 
 from __future__ import annotations
@@ -74,6 +78,7 @@ class ByPhase(_Section, Generic[T]):
 
 class Spread(_Section):
     """Seconds per step across ranks: a straggler shows as a wide min-max."""
+
     min: float
     mean: float
     max: float
@@ -86,6 +91,7 @@ PhaseSpread = ByPhase[Spread]
 
 class WorkSeconds(_Section):
     """Seconds per step of each work phase (every phase but ``comm_exposed``, the waiting itself)."""
+
     data: float
     forward: float
     backward: float
@@ -95,6 +101,7 @@ class WorkSeconds(_Section):
 
 class RankFigures(_Section):
     """``per_rank[i]``: one rank's means."""
+
     rank: int
     host: str
     seconds_per_step: PhaseSeconds
@@ -107,6 +114,7 @@ class RankFigures(_Section):
 
 class Comm(_Section):
     """``comm``: the gradient exchange, means over ranks (zeros with one slot)."""
+
     bytes_per_step: float
     buckets_per_step: float
     busy_seconds_per_step: float
@@ -248,7 +256,8 @@ class ModelSteps(_Section):
     data shape) timed on the first rank at the end of the run (:mod:`dtrain.profiling.modelsteps`), under each
     precision the device supports, and in the run's precision at twice the per-slot batch. Seconds per step
     are the median of ``steps_timed`` samples after untimed warm-up (a sample: one step; on a GPU, several
-    in a row); ``cost_seconds`` is the whole probe's wall time. Absent from the file where not probed."""
+    in a row); ``cost_seconds`` is the whole probe's
+    wall time (what it added to the run). Absent from the file where not probed."""
 
     version: int = MODEL_STEPS_VERSION
     per_slot_batch_size: int
@@ -265,12 +274,6 @@ class ModelSteps(_Section):
     # Setting (a precision name, or "double" for twice the batch) -> relative standard deviation of its timed
     # steps (their range over the least, scaled as a normal sample's range); empty in files of an older dtrain.
     relative_spread: dict[str, float] = {}
-    # On a GPU (absent on a CPU): precision name -> the host's seconds to queue one step (the median), and the
-    # host's seconds per step to fetch the next batch in the run (steps right after a device synchronization).
-    # Together, the least a step can take where the device waits for the host.
-    OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"host_seconds_per_step", "fetch_host_seconds"})
-    host_seconds_per_step: dict[str, float] | None = None
-    fetch_host_seconds: float | None = None
 
     @field_validator("version")
     @classmethod

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import math
 import random
-import statistics
-from time import perf_counter as host_now
 from typing import Any
 
 import torch
@@ -112,16 +110,6 @@ class StepTimer:
         self._add_phase = self._phase.append
         self._add_stamp = self._stamp.append
         self._now = self.clock.stamp
-        # On a GPU, the host's seconds to fetch a batch (from the step's start to its data edge), in the first
-        # step after each synchronization of flush(): there the device's queue is empty, and a launch cannot
-        # wait for room in it. A device-timed run hides this host work where the device is the bound.
-        self.fetch_host_samples: list[float] = []
-        self._after_sync = False
-        self._fetch_began = 0.0
-
-    def fetch_host_seconds(self) -> float | None:
-        """The median of :attr:`fetch_host_samples` (a GPU run's host work to fetch a batch), None if none."""
-        return statistics.median(self.fetch_host_samples) if self.fetch_host_samples else None
 
     # ---------------------------------------------------------------------------------- edges
     def _edge(self, phase: int, stamp: Any) -> None:
@@ -131,10 +119,6 @@ class StepTimer:
     def start_step(self) -> None:
         if not self.enabled:
             return
-        if self._after_sync:
-            self._after_sync = False
-            if self.steps >= self.warmup_steps:
-                self._fetch_began = host_now()
         rec = self.recorder
         if rec.grad_ready_seen or rec.launches or rec.completions:  # most CPU steps leave nothing to reset
             rec.reset()
@@ -151,9 +135,6 @@ class StepTimer:
 
     def lap(self, phase: str) -> None:
         """Charge the time since the previous edge to ``phase``."""
-        if self._fetch_began:  # the data edge of a step right after a synchronization
-            self.fetch_host_samples.append(host_now() - self._fetch_began)
-            self._fetch_began = 0.0
         if self._in_step:  # own loops (dtrain.init) need not mark steps: then nothing is timed
             self._add_phase(_INDEX[phase])
             self._add_stamp(self._now())
@@ -237,7 +218,6 @@ class StepTimer:
         clock = self.clock
         if clock.deferred:
             clock.synchronize()
-            self._after_sync = True
             stamps: list[Any] = [0.0] * len(self._stamp)  # events as seconds since the first: then one
             first_event = self._stamp[0]                  # subtraction per edge, as for host stamps
             for i, event in enumerate(self._stamp):
