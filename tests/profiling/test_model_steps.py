@@ -253,11 +253,11 @@ def test_long_steps_are_timed_fewer_times(monkeypatch):
 
 def test_a_gpu_sample_is_several_steps_in_a_row_timed_per_step(monkeypatch):
     """On a GPU a sample chains steps between two synchronizations (the host queues ahead, as in a run):
-    every timed setting runs CHAIN steps a sample, and its seconds are per step, not per sample."""
+    every timed setting runs ``chain`` steps a sample, and its seconds are per step, not per sample. The
+    probe chains only where STEPS_TIMED rounds of chains fit its budget (a long step is the device's)."""
     from dtrain.profiling import modelsteps
 
     calls: list[int] = []
-    monkeypatch.setattr(modelsteps, "_chain", lambda device: 3)
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     hooks = _hooks(model, Float32())
@@ -267,22 +267,34 @@ def test_a_gpu_sample_is_several_steps_in_a_row_timed_per_step(monkeypatch):
     times: dict[str, list[float]] = {"32-true": []}
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     began = __import__("time").perf_counter()
-    modelsteps._round(counted, [optimizer], CPU, {"32-true": ("32-true", (x, y))}, {}, times, True, {})
+    modelsteps._round(counted, [optimizer], CPU, {"32-true": ("32-true", (x, y))}, {}, times, True, {}, 3)
     elapsed = __import__("time").perf_counter() - began
     assert len(calls) == 3 and len(times["32-true"]) == 1
     assert 0 < times["32-true"][0] <= elapsed / 3
 
+    monkeypatch.setattr(modelsteps, "_chain", lambda device: 3)  # as on a GPU
+    settings = 3  # 32-true, bf16-mixed and twice the batch on a CPU
+    for budget, chain in ((1e6, 3), (0.0, 1)):
+        monkeypatch.setattr(modelsteps, "BUDGET_SECONDS", budget)
+        calls.clear()
+        record = time_model_steps(counted, [model], [optimizer], CPU, (x, y),
+                                  (torch.cat([x, x]), torch.cat([y, y])), per_slot=8)
+        # Two untimed rounds of one step each, then the timed rounds of `chain` steps each.
+        assert len(calls) == settings * (2 + record.steps_timed * chain)
+
 
 def test_a_16_mixed_step_goes_through_a_loss_scaler():
     """16-mixed runs step through a GradScaler (its found-inf check waits for the device once a step): the
-    probe's 16-mixed steps do too, and the optimizer still steps."""
+    probe's 16-mixed steps do too, the optimizer still steps and the scale moves on; an optimizer that got no
+    gradients (which a scaler refuses) steps plainly."""
     from dtrain.profiling import modelsteps
 
-    model = nn.Linear(4, 1)
+    model, idle = nn.Linear(4, 1), nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    unused = torch.optim.SGD(idle.parameters(), lr=0.1)
     scaler = modelsteps.loss_scaler(CPU)
     before = model.weight.detach().clone()
-    modelsteps._step(_hooks(model, Float32()), [optimizer], (torch.randn(8, 4), torch.randn(8, 1)), scaler)
+    modelsteps._step(_hooks(model, Float32()), [optimizer, unused], (torch.randn(8, 4), torch.randn(8, 1)), scaler)
     assert not torch.equal(model.weight, before)  # unscaled and stepped: the flag said finite
-    assert scaler._scale is not None  # update() ran: the scale exists and moves with the steps
+    assert not scaler._per_optimizer_states  # update() ran: the per-step state is cleared for the next step
     assert all(p.grad is None for p in model.parameters())

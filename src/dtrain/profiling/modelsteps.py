@@ -5,7 +5,7 @@ A matmul's speed-up in another precision bounds a step's, but a step is not only
 softmax, norms, element-wise work, casts, the optimizer and memory traffic speed up less, or slow down
 (bf16 autocast on a CPU casts every weight at every forward). So at the end of a profiled run, on the first
 rank alone (the others wait), a few of the trial's own steps run on one of its batches: ``train_batch``
-(forward and backward, gradients not exchanged) and every optimizer's ``step``, once untimed per setting
+(forward and backward, gradients not exchanged) and every optimizer's ``step``, untimed first per setting
 (new kernels, allocator) then :data:`STEPS_TIMED` times, more (up to :data:`MAX_STEPS_TIMED`) while the
 rounds fit in :data:`TARGET_SECONDS`, fewer (at least once) where they would take over :data:`BUDGET_SECONDS`,
 the settings interleaved round by round so that a disturbance hits them alike; the
@@ -21,7 +21,9 @@ the host's work and the device's, so a timed sample is :data:`CHAIN` consecutive
 synchronizations (on an H100, a bf16 step timed alone read 14.8 ms where the run's took 18.4 ms: the host
 was the bound). And ``16-mixed`` steps through a ``GradScaler``, whose found-inf check waits for the device
 once a step: that wait is in its steps here too. The first round of a new precision pays for its kernels'
-first launches (seconds on a GPU): a second untimed round sizes the timed ones there.
+first launches (seconds on a GPU): a second untimed round, one step per setting, sizes the timed ones there,
+and chains only where :data:`STEPS_TIMED` rounds of them fit in :data:`BUDGET_SECONDS` (a long step is
+the device's, and chaining it would only multiply the probe's cost).
 
 Training is left as it was: the models' and optimizers' state and the random generators are saved before
 and restored after (:func:`restored`), and gradients are cleared.
@@ -148,14 +150,20 @@ def _host_copy(state: Mapping[str, object]) -> dict[str, object]:
 def _step(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], batch: object,
           scaler: torch.amp.GradScaler | None) -> None:
     hooks.train_batch(batch, 0, 0)  # forward and backward (gradient_sync(False): no exchange, no update)
+    scaled = False
     for opt in optimizers:
-        if scaler is None:
+        if scaler is not None and _has_gradients(opt):
+            scaler.step(opt)  # as a 16-mixed run steps: unscale, wait for the found-inf flag, step
+            scaled = True
+        else:  # (a scaler refuses an optimizer that got no gradients: its step does nothing either way)
             opt.step()
-        else:  # as a 16-mixed run steps: unscale, wait for the found-inf flag, step, move the scale
-            scaler.step(opt)
         opt.zero_grad(set_to_none=True)
-    if scaler is not None:
-        scaler.update()
+    if scaled:
+        scaler.update()  # type: ignore[union-attr]
+
+
+def _has_gradients(opt: torch.optim.Optimizer) -> bool:
+    return any(p.grad is not None for group in opt.param_groups for p in group["params"])
 
 
 def _sync(device: torch.device) -> None:
@@ -182,12 +190,11 @@ def _too_big(exc: Exception) -> bool:
 
 def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
            settings: dict[str, tuple[str, object]], failed: dict[str, str], times: dict[str, list[float]],
-           timed: bool, scalers: dict[str, torch.amp.GradScaler]) -> float:
-    """One sample of every setting not failed yet (:data:`CHAIN` steps on a GPU, one on a CPU); its seconds
-    per step join ``times`` where ``timed``. A setting that fails is entered in ``failed`` with its reason.
-    Returns the round's seconds."""
+           timed: bool, scalers: dict[str, torch.amp.GradScaler], chain: int = 1) -> float:
+    """One sample of every setting not failed yet (``chain`` steps in a row); its seconds per step join
+    ``times`` where ``timed``. A setting that fails is entered in ``failed`` with its reason. Returns the
+    round's seconds."""
     began_round = time.perf_counter()
-    chain = _chain(device)
     for key, (name, data) in settings.items():
         if key in failed:
             continue
@@ -196,7 +203,7 @@ def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], devic
                 _sync(device)
                 began = time.perf_counter()
                 for _ in range(chain):
-                    _step(hooks, optimizers, data, scalers.get(name))
+                    _step(hooks, optimizers, data, scalers.get(key))
                 _sync(device)
         except Exception as exc:  # a setting the model or the memory cannot take: said, not fatal
             failed[key] = ("out of memory" if _too_big(exc) else f"failed: {exc}".splitlines()[0])[:200]
@@ -225,18 +232,23 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
     settings["double"] = (run, double)
     times: dict[str, list[float]] = {key: [] for key in settings}
     failed: dict[str, str] = {}
-    # 16-mixed steps through a loss scaler of its own here (a 16-mixed run's scaler is left as it was).
-    scalers = {"16-mixed": loss_scaler(device)} if "16-mixed" in names else {}
+    # 16-mixed steps through a loss scaler of its own here, one per setting (a 16-mixed run's scaler is left
+    # as it was; its twice-the-batch setting gets one too).
+    scalers = {key: loss_scaler(device) for key, (name, _) in settings.items() if name == "16-mixed"}
+    chain = 1
     with restored(models, optimizers, device) if keep_state else contextlib.nullcontext():
         warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers)
-        if device.type == "cuda":  # the first round paid for new kernels: the next one sizes the timed rounds
+        if _chain(device) > 1:  # the first round paid for new kernels: the next one sizes the timed rounds
             warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers)
+            if warm_up * _chain(device) * STEPS_TIMED <= BUDGET_SECONDS:
+                chain = _chain(device)
+                warm_up *= chain
         # Short steps get more timed rounds, long ones fewer (at least one): the probe stays a small cost.
         if warm_up > 0:
             steps = max(1, min(max(steps, min(MAX_STEPS_TIMED, int(TARGET_SECONDS / warm_up))),
                                int(BUDGET_SECONDS / warm_up)))
         for _ in range(steps):
-            _round(hooks, optimizers, device, settings, failed, times, True, scalers)
+            _round(hooks, optimizers, device, settings, failed, times, True, scalers, chain)
     skipped.update({k: v for k, v in failed.items() if k != "double"})
     best = {key: statistics.median(seconds) if seconds else float("inf") for key, seconds in times.items()}
     return ModelSteps(per_slot_batch_size=per_slot, run_precision=run, steps_timed=steps,

@@ -2,17 +2,13 @@
 
 The end of a run builds a :class:`ProfileRecord` (:func:`dtrain.profiling.figures.build_profile`) and rank 0
 writes it with :func:`write_profile`; the doctor, ``dtrain plan``, ``--verify``, ``compare``, ``bench``, the
-end-of-run summary and the report read it back with :func:`load_profile` (a file) or
-:func:`load_run_profile` (a finished run's directory) and use attributes, never string keys.
-
-The file is a user-facing contract (docs/profile.md): field names are its keys, in its order, and the JSON
-written is what ``json.dumps(..., indent=2)`` of the former dict gave. Sections that a run does not measure
-(``stragglers`` with one slot, the end-of-run probes, a CPU's or a GPU's own device facts) are left out of
-the file, not written as null; they are None here.
-
-Loading is strict: no coercion, no unknown keys, every key the producer always writes is required. A file of
-another :data:`SCHEMA_VERSION`, damaged JSON or a structure that does not validate is a :class:`ProfileError`
-in one line, saying what was found and to re-run the experiment.
+summary and the report read it back with :func:`load_profile` (a file) or :func:`load_run_profile` (a run's
+directory) and use attributes, never string keys. The file is a user-facing contract (docs/profile.md):
+field names are its keys, in its order, as ``json.dumps(..., indent=2)`` of the former dict gave. Sections a
+run does not measure (``stragglers`` with one slot, the end-of-run probes, a device's own facts) are left out
+of the file, not written as null; they are None here. Loading is strict: no coercion, no unknown keys, every
+key the producer always writes is required. A file of another :data:`SCHEMA_VERSION`, damaged JSON or a
+structure that does not validate is a :class:`ProfileError` in one line: what was found, and to re-run.
 """
 
 from __future__ import annotations
