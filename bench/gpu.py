@@ -135,12 +135,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None,
+               dtype: torch.dtype | None, tokens: torch.Tensor, targets: torch.Tensor) -> None:
+    """One step of the hand-written loop: autocast around forward and loss (``dtype`` None: none), backward,
+    the optimizer's step, through ``scaler`` where fp16 has one."""
+    from models import lm_loss
+
+    with torch.autocast(tokens.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+        loss = lm_loss(model(tokens), targets)
+    opt.zero_grad(set_to_none=True)
+    if scaler is not None:
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    else:
+        loss.backward()
+        opt.step()
+
+
 def plain_loop(variant: str, steps: int, warmup: int, batch: int, ops_steps: int = 0,
                device: torch.device = GPU) -> dict[str, Any]:
     """A hand-written loop (see the module's doc): steady samples/s and the first steps' seconds; with
     ``ops_steps``, the operations of that many steps after the warm-up instead. ``...-resident``: one batch
     copied to the device once and used at every step (no data path)."""
-    from models import GPT, RandomTokens, lm_loss
+    from models import GPT, RandomTokens
 
     precision, resident = variant.removesuffix("-resident"), variant.endswith("-resident")
     torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
@@ -171,16 +189,7 @@ def plain_loop(variant: str, steps: int, warmup: int, batch: int, ops_steps: int
         if i == last:
             break
         tokens, targets = tokens.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = lm_loss(model(tokens), targets)
-        opt.zero_grad(set_to_none=True)
-        if scaler is not None:
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-        else:
-            loss.backward()
-            opt.step()
+        plain_step(model, opt, scaler, dtype, tokens, targets)
     _sync(device)
     seconds = time.perf_counter() - start
     torch.backends.cuda.matmul.allow_tf32 = False

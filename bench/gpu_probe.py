@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from models import GPT, RandomTokens, lm_loss
+from gpu import plain_step
+from models import GPT, RandomTokens
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
 DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -48,17 +49,7 @@ class Stepper:
         torch.backends.cuda.matmul.allow_tf32 = self.precision == "tf32"
         tokens, targets = (tuple(t.to(self.device, non_blocking=True) for t in self.host) if copy
                            else self.batch)
-        dtype = DTYPE.get(self.precision)
-        with torch.autocast(self.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
-            loss = lm_loss(self.model(tokens), targets)
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward()
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            loss.backward()
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
+        plain_step(self.model, self.opt, self.scaler, DTYPE.get(self.precision), tokens, targets)
 
 
 def _timed(stepper: Stepper, steps: int, copy: bool = False) -> tuple[float, float]:

@@ -31,8 +31,8 @@
 #     'typing-extensions>=4.16' optuna==5.0.0 alembic sqlalchemy colorlog Mako
 # Knobs: PYTHON (python3), WHEELS (.whl), OUT, BENCH_ROUNDS (1), BENCH_STEPS (200), BENCH_WARMUP (30),
 # BENCH_OPS (5: bf16 steps profiled op by op; 0: none), BENCH_ONLY (the plain loops, and the dtrain rows held
-# against them; e.g. BENCH_ROUNDS=3 BENCH_ONLY=fp32,tf32,bf16 BENCH_OPS=0: three rounds, about 6 minutes as
-# estimated from the 2026-11-27 call, whose one round of every row took 222 s with the install).
+# against them; e.g. BENCH_ONLY=fp32,tf32,bf16,fp16 BENCH_OPS=0: one round took 152-168 s of bench and
+# 165-179 s with the install in three calls of 2026-11-27, on an H100 and an H200).
 set -uo pipefail
 
 PYTHON=${PYTHON:-python3}

@@ -235,13 +235,13 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
     # 16-mixed steps through a loss scaler of its own here, one per setting (a 16-mixed run's scaler is left
     # as it was; its twice-the-batch setting gets one too).
     scalers = {key: loss_scaler(device) for key, (name, _) in settings.items() if name == "16-mixed"}
-    chain = 1
+    chain, queued = 1, _chain(device)
     with restored(models, optimizers, device) if keep_state else contextlib.nullcontext():
         warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers)
-        if _chain(device) > 1:  # the first round paid for new kernels: the next one sizes the timed rounds
+        if queued > 1:  # the first round paid for new kernels: the next one sizes the timed rounds
             warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers)
-            if warm_up * _chain(device) * STEPS_TIMED <= BUDGET_SECONDS:
-                chain = _chain(device)
+            if warm_up * queued * STEPS_TIMED <= BUDGET_SECONDS:
+                chain = queued
                 warm_up *= chain
         # Short steps get more timed rounds, long ones fewer (at least one): the probe stays a small cost.
         if warm_up > 0:

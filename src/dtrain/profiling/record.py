@@ -252,8 +252,8 @@ class ModelSteps(_Section):
     data shape) timed on the first rank at the end of the run (:mod:`dtrain.profiling.modelsteps`), under each
     precision the device supports, and in the run's precision at twice the per-slot batch. Seconds per step
     are the median of ``steps_timed`` samples after untimed warm-up (a sample: one step; on a GPU, several
-    in a row); ``cost_seconds`` is the whole probe's
-    wall time (what it added to the run). Absent from the file where not probed."""
+    in a row); ``cost_seconds`` is the whole probe's wall time (what it added to the run). Absent from the
+    file where not probed."""
 
     version: int = MODEL_STEPS_VERSION
     per_slot_batch_size: int
