@@ -153,6 +153,39 @@ def test_lower_precision_is_predicted_from_the_model_own_steps(device, timed, ex
         assert f"precision: bf16-mixed is predicted at {gain:.2f}x, no faster than" in rows["precision"]["why"]
 
 
+def test_a_host_bound_precision_also_waits_for_the_run_fetch_of_a_batch():
+    """On a GPU the profile's data phase is the device's clock: 1 ms here while the device was the bound. A
+    precision whose probe samples took no longer than the host needed to queue them is host-bound: its step
+    waits for the run's fetch (3 ms on the host's clock) as well, so it gains less; a precision with spare device
+    time hides the fetch, and on a CPU (whose data phase is the host's) nothing changes."""
+    from dtrain.explain import precision as precision_mod
+    from dtrain.explain.predictor import Predictor, target_at
+
+    timed = {"32-true": 0.0334, "bf16-mixed": 0.016}
+    plain = precision_mod.estimate(_gpu_profile(model_steps=_model_steps(timed)), "bf16-mixed")
+
+    def waits(host_bf16, fetch=0.003, profile=_gpu_profile):
+        steps = {**_model_steps(timed), "loop_data_host_seconds": fetch,
+                 "host_seconds_per_step": {"32-true": 0.012, "bf16-mixed": host_bf16}}
+        run = profile(model_steps=steps)
+        found = precision_mod.estimate(run, "bf16-mixed")
+        predictor = Predictor(run)
+        target = target_at(predictor.model, precision_gain=found.gain, precision_data=found.data)
+        return found, predictor.predict(target).value
+
+    bound, bound_gain = waits(host_bf16=0.0159)
+    assert bound.gain == pytest.approx(plain.gain) and bound.data == pytest.approx(0.003 - 0.0001)
+    assert "waits 2.90 ms for its batch" in bound.source
+    hidden, hidden_gain = waits(host_bf16=0.010)  # 6 ms of device time to spare: the fetch hides in it
+    assert hidden.data == 0.0 and "waits" not in hidden.source
+    step = 0.034  # the GPU profile's: data 1, compute 30, fixed 3 ms
+    assert hidden_gain == pytest.approx(step / (0.001 + 0.030 / plain.gain + 0.003))
+    assert bound_gain == pytest.approx(step / (0.0029 + 0.030 / plain.gain + 0.003))
+    cpu_steps = {**_model_steps({"32-true": 0.010, "bf16-mixed": 0.008}), "loop_data_host_seconds": 0.003,
+                 "host_seconds_per_step": {"32-true": 0.010, "bf16-mixed": 0.008}}
+    assert precision_mod.estimate(make_profile([FAST], "vm", model_steps=cpu_steps), "bf16-mixed").data is None
+
+
 def test_a_precision_interval_carries_its_timed_steps_spread_and_stays_within_25_percent():
     """The few timed model steps a precision's gain rests on are noisy: their measured spread widens the
     interval (more spread, wider), and with every input measured here it stays within +/-25% of its point."""

@@ -76,6 +76,25 @@ def test_steps_resolve_every_window(monkeypatch, deferred):
     assert t.last_step_seconds == 6.0
 
 
+def test_the_fetch_is_also_timed_on_the_host_clock(monkeypatch):
+    """On CUDA the data phase is the device's clock: nothing while the device was busy with the queued steps.
+    The host's own seconds of each fetch are kept apart (``data_host``), over the same steps as the phases."""
+    host = iter([10.0, 10.003, 20.0, 20.002, 30.0, 30.004])  # (start, batch here) per step; the first is warm-up
+    monkeypatch.setattr(timer_module.time, "perf_counter", lambda: next(host))
+    t = _timer([0.0, 0.0, 2.0, 5.0, 5.0, 6.0, 6.0] * 3, deferred=True, warmup=1)
+    for _ in range(3):
+        t.start_step()
+        t.data_lap()
+        t.backward_begin()
+        t.backward_end()
+        t.lap("other")
+        t.lap("optimizer")
+        t.end_step()
+    step = t.per_step()
+    assert step["data"] == 0.0 and step["step"] == 6.0
+    assert step["data_host"] == pytest.approx((0.002 + 0.004) / 2)
+
+
 class StepClock:
     """Host-style clock whose edges are ``edge`` seconds apart; the test sets ``edge`` per step."""
 

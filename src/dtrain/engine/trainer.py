@@ -297,7 +297,7 @@ class Trainer:
             timer.start_step()
             STATUS.enter("loading data", self.batches)
         batch = self._fetch()
-        timer.lap("data")
+        timer.data_lap()
         STATUS.enter("train_batch")
         metrics = self.trial.train_batch(batch, epoch, self.batches)
         timer.end_step()

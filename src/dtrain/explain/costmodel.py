@@ -98,6 +98,7 @@ class Target:
     precision_gain: float = 1.0
     precision_spread: float = 0.0  # one relative sd of precision_gain, as its timed steps spread (measured)
     data_workers_step: float | None = None  # the data wait with other loader processes (the doctor's plan)
+    precision_data: float | None = None  # the least data wait in another precision (a host-bound GPU step)
     cores: int | None = None  # per host; None: as many as the run's host had
     # Slots sharing one machine's caches and memory bandwidth; None: a host's local slots. Hosts that are network
     # namespaces of one machine (scripts/testhosts.py) share it: their slots slow each other as local ones do.
@@ -288,6 +289,8 @@ class CostModel:
         data = (f.data + self._data_growth(ratio)) / f.crowd * crowd
         if target.data_workers_step is not None:
             data = target.data_workers_step
+        if target.precision_data is not None:
+            data = max(data, target.precision_data)
         # The run's host work ran beside its other local slots: on a CPU, by the optimizer's own probe where it
         # ran (its thread scaling and contention differ from the matmuls'), else as the model steps contended.
         fixed_scale = f.optimizer_scale(threads, target.machine_slots or local) if f.device == "cpu" else 1.0

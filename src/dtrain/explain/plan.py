@@ -105,8 +105,8 @@ def cases(model: CostModel, p: ProfileRecord, slot_counts: list[int], nodes: int
                 if len(model.buckets(4.0 * p.parameters, False)) > 1:
                     out.append(Case(target_at(model, n, hosts, one_bucket=True), "fusion"))
             if lower is not None and gain is not None:
-                out.append(Case(target_at(model, n, hosts, precision_gain=gain, precision_spread=lower.spread),
-                                "precision", lower.precision))
+                out.append(Case(target_at(model, n, hosts, precision_gain=gain, precision_spread=lower.spread,
+                                          precision_data=lower.data), "precision", lower.precision))
     return out
 
 

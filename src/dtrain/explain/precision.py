@@ -34,6 +34,7 @@ class PrecisionEstimate:
     bound: float | None
     source: str  # in words, for the doctor's why and --try's inputs
     spread: float = 0.0  # one relative standard deviation of ``gain`` from its timed steps' spread (0: unknown)
+    data: float | None = None  # seconds per step the data wait becomes at least (a host-bound step; None: as run)
 
 
 def model_steps(profile: ProfileRecord) -> ModelSteps | None:
@@ -63,9 +64,12 @@ def estimate(profile: ProfileRecord, precision: str) -> PrecisionEstimate:
     if gain is not None:
         if bound is not None:  # a step cannot beat its matmuls' peak: noise in a short timing can
             gain = min(gain, bound)
+        data = host_bound_data(profile, steps, precision) if steps is not None else None
+        waits = (f"; the host is the bound there, so each step also waits {1e3 * data:.2f} ms for its batch (the run's "
+                 "fetch, timed on the host)" if data is not None and data > profile.seconds_per_step.data.mean else "")
         return PrecisionEstimate(precision, gain, bound, f"the model's own step timed in {profile.precision} and "
-                                 f"{precision} at the end of the run (measured; its float32 optimizer step left out)",
-                                 gain_spread(profile, steps, precision))
+                                 f"{precision} at the end of the run (measured; its float32 optimizer step left "
+                                 f"out){waits}", gain_spread(profile, steps, precision), data)
     if bound is not None:
         return PrecisionEstimate(precision, None, bound, f"matmuls ran {bound:.1f}x faster in {precision} on this "
                                  f"{_device(profile)} (measured); only the matmul share of the step speeds up, and "
@@ -87,6 +91,20 @@ def compute_speedup(profile: ProfileRecord, steps: ModelSteps, precision: str) -
     if optimizer < 0.5 * min(mine, other):
         return (mine - optimizer) / (other - optimizer)
     return mine / other
+
+
+def host_bound_data(profile: ProfileRecord, steps: ModelSteps, precision: str) -> float | None:
+    """On a GPU, the seconds a step in ``precision`` waits for its batch: the run's fetch of a batch, timed on the
+    host, less the device time the host has to spare in that precision (a sample's seconds over the host's own
+    to queue it). In a run the device waits for a host-bound step's fetch, which the probe's steps (on one
+    batch kept on the device) leave out; where the device is the bound the host fetches while it computes.
+    None on a CPU (its data phase is the host's already) or where the probe kept no host figures."""
+    facts = profile.device_facts
+    fetch, seconds = steps.loop_data_host_seconds, steps.seconds_per_step.get(precision)
+    host = steps.host_seconds_per_step.get(precision)
+    if facts is None or facts.type != "cuda" or fetch is None or not seconds or host is None:
+        return None
+    return max(0.0, fetch - max(0.0, seconds - host))
 
 
 def gain_spread(profile: ProfileRecord, steps: ModelSteps, precision: str) -> float:

@@ -206,6 +206,8 @@ def collect_rank_figures(facts: RunFacts) -> EndFigures:
         memory.update(probed.figures)
         memory["step_flops"] = count_step_flops(facts)
         steps = probed.model_steps
+        if steps is not None:  # this rank's loop, beside this rank's probe: the doctor weighs one against the other
+            steps = steps.model_copy(update={"loop_data_host_seconds": timer.per_step()["data_host"]})
         if not facts.strategy.has_server_ranks:
             points = commprobe.end_of_run(group)
     per_rank = gather_rank_stats(timer, memory, group)

@@ -23,7 +23,9 @@ was the bound). And ``16-mixed`` steps through a ``GradScaler``, whose found-inf
 once a step: that wait is in its steps here too. The first round of a new precision pays for its kernels'
 first launches (seconds on a GPU): a second untimed round, one step per setting, sizes the timed ones there,
 and chains only where :data:`STEPS_TIMED` rounds of them fit in :data:`BUDGET_SECONDS` (a long step is
-the device's, and chaining it would only multiply the probe's cost).
+the device's, and chaining it would only multiply the probe's cost). Each sample also keeps the host's own
+seconds to queue its steps: where they come near the sample's, the host is the bound in that precision, and
+whatever else the run's host does each step (fetching a batch) adds to its step there.
 
 Training is left as it was: the models' and optimizers' state and the random generators are saved before
 and restored after (:func:`restored`), and gradients are cleared.
@@ -190,10 +192,12 @@ def _too_big(exc: Exception) -> bool:
 
 def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
            settings: dict[str, tuple[str, object]], failed: dict[str, str], times: dict[str, list[float]],
-           timed: bool, scalers: dict[str, torch.amp.GradScaler], chain: int = 1) -> float:
+           timed: bool, scalers: dict[str, torch.amp.GradScaler], chain: int = 1,
+           queued: dict[str, list[float]] | None = None) -> float:
     """One sample of every setting not failed yet (``chain`` steps in a row); its seconds per step join
-    ``times`` where ``timed``. A setting that fails is entered in ``failed`` with its reason. Returns the
-    round's seconds."""
+    ``times`` where ``timed``, and the host's seconds per step to queue them (until the last step's calls
+    returned, before the device caught up) join ``queued`` where given. A setting that fails is entered in
+    ``failed`` with its reason. Returns the round's seconds."""
     began_round = time.perf_counter()
     for key, (name, data) in settings.items():
         if key in failed:
@@ -204,6 +208,7 @@ def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], devic
                 began = time.perf_counter()
                 for _ in range(chain):
                     _step(hooks, optimizers, data, scalers.get(key))
+                host = time.perf_counter()
                 _sync(device)
         except Exception as exc:  # a setting the model or the memory cannot take: said, not fatal
             failed[key] = ("out of memory" if _too_big(exc) else f"failed: {exc}".splitlines()[0])[:200]
@@ -213,6 +218,8 @@ def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], devic
             continue
         if timed:
             times[key].append((time.perf_counter() - began) / chain)
+            if queued is not None:
+                queued[key].append((host - began) / chain)
     return time.perf_counter() - began_round
 
 
@@ -231,6 +238,7 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
     settings: dict[str, tuple[str, object]] = {name: (name, batch) for name in names}
     settings["double"] = (run, double)
     times: dict[str, list[float]] = {key: [] for key in settings}
+    host_times: dict[str, list[float]] = {key: [] for key in settings}
     failed: dict[str, str] = {}
     # 16-mixed steps through a loss scaler of its own here, one per setting (a 16-mixed run's scaler is left
     # as it was; its twice-the-batch setting gets one too).
@@ -248,7 +256,7 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
             steps = max(1, min(max(steps, min(MAX_STEPS_TIMED, int(TARGET_SECONDS / warm_up))),
                                int(BUDGET_SECONDS / warm_up)))
         for _ in range(steps):
-            _round(hooks, optimizers, device, settings, failed, times, True, scalers, chain)
+            _round(hooks, optimizers, device, settings, failed, times, True, scalers, chain, host_times)
     skipped.update({k: v for k, v in failed.items() if k != "double"})
     best = {key: statistics.median(seconds) if seconds else float("inf") for key, seconds in times.items()}
     return ModelSteps(per_slot_batch_size=per_slot, run_precision=run, steps_timed=steps,
@@ -258,7 +266,9 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
                       double_batch_skipped=failed.get("double"),
                       cost_seconds=time.perf_counter() - start,
                       relative_spread={k: relative_spread(v) for k, v in times.items()
-                                       if k not in failed and len(v) > 1})
+                                       if k not in failed and len(v) > 1},
+                      host_seconds_per_step={k: statistics.median(v) for k, v in host_times.items()
+                                             if k not in failed and v})
 
 
 def relative_spread(seconds: list[float]) -> float:

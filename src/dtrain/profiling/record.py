@@ -270,6 +270,10 @@ class ModelSteps(_Section):
     # Setting (a precision name, or "double" for twice the batch) -> relative standard deviation of its timed
     # steps (their range over the least, scaled as a normal sample's range); empty in files of an older dtrain.
     relative_spread: dict[str, float] = {}
+    # Setting -> the host's seconds per step to queue a sample (on a GPU, before the device caught up); and the
+    # run's host seconds per step fetching a batch: what a host-bound step in another precision waits for too.
+    host_seconds_per_step: dict[str, float] = {}
+    loop_data_host_seconds: float | None = None
 
     @field_validator("version")
     @classmethod
@@ -277,11 +281,6 @@ class ModelSteps(_Section):
         if version != MODEL_STEPS_VERSION:
             raise ValueError(f"model_steps version {version}; this dtrain reads version {MODEL_STEPS_VERSION}")
         return version
-
-    def speedup(self, precision: str) -> float | None:
-        """How many times faster a step is in ``precision`` than in the run's (None: either not timed)."""
-        mine, other = self.seconds_per_step.get(self.run_precision), self.seconds_per_step.get(precision)
-        return mine / other if mine and other else None
 
     @property
     def double_batch_ratio(self) -> float | None:

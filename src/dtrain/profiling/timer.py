@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 from typing import Any
 
 import torch
@@ -41,7 +42,8 @@ from dtrain.profiling.stragglers import STEP_COLUMN, LagSampler
 
 COMM_FIELDS = ("comm_busy", "comm_bytes", "comm_buckets")
 _INDEX = {p: i for i, p in enumerate(PHASES)}
-_FORWARD, _BACKWARD, _EXPOSED, _OTHER = _INDEX["forward"], _INDEX["backward"], _INDEX["comm_exposed"], _INDEX["other"]
+_DATA, _FORWARD, _BACKWARD = _INDEX["data"], _INDEX["forward"], _INDEX["backward"]
+_EXPOSED, _OTHER = _INDEX["comm_exposed"], _INDEX["other"]
 # Steps whose edges are kept before they are resolved (on CUDA, one synchronization per this many steps
 # at most, when reports are rarer).
 FLUSH_EVERY = 64
@@ -90,6 +92,11 @@ class StepTimer:
         self._window_sum, self._window_count = 0.0, 0
         self._last_step = 0.0
         self._in_step = False
+        # The host's own seconds fetching each batch, weighted as the steps are: on CUDA the device's clock
+        # shows only what the host's fetch left the device idle (nothing while the device is the bound), and
+        # the doctor needs the fetch's cost should another precision make the host the bound.
+        self._host_began = self._host_data = 0.0
+        self.data_host_total = 0.0
         # Whether the current step exchanges gradients (False while aggregating: the context sets it);
         # only exchanging steps are offered to the straggler sampler, as only they have a collective.
         self.exchanging = True
@@ -132,6 +139,15 @@ class StepTimer:
         self._step_first = len(self._phase)
         self._add_phase(-1)
         self._add_stamp(self._now())
+        self._host_began = time.perf_counter()
+
+    def data_lap(self) -> None:
+        """The batch is here: the time since the step began was ``data`` (and the host's own seconds of it
+        are kept apart, see ``data_host`` in :meth:`per_step`)."""
+        if self._in_step:
+            self._add_phase(_DATA)
+            self._add_stamp(self._now())
+            self._host_data = time.perf_counter() - self._host_began
 
     def lap(self, phase: str) -> None:
         """Charge the time since the previous edge to ``phase``."""
@@ -181,6 +197,8 @@ class StepTimer:
             rec.settle()
         # Weight: how many steps this one stands for (0: warm-up, timed but not in the statistics).
         weight = 0 if self.steps <= self.warmup_steps else 1 if self.steps <= self._dense_until else self.sample_every
+        self.data_host_total += self._host_data * weight
+        self._host_data = 0.0
         first = self._step_first
         if rec.launches:
             busy = self._defer_busy(rec) if self.clock.deferred else rec.busy_seconds()
@@ -300,6 +318,7 @@ class StepTimer:
         out = {key: value / n for key, value in self.totals.items()}
         out["step"] = self.profiled_seconds / n
         out["step_std"] = max(0.0, self.profiled_squares / n - out["step"] ** 2) ** 0.5
+        out["data_host"] = self.data_host_total / n
         native = self.recorder.native() if self.recorder.native is not None else None
         if native is not None:
             # Busy time, bytes and buckets from DDP's own timers; exposed time (after the last gradient)

@@ -53,7 +53,8 @@ class Context:
         found = self.lower_precision
         if found is None or found.gain is None or found.gain <= 1.0:
             return 0.0
-        return self.compute * (1 - 1 / found.gain)
+        waits = max(0.0, found.data - self.data) if found.data is not None else 0.0  # a host-bound step's fetch
+        return max(0.0, self.compute * (1 - 1 / found.gain) - waits)
 
 
 class Factor:

@@ -30,7 +30,7 @@ class Precision(Factor):
                           f"the step is trained in {run}; {found.source}: forward and backward "
                           f"{found.gain:.2f}x as fast (weights stay float32; bf16 needs no loss scaling)",
                           ctx.predictor.gain(action, precision_gain=found.gain,
-                                             precision_spread=found.spread))
+                                             precision_spread=found.spread, precision_data=found.data))
         bound = ctx.predictor.predict(target_at(ctx.predictor.model, precision_gain=found.bound or 1.0)).value
         return Advice("precision", found.precision,
                       f"the step is trained in {run}; {found.source}: at most {bound:.2f}x samples/s, the bound if "
