@@ -24,7 +24,8 @@ the first step from the worker's start, and the warm-up steps' excess over stead
 issue 46: dtrain at >= 0.98 of the plain loop in bf16, >= 0.97 in fp16, 1.00 in fp32 (steady state).
 
 ``dtrain doctor --try precision=...`` on the profiled fp32 run is held against the precision rows' measured
-gains (issue 45: within +/-20% on a GPU): no extra run.
+gains, and ``--try hyperparameters.global_batch_size=2B`` on the fp32 and bf16-mixed runs against those
+precisions run again at twice the batch (issue 45: within +/-20% on a GPU).
 
 ``--ops N`` then profiles N steady steps of the plain bf16 loop and of dtrain's bf16-mixed run with
 torch.profiler (CPU and CUDA): per step, the aten operations and CUDA kernels of each and the ones that
@@ -106,6 +107,10 @@ PLAIN = ("fp32", "tf32", "bf16", "fp16", "bf16-resident")
 # "-resident" variant: the pair without any data path, so a gap that closes there is the data path's.
 DTRAIN = (("32-true", True, False), ("32-true", False, False), ("tf32", True, False), ("bf16-mixed", True, False),
           ("16-mixed", True, False), ("bf16-mixed", True, True))
+# Precisions also run at twice the batch: the doctor's --try global_batch_size on the batch's run is held
+# against them (issue 45: within +/-20%). fp32 is the device's bound here; bf16 the host's.
+DOUBLED = ("32-true", "bf16-mixed")
+PRECISION_TRIES = ("tf32", "bf16-mixed", "16-mixed")
 # Which plain loop each dtrain precision is held against.
 BASELINE = {"32-true": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 
@@ -202,8 +207,9 @@ def plain_loop(variant: str, steps: int, warmup: int, batch: int, ops_steps: int
 
 
 def dtrain_run(precision: str, profiling: bool, synthetic: bool, steps: int, warmup: int, batch: int, tmp: Path,
-               ops_steps: int = 0) -> dict[str, Any]:
-    """One ``dtrain run`` of the GPT trial; its summary's figures (or, with ``ops_steps``, its operations)."""
+               ops_steps: int = 0, tries: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One ``dtrain run`` of the GPT trial; its summary's figures (or, with ``ops_steps``, its operations), and
+    what ``dtrain doctor --try`` says of it for each of ``tries``."""
     (tmp / "gpt_trial.py").write_text(TRIAL)
     (tmp / "models.py").write_text((HERE / "models.py").read_text())
     (tmp / "gpu.py").write_text(Path(__file__).read_text())
@@ -227,7 +233,7 @@ def dtrain_run(precision: str, profiling: bool, synthetic: bool, steps: int, war
         return json.loads(ops_out.read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
     first = summary.get("first_steps") or {}
-    doctor = ask_doctor(run_dir) if precision == "32-true" and profiling and not synthetic else None
+    doctor = ask_doctor(run_dir, tries) if tries else None
     return {"all_steps": summary["samples_per_second_all_steps"], "steady": summary["samples_per_second"],
             "time_to_first_step": first.get("time_to_first_step_seconds"), "first_steps_seconds": first.get("seconds"),
             "first_steps_excess": first.get("excess_seconds"), "mfu": (summary.get("flops") or {}).get("mfu"),
@@ -243,45 +249,65 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def ask_doctor(run_dir: Path) -> dict[str, Any]:
-    """What ``dtrain doctor --try precision=...`` predicts for the fp32 run (issue 45: within +/-20% of the
-    measured gain on a GPU): gain and 80% interval per precision, or why it cannot say."""
+def doctor_tries(precision: str, profiling: bool, synthetic: bool, batch: int) -> tuple[str, ...]:
+    """What the doctor is asked of a run at the bench's batch: other precisions (of the fp32 run), twice the
+    batch (of the runs :data:`DOUBLED` also measures)."""
+    if not profiling or synthetic:
+        return ()
+    tries = tuple(f"precision={p}" for p in PRECISION_TRIES) if precision == "32-true" else ()
+    return tries + ((f"hyperparameters.global_batch_size={2 * batch}",) if precision in DOUBLED else ())
+
+
+def ask_doctor(run_dir: Path, tries: tuple[str, ...]) -> dict[str, Any]:
+    """What ``dtrain doctor --try`` predicts for the run (issue 45: within +/-20% of the measured gain on a
+    GPU): gain and 80% interval per change (a precision by its name, twice the batch as ``batch=N``), or why
+    it cannot say."""
     argv = [sys.executable, "-m", "dtrain.cli", "doctor", str(run_dir), "--json",
-            *[a for p in ("tf32", "bf16-mixed", "16-mixed") for a in ("--try", f"precision={p}")]]
+            *[a for t in tries for a in ("--try", t)]]
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         return {"error": done.stderr[-2000:]}
-    tries = json.loads(done.stdout)["tries"]
-    said: dict[str, Any] = {t["value"]: {k: t[k] for k in ("gain", "low", "high", "reason")} for t in tries}
+    answers = json.loads(done.stdout)["tries"]
+    said: dict[str, Any] = {str(t["value"]) if t["key"] == "precision" else f"batch={t['value']}":
+                            {k: t[k] for k in ("gain", "low", "high", "reason")} for t in answers}
     # What the predictions rest on, kept so that a prediction far off can be taken apart after the lease.
     profile = json.loads((run_dir / "profile.json").read_text())
     said["_inputs"] = {k: profile.get(k) for k in ("model_steps", "seconds_per_step", "device_facts")}
     return said
 
 
-def print_doctor(ours: dict[tuple[str, bool, bool], list[dict[str, Any]]]) -> None:
-    """The doctor's precision predictions from the fp32 run against the gains the precision rows measured."""
-    runs = ours.get(("32-true", True, False), [])
-    base = _median([r["steady"] for r in runs])
-    asked = [r.get("doctor") for r in runs if r.get("doctor")]
-    if not asked or not base:
-        return
-    if "error" in asked[0]:
-        print(f"\ndtrain doctor failed on the fp32 run: {asked[0]['error']}")
-        return
-    print("\n| dtrain doctor on the fp32 run: --try | predicted gain (80% interval) | measured (steady) | error |")
-    print("|---|---|---|---|")
-    for precision, said in asked[0].items():
-        if precision.startswith("_"):
+def print_doctor(ours: dict[tuple[str, bool, bool], list[dict[str, Any]]],
+                 doubled: dict[str, list[dict[str, Any]]]) -> None:
+    """The doctor's predictions against the gains measured: other precisions from the fp32 run (the precision
+    rows), twice the batch from each run :data:`DOUBLED` also ran at twice the batch."""
+    header = False
+    for run_precision in ("32-true", *[p for p in DOUBLED if p != "32-true"]):
+        runs = ours.get((run_precision, True, False), [])
+        base = _median([r["steady"] for r in runs])
+        asked = [r.get("doctor") for r in runs if r.get("doctor")]
+        if not asked or not base:
             continue
-        measured = _median([r["steady"] for r in ours.get((precision, True, False), [])])
-        gain = measured / base if measured else None
-        if said["gain"] is None:
-            print(f"| precision={precision} | none: {said['reason']} | {'-' if gain is None else f'{gain:.2f}x'} | - |")
+        if "error" in asked[0]:
+            print(f"\ndtrain doctor failed on the {run_precision} run: {asked[0]['error']}")
             continue
-        error = f"{100 * (said['gain'] / gain - 1):+.0f}%" if gain else "-"
-        print(f"| precision={precision} | {said['gain']:.2f}x ({said['low']:.2f}-{said['high']:.2f}) | "
-              f"{_fmt(gain, '.2f')}x | {error} |")
+        if not header:
+            print("\n| dtrain doctor on the run --try | predicted gain (80% interval) | measured (steady) | error |")
+            print("|---|---|---|---|")
+            header = True
+        for change, said in asked[0].items():
+            if change.startswith("_"):
+                continue
+            batched = change.startswith("batch=")
+            other = doubled.get(run_precision, []) if batched else ours.get((change, True, False), [])
+            measured = _median([r["steady"] for r in other])
+            gain = measured / base if measured else None
+            what = f"{run_precision} run: {change if batched else f'precision={change}'}"
+            if said["gain"] is None:
+                print(f"| {what} | none: {said['reason']} | {'-' if gain is None else f'{gain:.2f}x'} | - |")
+                continue
+            error = f"{100 * (said['gain'] / gain - 1):+.0f}%" if gain else "-"
+            print(f"| {what} | {said['gain']:.2f}x ({said['low']:.2f}-{said['high']:.2f}) | "
+                  f"{_fmt(gain, '.2f')}x | {error} |")
 
 
 def plain_all_steps(run: dict[str, Any], steps: int, warmup: int, batch: int) -> float:
@@ -343,20 +369,24 @@ def print_op_diff(plain: dict[str, Any], ours: dict[str, Any]) -> None:
 
 
 def _write(path: Path | None, name: str, args: argparse.Namespace, plain: dict[str, list[dict[str, Any]]],
-           ours: dict[tuple[str, bool, bool], list[dict[str, Any]]], ops: dict[str, Any]) -> None:
+           ours: dict[tuple[str, bool, bool], list[dict[str, Any]]], ops: dict[str, Any],
+           doubled: dict[str, list[dict[str, Any]]]) -> None:
     """Every figure so far: written after each row, so a run cut off by its time limit keeps what it measured."""
     if path is not None:
         path.write_text(json.dumps({"device": name, "torch": torch.__version__,
                                     "args": {k: str(v) for k, v in vars(args).items()}, "plain": plain,
                                     "dtrain": {f"{p}/{'on' if on else 'off'}{'/synthetic' if syn else ''}": r
                                                for (p, on, syn), r in ours.items()},
-                                    "ops": ops}, indent=2))
+                                    "doubled": doubled, "ops": ops}, indent=2))
 
 
-def _dtrain_row(row: tuple[str, bool, bool], args: argparse.Namespace, tmp: Path) -> dict[str, Any] | None:
-    """One dtrain row, or None (said on stderr) where its run failed: the other rows still get measured."""
+def _dtrain_row(row: tuple[str, bool, bool], args: argparse.Namespace, tmp: Path,
+                batch: int = 0) -> dict[str, Any] | None:
+    """One dtrain row (at ``batch``, else the bench's), or None (said on stderr) where its run failed: the other
+    rows still get measured. The doctor is asked of rows at the bench's batch."""
     try:
-        return dtrain_run(*row, args.steps, args.warmup, args.batch, tmp)
+        return dtrain_run(*row, args.steps, args.warmup, batch or args.batch, tmp,
+                          tries=() if batch else doctor_tries(*row, args.batch))
     except (subprocess.SubprocessError, OSError, KeyError, ValueError) as exc:
         print(f"  dtrain {row} failed: {exc}", file=sys.stderr, flush=True)
         return None
@@ -370,7 +400,7 @@ def reprint(path: Path) -> None:
     rows = {(p, on == "on", rest == ["synthetic"]): runs for key, runs in stored["dtrain"].items()
             for p, on, *rest in [key.split("/")] if runs}
     print_tables(stored["plain"], rows, steps, warmup, batch)
-    print_doctor(rows)
+    print_doctor(rows, stored.get("doubled", {}))
     if stored.get("ops"):
         print_op_diff(stored["ops"]["plain"], stored["ops"]["dtrain"])
 
@@ -407,26 +437,34 @@ def main() -> None:
     plain: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     ours: dict[tuple[str, bool, bool], list[dict[str, Any]]] = {r: [] for r in rows}
     ops: dict[str, Any] = {}
+    doubled: dict[str, list[dict[str, Any]]] = {p: [] for p in DOUBLED if (p, True, False) in rows}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
             for variant in variants:
                 plain[variant].append(plain_loop(variant, args.steps, args.warmup, args.batch, device=device))
                 print(f"  round {i}: plain {variant} {plain[variant][-1]['steady']:,.0f} samples/s", flush=True)
-                _write(args.json, name, args, plain, ours, ops)
+                _write(args.json, name, args, plain, ours, ops, doubled)
             for row in rows:
                 result = _dtrain_row(row, args, Path(tmp))
                 if result is not None:
                     ours[row].append(result)
                     print(f"  round {i}: dtrain {row} {result['steady']:,.0f} samples/s steady, "
                           f"{result['all_steps']:,.0f} all steps", flush=True)
-                _write(args.json, name, args, plain, ours, ops)
+                _write(args.json, name, args, plain, ours, ops, doubled)
+            for precision in doubled:
+                result = _dtrain_row((precision, True, False), args, Path(tmp), batch=2 * args.batch)
+                if result is not None:
+                    doubled[precision].append(result)
+                    print(f"  round {i}: dtrain {precision} at batch {2 * args.batch} {result['steady']:,.0f} "
+                          "samples/s steady", flush=True)
+                _write(args.json, name, args, plain, ours, ops, doubled)
         print_tables(plain, {r: runs for r, runs in ours.items() if runs}, args.steps, args.warmup, args.batch)
-        print_doctor(ours)
+        print_doctor(ours, doubled)
         if args.ops:
             ops = {"plain": plain_loop("bf16", args.steps, args.warmup, args.batch, ops_steps=args.ops, device=device),
                    "dtrain": dtrain_run("bf16-mixed", True, False, args.steps, args.warmup, args.batch,
                                         Path(tmp), ops_steps=args.ops)}
-            _write(args.json, name, args, plain, ours, ops)
+            _write(args.json, name, args, plain, ours, ops, doubled)
             print_op_diff(ops["plain"], ops["dtrain"])
 
 
