@@ -11,12 +11,17 @@
 #   bench.txt      bench/gpu.py: plain loop vs dtrain run in fp32, tf32, bf16, fp16 (GradScaler) and bf16
 #   bench.json     without a data path (a batch kept on the device): steady state and first steps, MFU,
 #                  and the aten operations and CUDA kernels of one bf16 step on each side; and what
-#                  `dtrain doctor --try precision=...` predicted from the fp32 run against the measured gains
+#                  `dtrain doctor --try precision=...` predicted from the fp32 run against the measured gains,
+#                  and `--try hyperparameters.global_batch_size=2B` of the fp32 and bf16-mixed runs against
+#                  those precisions run again at twice the batch
 #
 # Sizes, measured on an H100 on 2026-11-27: install 10-13 s; `install bench` (one round, 5 steps profiled)
 # 222 s; tests 232 s; the suite stage did not finish in the about 180 s left of a 430 s call. The machine's
 # start counts too (about 40 s then), and a 15-minute budget held two calls: `install bench`, then `install
-# tests` (add `suite` only with more than 3 minutes to spare beyond those).
+# tests` (add `suite` only with more than 3 minutes to spare beyond those). On an H200 on 2026-11-27, with the
+# twice-the-batch runs: `install bench tests` (BENCH_ONLY=fp32,tf32,bf16,fp16 BENCH_OPS=0) took 526 s in one
+# call (install 15 s, bench 248 s, tests 256 s), about 558 s of the budget with the start; `bench` again at
+# once on the warm machine, 248 s (265 s of budget).
 #
 # Carry the wheels the machine's image lacks (it has torch, lightning, rich, matplotlib, pyyaml, numpy,
 # scikit-learn, tensorboard, typer, pytest, pytest-timeout, pytest-xdist; see
