@@ -234,6 +234,30 @@ def test_batch_size_advice_is_bounded_by_gpu_memory():
     assert measured["batch_size"]["key"] is None and "ran out of memory (measured)" in measured["batch_size"]["why"]
 
 
+def test_a_step_that_does_not_grow_with_the_batch_is_diagnosed_as_a_batch_size_cost():
+    """A host-bound GPU step (bench/gpu.py's bf16 run: 16.6 ms of work, 18.3 ms at twice the batch) is not
+    compute a faster device would shorten: the host queues kernels while the device waits, and a bigger batch
+    spreads that over more samples. The doctor charges what did not grow at twice the batch to ``batch_size``,
+    says so, and ranks it first; a GPU-bound step that doubled with the batch stays ``compute``."""
+    from dtrain.explain.doctor import diagnose
+
+    def rows(single, double):
+        probe = {"per_slot_batch_size": 32, "work_seconds": single, "work_double_seconds": double,
+                 "load_seconds": 0.0002, "load_double_seconds": 0.0004, "optimizer_seconds": 0.002}
+        diagnosis = diagnose(_gpu_profile(precision="bf16-mixed", batch_scaling=probe)).to_json()
+        assert sum(f["share"] for f in diagnosis["factors"]) == pytest.approx(1.0)
+        return diagnosis, {f["factor"]: f for f in diagnosis["factors"]}
+
+    host_bound, by = rows(0.0165, 0.0160)
+    assert host_bound["top_factor"] == "batch_size" and by["compute"]["seconds_per_step"] == pytest.approx(0.0)
+    assert by["batch_size"]["seconds_per_step"] == pytest.approx(0.030 + 0.003)  # forward + backward + fixed
+    assert "30.00 ms of forward and backward" in by["batch_size"]["why"] and by["batch_size"]["value"] == 64
+    assert by["batch_size"]["predicted_speedup"] > 1.8  # the prediction is the same model's: twice the samples
+    device_bound, by = rows(0.0300, 0.0600)  # all of it grew
+    assert device_bound["top_factor"] == "compute" and by["compute"]["seconds_per_step"] == pytest.approx(0.030)
+    assert by["batch_size"]["seconds_per_step"] == pytest.approx(0.003) and "forward" not in by["batch_size"]["why"]
+
+
 def test_no_compression_advice_for_a_strategy_that_cannot_compress():
     from dtrain.explain.doctor import diagnose
 

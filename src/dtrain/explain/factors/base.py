@@ -56,6 +56,14 @@ class Context:
         waits = max(0.0, found.data - self.data) if found.data is not None else 0.0  # a host-bound step's fetch
         return max(0.0, self.compute * (1 - 1 / found.gain) - waits)
 
+    @property
+    def compute_per_step(self) -> float:
+        """Seconds of forward + backward that did not grow at twice the batch (measured): Python, small layers,
+        and on a GPU the host queueing kernels the device waits for. A bigger batch spreads them over more
+        samples, as it does the fixed costs. Never more than the compute a lower precision leaves."""
+        share = 1.0 - batch_growth(self.predictor)
+        return min(self.compute * share, max(0.0, self.compute - self.precision_saved))
+
 
 class Factor:
     """One cause of step time: its seconds per step (all factors' seconds add up to the step) and what to
@@ -95,6 +103,15 @@ def build_context(profile: ProfileRecord, predictor: Predictor) -> Context:
     per_message = min(1.0, comm.buckets_per_step * comm.latency_seconds / busy) if busy > 0 else 0.0
     return Context(profile, predictor, step, data, compute, fixed, ranks[slowest].comm_exposed, per_message, late,
                    loader, precision.best(profile), scaling(profile, predictor))
+
+
+def batch_growth(predictor: Predictor) -> float:
+    """How much of one slot's forward + backward grows from its batch to twice it, 0 (none) to 1 (all), as the
+    cost model prices a bigger batch (the end-of-run probe's work at both): the factor and the prediction of the
+    change are one model's."""
+    facts = predictor.model.facts
+    batch = facts.per_slot_batch
+    return advice.growth(facts.work.seconds(batch, facts.threads), facts.work.seconds(2 * batch, facts.threads))
 
 
 def scaling(profile: ProfileRecord, predictor: Predictor) -> Scaling:

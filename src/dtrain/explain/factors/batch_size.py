@@ -1,5 +1,7 @@
-"""``batch_size``: per-step fixed costs (optimizer step, bookkeeping) of the fastest rank; they do not grow
-with the batch, so a bigger batch (as big as the device's memory allows) amortizes them."""
+"""``batch_size``: per-step fixed costs (optimizer step, bookkeeping) of the fastest rank, and the part of its
+forward + backward that did not grow at twice the batch (the model's own steps, measured: on a GPU, a host
+queueing small kernels while the device waits); a bigger batch (as big as the device's memory allows) spreads
+them over more samples."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ class BatchSize(Factor):
     name = "batch_size"
 
     def seconds(self, ctx: Context) -> float:
-        return ctx.fixed
+        return ctx.fixed + ctx.compute_per_step
 
     def advise(self, ctx: Context) -> Advice:
         profile, gbs = ctx.profile, ctx.global_batch
@@ -28,9 +30,12 @@ class BatchSize(Factor):
             return Advice(None, None, f"a bigger batch would amortize fixed costs, but it does not fit{memory_note}",
                           None)
         new_gbs = int(gbs * factor)
+        per_step = ctx.compute_per_step
+        flat = (f", and so did {1e3 * per_step:.2f} ms of forward and backward (the model's step at twice the batch "
+                "took little longer, measured)" if per_step >= 0.05 * ctx.step else "")
         return Advice(
             "hyperparameters.global_batch_size", new_gbs,
-            "optimizer step and bookkeeping cost the same whatever the batch; a bigger batch spreads them "
+            f"optimizer step and bookkeeping cost the same whatever the batch{flat}; a bigger batch spreads them "
             f"(and communication) over more samples. {advice.batch_change(profile, new_gbs).text}{memory_note}",
             # More samples per step: data and compute grow with them as probed; fixed costs and the exchange do not.
             ctx.predictor.gain(f"hyperparameters.global_batch_size: {new_gbs}", global_batch=new_gbs))

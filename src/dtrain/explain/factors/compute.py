@@ -1,5 +1,6 @@
 """``compute``: forward + backward of the fastest rank, the work every slot must do (less what a lower
-precision was measured to save, which is the ``precision`` factor's)."""
+precision was measured to save, which is the ``precision`` factor's, and what did not grow at twice the batch,
+which is ``batch_size``'s)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ class Compute(Factor):
     name = "compute"
 
     def seconds(self, ctx: Context) -> float:
-        return ctx.compute - ctx.precision_saved
+        return ctx.compute - ctx.precision_saved - ctx.compute_per_step
 
     def advise(self, ctx: Context) -> Advice:
         return Advice(None, None, "forward and backward compute: the useful work. A step dominated by it scales "
