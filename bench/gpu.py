@@ -232,12 +232,14 @@ def dtrain_run(precision: str, profiling: bool, synthetic: bool, steps: int, war
     if ops_steps:
         return json.loads(ops_out.read_text())
     summary = json.loads((run_dir / "summary.json").read_text())
+    profile_file = run_dir / "profile.json"
+    steps_probed = json.loads(profile_file.read_text()).get("model_steps") if profile_file.exists() else None
     first = summary.get("first_steps") or {}
     doctor = ask_doctor(run_dir, tries) if tries else None
     return {"all_steps": summary["samples_per_second_all_steps"], "steady": summary["samples_per_second"],
             "time_to_first_step": first.get("time_to_first_step_seconds"), "first_steps_seconds": first.get("seconds"),
             "first_steps_excess": first.get("excess_seconds"), "mfu": (summary.get("flops") or {}).get("mfu"),
-            "breakdown": summary.get("step_breakdown_seconds", {}), "doctor": doctor}
+            "breakdown": summary.get("step_breakdown_seconds", {}), "doctor": doctor, "model_steps": steps_probed}
 
 
 def _median(values: list[Any]) -> float | None:
@@ -273,6 +275,7 @@ def ask_doctor(run_dir: Path, tries: tuple[str, ...]) -> dict[str, Any]:
     # What the predictions rest on, kept so that a prediction far off can be taken apart after the lease.
     profile = json.loads((run_dir / "profile.json").read_text())
     said["_inputs"] = {k: profile.get(k) for k in ("model_steps", "seconds_per_step", "device_facts")}
+    said["_profile"] = profile  # whole: a later model can be asked the same question (dtrain doctor on a copy)
     return said
 
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU checks of dtrain, as one prepared script: what a session lent a GPU machine runs (issue 46).
 #
-#   scripts/gpu-check.sh [STAGE ...]      stages: install tests suite probe bench (default: install tests bench)
+#   scripts/gpu-check.sh [STAGE ...]      stages: install tests suite probe spread bench (default: install tests bench)
 #
 # Run from the repository's root on the GPU machine; results go under $OUT (default /tmp/gpu-check-out):
 #   env.txt        nvidia-smi, python, torch, the installed wheels
 #   test_gpu.txt   tests/test_gpu.py (every test marked gpu) and tests/test_cuda_hidden.py, with CUDA visible
 #   suite.txt      the files that failed where CUDA was visible (fixtures of every scope must see none)
 #   probe.txt      bench/gpu_probe.py: a GPU step timed alone, in chains and in a long loop, per precision
+#   spread.txt     bench/gpu_spread.py: fresh processes of the plain bf16 loop and of dtrain's bf16 run, in
+#   spread.json    turn: how far a host-bound step moves from one process to the next (SPREAD_PROCESSES, 4)
 #   bench.txt      bench/gpu.py: plain loop vs dtrain run in fp32, tf32, bf16, fp16 (GradScaler) and bf16
 #   bench.json     without a data path (a batch kept on the device): steady state and first steps, MFU,
 #                  and the aten operations and CUDA kernels of one bf16 step on each side; and what
@@ -85,6 +87,12 @@ probe() {
         | tee "$OUT/probe.txt" || status=1
 }
 
+spread() {
+    # Why the doctor's host-bound precision predictions miss both ways (issue 45): the host, process to process?
+    "$PYTHON" bench/gpu_spread.py --processes "${SPREAD_PROCESSES:-4}" --json "$OUT/spread.json" 2>&1 \
+        | tee "$OUT/spread.txt" || status=1
+}
+
 bench() {
     "$PYTHON" bench/gpu.py --rounds "${BENCH_ROUNDS:-1}" --steps "${BENCH_STEPS:-200}" \
         --only "${BENCH_ONLY:-fp32,tf32,bf16,fp16,bf16-resident}" \
@@ -94,8 +102,8 @@ bench() {
 
 for stage in "${stages[@]}"; do
     case "$stage" in
-        install | tests | suite | probe | bench) echo "== $stage ($(date -u +%H:%M:%S))"; "$stage" ;;
-        *) echo "unknown stage '$stage': use install, tests, suite, probe or bench"; exit 2 ;;
+        install | tests | suite | probe | spread | bench) echo "== $stage ($(date -u +%H:%M:%S))"; "$stage" ;;
+        *) echo "unknown stage '$stage': use install, tests, suite, probe, spread or bench"; exit 2 ;;
     esac
 done
 echo "== done ($(date -u +%H:%M:%S)): results in $OUT"
