@@ -352,12 +352,14 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
         raise
     except HostLost:
         close = False  # its store is gone: closing it would only fail (and print torch's C++ trace)
+        _stop_heartbeats(handler)
         raise
     except RendezvousClosedError:
         raise JobStopped("the job ended on another node while this one waited to meet the others (it finished, "
                          "or failed: see that node's output)") from None
     except SignalException:
         close = False  # torch's rule: a node stopped by a signal does not end the job for the others
+        _stop_heartbeats(handler)
         raise
     finally:
         os.environ.pop(survivor.ENABLE_ENV, None)
@@ -396,6 +398,18 @@ def _reachable(endpoint: str, timeout: float = 2.0) -> bool:
             return True
     except OSError:
         return False
+
+
+def _stop_heartbeats(handler: Any) -> None:
+    """Stop the rendezvous's keep-alive thread and wait for it, before this process exits without closing the
+    rendezvous. Left running, it is a daemon thread that may be inside torch's C++ store client when the
+    interpreter exits, and then the process aborts ("terminate called without an active exception", exit
+    status -6) after dtrain has said why it stopped. Once the node serving the store is dead, every heartbeat
+    fails there (tests/launcher/test_elastic.py met it). torch's handler has no public call for it."""
+    stop = getattr(handler, "_stop_heartbeats", None)
+    if stop is not None:
+        with contextlib.suppress(Exception):
+            stop()
 
 
 def _leave_round(handler: Any) -> None:
