@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -324,6 +325,30 @@ def test_the_first_node_to_see_a_change_names_its_cause_and_the_record_reads_as_
                                 "batches": 120, "seconds": 6.46, "lost_batches": 0})
     assert line == ("membership change: vm-10.0.0.3-2 left; world size 4 -> 2 slot(s) at batch 120; 6.5 s from the "
                     "event to the first step at 2 slot(s); 0 batch(es) lost")
+
+
+def test_a_node_that_stops_without_closing_the_rendezvous_stops_its_heartbeat_thread_first():
+    """torch's rendezvous sends heartbeats from a daemon thread; one inside the C++ store client while the
+    interpreter exits aborts the process (exit -6, "terminate called without an active exception") after
+    dtrain said why it stopped. The helper stops and joins torch's own thread, through the handler's own method
+    (a torch that renamed it would make the helper a silent no-op: this fails first)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    from torch.distributed.elastic.rendezvous.utils import _PeriodicTimer
+
+    from dtrain.launcher import elastic
+
+    beats: list[float] = []
+    handler = DynamicRendezvousHandler.__new__(DynamicRendezvousHandler)  # its heartbeat part only
+    handler._keep_alive_timer = _PeriodicTimer(timedelta(milliseconds=5), lambda: beats.append(time.monotonic()))
+    handler._keep_alive_timer.start()
+    thread = handler._keep_alive_timer._thread
+    deadline = time.monotonic() + 30
+    while not beats and time.monotonic() < deadline:  # wait for a state: the thread has beaten once
+        time.sleep(0.01)
+    assert beats and thread.is_alive()
+    elastic._stop_heartbeats(handler)
+    assert not thread.is_alive()  # joined, not only told to stop
+    elastic._stop_heartbeats(object())  # a handler without heartbeats: nothing to stop, no error
 
 
 @pytest.mark.slow
