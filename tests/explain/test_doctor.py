@@ -164,10 +164,10 @@ def test_a_host_bound_precision_also_waits_for_the_run_fetch_of_a_batch():
     timed = {"32-true": 0.0334, "bf16-mixed": 0.016}
     plain = precision_mod.estimate(_gpu_profile(model_steps=_model_steps(timed)), "bf16-mixed")
 
-    def waits(host_bf16, fetch=0.003, profile=_gpu_profile):
-        steps = {**_model_steps(timed), "loop_data_host_seconds": fetch,
+    def waits(host_bf16):
+        steps = {**_model_steps(timed), "loop_data_host_seconds": 0.003,
                  "host_seconds_per_step": {"32-true": 0.012, "bf16-mixed": host_bf16}}
-        run = profile(model_steps=steps)
+        run = _gpu_profile(model_steps=steps)
         found = precision_mod.estimate(run, "bf16-mixed")
         predictor = Predictor(run)
         target = target_at(predictor.model, precision_gain=found.gain, precision_data=found.data)
