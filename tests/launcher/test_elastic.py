@@ -23,9 +23,18 @@ import pytest
 import torch
 from helpers import ROOT, cli_in_process, final_weights, free_port, tiny_config
 
+from dtrain.launcher.supervise import children
+
 HOLD_AT = 8  # the first node holds while training batch index 8: asked to stop, it stops after batch 9
 TOTAL = 160
 LONG = 480  # long enough at one slot for a node started again to rejoin before the end
+# A node's process that waits for a file, then becomes the node's launcher (exec keeps its pid).
+GATED = """
+import os, sys, time
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.02)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
 NO_HOLD = ("--set", "hyperparameters.hold_at_batch=null", "--set", "hyperparameters.sleep_seconds=0")
 
 
@@ -49,9 +58,13 @@ class Job:
         self.nodes: dict[str, subprocess.Popen] = {}
         self.workers: set[int] = set()
 
-    def start(self, name: str, *extra: str, cfg: Path | None = None) -> subprocess.Popen:
+    def start(self, name: str, *extra: str, cfg: Path | None = None, gate: Path | None = None) -> subprocess.Popen:
+        """Start node ``name``; with ``gate``, its process starts now but runs dtrain once that file exists
+        (the same process: its pid, which torch's rendezvous orders the nodes by, is taken now)."""
         argv = [sys.executable, "-m", "dtrain.cli", "run", str(cfg or self.cfg), "--run-dir", str(self.run_dir),
                 "--quiet", "--nnodes", "1:2", "--rdzv-backend", "c10d", "--master", f"127.0.0.1:{self.port}", *extra]
+        if gate is not None:
+            argv = [sys.executable, "-c", GATED, str(gate), *argv]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with (self.tmp / f"{name}.out").open("w") as out, (self.tmp / f"{name}.err").open("w") as err:
             proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=out, stderr=err, start_new_session=True)
@@ -73,6 +86,11 @@ class Job:
         self.workers |= {s["pid"] for s in found.values()}
         return found
 
+    def worker_status(self, name: str) -> dict | None:
+        """The status of node ``name``'s worker (one slot), whatever its rank."""
+        workers = set(children(self.nodes[name].pid))
+        return next((s for s in self.statuses().values() if s["pid"] in workers), None)
+
     def records(self) -> list[dict]:
         path = self.run_dir / "metrics.jsonl"
         lines = path.read_text().splitlines() if path.exists() else []
@@ -88,6 +106,16 @@ class Job:
             time.sleep(0.1)
         raise AssertionError(f"{what}: not within {timeout:.0f}s; statuses {self.statuses()}\n"
                              + "\n".join(f"--- {n}: {self.err(n)[-3000:]}" for n in self.nodes))
+
+    def story(self) -> str:
+        """Everything a failed assertion needs to be diagnosed after the fact (a flake seen once in CI):
+        every node's output, the ranks' logs and the membership records."""
+        parts = [f"--- {n}.{kind}:\n{(self.tmp / f'{n}.{kind}').read_text()[-3000:]}"
+                 for n in self.nodes for kind in ("out", "err")]
+        logs = self.run_dir / "logs"
+        parts += [f"--- {path.relative_to(self.run_dir)}:\n{path.read_text(errors='replace')[-3000:]}"
+                  for path in sorted(logs.rglob("*")) if path.is_file() and path.suffix in (".log", ".json")]
+        return "\n".join([*parts, f"--- records: {self.records()}"])
 
     def training(self, world: int, past: int) -> bool:
         """Every rank of a ``world``-rank job trained past batch ``past``."""
@@ -200,20 +228,32 @@ def test_a_node_joins_then_one_leaves_and_the_run_matches_the_same_world_sizes(j
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_node_signalled_as_its_workers_start_leaves_and_is_no_crash(job, tmp_path):
+@pytest.mark.parametrize("joiner_first", [False, True], ids=["joiner-second", "joiner-first"])
+def test_a_node_signalled_as_its_workers_start_leaves_and_is_no_crash(job, tmp_path, joiner_first):
     """Found by a user: a signal while a node's workers were starting (just after it joined) killed them,
-    and the other node's workers, in the same world, failed ("connection reset"): a loss, not a leave."""
+    and the other node's workers, in the same world, failed ("connection reset"): a loss, not a leave.
+    torch's rendezvous ranks the nodes by address, then pid: with the joining node's process started first
+    (a CI flake, where pids wrapped around), it is the new world's first node, whose agent records the join."""
+    gate = tmp_path / "go"
+    if joiner_first:
+        job.start("b", gate=gate)
     job.start("a")
     job.wait("node a holds at batch 8", lambda: job.statuses().get(0, {}).get("batch") == HOLD_AT)
-    job.start("b")
-    job.wait("node b's worker is starting", lambda: 1 in job.statuses() and job.statuses()[1]["batch"] is None)
+    if joiner_first:
+        gate.write_text("go")
+    else:
+        job.start("b")
+    job.wait("node b's worker is starting", lambda: (job.worker_status("b") or {"batch": 0})["batch"] is None)
+    # (the joining node's process started first has the lower pid, unless pids wrapped around in between)
+    assert job.worker_status("b")["rank"] == (0 if job.nodes["b"].pid < job.nodes["a"].pid else 1)
     job.nodes["b"].send_signal(signal.SIGTERM)
     assert job.finish("b") == 143, job.err("b")
     # (torch's C++ store client may warn that the signal interrupted a connect: its own noise, not a line of ours)
     [stop_line] = [ln for ln in job.err("b").splitlines() if ln.startswith("dtrain: ")]
-    assert stop_line.startswith("dtrain: this node left the elastic job at batch "), stop_line
-    records = job.wait("the leave is recorded", lambda: job.records()[1:])
-    assert [r["cause"] for r in job.records()] == ["join", "leave"] and records[0]["lost_batches"] == 0, records
+    assert stop_line.startswith("dtrain: this node left the elastic job at batch "), job.story()
+    records = job.wait("the leave is recorded", lambda: job.records()[1:], timeout=60)
+    changes = [(r["cause"], r["old_world_size"], r["new_world_size"]) for r in job.records()]
+    assert changes == [("join", 1, 2), ("leave", 2, 1)] and records[0]["lost_batches"] == 0, job.story()
     assert "leaving the job" in job.out("b")
     (tmp_path / "hold").unlink(missing_ok=True)
     (tmp_path / "slow").unlink()  # the last change: the rest of the run need not be slow

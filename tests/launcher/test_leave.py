@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from dtrain.launcher import supervise
 from dtrain.launcher.supervise import Stopped, Supervisor
 
 # Stands in for a worker still starting: it says when its stop handler is in place, then waits for SIGUSR1.
@@ -58,6 +61,51 @@ def test_an_elastic_node_signalled_while_its_workers_start_asks_them_to_stop_onc
     supervisor._tell_ready()  # its watchdog runs: now it is asked, and the job stops at one batch
     assert starting_worker.wait(timeout=30) == 0
     assert (tmp_path / "asked").read_text() == "stop"
+
+
+@pytest.mark.timeout(60)
+def test_an_elastic_node_signalled_before_its_workers_are_forked_asks_them_once_they_start(tmp_path, monkeypatch):
+    """Seen in CI: the signal came after the nodes met for a world and before this node forked its workers
+    (the others' were starting). Stopped at once, it made the other nodes' workers fail as on a lost node."""
+    forked: list[int] = []
+    monkeypatch.setattr(supervise, "children", lambda pid=None: list(forked))
+    in_world = threading.Event()
+    in_world.set()
+    supervisor = Supervisor(30, clean=True, status_dir=tmp_path, shared_world=True, in_world=in_world.is_set)
+    supervisor._on_signal(signal.SIGTERM, None)  # no worker yet, and no exception: it waits for them
+    proc = subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path)])
+    try:
+        forked.append(proc.pid)
+        _wait_for(tmp_path / "handler")
+        supervisor._await_workers()
+        (tmp_path / "status.rank0.json").write_text(json.dumps({"pid": proc.pid, "batch": None}))
+        supervisor._tell_ready()
+        assert proc.wait(timeout=30) == 0 and (tmp_path / "asked").read_text() == "stop"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        proc.wait(timeout=10)
+    supervisor._await_workers()  # a worker told once is not told again
+    assert not supervisor._pending
+
+
+def test_an_elastic_node_signalled_while_it_meets_the_others_stops_at_once(monkeypatch):
+    """No world to stop cleanly: a signal while the node waits in the rendezvous stops it now, and one that
+    waited for its workers stops once its agent goes back to meet the others instead."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    monkeypatch.setattr(supervise, "children", lambda pid=None: [])
+    in_world = threading.Event()
+    with pytest.raises(SignalException):
+        Supervisor(30, clean=True, shared_world=True, in_world=in_world.is_set)._on_signal(signal.SIGINT, None)
+    in_world.set()
+    supervisor = Supervisor(30, clean=True, shared_world=True, in_world=in_world.is_set)
+    supervisor._on_signal(signal.SIGINT, None)
+    sent: list[tuple[int, int]] = []
+    monkeypatch.setattr(supervise.os, "kill", lambda pid, sig: sent.append((pid, sig)))
+    in_world.clear()
+    supervisor._await_workers()
+    assert sent == [(os.getpid(), signal.SIGINT)] and not supervisor._awaiting
 
 
 def test_a_signalled_node_of_several_never_reads_as_finished(tmp_path):

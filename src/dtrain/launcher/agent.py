@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -143,14 +144,15 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
         # An elastic node that is signalled leaves the job: the other nodes count it before they meet again.
         leaving = functools.partial(membership.note_leaving, status_dir, nodes.log_name, nodes.is_host) \
             if elastic and nodes is not None else None
+        in_world = threading.Event()  # set by the elastic agent while this node belongs to a world the nodes met for
         try:
             with Supervisor(options.grace_seconds, options.clean_stop, status_dir, on_signal=leaving,
-                            shared_world=elastic) as supervisor:
+                            shared_world=elastic, in_world=in_world.is_set) as supervisor:
                 try:
                     with forkstart.forking() if fork else contextlib.nullcontext(), \
                             _no_first_round_jitter() if nodes is None else contextlib.nullcontext():
                         if elastic:
-                            launch_elastic(config, entrypoint, argv, _setup(options, status_dir, supervisor))
+                            launch_elastic(config, entrypoint, argv, _setup(options, status_dir, supervisor, in_world))
                         else:
                             elastic_launch(config, entrypoint)(*argv)
                 except ChildFailedError as exc:
@@ -193,13 +195,13 @@ def _is_elastic(options: LaunchOptions) -> bool:
             and options.clean_stop and options.run_dir is not None)
 
 
-def _setup(options: LaunchOptions, status_dir: Path, supervisor: Supervisor) -> ElasticSetup:
+def _setup(options: LaunchOptions, status_dir: Path, supervisor: Supervisor, in_world: threading.Event) -> ElasticSetup:
     nodes, run_dir = options.nodes, options.run_dir
     assert nodes is not None and run_dir is not None
     return ElasticSetup(run_dir=run_dir, logs=status_dir, ckpt_root=options.checkpoints or run_dir / "checkpoints",
                         node=nodes.log_name, min_nodes=nodes.min_nodes, is_host=nodes.is_host, late=nodes.late,
                         grace_seconds=options.grace_seconds, signalled=lambda: supervisor.signalled_at,
-                        endpoint=nodes.rdzv_endpoint)
+                        endpoint=nodes.rdzv_endpoint, in_world=in_world)
 
 
 @contextlib.contextmanager

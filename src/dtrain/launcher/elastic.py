@@ -34,6 +34,7 @@ import logging
 import os
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -82,6 +83,9 @@ class ElasticSetup:
     grace_seconds: float
     signalled: Callable[[], float | None]  # when this node's launcher got SIGTERM/SIGINT (None: not)
     endpoint: str = ""  # the rendezvous's host:port (served by the host node's launcher)
+    # Set while this node belongs to a world the nodes met for (its workers are forked, starting or running);
+    # clear while it meets the others. The supervisor reads it for a signal that finds no worker yet.
+    in_world: threading.Event = dataclasses.field(default_factory=threading.Event)
 
 
 class Left(Exception):
@@ -113,10 +117,12 @@ class ElasticAgent(LocalElasticAgent):
 
     # -------------------------------------------------------------------------------- torch's steps
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        self.setup.in_world.clear()
         try:
             super()._rendezvous(worker_group)
         finally:
             self._restore_last_call(worker_group)
+        self.setup.in_world.set()  # the other nodes' workers of this world start now: so will this node's
         # Every agent names itself in this round's store (prefixed by the round): who joined, who went away.
         store = worker_group.store
         store.set(_NODE_KEY.format(group_rank=worker_group.group_rank), self.setup.node)
@@ -219,13 +225,13 @@ class ElasticAgent(LocalElasticAgent):
         """Every rank stopped at one batch with a checkpoint: leave (this node was signalled), stop the job
         (it cannot go on without the nodes that leave), or meet the remaining and new nodes again."""
         signalled = self.setup.signalled()
+        # A change whose world stopped before this agent saw its first step is written now, so that the next
+        # cause can be noted (one change at a time): also where this node, the new world's first, leaves.
+        self.recorder.poll()
         if signalled is not None:
             membership.note_event(self.setup.logs, "leave", self.setup.node, when=signalled)
             self._say("every rank stopped at one batch with a checkpoint; leaving the job")
             raise Left(self.setup.node)
-        # A change whose world stopped before this agent saw its first step is written now, so that the next
-        # cause can be noted (one change at a time).
-        self.recorder.poll()
         leaving = membership.leaving_since(self.setup.logs, self._world_started)
         names = ", ".join(sorted(str(r["node"]) for r in leaving))
         if leaving:  # the leaving node notes it too; whichever is first

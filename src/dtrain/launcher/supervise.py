@@ -120,12 +120,18 @@ class Supervisor:
     """``with Supervisor(grace, clean=True) as sup:`` around the agent; ``sup.signum`` tells what stopped it."""
 
     def __init__(self, grace_seconds: float, clean: bool, status_dir: Path | None = None,
-                 on_signal: Callable[[], None] | None = None, shared_world: bool = False) -> None:
+                 on_signal: Callable[[], None] | None = None, shared_world: bool = False,
+                 in_world: Callable[[], bool] | None = None) -> None:
         self.grace = grace_seconds if clean else min(grace_seconds, SCRIPT_GRACE_SECONDS)
         self.clean = clean
         # The workers share a world with other nodes' (an elastic job): killing one that is still starting
         # would fail those others' workers too, so it is asked to stop once it is ready, like the rest.
         self.shared_world = shared_world
+        # Whether this node met the others for a world (its workers are being forked) rather than waiting to
+        # meet them: a signal that finds no worker then waits for them (None: never).
+        self.in_world = in_world
+        self._awaiting = False  # signalled before this node's workers of a met world were forked
+        self._asked: set[int] = set()  # workers told to stop
         self.status_dir = status_dir
         # Called at the first signal, before any worker is told (an elastic node announces that it leaves).
         self.on_signal = on_signal
@@ -170,7 +176,12 @@ class Supervisor:
         self._pending = set(children())
         training = self._statuses()
         starting = any(training.get(pid) is None for pid in self._pending)
-        if not self._pending or (starting and not self.shared_world):
+        if not self._pending and self._workers_coming():
+            # Between meeting the other nodes and forking this node's workers: the others' workers are starting
+            # in the same world, so these are asked to stop once ready like the rest (killed, they would fail
+            # the others' as a lost node would).
+            self._awaiting = True
+        elif not self._pending or (starting and not self.shared_world):
             # No worker yet, or one still starting: no step ran since the last checkpoint, so there is
             # nothing to save, and waiting for the start to finish could take longer than the grace period.
             self._stop_now()
@@ -199,6 +210,19 @@ class Supervisor:
         """Workers whose watchdog runs (it published a status): SIGUSR1 would kill one still starting."""
         return set(self._statuses())
 
+    def _workers_coming(self) -> bool:
+        return self.shared_world and self.in_world is not None and self.in_world()
+
+    def _await_workers(self) -> None:
+        """Signalled before this node's workers were forked: each one forked since is to be told; should the
+        agent go back to meet the other nodes instead (no worker of this world will come), stop now."""
+        if not self._workers_coming():
+            self._awaiting = False
+            if self.signum is not None:
+                os.kill(os.getpid(), self.signum)  # the main thread's handler stops the agent
+            return
+        self._pending |= set(children()) - self._asked
+
     def _tell_ready(self) -> None:
         if not self._pending:
             return
@@ -206,6 +230,7 @@ class Supervisor:
         for pid in ready:
             _kill(pid, signal.SIGUSR1)
         self._pending -= ready
+        self._asked |= ready
 
     def _kill_all(self, sig: int) -> None:
         for pid in children():
@@ -214,6 +239,8 @@ class Supervisor:
     # ------------------------------------------------------------------------------------- watching
     def _watch(self) -> None:
         while not self._done.wait(POLL_SECONDS):
+            if self._awaiting:
+                self._await_workers()
             self._tell_ready()
             if self.deadline is not None and time.monotonic() > self.deadline:
                 self.deadline = None
