@@ -282,20 +282,27 @@ def test_two_nodes_started_together_train_as_one_job(job, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_node_killed_outright_costs_at_most_one_step_and_rejoins_with_the_same_command(tmp_path):
+@pytest.mark.parametrize("joiner_first", [False, True], ids=["joiner-second", "joiner-first"])
+def test_a_node_killed_outright_costs_at_most_one_step_and_rejoins_with_the_same_command(tmp_path, joiner_first):
     (tmp_path / "hold").write_text("hold")
     (tmp_path / "slow").write_text("slow")
     job = Job(tmp_path, _config(tmp_path, max_length={"batches": LONG}))
     try:
-        _killed_and_rejoined(job, tmp_path)
+        _killed_and_rejoined(job, tmp_path, joiner_first)
     finally:
         job.close()
 
 
-def _killed_and_rejoined(job: Job, tmp_path: Path) -> None:
+def _killed_and_rejoined(job: Job, tmp_path: Path, joiner_first: bool) -> None:
+    gate = tmp_path / "go"
+    if joiner_first:  # the joining node is the world's first (see test_a_node_signalled_as_its_workers_start...)
+        job.start("b", gate=gate)
     job.start("a")
     job.wait("node a holds at batch 8", lambda: job.statuses().get(0, {}).get("batch") == HOLD_AT)
-    job.start("b")
+    if joiner_first:
+        gate.write_text("go")
+    else:
+        job.start("b")
     job.wait("the join is recorded", job.records)
     (tmp_path / "hold").unlink()
     # Past the first periodic checkpoint (batch 40): without the survivors' state, the job would go back to it.
