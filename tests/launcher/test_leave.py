@@ -128,3 +128,67 @@ def test_a_signalled_node_of_several_never_reads_as_finished(tmp_path):
     line = stop_line(plan, Stopped(signal.SIGTERM, signalled_at=time.time() + 1), time.time() - 60)
     assert line is not None and "batch 280" not in line, line
     assert Stopped(signal.SIGTERM).exit_code == 143
+
+
+def _agent(tmp_path: Path, nodes: list[str]):
+    """An elastic agent with only what its membership steps read (no torch agent behind it)."""
+    from types import SimpleNamespace
+
+    from dtrain.launcher.elastic import ElasticAgent, ElasticSetup
+
+    agent = ElasticAgent.__new__(ElasticAgent)
+    agent.setup = ElasticSetup(run_dir=tmp_path, logs=tmp_path / "logs", ckpt_root=tmp_path / "checkpoints",
+                               node=nodes[0], min_nodes=1, is_host=True, late=False, grace_seconds=30,
+                               signalled=lambda: None)
+    agent.recorder = SimpleNamespace(poll=lambda: None)
+    agent.nodes, agent._previous, agent._world_started, agent._usual_settings = nodes, [], time.time() - 60, None
+    return agent
+
+
+def test_a_node_signalled_as_it_came_to_join_does_not_count_against_the_world_it_never_joined(tmp_path):
+    """Found by signalling a joining node at various moments: its leaving note made the first node, stopped
+    for that join, count it out of its own one-node world (0 remain, below --nnodes's minimum 1) and stop
+    the job. Only this world's nodes count."""
+    from types import SimpleNamespace
+
+    from dtrain.launcher import membership
+
+    agent = _agent(tmp_path, ["a"])
+    restarts: list[object] = []
+    agent._restart = restarts.append
+    membership.note_leaving(tmp_path / "logs", "b", hosts_store=False)  # b, signalled before it was in a world
+    group = SimpleNamespace(group_world_size=1, spec=SimpleNamespace(rdzv_handler=None))
+    agent._continue_after_stop(group)  # no JobStopped: the job meets again, b or not
+    assert restarts == [group] and membership.pending_event(tmp_path / "logs") is None
+    agent.nodes = ["a", "b"]  # b in this world: its leave is noted, and counted
+    agent._continue_after_stop(SimpleNamespace(group_world_size=2, spec=group.spec))
+    assert membership.pending_event(tmp_path / "logs")["cause"] == "leave" and len(restarts) == 2
+
+
+def test_a_round_whose_node_went_away_before_starting_its_workers_is_met_again(tmp_path, monkeypatch):
+    """A node signalled just as the round completed never tells the others how many workers it starts: torch
+    waits for that (60 s), then fails the agents. They meet again instead; the world is marked met only
+    once its round is complete."""
+    from types import SimpleNamespace
+
+    from torch.distributed import DistStoreError
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from dtrain.launcher.elastic import _marking
+
+    agent = _agent(tmp_path, ["a"])
+    store: dict[str, bytes] = {}
+    group = SimpleNamespace(group_rank=0, group_world_size=1, spec=SimpleNamespace(rdzv_handler=None),
+                            store=SimpleNamespace(set=lambda k, v: store.__setitem__(k, v.encode()),
+                                                  get=lambda k: store[k]))
+    tries: list[bool] = []
+
+    def torch_rendezvous(self, worker_group):
+        tries.append(agent.setup.in_world.is_set())
+        _marking(lambda: None, agent.setup.in_world)()  # the round completes: the world is met
+        if len(tries) == 1:
+            raise DistStoreError("wait timeout after 60000ms, keys: .../torchelastic/role_info/1")
+
+    monkeypatch.setattr(LocalElasticAgent, "_rendezvous", torch_rendezvous)
+    agent._rendezvous(group)
+    assert len(tries) == 2 and agent.setup.in_world.is_set() and agent.nodes == ["a"]

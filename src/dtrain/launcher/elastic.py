@@ -42,6 +42,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from torch.distributed import DistStoreError
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -117,12 +118,18 @@ class ElasticAgent(LocalElasticAgent):
 
     # -------------------------------------------------------------------------------- torch's steps
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        self.setup.in_world.clear()
+        self.setup.in_world.clear()  # set again once the round is complete (launch_elastic's _marking)
         try:
-            super()._rendezvous(worker_group)
+            try:
+                super()._rendezvous(worker_group)
+            except DistStoreError:
+                # A node stopped by a signal just as the round completed (before it saw so) never says how many
+                # workers it starts: torch's wait for it times out. The others meet again, without it.
+                log.warning("%s: a node of the round went away before it started its workers; meeting the other "
+                            "nodes again", self.setup.node)
+                super()._rendezvous(worker_group)
         finally:
             self._restore_last_call(worker_group)
-        self.setup.in_world.set()  # the other nodes' workers of this world start now: so will this node's
         # Every agent names itself in this round's store (prefixed by the round): who joined, who went away.
         store = worker_group.store
         store.set(_NODE_KEY.format(group_rank=worker_group.group_rank), self.setup.node)
@@ -232,7 +239,8 @@ class ElasticAgent(LocalElasticAgent):
             membership.note_event(self.setup.logs, "leave", self.setup.node, when=signalled)
             self._say("every rank stopped at one batch with a checkpoint; leaving the job")
             raise Left(self.setup.node)
-        leaving = membership.leaving_since(self.setup.logs, self._world_started)
+        # Only this world's nodes: one signalled while it came to join (this stop was for it) is not in it.
+        leaving = [r for r in membership.leaving_since(self.setup.logs, self._world_started) if r["node"] in self.nodes]
         names = ", ".join(sorted(str(r["node"]) for r in leaving))
         if leaving:  # the leaving node notes it too; whichever is first
             membership.note_event(self.setup.logs, "leave", names, when=min(float(r["time"]) for r in leaving))
@@ -343,6 +351,7 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
     os.environ[survivor.ENABLE_ENV] = "1"  # a lost node: the survivors keep their state (dtrain.engine.survivor)
     handler = rdzv_registry.get_rendezvous_handler(params)
     handler.num_nodes_waiting = _tolerant(handler.num_nodes_waiting)  # type: ignore[method-assign]
+    handler.next_rendezvous = _marking(handler.next_rendezvous, setup.in_world)  # type: ignore[method-assign]
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
                       args=tuple(args), rdzv_handler=handler, max_restarts=config.max_restarts,
                       monitor_interval=config.monitor_interval, local_addr=config.local_addr)
@@ -365,7 +374,9 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
                          "or failed: see that node's output)") from None
     except SignalException:
         close = False  # torch's rule: a node stopped by a signal does not end the job for the others
-        _stop_heartbeats(handler)
+        # Out of the round it may be in: the others then meet without it at once, rather than wait for it in
+        # a round it joined (torch's rank assignment would wait 60 s for it, then fail their agents).
+        _leave_round(handler)
         raise
     finally:
         os.environ.pop(survivor.ENABLE_ENV, None)
@@ -376,6 +387,20 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
             os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         else:
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = previous
+
+
+def _marking(next_rendezvous: Callable[[], Any], in_world: threading.Event) -> Callable[[], Any]:
+    """torch's agent meets the other nodes (``next_rendezvous``), then exchanges with them how many workers
+    each starts: from the moment the round is complete, this node belongs to the world, and a signal then
+    waits for its workers (:class:`dtrain.launcher.supervise.Supervisor`) rather than stopping it midway."""
+
+    def meet() -> Any:
+        in_world.clear()
+        found = next_rendezvous()
+        in_world.set()
+        return found
+
+    return meet
 
 
 def _tolerant(num_nodes_waiting: Callable[[], int]) -> Callable[[], int]:
@@ -424,12 +449,10 @@ def _leave_round(handler: Any) -> None:
     the rendezvous's own exit step, where this torch has it."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
+    _stop_heartbeats(handler)  # first: the exit step may fail (a store gone), the thread must stop anyway
     executor = getattr(handler, "_op_executor", None)
     exit_op = getattr(dynamic_rendezvous, "_RendezvousExitOp", None)
-    stop = getattr(handler, "_stop_heartbeats", None)
     if executor is None or exit_op is None:
         return
     with contextlib.suppress(Exception):
-        if stop is not None:
-            stop()
         executor.run(exit_op(), time.monotonic() + 10)
