@@ -78,6 +78,7 @@ def test_an_elastic_node_signalled_before_its_workers_are_forked_asks_them_once_
         forked.append(proc.pid)
         _wait_for(tmp_path / "handler")
         supervisor._await_workers()
+        assert supervisor.had_workers
         (tmp_path / "status.rank0.json").write_text(json.dumps({"pid": proc.pid, "batch": None}))
         supervisor._tell_ready()
         assert proc.wait(timeout=30) == 0 and (tmp_path / "asked").read_text() == "stop"
@@ -96,8 +97,10 @@ def test_an_elastic_node_signalled_while_it_meets_the_others_stops_at_once(monke
 
     monkeypatch.setattr(supervise, "children", lambda pid=None: [])
     in_world = threading.Event()
+    meeting = Supervisor(30, clean=True, shared_world=True, in_world=in_world.is_set)
     with pytest.raises(SignalException):
-        Supervisor(30, clean=True, shared_world=True, in_world=in_world.is_set)._on_signal(signal.SIGINT, None)
+        meeting._on_signal(signal.SIGINT, None)
+    assert not meeting.had_workers  # its stop line says so
     in_world.set()
     supervisor = Supervisor(30, clean=True, shared_world=True, in_world=in_world.is_set)
     supervisor._on_signal(signal.SIGINT, None)
@@ -125,6 +128,10 @@ def test_a_signalled_node_of_several_never_reads_as_finished(tmp_path):
     line = stop_line(plan, Stopped(signal.SIGINT, left=True, signalled_at=time.time() + 1), time.time() - 60)
     assert line is not None and line.startswith("dtrain: this node left the elastic job (SIGINT, its workers "
                                                 "stopped before they could agree on a batch)"), line
+    line = stop_line(plan, Stopped(signal.SIGINT, left=True, signalled_at=time.time() + 1, no_workers=True),
+                     time.time() - 60)
+    assert line is not None and line.startswith("dtrain: this node left the elastic job (SIGINT, while it met the "
+                                                "other nodes: none of its workers had started)"), line
     line = stop_line(plan, Stopped(signal.SIGTERM, signalled_at=time.time() + 1), time.time() - 60)
     assert line is not None and "batch 280" not in line, line
     assert Stopped(signal.SIGTERM).exit_code == 143

@@ -169,7 +169,8 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
                                    clean_stop=True)
                 except SignalException as exc:  # the agent stopped the workers (SIGHUP, SIGQUIT, or no grace left)
                     # An elastic node leaves all the same (not cleanly: the others continue from their state).
-                    raise Stopped(int(exc.sigval), left=leaves, signalled_at=supervisor.signalled_at) from None
+                    raise Stopped(int(exc.sigval), left=leaves, signalled_at=supervisor.signalled_at,
+                                  no_workers=not supervisor.had_workers) from None
                 except RendezvousError as exc:
                     # A node that passed dtrain's pre-rendezvous but never reached torch's (it died in between).
                     raise JoinError(f"torch's rendezvous at {nodes.rdzv_endpoint if nodes else 'localhost'} failed: "

@@ -40,11 +40,12 @@ class Stopped(Exception):
     """The run was stopped by a signal to the launcher (not a failure)."""
 
     def __init__(self, signum: int, batch: int | None = None, clean: bool = False, left: bool = False,
-                 signalled_at: float | None = None) -> None:
+                 signalled_at: float | None = None, no_workers: bool = False) -> None:
         self.signum = signum
         self.batch = batch
         self.clean = clean  # the ranks stopped together and checkpointed at ``batch``
         self.left = left  # this node left an elastic job; the other nodes may go on without it
+        self.no_workers = no_workers  # no worker of this node had started (it was meeting the other nodes)
         self.signalled_at = signalled_at  # time.time() of the signal: a stop record before it is another stop's
         super().__init__(f"stopped by {self.signal_name}")
 
@@ -174,6 +175,7 @@ class Supervisor:
                     os.killpg(pid, signal.SIGTERM)
             return
         self._pending = set(children())
+        self._seen |= self._pending
         training = self._statuses()
         starting = any(training.get(pid) is None for pid in self._pending)
         if not self._pending and self._workers_coming():
@@ -210,6 +212,11 @@ class Supervisor:
         """Workers whose watchdog runs (it published a status): SIGUSR1 would kill one still starting."""
         return set(self._statuses())
 
+    @property
+    def had_workers(self) -> bool:
+        """Whether any worker of this launcher was seen running."""
+        return bool(self._seen)
+
     def _workers_coming(self) -> bool:
         return self.shared_world and self.in_world is not None and self.in_world()
 
@@ -221,7 +228,9 @@ class Supervisor:
             if self.signum is not None:
                 os.kill(os.getpid(), self.signum)  # the main thread's handler stops the agent
             return
-        self._pending |= set(children()) - self._asked
+        found = set(children())
+        self._seen |= found
+        self._pending |= found - self._asked
 
     def _tell_ready(self) -> None:
         if not self._pending:
