@@ -118,8 +118,7 @@ class ElasticAgent(LocalElasticAgent):
 
     # -------------------------------------------------------------------------------- torch's steps
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        self.setup.in_world.clear()  # set again once the round is complete (launch_elastic's _marking)
-        try:
+        try:  # (the world counts as met once torch's round is complete: launch_elastic's _marking)
             try:
                 super()._rendezvous(worker_group)
             except DistStoreError:

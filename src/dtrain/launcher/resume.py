@@ -172,9 +172,8 @@ def stop_line(plan: RunPlan, stop: Stopped, started: float) -> str | None:
     batch = read_stopped(plan.run_dir / "logs", since=stop.signalled_at)
     if stop.left:
         at = f" at batch {batch}" if batch is not None and stop.clean else ""
-        how = "" if stop.clean else ", its workers stopped before they could agree on a batch"
-        if not stop.clean and stop.no_workers:
-            how = ", while it met the other nodes: none of its workers had started"
+        how = ("" if stop.clean else ", while it met the other nodes: none of its workers had started"
+               if stop.no_workers else ", its workers stopped before they could agree on a batch")
         return (f"dtrain: this node left the elastic job{at} ({stop.signal_name}{how}); the other nodes go on "
                 f"without it while --nnodes's minimum remain (else they stop there too); rejoin with the same "
                 f"command, or {resume}")
