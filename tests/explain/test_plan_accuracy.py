@@ -286,8 +286,9 @@ def test_measure_stores_rows_with_their_models_inputs_and_refit_reads_them(tmp_p
 
 
 def test_another_fusion_threshold_is_priced_with_its_bucket_count():
-    """``--try optimizations.tensor_fusion_threshold=N``: DDP's layout at N, scaled by the run's measured
-    buckets over the layout at its own threshold; each further bucket pays its ring steps' latency."""
+    """``--try optimizations.tensor_fusion_threshold=N``: DDP's layout of the run's recorded gradient tensors at
+    N; for a profile without them, of fine-grained tensors, scaled by the run's measured buckets over the layout
+    at its own threshold; each further bucket pays its ring steps' latency."""
     from dtrain.explain.predictor import Predictor
     from dtrain.explain.trying import Tries
 
@@ -297,17 +298,25 @@ def test_another_fusion_threshold_is_priced_with_its_bucket_count():
     profile = _profile(comm=comm, parameters=10_000_000, tensor_fusion_threshold_mb=25.0)
     model = CostModel.from_profile(profile)
     assert len(model.buckets(4e7, False, 25.0)) == len(model.buckets(4e7, False)) == 2
-    # 40 MB at 5 MB: 1 + ceil(39 / 5) = 9 by DDP's layout, at 25 MB 3: the run's 2 scaled, 6.
-    assert len(model.buckets(4e7, False, 5.0)) == 6
+    # 40 MB (38.1 MiB) at a given 5 MiB cap: 8 by DDP's layout, as at 25 MiB 2 (the run's 2): 8.
+    assert len(model.buckets(4e7, False, 5.0)) == 8
     measured, small = model.predict(Target(2)), model.predict(Target(2, bucket_mb=5.0))
     same = model.predict(Target(2, bucket_mb=25.0))
     assert same.step == pytest.approx(measured.step) and small.parts["exchange"] > measured.parts["exchange"]
     predictor = Predictor(profile, model)
     tries = Tries(Path("unused"), profile, predictor, lambda: predictor, None)
     priced = tries.price("optimizations.tensor_fusion_threshold", 5.0)
-    assert priced.target is not None and priced.target.bucket_mb == 5.0 and priced.inputs["buckets"].startswith("6 ")
+    assert priced.target is not None and priced.target.bucket_mb == 5.0 and priced.inputs["buckets"].startswith("8 ")
     assert predictor.predict(priced.target).value < 1
     assert tries.price("optimizations.tensor_fusion_threshold", 0.0).why.startswith("cannot predict")
+    # With its tensors recorded (forty of 1 MB), the run's layout is DDP's own, down to a bucket per tensor.
+    recorded = profile.model_copy(update={"gradient_bytes": [[1_000_000] * 40]})
+    known = Predictor(recorded, CostModel.from_profile(recorded))
+    known_tries = Tries(Path("unused"), recorded, known, lambda: known, None)
+    each = known_tries.price("optimizations.tensor_fusion_threshold", 0.0)
+    assert each.inputs["buckets"].startswith("40 (") and "the run's 40 gradient tensors" in each.inputs["buckets"]
+    assert known.predict(each.target).value < known.predict(known_tries.price(
+        "optimizations.tensor_fusion_threshold", 5.0).target).value < 1
     unfused = _profile(comm=comm, parameters=10_000_000, tensor_fusion_threshold_mb=None)
     unfused_tries = Tries(Path("unused"), unfused, Predictor(unfused), lambda: predictor, None)
     same = unfused_tries.price("optimizations.tensor_fusion_threshold", 5.0)

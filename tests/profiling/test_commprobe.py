@@ -8,12 +8,14 @@ from dtrain.profiling import commprobe
 
 
 def test_two_local_processes_measure_a_link_and_a_training_exchange():
-    probe = commprobe.probe_local(2, 1, [40_000.0], 10_000, steps=20, timeout=120)
+    probe = commprobe.probe_local(2, 1, 10_000, 64.0, steps=20, timeout=120)
     assert [b for b, _ in probe.points] == [float(b) for b in commprobe.SIZES]
     assert all(s > 0 for _, s in probe.points)
     link = commprobe.fit(probe.points)
     assert link.rate > 0 and link.latency >= 0
     assert probe.compute_seconds > 0 and probe.exchange_seconds >= 0
+    # The stand-in's own buckets at the run's cap: what its exchanges sent, which the overhead is beyond.
+    assert probe.buckets == [40_400.0]  # one linear layer of 100 x 100 and its bias
 
 
 def test_a_probe_process_that_dies_is_retried_once_then_named(monkeypatch):
@@ -27,7 +29,7 @@ def test_a_probe_process_that_dies_is_retried_once_then_named(monkeypatch):
         return figures
 
     monkeypatch.setattr(commprobe, "_probe_once", dies_first)
-    probe = commprobe.probe_local(2, 1, [1.0], 100)
+    probe = commprobe.probe_local(2, 1, 100, 64.0)
     assert len(attempts) == 2 and probe.exchange_seconds == 2e-4
 
     def always_dies(*args):
@@ -35,7 +37,7 @@ def test_a_probe_process_that_dies_is_retried_once_then_named(monkeypatch):
 
     monkeypatch.setattr(commprobe, "_probe_once", always_dies)
     with pytest.raises(commprobe.ProbeFailed, match=r"failed 2 times \(process 1 terminated .*SIGABRT;.*--link"):
-        commprobe.probe_local(2, 1, [1.0], 100)
+        commprobe.probe_local(2, 1, 100, 64.0)
 
 
 def test_a_probe_that_hangs_is_not_tried_again(monkeypatch):
@@ -47,5 +49,5 @@ def test_a_probe_that_hangs_is_not_tried_again(monkeypatch):
 
     monkeypatch.setattr(commprobe, "_probe_once", hangs)
     with pytest.raises(commprobe.ProbeFailed, match="took over 120 s"):
-        commprobe.probe_local(2, 1, [1.0], 100)
+        commprobe.probe_local(2, 1, 100, 64.0)
     assert len(attempts) == 1

@@ -54,6 +54,7 @@ from dtrain.explain.network import (
     shaped_seconds,
     tree_latency_steps,
 )
+from dtrain.profiling import buckets as ddp_buckets
 from dtrain.profiling.commprobe import LinkFit, fit
 from dtrain.profiling.record import ProfileRecord
 
@@ -61,8 +62,6 @@ __all__ = ["CostModel", "Link", "Prediction", "RingLink", "Source", "Target", "e
 
 # z of the 80% two-sided normal interval.
 Z80 = 1.2816
-# DDP's buckets: the first gradients go out in a small bucket so communication starts early, then bucket_cap_mb.
-FIRST_BUCKET_BYTES, BUCKET_BYTES = 1 * 2**20, 25 * 2**20
 # Where every input was measured on this host (the run, its probes, dtrain plan --probe), the interval is at
 # most this far from its point (issue 45): wider says nothing a user can act on.
 MEASURED_SPREAD = math.log(1.25)
@@ -259,20 +258,25 @@ class CostModel:
         return linear_contention(self.contention, local, self.facts.local_slots)
 
     def buckets(self, nbytes: float, one_bucket: bool, bucket_mb: float | None = None) -> list[float]:
-        """Bucket sizes of one exchange of ``nbytes``: as many as the run measured, else DDP's layout of its
-        buckets. ``bucket_mb``: another bucket cap (``tensor_fusion_threshold``): DDP's layout of the gradients
-        at it, scaled by the run's measured count over the layout at the run's cap (tensors' boundaries)."""
+        """Bucket sizes of one exchange of ``nbytes``: DDP's layout (:mod:`dtrain.profiling.buckets`) of the
+        run's gradient tensors at its cap, or at ``bucket_mb`` (``tensor_fusion_threshold``), in proportion where
+        the bytes are compressed. Where the run recorded no tensors (older profiles, paper) or measured another
+        count: as many as it measured, at another cap scaled by DDP's layout of fine-grained tensors."""
         f = self.facts
         if one_bucket:
             return [nbytes]
+        if f.gradient_bytes:
+            sizes = ddp_buckets.model_layout(f.gradient_bytes, f.fusion_mb if bucket_mb is None else bucket_mb)
+            if bucket_mb is not None or f.buckets < 1 or round(f.buckets) == len(sizes):
+                total = sum(sizes) or 1
+                return [nbytes * size / total for size in sizes]
         count = f.buckets
-        run_cap = (f.fusion_mb or 0) * 2**20 or BUCKET_BYTES
-        if bucket_mb is not None and bucket_mb > 0:
+        if bucket_mb is not None:
             gradients = 4.0 * f.parameters  # DDP fills buckets with the float32 gradients, compressed or not
-            layout = ddp_bucket_count(gradients, bucket_mb * 2**20)
-            count = layout * count / ddp_bucket_count(gradients, run_cap) if count >= 1 else layout
+            layout = ddp_buckets.count_without_tensors(gradients, bucket_mb)
+            count = layout * count / ddp_buckets.count_without_tensors(gradients, f.fusion_mb) if count >= 1 else layout
         elif count < 1:
-            count = ddp_bucket_count(nbytes, run_cap)
+            count = ddp_buckets.count_without_tensors(nbytes, f.fusion_mb)
         count = max(1, round(count))
         return [nbytes / count] * count
 
@@ -476,11 +480,6 @@ def ratio(new: Prediction, base: Prediction) -> tuple[float, float, float]:
     value = new.samples_per_second / base.samples_per_second
     base_sps = base.samples_per_second
     return value, new.samples_per_second_low / base_sps, new.samples_per_second_high / base_sps
-
-
-def ddp_bucket_count(nbytes: float, cap: float) -> int:
-    """DDP's buckets for ``nbytes`` of gradients at ``cap`` bytes each, after its small first bucket."""
-    return 1 + math.ceil(max(0.0, nbytes - FIRST_BUCKET_BYTES) / cap)
 
 
 def _describe(work: Work) -> str:

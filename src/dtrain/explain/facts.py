@@ -104,6 +104,8 @@ class Facts:
     jitter: float = 0.0  # standard deviation of a step
     windows: tuple[float, ...] = ()  # mean step of successive windows of the run
     batch_spread: float = 0.0  # relative sd of the model's own timed steps' growth to twice the batch (0: none)
+    # Each model's trainable tensors' gradient bytes in backward's order (empty: not recorded): DDP's buckets.
+    gradient_bytes: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
     def from_profile(cls, p: ProfileRecord) -> Facts:
@@ -129,7 +131,8 @@ class Facts:
             train_latency=p.comm.latency_seconds, train_algbw=p.comm.algbw_bytes_per_second,
             jitter=p.step_jitter_seconds or 0.0, windows=tuple(p.step_window_seconds or ()),
             batch_spread=batch_spread(p.model_steps), optimizer_solo=_optimizer_solo(p),
-            optimizer_concurrent=p.batch_scaling.optimizer_seconds if p.batch_scaling is not None else 0.0)
+            optimizer_concurrent=p.batch_scaling.optimizer_seconds if p.batch_scaling is not None else 0.0,
+            gradient_bytes=tuple(tuple(model) for model in p.gradient_bytes or ()))
 
     def to_json(self) -> dict[str, object]:
         """The facts as plain JSON (the stored held-out rows keep the inputs their predictions came from)."""
@@ -149,7 +152,8 @@ class Facts:
         return replace(built, compression_costs=CompressionFacts(**costs) if isinstance(costs, dict) else None,
                        link_points=tuple(tuple(p) for p in built.link_points),  # type: ignore[misc]
                        windows=tuple(built.windows),
-                       optimizer_solo=tuple((int(t), float(s)) for t, s in built.optimizer_solo))
+                       optimizer_solo=tuple((int(t), float(s)) for t, s in built.optimizer_solo),
+                       gradient_bytes=tuple(tuple(int(b) for b in model) for model in built.gradient_bytes))
 
     @property
     def local_slots(self) -> int:

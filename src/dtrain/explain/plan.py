@@ -124,14 +124,11 @@ def local_probe(run_dir: Path, profile: ProfileRecord, fresh: bool, log: Any) ->
                             "Gloo probe here cannot stand for its link. Run dtrain plan --probe on that host, or "
                             "give the link with --link RATE,LATENCY")
         return None
-    bare = CostModel.from_profile(profile)
-    target = Target(PROBE_WORLD)
-    _, threads = bare.local_threads(target)
-    buckets = bare.buckets(4.0 * profile.parameters, False)
+    _, threads = CostModel.from_profile(profile).local_threads(Target(PROBE_WORLD))
     log(f"dtrain plan: the run had one slot and measured no link: probing {PROBE_WORLD} local processes "
         f"({threads} thread(s) each; saved as {path.name}) ...")
     try:
-        probe = commprobe.probe_local(PROBE_WORLD, threads, buckets, profile.parameters)
+        probe = commprobe.probe_local(PROBE_WORLD, threads, profile.parameters, profile.tensor_fusion_threshold_mb)
     except commprobe.ProbeFailed as exc:
         raise UserError(f"dtrain plan: {exc}") from None
     commprobe.save(probe, path)

@@ -172,16 +172,18 @@ class Tries:
         if mb * 2**20 >= gradients:
             return Priced(target_at(self.predictor.model, one_bucket=True),
                           {**inputs, "buckets": f"one ({gradients / 1e6:.2f} MB of gradients fit {mb:g} MB)"})
-        if mb <= 0:
+        model = self.predictor.model
+        tensors = sum(len(t) for t in model.facts.gradient_bytes)
+        if mb <= 0 and not tensors:
             return Priced(None, inputs, "cannot predict tensor_fusion_threshold: 0 because it puts each gradient "
                           "tensor in its own bucket and the run did not record its tensors' count")
-        model = self.predictor.model
         count = len(model.buckets(gradients, False, mb))
-        how = (f"scaled by the run's {len(model.buckets(gradients, False))} measured over DDP's layout at its "
-               "threshold" if model.facts.buckets >= 1 else "DDP's layout")
+        how = (f"DDP's layout of the run's {tensors} gradient tensors" if tensors else
+               f"the run's {len(model.buckets(gradients, False))} measured, scaled by DDP's layout at each threshold"
+               if model.facts.buckets >= 1 else "DDP's layout")
         return Priced(target_at(model, bucket_mb=mb),
-                      {**inputs, "buckets": f"{count} ({gradients / 1e6:.2f} MB of gradients in {mb:g} MB buckets "
-                       f"after a 1 MB first one: {how})"})
+                      {**inputs, "buckets": f"{count} ({gradients / 1e6:.2f} MB of gradients in {mb:g} MB buckets: "
+                       f"{how})"})
 
     def _loader(self, workers: int, inputs: dict[str, str]) -> Priced:
         """The loader plan's step with ``workers`` processes per slot, as the data factor predicts it."""

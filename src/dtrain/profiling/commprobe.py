@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain import dist as ddist
+from dtrain.profiling.buckets import layout
 
 # From a few KB (latency-bound) to tens of MB (bandwidth-bound), and the gradients' own size in between.
 SIZES = (4 * 2**10, 64 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
@@ -119,7 +120,8 @@ def _stand_in(parameters: int) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
 
 
-def _worker(rank: int, world: int, port: int, threads: int, parameters: int, steps: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, threads: int, parameters: int, cap_mb: float | None, steps: int,
+            out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(threads)
@@ -130,7 +132,7 @@ def _worker(rank: int, world: int, port: int, threads: int, parameters: int, ste
         # Exchanges as training makes them: DDP on a stand-in of the model's size, steps with and without
         # gradient sync in alternating blocks; the difference of their means is what an exchange costs a step
         # (hooks, buckets, waking up, waiting for the peer) beside the all-reduces themselves.
-        model = DistributedDataParallel(_stand_in(parameters))
+        model = DistributedDataParallel(_stand_in(parameters), bucket_cap_mb=cap_mb)
         width = model.module[0].in_features
         batch = torch.randn(32, width)
         seconds: dict[bool, list[float]] = {True: [], False: []}
@@ -165,7 +167,8 @@ def _worker(rank: int, world: int, port: int, threads: int, parameters: int, ste
 @dataclass(frozen=True, slots=True)
 class LocalProbe:
     """:func:`probe_local`'s result: all-reduce ``(bytes, seconds)`` points, and the mean seconds a DDP step of
-    a stand-in with the model's ``buckets`` spends exchanging gradients (beside ``compute_seconds`` of work)."""
+    a stand-in of the model's size spends exchanging its ``buckets`` of gradients (beside ``compute_seconds`` of
+    work)."""
 
     world: int
     threads: int
@@ -180,15 +183,19 @@ class LocalProbe:
         return self.exchange_seconds - sum(link.seconds(b) for b in self.buckets)
 
 
-def probe_local(world: int, threads: int, buckets: list[float], parameters: int, steps: int = 200,
+def probe_local(world: int, threads: int, parameters: int, cap_mb: float | None, steps: int = 200,
                 timeout: float = 120.0) -> LocalProbe:
     """All-reduces among ``world`` processes on this host over loopback (Gloo), as local slots would talk,
     each with ``threads`` torch threads as the launcher would give it: several sizes back to back, then
-    ``steps`` DDP steps of a stand-in with ``parameters`` parameters (``buckets``: DDP's layout of them)."""
+    ``steps`` DDP steps of a stand-in with ``parameters`` parameters, bucketed at the run's ``cap_mb``."""
+    with torch.device("meta"):  # its tensors' sizes only: a big model's stand-in is not allocated here
+        stand_in = _stand_in(parameters)
+    buckets = [float(b) for b in layout([p.numel() * p.element_size() for p in reversed(list(stand_in.parameters()))],
+                                        cap_mb)]
     failures = []
     for _ in range(PROBE_ATTEMPTS):
         try:
-            result = _probe_once(world, threads, parameters, steps, timeout)
+            result = _probe_once(world, threads, parameters, cap_mb, steps, timeout)
         except ProbeDied as exc:  # another pair of fresh processes, once (a hang is not tried again)
             failures.append(str(exc))
             continue
@@ -206,7 +213,8 @@ class ProbeDied(ProbeFailed):
     """A local probe's process ended before it gave its figures (tried again once)."""
 
 
-def _probe_once(world: int, threads: int, parameters: int, steps: int, timeout: float) -> dict[str, Any]:
+def _probe_once(world: int, threads: int, parameters: int, cap_mb: float | None, steps: int,
+                timeout: float) -> dict[str, Any]:
     """One attempt of :func:`probe_local` in ``world`` fresh processes: rank 0's figures."""
     import tempfile
 
@@ -214,7 +222,7 @@ def _probe_once(world: int, threads: int, parameters: int, steps: int, timeout: 
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "probe.json")
-        args = (world, _free_port(), threads, parameters, steps, out)
+        args = (world, _free_port(), threads, parameters, cap_mb, steps, out)
         ctx = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:

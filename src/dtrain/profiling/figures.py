@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed import ProcessGroup
 
 from dtrain.profiling import commprobe, stragglers
@@ -115,6 +116,7 @@ class EndFigures:
     hosts: list[str]
     comm_points: list[tuple[float, float]]
     model_steps: ModelSteps | None = None
+    gradient_bytes: list[list[int]] | None = None
 
 
 def build_profile(figures: EndFigures, head: RunHead) -> ProfileRecord:
@@ -157,7 +159,7 @@ def build_profile(figures: EndFigures, head: RunHead) -> ProfileRecord:
     return ProfileRecord(**run, phases=list(PHASES), seconds_per_step=spread, per_rank=ranks, comm=comm,
                          stragglers=lags, comm_probe=probe,
                          step_jitter_seconds=sum(r.get("step_std", 0.0) for r in per_rank) / slots,
-                         model_steps=figures.model_steps,
+                         model_steps=figures.model_steps, gradient_bytes=figures.gradient_bytes,
                          **_probe_figures(per_rank, head.per_slot_batch_size))
 
 
@@ -211,7 +213,16 @@ def collect_rank_figures(facts: RunFacts) -> EndFigures:
         if not facts.strategy.has_server_ranks:
             points = commprobe.end_of_run(group)
     per_rank = gather_rank_stats(timer, memory, group)
-    return EndFigures(per_rank, latency_probe(group=group), all_hostnames(), points, steps)
+    return EndFigures(per_rank, latency_probe(group=group), all_hostnames(), points, steps,
+                      gradient_bytes(facts.models))
+
+
+def gradient_bytes(models: Sequence[nn.Module]) -> list[list[int]]:
+    """Each model's trainable tensors' gradient bytes in the order backward produces them, which DDP buckets
+    them by: for a model that uses its layers in the order it registered them, the reverse of that order
+    (DDP's own first guess, before it sees a backward)."""
+    return [[p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad]
+            for model in models]
 
 
 def _memory_total() -> float:

@@ -342,7 +342,7 @@ class ProfileRecord(_Section):
         {"device_facts", "stragglers", "batch_scaling", "allreduce_probe", "data_load_seconds_per_batch",
          "data_load_cpu_share", "solo_probe", "comm_probe", "compression_cost", "step_jitter_seconds",
          "step_window_seconds", "unobserved_phases", "membership_changes", "model_steps", "first_steps",
-         "flops"})
+         "flops", "gradient_bytes"})
 
     schema_version: int = SCHEMA_VERSION
     # What the run was (also summary.json's head: dtrain.profiling.runsummary.RunHead).
@@ -404,6 +404,8 @@ class ProfileRecord(_Section):
     model_steps: ModelSteps | None = None  # absent where not probed, and from older profiles
     first_steps: FirstSteps | None = None  # also summary.json's (RunHead), as flops: absent from older files
     flops: Flops | None = None
+    # Each model's trainable tensors' gradient bytes, in backward's order: DDP's buckets at any cap (older: absent).
+    gradient_bytes: list[list[int]] | None = None
 
     @field_validator("phases")
     @classmethod
