@@ -28,7 +28,10 @@ class ManyTensorsTrial(dtrain.PyTorchTrial):
         self.model = context.wrap_model(ManySmall(context.get_hparam("tensors"), size))
         self.opt = context.wrap_optimizer(torch.optim.SGD(self.model.parameters(), lr=1e-3))
         g = torch.Generator().manual_seed(0)
-        self.data = TensorDataset(torch.randn(4096, size, generator=g), torch.randn(4096, 1, generator=g))
+        # Inputs of unit norm: the 200 tensors act as one sum, so SGD's step on it is 200 x lr x |x|^2, which
+        # unscaled inputs (|x|^2 = size) made diverge within 20 batches.
+        x = torch.randn(4096, size, generator=g) / size**0.5
+        self.data = TensorDataset(x, torch.randn(4096, 1, generator=g))
 
     def build_training_data(self) -> TensorDataset:
         return self.data
