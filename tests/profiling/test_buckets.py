@@ -80,3 +80,21 @@ def test_the_cost_model_prices_the_recorded_layout_and_keeps_the_old_rule_withou
     assert len(recorded.buckets(nbytes, False, 0.0)) == len(tensors)
     # A profile from before the tensors were recorded: fine-grained tensors at the run's cap (64 MB: one).
     assert len(CostModel.from_profile(base).buckets(nbytes, False)) == 1
+
+
+def test_frozen_parameters_are_not_priced_as_exchanged():
+    """A fine-tuned model whose backbone is frozen exchanges its trainable gradients only (DDP buckets only
+    those): a profile that records them prices that, one without them every parameter."""
+    from profiles import make_profile
+
+    from dtrain.explain.costmodel import CostModel, Target
+
+    points = [(4096.0, 1e-4), (float(2**20), 1e-3), (float(8 * 2**20), 7e-3)]
+    whole = make_profile([{"forward": 0.01, "backward": 0.02}], parameters=1_000_000, tensor_fusion_threshold_mb=64.0)
+    tuned = whole.model_copy(update={"gradient_bytes": [[40_000, 360_000]]})  # a tenth of it trains
+    exchange = {}
+    for name, profile in (("whole", whole), ("tuned", tuned)):
+        model = CostModel.from_profile(profile, points, 2, 0.0)
+        exchange[name] = model.predict(Target(2)).parts["exchange"]
+    assert CostModel.from_profile(tuned).facts.gradient_total == 400_000
+    assert exchange["tuned"] < exchange["whole"] / 2

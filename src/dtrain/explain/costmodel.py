@@ -272,7 +272,7 @@ class CostModel:
                 return [nbytes * size / total for size in sizes]
         count = f.buckets
         if bucket_mb is not None:
-            gradients = 4.0 * f.parameters  # DDP fills buckets with the float32 gradients, compressed or not
+            gradients = f.gradient_total  # DDP fills buckets with the gradients, compressed or not
             layout = ddp_buckets.count_without_tensors(gradients, bucket_mb)
             count = layout * count / ddp_buckets.count_without_tensors(gradients, f.fusion_mb) if count >= 1 else layout
         elif count < 1:
@@ -322,7 +322,7 @@ class CostModel:
         f = self.facts
         backward = compute * f.backward_share
         n = target.slots
-        nbytes = 4.0 * f.parameters
+        nbytes = f.gradient_total
         compression = target.compression if target.compression is not None else f.compression
         math_seconds, collectives = 0.0, 1
         costs = f.compression_costs

@@ -156,6 +156,12 @@ class Facts:
                        gradient_bytes=tuple(tuple(int(b) for b in model) for model in built.gradient_bytes))
 
     @property
+    def gradient_total(self) -> float:
+        """Bytes of gradients one exchange reduces: the trainable tensors' as recorded (frozen ones send
+        nothing), else float32 gradients of every parameter."""
+        return float(sum(map(sum, self.gradient_bytes))) if self.gradient_bytes else 4.0 * self.parameters
+
+    @property
     def local_slots(self) -> int:
         return max(1, self.slots // self.hosts)
 

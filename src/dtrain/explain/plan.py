@@ -102,7 +102,7 @@ def cases(model: CostModel, p: ProfileRecord, slot_counts: list[int], nodes: int
                 for compression in ("fp16", "powersgd"):
                     if compression in p.strategy_compressions and compression != p.gradient_compression:
                         out.append(Case(target_at(model, n, hosts, compression=compression), "compression"))
-                if len(model.buckets(4.0 * p.parameters, False)) > 1:
+                if len(model.buckets(model.facts.gradient_total, False)) > 1:
                     out.append(Case(target_at(model, n, hosts, one_bucket=True), "fusion"))
             if lower is not None and gain is not None:
                 out.append(Case(target_at(model, n, hosts, precision_gain=gain, precision_spread=lower.spread,
@@ -124,11 +124,14 @@ def local_probe(run_dir: Path, profile: ProfileRecord, fresh: bool, log: Any) ->
                             "Gloo probe here cannot stand for its link. Run dtrain plan --probe on that host, or "
                             "give the link with --link RATE,LATENCY")
         return None
-    _, threads = CostModel.from_profile(profile).local_threads(Target(PROBE_WORLD))
+    bare = CostModel.from_profile(profile)
+    _, threads = bare.local_threads(Target(PROBE_WORLD))
     log(f"dtrain plan: the run had one slot and measured no link: probing {PROBE_WORLD} local processes "
         f"({threads} thread(s) each; saved as {path.name}) ...")
     try:
-        probe = commprobe.probe_local(PROBE_WORLD, threads, profile.parameters, profile.tensor_fusion_threshold_mb)
+        # A stand-in of the trainable parameters: frozen ones exchange nothing.
+        probe = commprobe.probe_local(PROBE_WORLD, threads, round(bare.facts.gradient_total / 4),
+                                      profile.tensor_fusion_threshold_mb)
     except commprobe.ProbeFailed as exc:
         raise UserError(f"dtrain plan: {exc}") from None
     commprobe.save(probe, path)

@@ -163,7 +163,7 @@ class Tries:
 
     def _fusion(self, mb: float, inputs: dict[str, str]) -> Priced:
         p = self.profile
-        gradients = 4.0 * p.parameters
+        gradients = self.predictor.model.facts.gradient_total
         if p.tensor_fusion_threshold_mb is None:
             return Priced(target_at(self.predictor.model), inputs, f"sync.strategy {p.strategy} does not fuse "
                           "gradients into buckets: the threshold changes nothing")
