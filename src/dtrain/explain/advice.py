@@ -158,29 +158,38 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
     """How many loader processes per slot to try (``workers``: that many, as given) and the step they predict,
     from what the machine has.
 
-    ``data`` is the wait for a batch per step, ``cpu_work`` the training process's own busy time per step.
-    With W loader processes a slot gets a batch every ``L / W`` seconds (``L``: seconds to load one, probed
-    after the run), hidden behind the rest of the step; but the loaders' CPU time (``L`` x the probed CPU
-    share) and the training threads' share the slot's cores, which bounds the step from below::
+    ``data`` is the wait for a batch per step, ``cpu_work`` the training process's own busy time per step (on a
+    CPU host with its exchange's). With W loader processes a slot gets a batch every ``T / W`` seconds, hidden
+    behind the rest of the step; but each batch is handed over from the loader's process, which costs the
+    training process ``R`` (both probed after the run through one loader process,
+    :mod:`dtrain.profiling.handoff`), and the loaders' CPU time and the training threads' share the slot's
+    cores, which bounds the step from below::
 
-        step(W) = max(step - data, L / W, (threads x cpu_work + cpu_share x L) / cores_per_slot)
+        step(W) = max(step - data + R, T / W, (threads x cpu_work + R + cpu_share x T) / cores_per_slot)
 
-    So on 2 cores with 2 slots, CPU-bound loaders gain little (they take the training's core), while
-    loaders that mostly wait (disk, network) need no core and hide up to W batches of waiting.
+    So on 2 cores with 2 slots, CPU-bound loaders gain little (they take the training's core), loaders that
+    mostly wait (disk, network) need no core and hide up to W batches of waiting, and a batch that loads
+    faster in place than it is handed over is slower through any loader process. Without the handoff probe
+    (older profiles), ``T`` is the in-place load and ``R`` nothing.
     """
     current = profile.data_loader_workers
     load = profile.data_load_seconds_per_batch or data
+    handoff = profile.data_handoff_seconds_per_batch
+    receive = (profile.data_handoff_cpu_seconds_per_batch or 0.0) if handoff is not None else 0.0
+    through = handoff if handoff is not None else load
     share = profile.data_load_cpu_share
     cpu_share = share if share is not None else 1.0  # not probed: assume loading needs a core
     cores = usable_cores(profile)
     per_slot = cores / local_slots(profile) if cores else None
     threads = profile.threads_per_slot
     rest = max(0.0, step - data)
+    if profile.device == "cpu":  # Gloo's exchange is the cores' work too on a CPU host (TCP copies at both ends)
+        cpu_work += profile.seconds_per_step.comm_exposed.mean
 
     def predicted(workers: int) -> float:
-        bound = max(rest, load / workers)
+        bound = max(rest + receive, through / workers)
         if per_slot is not None:
-            bound = max(bound, (threads * cpu_work + cpu_share * load) / per_slot)
+            bound = max(bound, (threads * cpu_work + receive + cpu_share * through) / per_slot)
         return bound
 
     limit = MAX_ADVISED_WORKERS
@@ -196,12 +205,17 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
         new_step = step
     elif workers == 0:  # the training process loads each batch itself: nothing hides it
         new_step = rest + load
+    elif current == 0 and handoff is not None:  # the handoff is new: it can make the step slower
+        new_step = predicted(workers)
     else:  # fewer processes than the run had can only be slower, more can only be faster
         new_step = predicted(workers) if workers < current else min(step, predicted(workers))
     where = (f"{per_slot:g} core(s) per slot, {threads} torch thread(s) each" if per_slot is not None
              else "cores per slot not recorded")
     probed = (f"{1e3 * load:.2f} ms to load a batch, {100 * cpu_share:.0f}% of it on the CPU (probed after the run)"
               if share is not None else f"{1e3 * load:.2f} ms to load a batch (CPU share not probed: assumed all)")
+    if handoff is not None:
+        probed += (f"; through a loader process {1e3 * handoff:.2f} ms a batch, {1e3 * receive:.2f} ms of it "
+                   "the training process's to receive it")
     return LoaderPlan(workers, new_step, f"{probed}; {workers} loader process(es) per slot overlap it with the "
                       f"{1e3 * rest:.2f} ms rest of the step, on {where}")
 

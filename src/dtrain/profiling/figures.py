@@ -189,7 +189,9 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
     probed_load = mean("probe_load") > 0
     return {"batch_scaling": batch_scaling, "solo_probe": solo, "compression_cost": compression,
             "data_load_seconds_per_batch": mean("probe_load") if probed_load else None,
-            "data_load_cpu_share": mean("probe_load_cpu_share") if probed_load else None}
+            "data_load_cpu_share": mean("probe_load_cpu_share") if probed_load else None,
+            "data_handoff_seconds_per_batch": mean("probe_handoff") if mean("probe_handoff") > 0 else None,
+            "data_handoff_cpu_seconds_per_batch": mean("probe_handoff_cpu") if mean("probe_handoff") > 0 else None}
 
 
 def collect_rank_figures(facts: RunFacts) -> EndFigures:

@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader
 
 from dtrain import dist as ddist
 from dtrain.profiling.device import cpu_cores
+from dtrain.profiling.handoff import handoff_figures, on_host
 from dtrain.profiling.modelsteps import restored, time_model_steps
 from dtrain.profiling.record import ModelSteps
 from dtrain.profiling.runfacts import ProbeHooks, RunFacts
@@ -42,7 +43,7 @@ SOLO_THREADS = 3
 SOLO_FIELDS = tuple(f"probe_solo{i}_{what}" for i in range(SOLO_THREADS)
                     for what in ("threads", "work", "double", "optimizer"))
 PROBE_FIELDS = ("probe_work", "probe_work_double", "probe_optimizer", "probe_load", "probe_load_double",
-                "probe_load_cpu_share",
+                "probe_load_cpu_share", "probe_handoff", "probe_handoff_cpu",
                 *SOLO_FIELDS, "probe_fp16_seconds", "probe_powersgd_seconds", "probe_powersgd_bytes",
                 "probe_powersgd_rank")
 # Rounds of the probe: as many as fit in this many seconds (by the run's last step time), within bounds:
@@ -231,6 +232,8 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
         out = {"probe_work": work[1], "probe_work_double": work[2], "probe_optimizer": optimizer, **solo}
         if not facts.synthetic_data:
             out.update(_load_figures(hooks.loader, per_slot))
+            if on_host(one):
+                out.update(handoff_figures(hooks.loader, per_slot))
         return ProbeResult({**zeros, **out}, steps)
     except Exception as exc:  # a trial that cannot take another batch size: no probe, not a failed run
         log.info("batch probe skipped: %s", exc)

@@ -342,7 +342,7 @@ class ProfileRecord(_Section):
         {"device_facts", "stragglers", "batch_scaling", "allreduce_probe", "data_load_seconds_per_batch",
          "data_load_cpu_share", "solo_probe", "comm_probe", "compression_cost", "step_jitter_seconds",
          "step_window_seconds", "unobserved_phases", "membership_changes", "model_steps", "first_steps",
-         "flops", "gradient_bytes"})
+         "flops", "gradient_bytes", "data_handoff_seconds_per_batch", "data_handoff_cpu_seconds_per_batch"})
 
     schema_version: int = SCHEMA_VERSION
     # What the run was (also summary.json's head: dtrain.profiling.runsummary.RunHead).
@@ -393,6 +393,8 @@ class ProfileRecord(_Section):
     allreduce_probe: AllreduceProbe | None = None
     data_load_seconds_per_batch: float | None = None
     data_load_cpu_share: float | None = None
+    data_handoff_seconds_per_batch: float | None = None  # through one loader process (profiling/handoff.py)
+    data_handoff_cpu_seconds_per_batch: float | None = None  # the training thread's, to receive one
     solo_probe: SoloProbe | None = None
     comm_probe: CommProbe | None = None
     compression_cost: CompressionCost | None = None
