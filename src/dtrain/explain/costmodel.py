@@ -443,9 +443,10 @@ class CostModel:
             # beside them, the caches warm): a whole run in that precision may gain less or more than they did.
             out["precision_probe"] = compute
         if target.data_workers_step is not None:
-            # Other loader processes: their start-up and the hand-over of each batch from them are not modelled,
-            # and on shared cores they compete with training; the planted slow-data case's measured gain was about
-            # half the predicted one (tests/explain/test_verify.py).
+            # Other loader processes: the hand-over of each batch is probed, but their start-up is not modelled,
+            # and on shared cores their competing with training's threads is priced as even shares, which a
+            # 2-thread slot took 1.4x as long as (docs/benchmarks.md); the planted slow-data case's measured
+            # gain was about half the predicted one (tests/explain/test_verify.py).
             out["loader_workers"] = step
         if len(self.facts.windows) < 3:
             out["unmeasured_drift"] = step
