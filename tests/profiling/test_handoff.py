@@ -4,6 +4,8 @@ doctor's loader plan prices it, so a batch cheaper to load in place than to hand
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
@@ -54,3 +56,22 @@ def test_the_loader_plan_prices_the_handoff_both_ways():
                                     "data_handoff_seconds_per_batch": 0.0201})
     slow_step = 0.0008 + 0.02
     assert loader_plan(slow, 0.02, slow_step, work, workers=4).step_seconds < slow_step / 3
+
+
+def test_the_doctor_says_why_it_does_not_advise_loader_processes():
+    """A run that waits for its batches, whose batches cost more to hand over than to load in place: the data
+    factor keeps its share and says why nothing is to try, instead of advising a loader process."""
+    from profiles import make_profile
+
+    from dtrain.explain.doctor import diagnose, render
+
+    seconds = {"data": 0.0004, "forward": 0.0003, "backward": 0.0003, "optimizer": 0.0002}
+    profile = make_profile([seconds], threads_per_slot=1, cpu_cores=2, data_loader_workers=0,
+                           data_load_seconds_per_batch=0.0003, data_load_cpu_share=1.0,
+                           data_handoff_seconds_per_batch=0.0015, data_handoff_cpu_seconds_per_batch=0.0006)
+    diagnosis = diagnose(profile)
+    row = next(f for f in diagnosis.factors if f.factor == "data_loading")
+    assert row.key is None and row.advice.declined and "not worth a change" in row.why
+    assert all(r.key != "data_loader.num_workers" for r in diagnosis.recommendations)
+    said = r"data_loading: .*through a loader process 1\.50 ms a batch.* no faster than today"
+    assert re.search(said, render(diagnosis))

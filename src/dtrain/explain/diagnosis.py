@@ -37,7 +37,8 @@ class Advice:
     """What one factor proposes: a change (``key`` None: nothing to try), why, and an alternative change.
 
     ``bound``: the predicted figure is only an upper bound (``interval`` is then (1, bound) and
-    ``predicted_speedup`` None): the change is shown with its bound, never advised on it."""
+    ``predicted_speedup`` None): the change is shown with its bound, never advised on it. ``declined``: the
+    factor's change was predicted to gain too little to advise (its ``why`` says so)."""
 
     key: str | None
     value: ConfigValue
@@ -46,6 +47,7 @@ class Advice:
     alternative: Change | None = None
     straggler: Straggler | None = None
     bound: float | None = None
+    declined: bool = False
 
     @property
     def action(self) -> str:

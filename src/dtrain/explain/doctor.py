@@ -147,6 +147,7 @@ def _worth_it(found: Advice) -> None:
     if speedup is not None:
         found.why += (f"; {found.action} is predicted at {speedup:.2f}x, "
                       f"{'no faster than' if speedup < 1 else 'within 2% of'} today: not worth a change")
+        found.declined = True
     if alt is not None:
         found.key, found.value, found.predicted_speedup = alt.key, alt.value, alt.predicted_speedup
         found.alternative = None
@@ -206,9 +207,11 @@ def render(diagnosis: Diagnosis) -> str:
         action = f"{f.key}: {f.value}" if f.key else "-"
         table.add_row(f.factor, f"{100 * f.share:.0f}%", f"{1e3 * f.seconds_per_step:.2f}", action, _predicted(f))
     # Why, in the user's terms (learning-rate rule, what to check on a host), for the factors with a change.
-    # The straggler's too, with no change: it says that ranks take turns, or why one slot fewer would not help.
+    # The straggler's too, with no change: it says that ranks take turns, or why one slot fewer would not help;
+    # and a factor whose change was declined: a large share with nothing to try says why (a loader process
+    # that would slow the run).
     notes = "".join(f"  {f.factor}: {f.why}\n" for f in diagnosis.factors[:4]
-                    if (f.key or f.factor == "straggler") and f.share >= MIN_SHARE)
+                    if (f.key or f.factor == "straggler" or f.advice.declined) and f.share >= MIN_SHARE)
     checkpoints = next((r for r in diagnosis.recommendations if r.factor == "checkpoints"), None)
     extra = (f"checkpoints: {checkpoints.action} (predicted {checkpoints.predicted_speedup:.2f}x less time to "
              f"finish): {checkpoints.why}\n") if checkpoints else ""
