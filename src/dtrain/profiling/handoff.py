@@ -25,6 +25,9 @@ log = logging.getLogger(__name__)
 BATCHES, BUDGET_SECONDS = 12, 0.5
 # A batch the worker takes longer than this to hand over ends the probe (torch raises), rather than the run.
 TIMEOUT_SECONDS = 30.0
+# Data slower than this to load in place is not probed: the probe would cost two such batches and more, and
+# the handoff is small beside such a load (the loader plan then takes the in-place load for both).
+MAX_LOAD_SECONDS = 0.25
 
 
 def on_host(batch: object) -> bool:

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from dtrain import dist as ddist
 from dtrain.profiling.device import cpu_cores
-from dtrain.profiling.handoff import handoff_figures, on_host
+from dtrain.profiling.handoff import MAX_LOAD_SECONDS, handoff_figures, on_host
 from dtrain.profiling.modelsteps import restored, time_model_steps
 from dtrain.profiling.record import ModelSteps
 from dtrain.profiling.runfacts import ProbeHooks, RunFacts
@@ -232,7 +232,7 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
         out = {"probe_work": work[1], "probe_work_double": work[2], "probe_optimizer": optimizer, **solo}
         if not facts.synthetic_data:
             out.update(_load_figures(hooks.loader, per_slot))
-            if on_host(one):
+            if on_host(one) and out["probe_load"] <= MAX_LOAD_SECONDS:
                 out.update(handoff_figures(hooks.loader, per_slot))
         return ProbeResult({**zeros, **out}, steps)
     except Exception as exc:  # a trial that cannot take another batch size: no probe, not a failed run
