@@ -22,13 +22,13 @@ from dtrain.profiling.record import (
     LrHyperparameter,
     MembershipChange,
     ProfileError,
-    _Section,
+    Section,
 )
 
 FILE_NAME = "summary.json"
 
 
-class RunHead(_Section):
+class RunHead(Section):
     """What the run was and how fast it went: ``summary.json``'s head and ``profile.json``'s run facts.
 
     ``samples_per_second`` is the steady state over profiled steps when profiling (device-timed), else every
