@@ -199,3 +199,30 @@ def test_a_round_whose_node_went_away_before_starting_its_workers_is_met_again(t
     monkeypatch.setattr(LocalElasticAgent, "_rendezvous", torch_rendezvous)
     agent._rendezvous(group)
     assert len(tries) == 2 and agent.setup.in_world.is_set() and agent.nodes == ["a"]
+
+
+def test_a_change_is_timed_to_its_first_step_even_when_its_status_is_read_steps_later(tmp_path):
+    """A worker says when its first step ended; the record takes that, not the time the launcher happened to
+    read a status published twice a second (ten short steps later here)."""
+    from dtrain.engine.watchdog import RankStatus
+    from dtrain.launcher.membership import Change, ChangeRecorder
+
+    status = RankStatus()
+    status.enter("data", 40)
+    status.enter("forward")
+    assert status.first_step_end is None
+    status.enter("data", 41)
+    ended = status.first_step_end
+    assert ended is not None
+    status.enter("data", 42)
+    assert status.first_step_end == ended  # the first step's end only
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    published = {"rank": 0, "host": "h", "pid": os.getpid(), "batch": 51, "phase": "forward", "since": ended + 9,
+                 "time": ended + 9.5, "gpu": False, "first_step_end": ended}
+    (logs / "status.rank0.json").write_text(json.dumps(published))
+    recorder = ChangeRecorder(tmp_path, logs, tmp_path / "checkpoints")
+    recorder.current = Change({"cause": "join", "node": "b", "time": ended - 2.0}, 40, 1, 2, os.getpid(), {})
+    record = recorder.poll()
+    assert record is not None and record["seconds"] == 2.0 and record["first_step_time"] == ended

@@ -60,18 +60,23 @@ def die_with_launcher() -> None:
 class RankStatus:
     """Where this rank is. Writers are the main thread; the watchdog thread only reads."""
 
-    __slots__ = ("batch", "phase", "since")
+    __slots__ = ("batch", "first_step_end", "phase", "since")
 
     def __init__(self) -> None:
         self.batch: int | None = None
         self.phase = "startup"
         self.since = time.time()
+        # When this process's first step ended (its next batch began): an elastic world's first step, which its
+        # membership record times; the status is published twice a second, long after a short step.
+        self.first_step_end: float | None = None
 
     def enter(self, phase: str, batch: int | None = None) -> None:
         """Mark the start of ``phase`` (at ``batch``: the 0-based index of the batch being trained)."""
         self.phase = phase
         self.since = time.time()
         if batch is not None:
+            if self.first_step_end is None and self.batch is not None and batch != self.batch:
+                self.first_step_end = self.since
             self.batch = batch
 
     @contextlib.contextmanager
@@ -155,7 +160,7 @@ class Watchdog(threading.Thread):
         if self.path is None:
             return
         record = {**self.static, "batch": STATUS.batch, "phase": STATUS.phase, "since": STATUS.since,
-                  "time": time.time(), "gpu": _uses_gpu()}
+                  "time": time.time(), "gpu": _uses_gpu(), "first_step_end": STATUS.first_step_end}
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with self._writing, contextlib.suppress(OSError):
             tmp.write_text(json.dumps(record))

@@ -50,6 +50,7 @@ class Status:
     time: float
     address: str = ""
     gpu: bool = False  # CUDA: the phase is where the host is; the GPU runs behind it
+    first_step_end: float | None = None  # when the process's first step ended (None: not yet, or not said)
 
     @property
     def communicating(self) -> bool:
@@ -83,7 +84,8 @@ def read_statuses(folder: Path | None) -> dict[int, Status]:
             status = Status(int(raw["rank"]), str(raw["host"]), int(raw["pid"]),
                             None if raw["batch"] is None else int(raw["batch"]), str(raw["phase"]),
                             float(raw["since"]), float(raw["time"]), str(raw.get("address", "")),
-                            bool(raw.get("gpu", False)))
+                            bool(raw.get("gpu", False)),
+                            None if raw.get("first_step_end") is None else float(raw["first_step_end"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
         found[status.rank] = status

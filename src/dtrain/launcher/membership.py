@@ -158,8 +158,10 @@ class ChangeRecorder:
                 or status.batch <= change.batches:
             return None
         self.current = None
-        # The status marks when the step after the first began: the end of the first step at the new size.
-        first_step = status.since if status.batch == change.batches + 1 else status.time
+        # The end of the first step at the new size: when the process's next batch began, as it said (its
+        # status is published twice a second, often steps later); else from the batch it is at.
+        first_step = (status.first_step_end if status.first_step_end is not None
+                      else status.since if status.batch == change.batches + 1 else status.time)
         cause = change.cause
         lost = cause.get("last_batch")
         record = {"kind": "membership", "batches": change.batches, "cause": cause["cause"], "node": cause["node"],
