@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.profiling import buckets
-from dtrain.profiling.figures import gradient_bytes
+from dtrain.profiling.buckets import gradient_bytes
 
 
 def _torchs(tensor_bytes: list[int], cap_mb: float | None) -> list[int]:

@@ -17,6 +17,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
 
 # DDP's defaults, where no cap is given: the first gradients go out in a small bucket so communication starts
 # early, then 25 MiB buckets.
@@ -58,3 +62,11 @@ def count_without_tensors(nbytes: float, cap_mb: float | None) -> int:
 def model_layout(gradient_bytes: Sequence[Sequence[int]], cap_mb: float | None) -> list[int]:
     """Every model's buckets (a DDP each), at ``cap_mb``: the exchange of one step."""
     return [b for tensors in gradient_bytes for b in layout(tensors, cap_mb)]
+
+
+def gradient_bytes(models: Sequence[nn.Module]) -> list[list[int]]:
+    """Each model's trainable tensors' gradient bytes in the order backward produces them, which DDP buckets
+    them by: for a model that uses its layers in the order it registered them, the reverse of that order
+    (DDP's own first guess, before it sees a backward)."""
+    return [[p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad]
+            for model in models]

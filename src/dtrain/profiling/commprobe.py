@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dtrain import dist as ddist
-from dtrain.profiling.buckets import layout
+from dtrain.profiling.buckets import gradient_bytes, layout
 
 # From a few KB (latency-bound) to tens of MB (bandwidth-bound), and the gradients' own size in between.
 SIZES = (4 * 2**10, 64 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
@@ -190,8 +190,7 @@ def probe_local(world: int, threads: int, parameters: int, cap_mb: float | None,
     ``steps`` DDP steps of a stand-in with ``parameters`` parameters, bucketed at the run's ``cap_mb``."""
     with torch.device("meta"):  # its tensors' sizes only: a big model's stand-in is not allocated here
         stand_in = _stand_in(parameters)
-    buckets = [float(b) for b in layout([p.numel() * p.element_size() for p in reversed(list(stand_in.parameters()))],
-                                        cap_mb)]
+    buckets = [float(b) for b in layout(gradient_bytes([stand_in])[0], cap_mb)]
     failures = []
     for _ in range(PROBE_ATTEMPTS):
         try:

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed import ProcessGroup
 
 from dtrain.profiling import commprobe, stragglers
+from dtrain.profiling.buckets import gradient_bytes
 from dtrain.profiling.device import cpu_cores, device_facts
 from dtrain.profiling.flops import count_step_flops, mfu_section
 from dtrain.profiling.probes import PROBE_FIELDS, SOLO_THREADS, batch_probe
@@ -218,13 +218,6 @@ def collect_rank_figures(facts: RunFacts) -> EndFigures:
     return EndFigures(per_rank, latency_probe(group=group), all_hostnames(), points, steps,
                       gradient_bytes(facts.models))
 
-
-def gradient_bytes(models: Sequence[nn.Module]) -> list[list[int]]:
-    """Each model's trainable tensors' gradient bytes in the order backward produces them, which DDP buckets
-    them by: for a model that uses its layers in the order it registered them, the reverse of that order
-    (DDP's own first guess, before it sees a backward)."""
-    return [[p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad]
-            for model in models]
 
 
 def _memory_total() -> float:
