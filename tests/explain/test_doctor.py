@@ -261,7 +261,7 @@ def test_a_step_that_does_not_grow_with_the_batch_is_diagnosed_as_a_batch_size_c
 def test_no_compression_advice_for_a_strategy_that_cannot_compress():
     from dtrain.explain.doctor import diagnose
 
-    profile = _gpu_profile(comm_exposed=0.05, strategy="fsdp", strategy_compressions=["none"], ranks=2,
+    profile = _gpu_profile(comm_exposed=0.05, strategy="local_sgd", strategy_compressions=["none"], ranks=2,
                            comm={"busy_seconds_per_step": 0.05, "bytes_per_step": 4e6, "algbw_bytes_per_second": 8e7,
                                  "buckets_per_step": 1.0, "latency_seconds": 1e-4})
     communication = {f["factor"]: f for f in diagnose(profile).to_json()["factors"]}["communication"]

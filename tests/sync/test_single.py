@@ -65,13 +65,14 @@ def test_one_slot_is_a_plain_loop_and_equals_ddp_over_a_world_of_one():
                                                   ("fsdp", False)])
 def test_which_strategies_one_slot_trains_plainly(tmp_path, strategy, single):
     # No process group here: a world of one. Stood in for, a strategy still reports its own name, gradient
-    # compressions and fusion threshold: dtrain plan predicts it at other slot counts from them.
+    # compressions, fusion threshold and exchange: dtrain plan predicts it at other slot counts from them.
     config = load_config(tiny_config(tmp_path, **{"sync.strategy": strategy, "resources.slots_per_trial": 1,
                                                   "optimizations.tensor_fusion_threshold": 8.0}))
     built = registry.build(config, torch.device("cpu"), NULL_RECORDER)
     assert isinstance(built, SingleDeviceStrategy) == single
     configured = registry.lookup(strategy)
     assert built.name == strategy and built.compressions == configured.compressions
+    assert built.exchange == configured.exchange
     if single:
         assert built.fusion_threshold_mb == 8.0 and not built.exchanges_in_step
 

@@ -49,7 +49,10 @@ def test_same_weights_as_one_slot(strategy, straight_runs, reference_runs):
     assert one.keys() == many.keys()
     for name in one:
         torch.testing.assert_close(many[name], one[name], rtol=1e-5, atol=1e-6)
-    assert json.loads((straight_runs(strategy) / "summary.json").read_text())["strategy"] == strategy
+    summary = json.loads((straight_runs(strategy) / "summary.json").read_text())
+    # How its replicas talk, for the cost model (it prices DDP's all-reduce only: dtrain.explain.exchange).
+    exchange = {"allreduce": "all_reduce", "parameter_server": "server", "fsdp": "sharded"}[strategy]
+    assert summary["strategy"] == strategy and summary["exchange"] == exchange
 
 
 @pytest.mark.slow

@@ -55,7 +55,7 @@ def run_facts(trainer: FinishedTrainer, wall_seconds: float,
         strategy=StrategyFacts(
             name=strategy.name, dp_world=strategy.dp_world, dp_rank=strategy.dp_rank, dp_group=strategy.dp_group,
             has_server_ranks=strategy.has_server_ranks, forward_needs_every_rank=strategy.forward_needs_every_rank,
-            comm_measured=strategy.comm_measured, compressions=strategy.compressions,
+            comm_measured=strategy.comm_measured, exchange=strategy.exchange, compressions=strategy.compressions,
             fusion_threshold_mb=strategy.fusion_threshold_mb),
         models=tuple(ctx.models), optimizers=tuple(ctx.optimizers), optimizer_name=_optimizer_name(ctx),
         timer=ctx.timer, hyperparameters=config.hyperparameters, global_batch_size=trainer.global_batch,

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dtrain.explain import advice
 from dtrain.explain.diagnosis import Advice, Diagnosis, FactorRow, Json, Recommendation, Scaling, TryResult
 from dtrain.explain.efficiency import Efficiency
+from dtrain.explain.exchange import Unpriced
 from dtrain.explain.factors import registry
 from dtrain.explain.factors.base import ONE_SLOT, Context, build_context, gains
 from dtrain.explain.predictor import Predictor
@@ -99,9 +100,19 @@ def diagnose(profile: ProfileRecord, predictor: Predictor | None = None) -> Diag
     for rec in recommendations:
         rec.predicted_interval = predictor.intervals.get(rec.action)
     top = rows[0]
-    return Diagnosis(profile.slots, profile.samples_per_second, ctx.step, top.factor, True,
-                     _verdict(top, ctx.scaling, profile, rows), rows, recommendations, ctx.scaling,
-                     efficiency=Efficiency.of(profile))
+    verdict = _verdict(top, ctx.scaling, profile, rows)
+    if predictor.unpriced is not None:
+        verdict += f"; {_unpriced_note(predictor.unpriced)}"
+    return Diagnosis(profile.slots, profile.samples_per_second, ctx.step, top.factor, True, verdict, rows,
+                     recommendations, ctx.scaling, efficiency=Efficiency.of(profile))
+
+
+def _unpriced_note(found: Unpriced) -> str:
+    """What the doctor does not predict for this run, and why (one clause)."""
+    if found.everything:
+        return found.message("any change of this run")
+    return (found.message("a change of slots, hosts, aggregation, compression or fusion")
+            + " (the communication row reads 0: it is inside forward and backward)")
 
 
 def _recommendations(rows: list[FactorRow], ctx: Context) -> list[Recommendation]:

@@ -19,6 +19,7 @@ from dtrain.errors import UserError
 from dtrain.explain import precision
 from dtrain.explain.costmodel import CostModel, Link, Prediction, Target
 from dtrain.explain.doctor import unobserved_note
+from dtrain.explain.exchange import unpriced
 from dtrain.explain.finish import finish, run_costs
 from dtrain.explain.plandoc import Input, Measured, PlanDocument, PlanRow, RunCostsFacts
 from dtrain.explain.predictor import target_at
@@ -145,6 +146,9 @@ def build_model(run_dir: Path, link: Link | None = None, probe: bool = False,
     profile = load_run_profile(run_dir)
     if not profile.phases_observed:  # compute would be priced at zero: a confident wrong prediction
         raise UserError(f"dtrain plan cannot predict {run_dir}: {unobserved_note(profile)}")
+    if (found := unpriced(profile)) is not None:  # every row is another slot count: priced as DDP's, wrongly
+        raise UserError(f"dtrain plan cannot predict {run_dir}: {found.reason}; dtrain bench "
+                        f"{run_dir / 'config.yaml'} --slots 2,4 measures slot counts")
     measured_link = profile.slots > 1 and profile.comm_probe is not None
     found = None if measured_link and not probe else local_probe(run_dir, profile, probe, log)
     if found is None:

@@ -5,6 +5,7 @@ A change is a :class:`~dtrain.explain.costmodel.Target` built by :func:`target_a
 takes the launcher's rule. Its gain is its predicted samples/s over the model's own figure for the run as
 it was (so the model's bias cancels), with the 80% interval of :func:`dtrain.explain.costmodel.ratio`.
 ``dtrain plan`` prices its rows with the same targets, so the doctor and the planner give one answer.
+A change the model cannot price for the run's strategy (:mod:`dtrain.explain.exchange`) gets no gain.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dtrain.explain.costmodel import CostModel, Prediction, Target, ratio
+from dtrain.explain.exchange import Unpriced, unpriced
 from dtrain.profiling.record import ProfileRecord
 
 # One change's fields on a Target (precision_gain, compression, ...), as dataclasses.replace takes them.
@@ -48,6 +50,12 @@ class Predictor:
         self.here = self.model.measured_target()
         self.base = self.model.predict(self.here)
         self.intervals: dict[str, tuple[float, float]] = {}
+        self.unpriced: Unpriced | None = unpriced(profile)
+
+    def refusal(self, target: Target) -> str | None:
+        """Why ``target`` is not priced for this run (None: it is)."""
+        found = self.unpriced
+        return found.reason if found is not None and found.covers(target, self.here) else None
 
     def predict(self, target: Target, less_step: float = 0.0) -> Gain:
         """``target``'s gain over the run (``less_step``: seconds a change removes that the model does not
@@ -60,9 +68,12 @@ class Predictor:
         return Gain(value, low, high, pred)
 
     def gain(self, action: str, *, less_step: float = 0.0, slots: int | None = None, nodes: int | None = None,
-             **changes: TargetValue) -> float:
+             **changes: TargetValue) -> float | None:
         """``action``'s predicted speed-up (``changes`` to the run's target, as :func:`target_at` takes them);
-        its interval is kept under ``action``."""
-        found = self.predict(target_at(self.model, slots, nodes, **changes), less_step)
+        its interval is kept under ``action``. None: a change the model does not price for this run."""
+        target = target_at(self.model, slots, nodes, **changes)
+        if self.refusal(target) is not None:
+            return None
+        found = self.predict(target, less_step)
         self.intervals[action] = (found.low, found.high)
         return found.value

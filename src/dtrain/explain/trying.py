@@ -2,7 +2,9 @@
 
 Keys are spelled as the config spells them (``--set``), and a value is checked by the config's own schema
 (the run's ``config.yaml`` with the change applied), so a bad key or value fails in one line as ``--set``
-does. ``nodes=N`` (not a config key: ``dtrain plan --nodes``) spreads the run's slots per host over N hosts.
+does; a value that is good but that the run's strategy cannot honour gets its own line, as a change the
+model cannot price for the run's strategy does (:mod:`dtrain.explain.exchange`). ``nodes=N`` (not a config
+key: ``dtrain plan --nodes``) spreads the run's slots per host over N hosts.
 Each change is one :class:`~dtrain.explain.costmodel.Target` priced by the same
 :class:`~dtrain.explain.predictor.Predictor` call as the doctor's table and ``dtrain plan``'s row for it.
 """
@@ -57,8 +59,11 @@ class Tries:
 
     def predict(self, item: str) -> TryResult:
         """``item`` (KEY=VALUE) predicted; :class:`UserError` for a key or value the config refuses."""
-        key, value = self.parse(item)
-        priced = self.price(key, value)
+        key, value, refused = self.parse(item)
+        unpriced = self.predictor.unpriced
+        if refused is None and unpriced is not None and unpriced.covers_key(key):
+            refused = unpriced.message(f"{key}: {value}")
+        priced = self.price(key, value) if refused is None else Priced(None, {"change": f"{key}: {value}"}, refused)
         if priced.target is None:
             return TryResult(item, key, value, None, None, None, None, priced.inputs, priced.why)
         predictor = self.predictor if not self._needs_link(priced.target) else self.linked()
@@ -71,8 +76,9 @@ class Tries:
                          priced.why)
 
     # ------------------------------------------------------------------------------------------ input
-    def parse(self, item: str) -> tuple[str, ConfigValue]:
-        """(key, value) of ``KEY=VALUE``, the value as the config's schema reads it."""
+    def parse(self, item: str) -> tuple[str, ConfigValue, str | None]:
+        """(key, value, why the run's strategy cannot take it or None) of ``KEY=VALUE``, the value as the
+        config's schema reads it."""
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key or not text.strip():
@@ -80,13 +86,20 @@ class Tries:
         if key == NODES:
             if not text.strip().isdigit() or not 1 <= int(text) <= MAX_SLOTS:
                 raise UserError(f"--try {item}: nodes must be a whole number from 1 to {MAX_SLOTS}")
-            return key, int(text)
+            return key, int(text), None
+        path, refused = self.run_dir / "config.yaml", None
         try:
-            config = load_config(self.run_dir / "config.yaml", [f"{key}={text}"])
+            config = load_config(path, [f"{key}={text}"])
         except ConfigError as exc:
-            raise UserError(f"--try: {str(exc).replace('--set', '--try')}") from None
+            # Good for the schema, refused by the run's strategy alone (fp16 compression under FSDP, one slot
+            # of a parameter server): that change's own line, not the end of every other change's.
+            try:
+                config = load_config(path, [f"{key}={text}", "sync.strategy=ddp"])
+            except ConfigError:
+                raise UserError(f"--try: {str(exc).replace('--set', '--try')}") from None
+            refused = f"cannot predict {key}: {text.strip()} because {str(exc).removeprefix(f'{path}: ')}"
         read = READ.get(key)
-        return key, read(config) if read is not None else text.strip()
+        return key, read(config) if read is not None else text.strip(), refused
 
     # ------------------------------------------------------------------------------------------ pricing
     def price(self, key: str, value: ConfigValue) -> Priced:
@@ -200,9 +213,10 @@ class Tries:
     # ------------------------------------------------------------------------------------------ the link
     def _needs_link(self, target: Target) -> bool:
         """A target priced by ``dtrain plan``'s model: a one-slot run's exchanges (probed), another host count
-        than one (the link between hosts), or any count of hosts where a link between them was given."""
+        than one (the link between hosts), or any count of hosts where a link between them was given. Never
+        for a run whose exchange the model does not price: it prices no change that a link would."""
         given = self.link is not None and self.link.bytes_per_second is not None
-        return target.slots > 1 and (self.predictor.model.link is None
+        return self.predictor.unpriced is None and target.slots > 1 and (self.predictor.model.link is None
                                      or (target.nodes > 1 and (self.profile.hosts == 1 or given)))
 
     def linked(self) -> Predictor:

@@ -76,7 +76,7 @@ class ProfileRecord(Section):
         {"device_facts", "stragglers", "batch_scaling", "allreduce_probe", "data_load_seconds_per_batch",
          "data_load_cpu_share", "solo_probe", "comm_probe", "compression_cost", "step_jitter_seconds",
          "step_window_seconds", "unobserved_phases", "membership_changes", "model_steps", "first_steps",
-         "flops", "gradient_bytes", "data_handoff_seconds_per_batch", "data_handoff_cpu_seconds_per_batch"})
+         "flops", "gradient_bytes", "data_handoff_seconds_per_batch", "data_handoff_cpu_seconds_per_batch", "exchange"})
 
     schema_version: int = SCHEMA_VERSION
     # What the run was (also summary.json's head: dtrain.profiling.runsummary.RunHead).
@@ -100,6 +100,8 @@ class ProfileRecord(Section):
     gradient_compression: str
     tensor_fusion_threshold_mb: float | None
     comm_measured: bool
+    # How replicas talk (dtrain.sync.base.SyncStrategy.exchange); None: a file from before it was recorded.
+    exchange: str | None = None
     strategy_compressions: list[str]
     profiling: bool
     steps: int

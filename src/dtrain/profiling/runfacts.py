@@ -42,6 +42,7 @@ class StrategyFacts:
     has_server_ranks: bool
     forward_needs_every_rank: bool
     comm_measured: bool
+    exchange: str  # how replicas talk (dtrain.sync.base.SyncStrategy.exchange)
     compressions: frozenset[str]
     fusion_threshold_mb: float | None
 

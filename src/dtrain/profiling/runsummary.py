@@ -35,7 +35,8 @@ class RunHead(Section):
     step over the device-synchronized training time; both exclude validation and checkpoints."""
 
     OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"unobserved_phases", "device_facts",
-                                                             "membership_changes", "first_steps", "flops"})
+                                                             "membership_changes", "first_steps", "flops",
+                                                             "exchange"})
 
     slots: int
     strategy: str
@@ -58,6 +59,8 @@ class RunHead(Section):
     gradient_compression: str
     tensor_fusion_threshold_mb: float | None
     comm_measured: bool
+    # How replicas talk (dtrain.sync.base.SyncStrategy.exchange); None: a file from before it was recorded.
+    exchange: str | None = None
     # What the doctor may advise: the strategy's capabilities, from the registry's class.
     strategy_compressions: list[str]
     profiling: bool

@@ -53,6 +53,10 @@ class SyncStrategy(ABC):
     has_server_ranks: ClassVar[bool] = False
     # dtrain's profiler sees this strategy's communication (FSDP's runs inside its own hooks: unknown).
     comm_measured: ClassVar[bool] = True
+    # How replicas talk, recorded in profile.json for the cost model, which prices "all_reduce" only:
+    # "all_reduce" (gradients, or local SGD's parameters, all-reduced among the slots), "server" (pushed to
+    # and pulled from server ranks), "sharded" (all-gathers and reduce-scatters inside forward and backward).
+    exchange: ClassVar[str] = "all_reduce"
     # The strategy the registry builds in its place in a world of one, by name (None: itself): for one whose
     # one slot is plain training, "single_device" (no wrapper, buckets or hooks: sync/single.py).
     one_slot_stand_in: ClassVar[str | None] = None

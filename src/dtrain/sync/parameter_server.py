@@ -81,6 +81,7 @@ class ParameterServerStrategy(SyncStrategy):
     name = "parameter_server"
     exchanges_in_step = True
     has_server_ranks = True
+    exchange = "server"
     per_rank_optimizer_state = True  # the servers' optimizer shards live in their own rank files
 
     def __init__(self, device: torch.device, options: ParameterServerOptions,

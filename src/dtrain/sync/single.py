@@ -40,6 +40,7 @@ class SingleDeviceStrategy(SyncStrategy):
             # Instance attributes over the class's: what a run records is the configured strategy's.
             self.name = stands_for.name  # type: ignore[misc]
             self.compressions = stands_for.compressions  # type: ignore[misc]
+            self.exchange = stands_for.exchange  # type: ignore[misc]
 
     @classmethod
     def from_config(cls, config: StrategyConfig | None, device: torch.device,

@@ -122,6 +122,8 @@ def scaling(profile: ProfileRecord, predictor: Predictor) -> Scaling:
         return Scaling(1.0, False, 1.0)
     action = f"{ONE_SLOT[0]}: {ONE_SLOT[1]}"
     one = predictor.gain(action, slots=1, nodes=1)
+    if one is None:  # a strategy whose exchange the model does not price: not estimated
+        return Scaling(None, False)
     low, high = predictor.intervals[action]
     speedup = 1 / one  # N slots' samples/s over one slot's
     return Scaling(one, speedup < 1.0, speedup / profile.slots, speedup, (1 / high, 1 / low),
@@ -142,13 +144,13 @@ def mb(value: float) -> str:
     return f"{value / 1e6:.2f} MB"
 
 
-def aggregation_gain(ctx: Context) -> float:
+def aggregation_gain(ctx: Context) -> float | None:
     """Exchanging gradients every ``AGGREGATION_TO_TRY`` batches, by the cost model."""
     k = AGGREGATION_TO_TRY
     return ctx.predictor.gain(f"optimizations.aggregation_frequency: {k}", aggregation=k)
 
 
-def loader_gain(ctx: Context) -> float:
+def loader_gain(ctx: Context) -> float | None:
     """The cost model with the data wait that the loader plan's processes leave (the rest of the step as is)."""
     plan = ctx.loader
     data = ctx.predictor.base.parts["data"]

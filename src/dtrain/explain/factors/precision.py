@@ -31,7 +31,10 @@ class Precision(Factor):
                           f"{found.gain:.2f}x as fast (weights stay float32; bf16 needs no loss scaling)",
                           ctx.predictor.gain(action, precision_gain=found.gain,
                                              precision_spread=found.spread, precision_data=found.data))
-        bound = ctx.predictor.predict(target_at(ctx.predictor.model, precision_gain=found.bound or 1.0)).value
+        target = target_at(ctx.predictor.model, precision_gain=found.bound or 1.0)
+        if (why := ctx.predictor.refusal(target)) is not None:
+            return Advice(None, None, f"the step is trained in {run}; {found.source}; no bound: {why}", None)
+        bound = ctx.predictor.predict(target).value
         return Advice("precision", found.precision,
                       f"the step is trained in {run}; {found.source}: at most {bound:.2f}x samples/s, the bound if "
                       "the whole compute were matmuls, not a prediction (dtrain doctor --verify measures it)",
