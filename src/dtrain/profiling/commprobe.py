@@ -37,6 +37,11 @@ REPEATS = 11
 PROBE_FILE = "comm_probe.json"
 # Fresh processes a local probe gets before it gives up: one that dies (a native thread's abort) is rare.
 PROBE_ATTEMPTS = 2
+# The stand-in's DDP steps: a synced step's time is skewed (now and then a rank waits for its peer's lost time
+# slice), so the mean of 200 steps moved by +/-22% between probes of one host (digits' size, 2 processes on 2
+# cores); 1,000 by +/-9%. Steps are added up to the most while they fit the budget, in seconds of stepping.
+MOST_STEPS = 1000
+STEPS_BUDGET_SECONDS = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +126,7 @@ def _stand_in(parameters: int) -> torch.nn.Module:
 
 
 def _worker(rank: int, world: int, port: int, threads: int, parameters: int, cap_mb: float | None, steps: int,
-            out: str) -> None:
+            budget: float, out: str) -> None:
     from torch.nn.parallel import DistributedDataParallel
 
     torch.set_num_threads(threads)
@@ -147,13 +152,19 @@ def _worker(rank: int, world: int, port: int, threads: int, parameters: int, cap
 
         for _ in range(10):  # warm-up: DDP rebuilds its buckets after the first step
             step(True)
-        for block in range(2 * max(1, steps // 20)):
+        pairs = max(1, steps // 20)  # a pair: 10 steps with gradient sync, 10 without
+        start = time.perf_counter()
+        for block in range(2 * pairs):
+            sync = block % 2 == 0
+            seconds[sync] += [step(sync) for _ in range(10)]
+        for block in range(2 * _more_pairs(pairs, time.perf_counter() - start, budget)):
             sync = block % 2 == 0
             seconds[sync] += [step(sync) for _ in range(10)]
         if rank == 0:
             synced, alone = statistics.mean(seconds[True]), statistics.mean(seconds[False])
             Path(out).write_text(json.dumps({"points": points, "exchange_seconds": max(0.0, synced - alone),
-                                             "compute_seconds": alone}))
+                                             "compute_seconds": alone,
+                                             "steps": len(seconds[True]) + len(seconds[False])}))
         dist.barrier()  # rank 0 serves the store: it leaves once every rank is done with it
     finally:
         dist.destroy_process_group()
@@ -162,6 +173,15 @@ def _worker(rank: int, world: int, port: int, threads: int, parameters: int, cap
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _more_pairs(pairs: int, elapsed: float, budget: float) -> int:
+    """Pairs of blocks to add after ``pairs`` took ``elapsed`` seconds here, the same on every rank (the
+    slowest rank's pace: each rank's DDP steps must match): up to :data:`MOST_STEPS` within ``budget``."""
+    slowest = torch.tensor([elapsed / pairs], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    fit = int((budget - elapsed) / max(float(slowest), 1e-9))
+    return max(0, min(MOST_STEPS // 20 - pairs, fit))
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,6 +196,7 @@ class LocalProbe:
     buckets: list[float]
     compute_seconds: float
     exchange_seconds: float
+    steps: int = 0  # the stand-in's DDP steps timed, half with gradient sync (0: a file from before it was kept)
 
     def overhead(self) -> float:
         """What an exchange in training costs beyond back-to-back all-reduces of its buckets."""
@@ -184,22 +205,24 @@ class LocalProbe:
 
 
 def probe_local(world: int, threads: int, parameters: int, cap_mb: float | None, steps: int = 200,
-                timeout: float = 120.0) -> LocalProbe:
+                timeout: float = 120.0, budget: float = STEPS_BUDGET_SECONDS) -> LocalProbe:
     """All-reduces among ``world`` processes on this host over loopback (Gloo), as local slots would talk,
     each with ``threads`` torch threads as the launcher would give it: several sizes back to back, then
-    ``steps`` DDP steps of a stand-in with ``parameters`` parameters, bucketed at the run's ``cap_mb``."""
+    ``steps`` DDP steps of a stand-in with ``parameters`` parameters, bucketed at the run's ``cap_mb`` (and
+    more, up to :data:`MOST_STEPS`, where they fit ``budget`` seconds of stepping)."""
     with torch.device("meta"):  # its tensors' sizes only: a big model's stand-in is not allocated here
         stand_in = _stand_in(parameters)
     buckets = [float(b) for b in layout(gradient_bytes([stand_in])[0], cap_mb)]
     failures = []
     for _ in range(PROBE_ATTEMPTS):
         try:
-            result = _probe_once(world, threads, parameters, cap_mb, steps, timeout)
+            result = _probe_once(world, threads, parameters, cap_mb, steps, timeout, budget)
         except ProbeDied as exc:  # another pair of fresh processes, once (a hang is not tried again)
             failures.append(str(exc))
             continue
         return LocalProbe(world, threads, [(float(b), float(s)) for b, s in result["points"]], buckets,
-                          float(result["compute_seconds"]), float(result["exchange_seconds"]))
+                          float(result["compute_seconds"]), float(result["exchange_seconds"]),
+                          int(result.get("steps", 0)))
     raise ProbeFailed(f"the local all-reduce probe of {world} processes failed {len(failures)} times ("
                       f"{'; '.join(failures)}); run it again, or give the link with --link RATE,LATENCY")
 
@@ -213,7 +236,7 @@ class ProbeDied(ProbeFailed):
 
 
 def _probe_once(world: int, threads: int, parameters: int, cap_mb: float | None, steps: int,
-                timeout: float) -> dict[str, Any]:
+                timeout: float, budget: float) -> dict[str, Any]:
     """One attempt of :func:`probe_local` in ``world`` fresh processes: rank 0's figures."""
     import tempfile
 
@@ -221,7 +244,7 @@ def _probe_once(world: int, threads: int, parameters: int, cap_mb: float | None,
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "probe.json")
-        args = (world, _free_port(), threads, parameters, cap_mb, steps, out)
+        args = (world, _free_port(), threads, parameters, cap_mb, steps, budget, out)
         ctx = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:
@@ -243,7 +266,7 @@ def save(probe: LocalProbe, path: Path) -> None:
     path.write_text(json.dumps({"world": probe.world, "threads": probe.threads, "host": socket.gethostname(),
                                 "points": probe.points, "buckets": probe.buckets,
                                 "compute_seconds": probe.compute_seconds,
-                                "exchange_seconds": probe.exchange_seconds}, indent=2))
+                                "exchange_seconds": probe.exchange_seconds, "steps": probe.steps}, indent=2))
 
 
 def load(path: Path) -> LocalProbe | None:
@@ -251,6 +274,7 @@ def load(path: Path) -> LocalProbe | None:
     try:
         d = json.loads(path.read_text())
         return LocalProbe(int(d["world"]), int(d["threads"]), [(float(b), float(s)) for b, s in d["points"]],
-                          [float(b) for b in d["buckets"]], float(d["compute_seconds"]), float(d["exchange_seconds"]))
+                          [float(b) for b in d["buckets"]], float(d["compute_seconds"]), float(d["exchange_seconds"]),
+                          int(d.get("steps", 0)))
     except (OSError, ValueError, KeyError, TypeError):
         return None
