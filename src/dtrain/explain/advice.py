@@ -170,7 +170,9 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
     So on 2 cores with 2 slots, CPU-bound loaders gain little (they take the training's core), loaders that
     mostly wait (disk, network) need no core and hide up to W batches of waiting, and a batch that loads
     faster in place than it is handed over is slower through any loader process. Without the handoff probe
-    (older profiles), ``T`` is the in-place load and ``R`` nothing.
+    (older profiles), ``T`` is the in-place load and ``R`` nothing. A run that has loader processes is also
+    offered none (``W = 0``: ``step - data + load``, each batch loaded in place), where the handoff was probed;
+    what its loaders took from the training's own phases on shared cores is not priced, so that gain is low.
     """
     current = profile.data_loader_workers
     load = profile.data_load_seconds_per_batch or data
@@ -197,18 +199,24 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
         from dtrain.launcher.preflight import PROCESSES_PER_CORE
 
         limit = max(1, min(limit, PROCESSES_PER_CORE * cores // local_slots(profile)))
+    def step_with(workers: int) -> float:
+        if workers == current:
+            return step
+        if workers == 0:  # the training process loads each batch itself: nothing hides it, nothing to hand over
+            return rest + load
+        if current == 0 and handoff is not None:  # the handoff is new: it can make the step slower
+            return predicted(workers)
+        # Fewer processes than the run had can only be slower, more can only be faster.
+        return predicted(workers) if workers < current else min(step, predicted(workers))
+
     if workers is None:
-        candidates = list(range(current + 1, max(current + 1, limit) + 1))
-        best = min(predicted(w) for w in candidates)
-        workers = next(w for w in candidates if predicted(w) <= best * 1.03)  # fewest processes within 3%
-    if workers == current:
-        new_step = step
-    elif workers == 0:  # the training process loads each batch itself: nothing hides it
-        new_step = rest + load
-    elif current == 0 and handoff is not None:  # the handoff is new: it can make the step slower
-        new_step = predicted(workers)
-    else:  # fewer processes than the run had can only be slower, more can only be faster
-        new_step = predicted(workers) if workers < current else min(step, predicted(workers))
+        # None at all, for a run that has them and whose in-place load was probed (small in-memory batches
+        # are faster loaded than handed over); then more.
+        fewer = [0] if current > 0 and handoff is not None else []
+        candidates = fewer + list(range(current + 1, max(current + 1, limit) + 1))
+        best = min(step_with(w) for w in candidates)
+        workers = next(w for w in candidates if step_with(w) <= best * 1.03)  # fewest processes within 3%
+    new_step = step_with(workers)
     where = (f"{per_slot:g} core(s) per slot, {threads} torch thread(s) each" if per_slot is not None
              else "cores per slot not recorded")
     probed = (f"{1e3 * load:.2f} ms to load a batch, {100 * cpu_share:.0f}% of it on the CPU (probed after the run)"
@@ -216,6 +224,9 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
     if handoff is not None:
         probed += (f"; through a loader process {1e3 * handoff:.2f} ms a batch, {1e3 * receive:.2f} ms of it "
                    "the training process's to receive it")
+    if workers == 0:
+        return LoaderPlan(0, new_step, f"{probed}; with no loader process each slot loads its batch in place, "
+                          f"after the {1e3 * rest:.2f} ms rest of the step, on {where}")
     return LoaderPlan(workers, new_step, f"{probed}; {workers} loader process(es) per slot overlap it with the "
                       f"{1e3 * rest:.2f} ms rest of the step, on {where}")
 
