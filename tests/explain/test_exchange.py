@@ -61,6 +61,12 @@ def test_fsdp_prices_what_leaves_its_exchange_alone_and_names_what_it_cannot(tmp
     for item in COMM_TRIES:
         assert tries[item]["gain"] is None and "exchanges otherwise than DDP" in tries[item]["reason"], tries[item]
     assert tries["hyperparameters.global_batch_size=128"]["gain"] > 1
+    # The summary and the report say the exchange was not timed, not "0 MB all-reduced".
+    from dtrain.explain.report import render_report
+    from dtrain.explain.summary import time_cost_table
+
+    assert "communication: not timed (sync.strategy fsdp" in time_cost_table(_fsdp())
+    assert "Not timed: sync.strategy fsdp communicates inside forward and backward" in render_report(run)
 
 
 def test_a_parameter_server_run_gets_no_prediction_at_all(tmp_path):

@@ -4,9 +4,7 @@ The page needs no network: the charts are PNGs embedded as base64 data URIs and 
 it can be copied off a cluster, mailed or archived with the run and still open. It reads only what the
 run wrote (``config.yaml``, ``summary.json``, ``metrics.jsonl``, ``profile.json``) and renders what it
 can: a run without a profile (profiling off, or not finished) still gets a page that says what is missing.
-
-The markup is also well-formed XML (void elements self-closed, only XML entities), so it can be checked
-with a strict parser.
+The markup is also well-formed XML (void elements self-closed, only XML entities): a strict parser checks it.
 """
 
 from __future__ import annotations
@@ -325,6 +323,8 @@ def _phase_table(profile: ProfileRecord) -> str:
 
 def _comm_table(profile: ProfileRecord) -> str:
     comm = profile.comm
+    if not profile.comm_measured:  # FSDP: its collectives run inside forward and backward, timed there
+        return _note(f"Not timed: sync.strategy {profile.strategy} communicates inside forward and backward.")
     figures = [("bytes / step", _bytes(comm.bytes_per_step)),
                ("all-reduces / step", _fmt(comm.buckets_per_step, ".0f")),
                ("busy ms / step", _ms(comm.busy_seconds_per_step)),
@@ -332,8 +332,7 @@ def _comm_table(profile: ProfileRecord) -> str:
                ("algbw", _bytes(comm.algbw_bytes_per_second) + "/s"),
                ("busbw", _bytes(comm.busbw_bytes_per_second) + "/s"),
                ("latency ms (one float)", _ms(comm.latency_seconds))]
-    rows = [[_esc(label), _esc(value)] for label, value in figures]
-    return _table(["figure", "value"], rows, numeric={1})
+    return _table(["figure", "value"], [[_esc(label), _esc(value)] for label, value in figures], numeric={1})
 
 
 def _throughput_section(run: _Run) -> str:

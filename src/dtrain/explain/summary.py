@@ -39,7 +39,11 @@ def time_cost_table(profile: ProfileRecord) -> str:
     text = as_text(table)
     if missing:  # the doctor's verdict below gives the fix
         text += f"* other includes {', '.join(p for p in profile.phases if p in missing)}: not observed\n"
-    if profile.slots > 1:
+    if profile.slots > 1 and not profile.comm_measured:  # FSDP: its collectives are inside forward and backward
+        text += (f"communication: not timed (sync.strategy {profile.strategy} communicates inside forward and "
+                 f"backward, counted there); an all-reduce of one float after the run took "
+                 f"{1e3 * comm.latency_seconds:.3f} ms\n")
+    elif profile.slots > 1:
         exposed = ("not observed" if "comm_exposed" in missing
                    else f"{1e3 * comm.exposed_seconds_per_step:.3f} ms")
         text += (
