@@ -9,8 +9,8 @@ import yaml
 from helpers import TRIALS, cli_in_process, tiny_config
 
 PLANTED = {
-    # Each record sleeps 2 ms (a slow disk): 32 ms per 16-record slot batch, next to ~1 ms of compute.
-    "slow-data": ("planted:SlowDataTrial", {"load_seconds": 0.002, "global_batch_size": 32}, "data_loading"),
+    # Each record sleeps 1 ms (a slow disk): 16 ms per 16-record slot batch, next to ~1 ms of compute.
+    "slow-data": ("planted:SlowDataTrial", {"load_seconds": 0.001, "global_batch_size": 32}, "data_loading"),
     # One record per slot: every step is mostly all-reduce latency and optimizer overhead.
     "small-batch": ("planted:PlainTrial", {"global_batch_size": 2, "lr": 0.01}, None),
 }
@@ -18,7 +18,12 @@ PLANTED = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(PLANTED))
-def test_verify_measures_the_recommended_change(tmp_path, case):
+def test_verify_measures_the_recommended_change(tmp_path, monkeypatch, case):
+    from dtrain.explain import verify as verify_mod
+
+    # Half a second of training per short run, not the 2 s honest figures take: the planted gains measure
+    # several times the 1.3x asserted (below).
+    monkeypatch.setattr(verify_mod, "MIN_SECONDS", 0.5)
     entrypoint, hparams, factor = PLANTED[case]
     shutil.copy(TRIALS / "planted.py", tmp_path / "planted.py")
     cfg = tiny_config(tmp_path, entrypoint=entrypoint, hyperparameters=hparams, max_length={"batches": 40},
