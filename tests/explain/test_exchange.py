@@ -99,8 +99,9 @@ def test_a_value_the_strategy_cannot_take_is_its_own_line_not_the_end_of_the_oth
     assert fp16["gain"] is None and "cannot honour gradient_compression 'fp16'" in fp16["reason"], fp16
     assert str(run) not in fp16["reason"] and batch["gain"] is not None
     # A value no strategy takes is still the user's typo: one line, exit 2, as --set.
-    bad = cli_in_process("doctor", str(run), "--try", "optimizations.gradient_compression=fp17")
-    assert bad.code == 2 and "fp17" in bad.stderr and "Traceback" not in bad.stderr
+    for typo in ("optimizations.gradient_compression=fp17", "sync.strategy=dpp"):
+        bad = cli_in_process("doctor", str(run), "--try", typo)
+        assert bad.code == 2 and typo.split("=")[1] in bad.stderr and "Traceback" not in bad.stderr, bad
 
 
 def test_a_profile_from_before_the_field_takes_its_strategy_s_exchange():

@@ -92,11 +92,12 @@ class Tries:
             config = load_config(path, [f"{key}={text}"])
         except ConfigError as exc:
             # Good for the schema, refused by the run's strategy alone (fp16 compression under FSDP, one slot
-            # of a parameter server): that change's own line, not the end of every other change's.
-            try:
-                config = load_config(path, [f"{key}={text}", "sync.strategy=ddp"])
-            except ConfigError:
+            # of a parameter server): that change's own line, not the end of every other change's. A change of
+            # the strategy's own keys is checked as given.
+            as_ddp = None if key.startswith("sync.") else _under_ddp(path, f"{key}={text}")
+            if as_ddp is None:
                 raise UserError(f"--try: {str(exc).replace('--set', '--try')}") from None
+            config = as_ddp
             refused = f"cannot predict {key}: {text.strip()} because {str(exc).removeprefix(f'{path}: ')}"
         read = READ.get(key)
         return key, read(config) if read is not None else text.strip(), refused
@@ -224,6 +225,14 @@ class Tries:
         if self._linked is None:
             self._linked = self._link_model()
         return self._linked
+
+
+def _under_ddp(path: Path, change: str) -> ExperimentConfig | None:
+    """The run's config with ``change`` and DDP as its strategy, or None where the change is bad in itself."""
+    try:
+        return load_config(path, [change, "sync.strategy=ddp"])
+    except ConfigError:
+        return None
 
 
 def predict_all(run_dir: Path, profile: ProfileRecord, predictor: Predictor, items: list[str],
