@@ -180,7 +180,8 @@ def _more_pairs(pairs: int, elapsed: float, budget: float) -> int:
     slowest rank's pace: each rank's DDP steps must match): up to :data:`MOST_STEPS` within ``budget``."""
     slowest = torch.tensor([elapsed / pairs], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    fit = int((budget - elapsed) / max(float(slowest), 1e-9))
+    pace = max(float(slowest), 1e-9)
+    fit = int((budget - pace * pairs) / pace)  # from the agreed pace alone: each rank's own elapsed differs
     return max(0, min(MOST_STEPS // 20 - pairs, fit))
 
 
