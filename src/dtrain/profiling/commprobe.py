@@ -150,16 +150,17 @@ def _worker(rank: int, world: int, port: int, threads: int, parameters: int, cap
                 p.grad = None
             return time.perf_counter() - start
 
+        def run_pairs(pairs: int) -> None:  # a pair: 10 steps with gradient sync, then 10 without
+            for block in range(2 * pairs):
+                sync = block % 2 == 0
+                seconds[sync] += [step(sync) for _ in range(10)]
+
         for _ in range(10):  # warm-up: DDP rebuilds its buckets after the first step
             step(True)
-        pairs = max(1, steps // 20)  # a pair: 10 steps with gradient sync, 10 without
+        pairs = max(1, steps // 20)
         start = time.perf_counter()
-        for block in range(2 * pairs):
-            sync = block % 2 == 0
-            seconds[sync] += [step(sync) for _ in range(10)]
-        for block in range(2 * _more_pairs(pairs, time.perf_counter() - start, budget)):
-            sync = block % 2 == 0
-            seconds[sync] += [step(sync) for _ in range(10)]
+        run_pairs(pairs)
+        run_pairs(_more_pairs(pairs, time.perf_counter() - start, budget))
         if rank == 0:
             synced, alone = statistics.mean(seconds[True]), statistics.mean(seconds[False])
             Path(out).write_text(json.dumps({"points": points, "exchange_seconds": max(0.0, synced - alone),
