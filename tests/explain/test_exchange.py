@@ -1,16 +1,20 @@
 """Runs whose strategy does not exchange as DDP does (parameter server, FSDP): the cost model prices DDP's
 all-reduce, so the doctor, ``--try`` and ``dtrain plan`` say which changes they cannot predict and why,
-never a figure built on the wrong exchange. Measured before this: a 2-slot FSDP digits run was told "one
-slot: 1.88x" (measured 16.9x), a parameter-server run "aggregation 4: 1.00x" (measured 2.36x)."""
+never a figure built on the wrong exchange; a parameter server's exchange is held as measured per update.
+Measured before this: a 2-slot FSDP digits run was told "one slot: 1.88x" (measured 16.9x), a
+parameter-server run "aggregation 4: 1.00x" (measured 2.36x)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from helpers import cli_in_process, tiny_config
 from profiles import make_profile, write
 
 from dtrain.explain import exchange
-from dtrain.explain.doctor import diagnose
+from dtrain.explain.costmodel import CostModel
+from dtrain.explain.doctor import diagnose, render
+from dtrain.explain.spread import uncertainties
 
 STEP = {"data": 0.0002, "forward": 0.005, "backward": 0.006, "optimizer": 0.0005, "other": 0.00001}
 SERVER_STEP = {"data": 0.0002, "forward": 0.0002, "backward": 0.0002, "comm_exposed": 0.0013,
@@ -69,16 +73,35 @@ def test_fsdp_prices_what_leaves_its_exchange_alone_and_names_what_it_cannot(tmp
     assert "Not timed: sync.strategy fsdp communicates inside forward and backward" in render_report(run)
 
 
-def test_a_parameter_server_run_gets_no_prediction_at_all(tmp_path):
+def test_a_parameter_server_run_prices_what_leaves_its_exchange_alone_with_the_exchange_as_measured(tmp_path):
+    # The server's exchange (push, the servers' step, pull) is held per update as the run measured it.
+    model = CostModel.from_profile(_server())
+    assert model.held_exchange == pytest.approx(SERVER_STEP["comm_exposed"])
+    here = model.measured_target()
+    assert model.predict(here).step == pytest.approx(sum(SERVER_STEP.values()))
+    rest = sum(SERVER_STEP.values()) - SERVER_STEP["comm_exposed"]
+    every_four = model.predict(replace(here, aggregation=4))
+    assert every_four.step == pytest.approx(rest + SERVER_STEP["comm_exposed"] / 4)
+    assert "exchange_held" in uncertainties(model, every_four.target, every_four.parts, every_four.step)
     doc = diagnose(_server()).to_json()
-    assert not _changes(doc) and all(f["predicted_speedup"] is None for f in doc["factors"]), doc
-    assert "cannot predict any change of this run" in doc["verdict"]
-    assert "push gradients to server ranks" in doc["verdict"]
+    assert "cannot predict a change of slots, hosts, compression or fusion" in doc["verdict"]
+    assert "push gradients to server ranks" in doc["verdict"] and "communication row" not in doc["verdict"]
+    assert not _changes(doc) & {"resources.slots_per_trial", "optimizations.gradient_compression"}, doc
+    assert "optimizations.aggregation_frequency" in _changes(doc)
+    assert doc["scaling"]["estimated_one_slot_speedup"] is None
+    assert "dtrain doctor: 1 worker slot(s) (servers apart)" in render(diagnose(_server()))
     run = _run_dir(tmp_path, _server(), "parameter_server")
-    result = cli_in_process("doctor", str(run), "--json", "--try", "hyperparameters.global_batch_size=128",
-                            "--try", "data_loader.num_workers=1")
+    tried = ["hyperparameters.global_batch_size=128", "optimizations.aggregation_frequency=4",
+             "resources.slots_per_trial=3", "nodes=2"]
+    result = cli_in_process("doctor", str(run), "--json", *[a for item in tried for a in ("--try", item)])
     assert result.code == 0, result.stderr
-    assert all(t["gain"] is None and t["reason"] for t in json.loads(result.stdout)["tries"])
+    tries = {t["try"]: t for t in json.loads(result.stdout)["tries"]}
+    # Twice the batch doubles compute but not the exchange; a quarter of the exchanges gains the most.
+    assert 1.2 < tries["hyperparameters.global_batch_size=128"]["gain"] < 2
+    assert tries["optimizations.aggregation_frequency=4"]["gain"] == pytest.approx(
+        sum(SERVER_STEP.values()) / every_four.step, rel=1e-3)
+    for item in ("resources.slots_per_trial=3", "nodes=2"):
+        assert tries[item]["gain"] is None and "exchanges otherwise than DDP" in tries[item]["reason"], tries[item]
 
 
 @pytest.mark.parametrize(("strategy", "profile"), [("fsdp", _fsdp), ("parameter_server", _server)])
@@ -110,3 +133,16 @@ def test_a_profile_from_before_the_field_takes_its_strategy_s_exchange():
     assert exchange.kind(make_profile([STEP], strategy="local_sgd")) == exchange.PRICED
     assert exchange.kind(make_profile([STEP], strategy="someone_elses")) == exchange.PRICED
     assert exchange.unpriced(make_profile([STEP])) is None
+    # A strategy of the user's own that exchanges otherwise: nothing is priced.
+    gossip = exchange.unpriced(make_profile([STEP], strategy="someone_elses", exchange="gossip"))
+    assert gossip is not None and gossip.keys is None and gossip.covers_key("hyperparameters.global_batch_size")
+    assert gossip.changes == "any change of this run"
+
+
+def test_verify_shares_the_cores_among_workers_and_servers_as_the_run_did(tmp_path):
+    # The profile counts one worker; the run launched it beside its server, one thread each on 2 cores. Its
+    # --verify runs once gave the worker the whole machine, which made the baseline twice as slow as the run.
+    from dtrain.explain.verify import _local_processes
+
+    assert _local_processes(_run_dir(tmp_path, _server(), "parameter_server"), _server()) == 2
+    assert _local_processes(tmp_path, make_profile([STEP, STEP])) == 2

@@ -12,6 +12,7 @@ from dtrain.explain import fitted
 from dtrain.explain.costmodel import CostModel, Link, Target, expected_max
 from dtrain.explain.facts import Work
 from dtrain.explain.plan import parse_link, plan
+from dtrain.explain.spread import uncertainties
 from dtrain.profiling import commprobe
 from dtrain.profiling.commprobe import LocalProbe, fit
 
@@ -135,8 +136,8 @@ def test_a_slow_link_between_hosts_costs_its_bytes_and_latency():
     assert hosts.parts["exchange"] - local.parts["exchange"] == pytest.approx(extra, rel=0.05)
     # The given link prices the exchange between the hosts: its uncertainty, not the measured link fit's residual.
     noisy = replace(model, link_residual=0.3)
-    assert "link fit residual" in noisy.uncertainties(Target(2), noisy._parts(Target(2)), local.step)
-    between = noisy.uncertainties(Target(2, 2, cores=1), noisy._parts(Target(2, 2, cores=1)), hosts.step)
+    assert "link fit residual" in uncertainties(noisy, Target(2), noisy._parts(Target(2)), local.step)
+    between = uncertainties(noisy, Target(2, 2, cores=1), noisy._parts(Target(2, 2, cores=1)), hosts.step)
     assert "link fit residual" not in between and "link_between_hosts" in between
 
 

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from dtrain.explain import fitted
+from dtrain.explain import fitted, spread
 from dtrain.explain.costmodel import CostModel, Link, Prediction, RingLink, Target
 from dtrain.explain.facts import Facts
 from dtrain.explain.fitted import Fitted
@@ -89,8 +89,8 @@ def _scaled(pred: Prediction, value: float) -> tuple[float, float]:
 
 def _outcome(row: Row, built: CostModel, pred: Prediction, value: float, here: bool) -> Outcome:
     low, high = _scaled(pred, value)
-    exposures = built.exposures(pred.target, pred.parts, pred.step)
-    sigmas = built.uncertainties(pred.target, pred.parts, pred.step)
+    exposures = spread.exposures(built, pred.target, pred.parts, pred.step)
+    sigmas = spread.uncertainties(built, pred.target, pred.parts, pred.step)
     fixed = math.hypot(sigmas.get("drift over the run", 0.0), sigmas.get("link fit residual", 0.0)) / pred.step
     return Outcome(row, value, low, high, {k: v / pred.step for k, v in exposures.items()}, fixed, pred.widest, here)
 
@@ -122,7 +122,8 @@ def model_to_json(built: CostModel, target: Target) -> dict[str, object]:
             "link_source": built.link_source, "link_residual": built.link_residual,
             "between_hosts": asdict(built.between_hosts) if built.between_hosts else None,
             "overhead": built.overhead, "overhead_source": built.overhead_source, "factor": built.factor,
-            "contention": built.contention, "exchange_scale": built.exchange_scale, "target": asdict(target)}
+            "contention": built.contention, "exchange_scale": built.exchange_scale,
+            "held_exchange": built.held_exchange, "target": asdict(target)}
 
 
 def model_from_json(data: dict[str, object]) -> CostModel:
@@ -133,7 +134,8 @@ def model_from_json(data: dict[str, object]) -> CostModel:
                      float(data["link_residual"]), Link(**between) if isinstance(between, dict) else None,  # type: ignore[arg-type]
                      float(data["overhead"]), str(data["overhead_source"]), float(data["factor"]),  # type: ignore[arg-type]
                      float(data["contention"]),  # type: ignore[arg-type]
-                     exchange_scale=float(data.get("exchange_scale", 1.0)))  # type: ignore[arg-type]
+                     exchange_scale=float(data.get("exchange_scale", 1.0)),  # type: ignore[arg-type]
+                     held_exchange=float(data.get("held_exchange", 0.0)))  # type: ignore[arg-type]
 
 
 def evaluate(rows: list[Row]) -> list[Outcome]:

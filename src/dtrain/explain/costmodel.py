@@ -28,7 +28,9 @@ all ask :class:`CostModel`. It starts from one measured run (its ``profile.json`
   collectives per bucket, and adds its measured matmuls and QR and its hook's own host time per collective.
   A given link's rate counts frames on the wire: on CPU (Gloo over TCP) payload gets a fitted share of it.
   A shaped link (a token bucket) paces each message by its bucket; more slots than a host's cores wait,
-  at every ring step, for a peer the scheduler has put aside.
+  at every ring step, for a peer the scheduler has put aside. A parameter server's exchange (workers push, the
+  servers step, workers pull) is no ring: it is held per update as the run measured it
+  (:mod:`dtrain.explain.exchange` says which changes that leaves priced).
 
 Every input is recorded with where it came from (measured, probed, given, assumed), and every prediction
 carries an 80% interval from the run's own step-to-step drift, the measured spread of the timed model steps
@@ -44,6 +46,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from dtrain.explain import fitted
+from dtrain.explain import spread as spread_of
 from dtrain.explain.facts import Facts, Work, linear_contention
 from dtrain.explain.network import (
     TREE_BANDWIDTH,
@@ -70,6 +73,7 @@ MEASURED_SPREAD = math.log(1.25)
 # A run's exchanges may beat the model's (its exchange is scaled down to match): at most this far (a run whose
 # exchange cost nothing measurable says nothing about what it would cost elsewhere).
 MIN_EXCHANGE_SCALE = 0.05
+HELD = "server"  # the exchange kind held as measured (dtrain.explain.exchange)
 NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers")
 
 
@@ -147,6 +151,9 @@ class CostModel:
     # The run's own exchange over the model's (link and waiting; calibrated), where the run's was faster: the
     # probe was pessimistic, so every term scales down alike, and fewer bytes save proportionally, never more.
     exchange_scale: float = 1.0
+    # Seconds per exchange held as the run measured it, not priced from a link: a parameter server's push, the
+    # servers' step and the pull (dtrain.explain.exchange says which changes leave it alone).
+    held_exchange: float = 0.0
 
     # ------------------------------------------------------------------------------ building
     @classmethod
@@ -172,8 +179,10 @@ class CostModel:
         contention = max(1.0, concurrent / solo) if f.slots > 1 and solo > 0 and f.threads_probed else 1.0
         # A step's compute over the probe's: on one slot, the training loop's own cost (hooks, timer, autocast);
         # with several, also the exchange's (DDP's hooks, the backend's threads on the same cores): there it
-        # is left to the calibrated exchange cost, which only multi-slot targets pay.
-        factor = f.compute / (solo * contention * f.crowd) if solo > 0 and f.slots == 1 else 1.0
+        # is left to the calibrated exchange cost, which only multi-slot targets pay. A held exchange is no
+        # calibration: compute stays as measured, per step (aggregation must not divide it).
+        own = f.slots == 1 or f.exchange == HELD
+        factor = f.compute / (solo * contention * f.crowd) if solo > 0 and own else 1.0
         link, found_source, residual = None, "none", 0.0
         if f.link_points:
             fitted = fit(list(f.link_points))
@@ -186,6 +195,8 @@ class CostModel:
             # latency, which mix the link with training's own waiting: looser.
             fitted = LinkFit(f.train_latency, f.train_algbw, 0.5)
             link, found_source, residual = RingLink.from_fit(fitted, f.slots), link_source, fitted.residual
+        if f.exchange == HELD:
+            return cls._held(f, between_hosts, factor, contention, sources)
         model = cls(f, link, found_source, residual, between_hosts, 0.0, "none", factor, contention, sources)
         if link is not None:
             sources.append(Source("link among local slots", f"{1e6 * link.step_latency:.0f} us per ring step, "
@@ -207,6 +218,17 @@ class CostModel:
             replaces = " (replaces the link measured between the run's hosts)" if f.hosts > 1 else ""
             burst = f", a shaper's {between_hosts.burst_bytes:,.0f}-byte burst" if between_hosts.burst_bytes else ""
             sources.append(Source("link between hosts", between_hosts.label + burst + replaces, "given"))
+        return model
+
+    @classmethod
+    def _held(cls, f: Facts, between_hosts: Link | None, factor: float, contention: float,
+              sources: list[Source]) -> CostModel:
+        """A model whose exchange is the run's own, per update, whatever its link (a parameter server's)."""
+        model = cls(f, None, "none", 0.0, between_hosts, 0.0, "none", factor, contention, sources)
+        model.held_exchange = max(0.0, model._measured_exchange())
+        model.overhead_source = "measured"
+        sources.append(Source("exchange per update (held as measured: not priced from a link)",
+                              f"{1e3 * model.held_exchange:.2f} ms", "measured"))
         return model
 
     def measured_target(self) -> Target:
@@ -236,7 +258,8 @@ class CostModel:
     def _measured_exchange(self) -> float:
         """Seconds per exchange the run spent beyond data, compute and fixed work."""
         f = self.facts
-        parts = replace(self, overhead=0.0, exchange_scale=1.0, between_hosts=None)._parts(self.measured_target())
+        parts = replace(self, overhead=0.0, exchange_scale=1.0, between_hosts=None,
+                        held_exchange=0.0)._parts(self.measured_target())
         return (f.step - parts["data"] - parts["compute"] - parts["fixed"]) * f.aggregation
 
     def _model_exchange(self, scale: float) -> float:
@@ -302,7 +325,9 @@ class CostModel:
             fixed_scale = contention / self._contention(f.local_slots)
         fixed = f.fixed / f.crowd * crowd * fixed_scale
         exchange = compression = 0.0
-        if target.slots > 1:
+        if self.held_exchange > 0:  # on a crowded host its processes take turns on the cores too
+            exchange = self.held_exchange * crowd / f.crowd
+        elif target.slots > 1:
             exchange, compression = self._exchange(target, crowd, compute)
         aggregation = target.aggregation or f.aggregation
         return {"data": data, "compute": compute, "fixed": fixed, "exchange": (exchange + compression) / aggregation,
@@ -403,7 +428,7 @@ class CostModel:
             one = self._parts(replace(target, slots=1, nodes=1, threads=None, machine_slots=None))
             linear = (one["data"] + one["compute"] + one["fixed"]) / target.slots
             step = max(step, linear)
-        sigmas = self.uncertainties(target, parts, step)
+        sigmas = spread_of.uncertainties(self, target, parts, step)
         spread = Z80 * math.sqrt(sum(v * v for v in sigmas.values())) / step  # relative: a step is never negative
         if not any(name in NOT_MEASURED for name in sigmas):
             spread = min(spread, MEASURED_SPREAD)
@@ -411,68 +436,6 @@ class CostModel:
         gbs = target.global_batch or self.facts.global_batch
         low = max(step * math.exp(-spread), linear)
         return Prediction(target, {**parts, "step": step}, step, low, step * math.exp(spread), gbs, widest)
-
-    def exposures(self, target: Target, parts: dict[str, float], step: float) -> dict[str, float]:
-        """Seconds of the step that each uncertain input moves by one unit of its relative uncertainty (the
-        fit's design: one standard deviation of the step is the root sum of squares of exposure x uncertainty)."""
-        f = self.facts
-        local, threads = self.local_threads(target)
-        compute, exchange = parts["compute"], parts["exchange"]
-        # Compute given on paper is another input than compute a run measured: their uncertainties differ.
-        out = {"compute_given" if f.batch_given else "compute": compute, "data": parts["data"]}
-        if not f.work.probed(threads):
-            out["threads"] = compute
-        if (target.machine_slots or local) > 1 and f.local_slots == 1 and f.device == "cpu":
-            out["contention"] = compute
-        batch = (target.global_batch or f.global_batch) / target.slots
-        if not f.batch_given and batch != f.per_slot_batch:
-            out["batch_extrapolation"] = compute * abs(math.log(batch / f.per_slot_batch))
-        if target.slots > 1:
-            link = {"measured": "link_measured", "probed": "link_probe"}.get(self.link_source, "link_given")
-            out[link] = exchange
-            if target.nodes > 1:  # a datasheet's network on paper is another input than a --link beside a run
-                out["inter_given" if f.batch_given else "link_between_hosts"] = exchange
-            if f.batch_given:  # on paper no run calibrated anything: the links and the stragglers' spread only
-                return {**out, "unmeasured_drift": step}
-            if self.overhead_source != "measured":
-                out["exchange_overhead"] = exchange
-            if target.slots != max(2, f.slots):
-                out["slot_extrapolation"] = exchange * abs(math.log(target.slots / max(2, f.slots)))
-        if target.precision_gain != 1.0:
-            # A precision's gain rests on a few steps timed at the end of the run, alone (no loader, no exchange
-            # beside them, the caches warm): a whole run in that precision may gain less or more than they did.
-            out["precision_probe"] = compute
-        if target.data_workers_step is not None:
-            # Other loader processes: the hand-over of each batch is probed, but their start-up is not modelled,
-            # and on shared cores their competing with training's threads is priced as even shares, which a
-            # 2-thread slot took 1.4x as long as (docs/benchmarks.md); the planted slow-data case's measured
-            # gain was about half the predicted one (tests/explain/test_verify.py).
-            out["loader_workers"] = step
-        if len(self.facts.windows) < 3:
-            out["unmeasured_drift"] = step
-        return out
-
-    def uncertainties(self, target: Target, parts: dict[str, float], step: float) -> dict[str, float]:
-        """One standard deviation of the step from each source: the run's drift and the link fit's residual
-        (measured), and each input's exposure times its fitted uncertainty."""
-        u = fitted.load().uncertainty
-        out = {name: u[name] * seconds for name, seconds in self.exposures(target, parts, step).items()}
-        if len(self.facts.windows) >= 3:
-            out["drift over the run"] = _drift(self.facts.windows) * step
-        # The fit's residual is the measured link's; a link given between hosts prices the exchange there instead,
-        # with its own uncertainty.
-        if target.slots > 1 and self.link_residual > 0 and not (target.nodes > 1 and self.between_hosts is not None):
-            out["link fit residual"] = self.link_residual * parts["exchange"]
-        # The few timed model steps a precision's gain (or a batch's growth) rests on: their own measured spread.
-        if target.precision_spread > 0:
-            out["model steps' spread (precision)"] = target.precision_spread * parts["compute"]
-        f = self.facts
-        batch = (target.global_batch or f.global_batch) / target.slots
-        if f.batch_spread > 0 and f.per_slot_batch and batch != f.per_slot_batch:
-            # Measured at the batch and twice it: a change of a doubling or more carries all of it.
-            out["model steps' spread (batch)"] = (f.batch_spread * parts["compute"]
-                                                  * min(1.0, abs(math.log2(batch / f.per_slot_batch))))
-        return {name: value for name, value in out.items() if value > 0}
 
 
 def ratio(new: Prediction, base: Prediction) -> tuple[float, float, float]:
@@ -486,11 +449,3 @@ def ratio(new: Prediction, base: Prediction) -> tuple[float, float, float]:
 def _describe(work: Work) -> str:
     return "; ".join(f"{t} thread(s): {1e3 * a:.3f} ms + {1e6 * c:.2f} us/sample" for t, (a, c) in
                      sorted(work.points.items()))
-
-
-def _drift(windows: tuple[float, ...]) -> float:
-    """Relative standard deviation of the run's mean step over its windows of steps (drift over the run), at
-    least 3% (three or more windows)."""
-    mean = sum(windows) / len(windows)
-    var = sum((w - mean) ** 2 for w in windows) / (len(windows) - 1)
-    return max(0.03, math.sqrt(var) / mean)

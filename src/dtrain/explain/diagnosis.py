@@ -16,6 +16,11 @@ ConfigValue = int | float | str | bool | None
 Json = dict[str, object]
 
 
+def slot_words(slots: int, workers_only: bool) -> str:
+    """'2 slot(s)'; '1 worker slot(s) (servers apart)' where only the workers count (a parameter server)."""
+    return f"{slots} {'worker slot(s) (servers apart)' if workers_only else 'slot(s)'}"
+
+
 @dataclass(frozen=True, slots=True)
 class Change:
     """One config change and its predicted samples/s over today's (None: not predicted)."""
@@ -190,6 +195,8 @@ class Diagnosis:
     tries: list[TryResult] = field(default_factory=list)
     # MFU and the first steps (explain.efficiency); none for a profile written before them.
     efficiency: Efficiency = field(default_factory=lambda: Efficiency(None, None, None, []))
+    # Slots that train, where others do not (a parameter server's servers): the title says "worker slot(s)".
+    workers_only: bool = False
 
     def factor(self, name: str) -> FactorRow | None:
         """The row of factor ``name``, or None."""

@@ -33,11 +33,21 @@ is one :class:`~dtrain.explain.predictor.Predictor` call on the cost model ``dtr
 from __future__ import annotations
 
 from dtrain.explain import advice
-from dtrain.explain.diagnosis import Advice, Diagnosis, FactorRow, Json, Recommendation, Scaling, TryResult
+from dtrain.explain.diagnosis import (
+    Advice,
+    Diagnosis,
+    FactorRow,
+    Json,
+    Recommendation,
+    Scaling,
+    TryResult,
+    slot_words,
+)
 from dtrain.explain.efficiency import Efficiency
 from dtrain.explain.exchange import Unpriced
 from dtrain.explain.factors import registry
 from dtrain.explain.factors.base import ONE_SLOT, Context, build_context, gains
+from dtrain.explain.facts import exchange_kind
 from dtrain.explain.predictor import Predictor
 from dtrain.profiling.record import ProfileRecord
 
@@ -104,15 +114,13 @@ def diagnose(profile: ProfileRecord, predictor: Predictor | None = None) -> Diag
     if predictor.unpriced is not None:
         verdict += f"; {_unpriced_note(predictor.unpriced)}"
     return Diagnosis(profile.slots, profile.samples_per_second, ctx.step, top.factor, True, verdict, rows,
-                     recommendations, ctx.scaling, efficiency=Efficiency.of(profile))
+                     recommendations, ctx.scaling, efficiency=Efficiency.of(profile),
+                     workers_only=exchange_kind(profile) == "server")
 
 
 def _unpriced_note(found: Unpriced) -> str:
     """What the doctor does not predict for this run, and why (one clause)."""
-    if found.everything:
-        return found.message("any change of this run")
-    return (found.message("a change of slots, hosts, aggregation, compression or fusion")
-            + " (the communication row reads 0: it is inside forward and backward)")
+    return found.message(found.changes) + found.aside
 
 
 def _recommendations(rows: list[FactorRow], ctx: Context) -> list[Recommendation]:
@@ -210,8 +218,8 @@ def render(diagnosis: Diagnosis) -> str:
 
     from dtrain.explain.render import as_text
 
-    table = Table(title=f"dtrain doctor: {diagnosis.slots} slot(s), {diagnosis.samples_per_second:,.0f} "
-                        f"samples/s, step {1e3 * diagnosis.step_seconds:.2f} ms")
+    table = Table(title=f"dtrain doctor: {slot_words(diagnosis.slots, diagnosis.workers_only)}, "
+                        f"{diagnosis.samples_per_second:,.0f} samples/s, step {1e3 * diagnosis.step_seconds:.2f} ms")
     for col in ("factor", "share", "ms/step", "try", "predicted (80%)"):
         table.add_column(col, justify="right" if col in ("share", "ms/step", "predicted (80%)") else "left")
     for f in diagnosis.factors:

@@ -1,12 +1,13 @@
-"""Which runs the cost model can price, by how their strategy's replicas talk (``profile.exchange``).
+"""Which changes of a run the cost model can price, by how its strategy's replicas talk (``profile.exchange``).
 
-The cost model (:mod:`dtrain.explain.costmodel`) prices one exchange: DDP's, the gradients (or local SGD's
-parameters) all-reduced among the slots in buckets over the measured link. Two built-in strategies talk
-otherwise, and a prediction built on that model is wrong for them by a factor, not by a margin:
+The cost model (:mod:`dtrain.explain.costmodel`) prices one exchange from a link: DDP's, the gradients (or
+local SGD's parameters) all-reduced among the slots in buckets. Two built-in strategies talk otherwise, and
+a change of that exchange priced as an all-reduce is wrong by a factor, not by a margin:
 
-* ``server`` (``parameter_server``): workers push gradients to server ranks and pull parameters back. Its
-  slots are its workers only, and its exchange is not an all-reduce: the model drops it from the step
-  altogether, so no change of such a run is predicted.
+* ``server`` (``parameter_server``): workers push gradients to server ranks, the servers step, workers pull
+  the weights back. Its slots are its workers only. The model holds that exchange as the run measured it, per
+  update: what leaves it alone (the batch, the precision, the loader) and how often it runs (aggregation) are
+  priced; other slots, hosts, compression or buckets are not (a server's link is not a ring).
 * ``sharded`` (``fsdp``): all-gathers and reduce-scatters run inside forward and backward, where the run timed
   them as compute. What does not touch the exchange (the batch, the precision, the loader) is priced from the
   step as measured; a change of slots, hosts or synchronization is not: it would split a step the run could
@@ -21,36 +22,53 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtrain.explain.costmodel import Target
+from dtrain.explain.facts import ALL_REDUCE, exchange_kind
 from dtrain.profiling.record import ProfileRecord
 
-PRICED = "all_reduce"
+PRICED = ALL_REDUCE
 MEASURE = "dtrain doctor RUN --try KEY=VALUE --verify measures a change"
 WHY = {
-    "server": ("its workers push gradients to server ranks and pull parameters back, which the cost model "
-               "(DDP's all-reduce among the slots) does not price"),
+    "server": ("its workers push gradients to server ranks and pull parameters back: the cost model holds that "
+               "exchange as the run measured it, and prices DDP's all-reduce among the slots only"),
     "sharded": ("its all-gathers and reduce-scatters run inside forward and backward and were timed as compute, "
                 "so the run cannot tell its communication from its compute"),
 }
+SLOTS, NODES = "resources.slots_per_trial", "nodes"
+AGGREGATION = "optimizations.aggregation_frequency"
+COMPRESSION, FUSION = "optimizations.gradient_compression", "optimizations.tensor_fusion_threshold"
 # Changes that move the exchange itself: what a ``sharded`` run cannot price.
-EXCHANGE_KEYS = ("resources.slots_per_trial", "nodes", "optimizations.aggregation_frequency",
-                 "optimizations.gradient_compression", "optimizations.tensor_fusion_threshold")
+EXCHANGE_KEYS = (SLOTS, NODES, AGGREGATION, COMPRESSION, FUSION)
+# A ``server`` run's exchange, held as measured, still runs once per update: how often is priced.
+UNPRICED_KEYS: dict[str, tuple[str, ...]] = {"sharded": EXCHANGE_KEYS, "server": (SLOTS, NODES, COMPRESSION, FUSION)}
+ASIDES = {"sharded": " (the communication row reads 0: it is inside forward and backward)"}
+# How the doctor names a set of unpriced keys.
+NAMES = {SLOTS: "slots", NODES: "hosts", AGGREGATION: "aggregation", COMPRESSION: "compression", FUSION: "fusion"}
 
 
 @dataclass(frozen=True, slots=True)
 class Unpriced:
-    """Why some changes of a run are not priced: ``reason`` (one clause), and whether it is every change
-    (``everything``) or only those that move the exchange."""
+    """Why some changes of a run are not priced: ``reason`` (one clause), and the changes, as ``--try`` keys
+    (:data:`EXCHANGE_KEYS`), that it covers (None: every change)."""
 
     reason: str
-    everything: bool
+    keys: tuple[str, ...] | None
+    aside: str = ""  # what the doctor's table shows of it, where that reads oddly
 
     def covers(self, target: Target, here: Target) -> bool:
         """Whether ``target`` (a change of the run at ``here``) is one the model does not price."""
-        return self.everything or moves_exchange(target, here)
+        return self.keys is None or moves_exchange(target, here, self.keys)
 
     def covers_key(self, key: str) -> bool:
         """Whether a change of ``key`` (as ``--try`` spells it) is one the model does not price."""
-        return self.everything or key in EXCHANGE_KEYS
+        return self.keys is None or key in self.keys
+
+    @property
+    def changes(self) -> str:
+        """'any change of this run', or 'a change of slots, hosts, compression or fusion'."""
+        if self.keys is None:
+            return "any change of this run"
+        names = [NAMES[key] for key in self.keys]
+        return "a change of " + (", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0])
 
     def message(self, what: str) -> str:
         """'cannot predict WHAT because ...; <how to measure it>'."""
@@ -60,14 +78,7 @@ class Unpriced:
 def kind(profile: ProfileRecord) -> str:
     """How the run's replicas talk: as recorded, else (a profile from before it was recorded) as the
     strategy's class says, else DDP's all-reduce."""
-    if profile.exchange is not None:
-        return profile.exchange
-    from dtrain.sync import registry
-
-    try:
-        return registry.lookup(profile.strategy).exchange
-    except KeyError:
-        return PRICED
+    return exchange_kind(profile)
 
 
 def unpriced(profile: ProfileRecord) -> Unpriced | None:
@@ -77,13 +88,14 @@ def unpriced(profile: ProfileRecord) -> Unpriced | None:
         return None
     why = WHY.get(found, f"it exchanges as {found!r}, which the cost model (DDP's all-reduce) does not price")
     return Unpriced(f"sync.strategy {profile.strategy} exchanges otherwise than DDP: {why}",
-                    everything=found != "sharded")
+                    UNPRICED_KEYS.get(found), ASIDES.get(found, ""))
 
 
-def moves_exchange(target: Target, here: Target) -> bool:
-    """Whether ``target`` changes the exchange of the run at ``here``: its slots, hosts, synchronization
-    period, compression or buckets."""
-    return ((target.slots, target.nodes) != (here.slots, here.nodes)
-            or (target.aggregation or here.aggregation) != here.aggregation
-            or (target.compression or here.compression) != here.compression
-            or target.one_bucket or target.bucket_mb is not None)
+def moves_exchange(target: Target, here: Target, keys: tuple[str, ...] = EXCHANGE_KEYS) -> bool:
+    """Whether ``target`` changes what ``keys`` name of the exchange of the run at ``here``: its slots, hosts,
+    synchronization period, compression or buckets."""
+    moved = {SLOTS: target.slots != here.slots, NODES: target.nodes != here.nodes,
+             AGGREGATION: (target.aggregation or here.aggregation) != here.aggregation,
+             COMPRESSION: (target.compression or here.compression) != here.compression,
+             FUSION: target.one_bucket or target.bucket_mb is not None}
+    return any(moved[key] for key in keys)

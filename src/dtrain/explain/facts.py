@@ -9,6 +9,8 @@ from dtrain.explain.advice import probe_growth
 from dtrain.explain.precision import batch_spread
 from dtrain.profiling.record import ProfileRecord
 
+ALL_REDUCE = "all_reduce"  # the exchange the cost model prices from a link (dtrain.sync.base.SyncStrategy.exchange)
+
 
 @dataclass(frozen=True, slots=True)
 class Work:
@@ -106,6 +108,9 @@ class Facts:
     batch_spread: float = 0.0  # relative sd of the model's own timed steps' growth to twice the batch (0: none)
     # Each model's trainable tensors' gradient bytes in backward's order (empty: not recorded): DDP's buckets.
     gradient_bytes: tuple[tuple[int, ...], ...] = ()
+    # How the replicas talk (dtrain.explain.exchange): "all_reduce" is priced from a link; a "server" exchange
+    # is held as measured.
+    exchange: str = ALL_REDUCE
 
     @classmethod
     def from_profile(cls, p: ProfileRecord) -> Facts:
@@ -132,7 +137,7 @@ class Facts:
             jitter=p.step_jitter_seconds or 0.0, windows=tuple(p.step_window_seconds or ()),
             batch_spread=batch_spread(p.model_steps), optimizer_solo=_optimizer_solo(p),
             optimizer_concurrent=p.batch_scaling.optimizer_seconds if p.batch_scaling is not None else 0.0,
-            gradient_bytes=tuple(tuple(model) for model in p.gradient_bytes or ()))
+            gradient_bytes=tuple(tuple(model) for model in p.gradient_bytes or ()), exchange=exchange_kind(p))
 
     def to_json(self) -> dict[str, object]:
         """The facts as plain JSON (the stored held-out rows keep the inputs their predictions came from)."""
@@ -190,6 +195,19 @@ class Facts:
     def crowd(self) -> float:
         """Threads over cores on a host, where beyond one: slots then take turns on the cores."""
         return max(1.0, self.local_slots * self.threads / self.cores) if self.device == "cpu" else 1.0
+
+
+def exchange_kind(profile: ProfileRecord) -> str:
+    """How the run's replicas talk: as recorded, else (a profile from before it was recorded) as the
+    strategy's class says, else DDP's all-reduce."""
+    if profile.exchange is not None:
+        return profile.exchange
+    from dtrain.sync import registry
+
+    try:
+        return registry.lookup(profile.strategy).exchange
+    except KeyError:
+        return ALL_REDUCE
 
 
 def linear_contention(measured: float, slots: int, run_slots: int) -> float:

@@ -37,7 +37,8 @@ from typing import Any
 
 from dtrain.errors import UserError
 from dtrain.explain import paired
-from dtrain.explain.diagnosis import Diagnosis, TryResult
+from dtrain.explain.diagnosis import Diagnosis, TryResult, slot_words
+from dtrain.explain.facts import exchange_kind
 from dtrain.explain.predictor import Predictor
 from dtrain.profiling.record import ProfileRecord, load_profile, load_run_profile
 
@@ -154,8 +155,20 @@ def open_session(run_dir: Path, steps: int, repeats: int, max_repeats: int | Non
         steps = needed
     from dtrain.launcher import cpu
 
-    threads = cpu.for_bench(max(1, profile.slots // profile.hosts))[0]  # one thread rule for the whole session
+    # One thread rule for the whole session, as the run's own launch applied it.
+    threads = cpu.for_bench(_local_processes(run_dir, profile))[0]
     return Session(run_dir, profile, predictor, diagnosis, steps, budget, threads)
+
+
+def _local_processes(run_dir: Path, profile: ProfileRecord) -> int:
+    """Processes per host of the run: its slots, and a parameter server's servers beside its workers (the
+    profile counts the workers only; the launcher shares the cores among all of them)."""
+    slots = profile.slots
+    if exchange_kind(profile) == "server":
+        from dtrain.config.schema import load_config
+
+        slots = load_config(run_dir / "config.yaml", []).resources.slots_per_trial
+    return max(1, slots // profile.hosts)
 
 
 def measure(session: Session, experiments: list[Experiment], repeats: int, target_spread: float, debug: bool,
@@ -192,7 +205,8 @@ def session_json(session: Session, repeats: int, rounds: int, target_spread: flo
     return {"run_dir": str(session.run_dir), "steps": session.steps, "repeats": repeats,
             "max_repeats": session.budget, "rounds": rounds, "target_spread": target_spread,
             "median_confidence": paired.median_confidence(rounds), "noise": paired.noise(rounds),
-            "slots": session.profile.slots, "baseline_samples_per_second": base.measured or 0.0,
+            "slots": session.profile.slots, "workers_only": exchange_kind(session.profile) == "server",
+            "baseline_samples_per_second": base.measured or 0.0,
             "baseline_runs": base.samples_per_second, "session_dir": str(folder)}
 
 
@@ -248,7 +262,7 @@ def render(result: dict[str, Any]) -> str:
 
     base = result["baseline_samples_per_second"]
     rounds = result["rounds"]
-    table = Table(title=f"dtrain doctor --verify: {result['slots']} slot(s), {result['steps']} steps x "
+    table = Table(title=f"dtrain doctor --verify: {_slots(result)}, {result['steps']} steps x "
                         f"{rounds} round(s); baseline {base:,.0f} samples/s")
     for col in ("action", "kind", "samples/s", "predicted", "measured", "range of per-round ratios"):
         table.add_column(col, justify="left" if col in ("action", "kind", "range of per-round ratios") else "right")
@@ -338,7 +352,7 @@ def render_tries(result: dict[str, Any]) -> str:
     from dtrain.explain.render import as_text
 
     rounds = result["rounds"]
-    table = Table(title=f"dtrain doctor --try --verify: {result['slots']} slot(s), {result['steps']} steps x "
+    table = Table(title=f"dtrain doctor --try --verify: {_slots(result)}, {result['steps']} steps x "
                         f"{rounds} round(s); baseline {result['baseline_samples_per_second']:,.0f} samples/s")
     for col in ("try", "samples/s", "predicted (80% interval)", "measured (range over rounds)", "error",
                 "interval held"):
@@ -360,3 +374,7 @@ def render_tries(result: dict[str, Any]) -> str:
              "error = (predicted - measured) / measured\n")
     text += paired.footer(rounds, "baseline")
     return text + "no tuned.yaml written: --try --verify measures the changes given, not the doctor's advice\n"
+
+
+def _slots(result: dict[str, Any]) -> str:
+    return slot_words(result["slots"], bool(result.get("workers_only")))

@@ -14,8 +14,10 @@ alternating; the minimum counts (the least disturbed by other processes on a sha
 first rank alone, the others waiting at a barrier, repeats it at other thread counts (CPU), prices gradient
 compression, and times the model's whole training steps under each precision
 (:mod:`dtrain.profiling.modelsteps`). Models, optimizer state and random generators are restored after
-all of it, gradients cleared: the run ends as it would have without the probes. Skipped (zeros) for
-strategies with server ranks, and on any error (a trial that cannot take another batch size).
+all of it, gradients cleared: the run ends as it would have without the probes. Skipped (zeros) on any
+error (a trial that cannot take another batch size). A parameter server's workers probe among themselves
+(its ``dp_group``), the servers waiting: their forward and backward are local, and what the probes time is
+what a change of batch or precision moves beside the exchange the cost model holds as measured.
 """
 
 from __future__ import annotations
@@ -205,7 +207,7 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
     rank runs the same calls."""
     zeros = dict.fromkeys(PROBE_FIELDS, 0.0)
     hooks = facts.probe
-    if hooks is None or facts.strategy.has_server_ranks or not facts.models:
+    if hooks is None or not facts.models:
         return ProbeResult(zeros)
     per_slot, timer, device = facts.per_slot_batch_size, facts.timer, facts.device
     if repeats is None:

@@ -39,6 +39,16 @@ class Context:
         return self.profile.slots
 
     @property
+    def exchanges(self) -> bool:
+        """Whether the run exchanged anything: several slots, or one worker with a parameter server."""
+        return self.slots > 1 or self.profile.comm.bytes_per_step > 0
+
+    @property
+    def exchange_words(self) -> str:
+        """What the run's exchange is, in the doctor's words."""
+        return "push and pull to the servers" if self.predictor.model.held_exchange > 0 else "all-reduce"
+
+    @property
     def global_batch(self) -> int:
         return self.profile.global_batch_size
 
@@ -118,8 +128,8 @@ def scaling(profile: ProfileRecord, predictor: Predictor) -> Scaling:
     """One slot doing the whole global batch, by the cost model: its data and compute at N x the per-slot
     batch as the end-of-run probe measured them (a small model's step is mostly per-step overhead, which
     N x the batch does not multiply), with the host's cores to itself, and no exchange."""
-    if profile.slots == 1:
-        return Scaling(1.0, False, 1.0)
+    if profile.slots == 1:  # one worker beside parameter servers: one slot alone would drop them, not priced
+        return Scaling(None, False) if predictor.model.held_exchange > 0 else Scaling(1.0, False, 1.0)
     action = f"{ONE_SLOT[0]}: {ONE_SLOT[1]}"
     one = predictor.gain(action, slots=1, nodes=1)
     if one is None:  # a strategy whose exchange the model does not price: not estimated

@@ -17,12 +17,12 @@ class Communication(Factor):
         return ctx.exposed * (1 - ctx.per_message)
 
     def advise(self, ctx: Context) -> Advice:
-        if ctx.slots == 1:
+        if not ctx.exchanges:
             return nothing_to_exchange()
         profile, k = ctx.profile, AGGREGATION_TO_TRY
         comm = profile.comm
         aggregate = Change("optimizations.aggregation_frequency", k, aggregation_gain(ctx))
-        why = (f"exposed all-reduce moves {mb(comm.bytes_per_step)} per step at "
+        why = (f"exposed {ctx.exchange_words} moves {mb(comm.bytes_per_step)} per step at "
                f"{mb(comm.algbw_bytes_per_second)}/s; aggregating {k} batches per exchange sends them a {k}th as "
                f"often (effective batch {k * ctx.global_batch})")
         # The strategy's capabilities are recorded in the profile from the strategy registry.

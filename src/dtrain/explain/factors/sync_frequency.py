@@ -16,7 +16,7 @@ class SyncFrequency(Factor):
         return ctx.exposed * ctx.per_message
 
     def advise(self, ctx: Context) -> Advice:
-        if ctx.slots == 1:
+        if not ctx.exchanges:
             return nothing_to_exchange()
         comm, k = ctx.profile.comm, AGGREGATION_TO_TRY
         return Advice("optimizations.aggregation_frequency", k,
