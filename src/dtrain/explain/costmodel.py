@@ -57,6 +57,7 @@ from dtrain.explain.network import (
     shaped_seconds,
     tree_latency_steps,
 )
+from dtrain.explain.target import Target
 from dtrain.profiling import buckets as ddp_buckets
 from dtrain.profiling.commprobe import LinkFit, fit
 from dtrain.profiling.record import ProfileRecord
@@ -84,28 +85,6 @@ class Source:
     name: str
     value: str
     source: str  # "measured" (the run), "probed" (dtrain plan --probe), "given" (--link), "assumed"
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """A configuration to price. None fields: as the measured run had it."""
-
-    slots: int
-    nodes: int = 1
-    global_batch: int | None = None
-    threads: int | None = None  # per slot; None: the launcher's rule (cores // local slots, at least 1)
-    aggregation: int | None = None
-    compression: str | None = None
-    one_bucket: bool = False
-    bucket_mb: float | None = None  # optimizations.tensor_fusion_threshold; None: the run's buckets as measured
-    precision_gain: float = 1.0
-    precision_spread: float = 0.0  # one relative sd of precision_gain, as its timed steps spread (measured)
-    data_workers_step: float | None = None  # the data wait with other loader processes (the doctor's plan)
-    precision_data: float | None = None  # the least data wait in another precision (a host-bound GPU step)
-    cores: int | None = None  # per host; None: as many as the run's host had
-    # Slots sharing one machine's caches and memory bandwidth; None: a host's local slots. Hosts that are network
-    # namespaces of one machine (scripts/testhosts.py) share it: their slots slow each other as local ones do.
-    machine_slots: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

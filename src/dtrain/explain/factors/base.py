@@ -41,7 +41,7 @@ class Context:
     @property
     def exchanges(self) -> bool:
         """Whether the run exchanged anything: several slots, or one worker with a parameter server."""
-        return self.slots > 1 or self.profile.comm.bytes_per_step > 0
+        return self.slots > 1 or self.predictor.model.held_exchange > 0
 
     @property
     def exchange_words(self) -> str:
