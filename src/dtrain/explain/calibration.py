@@ -97,21 +97,51 @@ def _outcome(row: Row, built: CostModel, pred: Prediction, value: float, here: b
 
 def predict_row(row: Row) -> Outcome | None:
     """``row`` as the model in force predicts it; None for a measured row stored without its inputs."""
+    found = _predicted(row, interval=True)
+    if found is None:
+        return None
+    built, pred, value = found
+    here = row.kind != "published" and built.between_hosts is None and pred.target.nodes == 1
+    return _outcome(row, built, pred, value, here=here)
+
+
+def predicted_value(row: Row) -> float | None:
+    """``row``'s predicted figure alone (no interval), as the model in force predicts it."""
+    found = _predicted(row, interval=False)
+    return found[2] if found is not None else None
+
+
+def _predicted(row: Row, interval: bool) -> tuple[CostModel, Prediction, float] | None:
+    """The row's model, its prediction and the predicted figure in the row's measure."""
     if row.kind == "published":
         spec = parse(row.spec)
         built, _ = paper_model(spec)
-        pred = built.predict(target(spec, row.slots))
+        pred = built.predict(target(spec, row.slots), interval)
         value = pred.samples_per_second
         if row.measure == "efficiency":
-            value /= row.slots * built.predict(target(spec, 1)).samples_per_second
-        return _outcome(row, built, pred, value, here=False)
+            value /= row.slots * built.predict(target(spec, 1), interval=False).samples_per_second
+        return built, pred, value
     if row.source is None:
         return None
-    built = model_from_json(row.source)
-    base = built.predict(built.measured_target())
-    pred = built.predict(Target(**row.source["target"]))  # type: ignore[arg-type]
-    value = pred.samples_per_second / base.samples_per_second
-    return _outcome(row, built, pred, value, here=built.between_hosts is None and pred.target.nodes == 1)
+    built = _model_of(row)
+    base = built.predict(built.measured_target(), interval=False)
+    pred = built.predict(Target(**row.source["target"]), interval)  # type: ignore[arg-type]
+    return built, pred, pred.samples_per_second / base.samples_per_second
+
+
+# A stored row's model, built once: it keeps no fitted constant (the model reads them as it predicts), so the
+# fit's thousands of trials reuse it. Keyed by the row's source document, held here so its id stays its own.
+_MODELS: dict[int, tuple[dict[str, object], CostModel]] = {}
+
+
+def _model_of(row: Row) -> CostModel:
+    source = row.source
+    if source is None:
+        raise ValueError(f"{row.label}: a row stored without its inputs has no model")
+    found = _MODELS.get(id(source))
+    if found is None or found[0] is not source:
+        found = _MODELS[id(source)] = (source, model_from_json(source))
+    return found[1]
 
 
 def model_to_json(built: CostModel, target: Target) -> dict[str, object]:
@@ -151,10 +181,10 @@ def _term_rows(rows: list[Row], values: Fitted, name: str) -> list[Row]:
     value = values.terms[name]
     bumped = replace(values, terms={**values.terms, name: value * 1.25 if value > 0 else 1e-3})
     with fitted.trying(values):
-        before = {o.row.label: o.predicted for o in evaluate(rows)}
+        before = {r.label: predicted_value(r) for r in rows}
     with fitted.trying(bumped):
-        after = {o.row.label: o.predicted for o in evaluate(rows)}
-    return [r for r in rows if r.label in before and abs(after[r.label] / before[r.label] - 1) > 1e-6]
+        after = {r.label: predicted_value(r) for r in rows}
+    return [r for r in rows if (b := before[r.label]) is not None and abs((after[r.label] or b) / b - 1) > 1e-6]
 
 
 def _configurations(rows: list[Row]) -> int:
@@ -163,7 +193,8 @@ def _configurations(rows: list[Row]) -> int:
 
 def _squared_log_error(rows: list[Row], values: Fitted) -> float:
     with fitted.trying(values):
-        return sum(math.log(o.predicted / o.row.measured) ** 2 for o in evaluate(rows))
+        points = [(predicted_value(r), r.measured) for r in rows]
+    return sum(math.log(p / m) ** 2 for p, m in points if p is not None)
 
 
 def fit_terms(rows: list[Row], start: Fitted) -> tuple[Fitted, list[str]]:

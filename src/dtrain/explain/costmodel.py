@@ -395,9 +395,10 @@ class CostModel:
             return 0.0
         return 2 * (n - 1) * (local - cores) / local * fitted.load().terms["scheduler_slice_seconds"] / 2
 
-    def predict(self, target: Target) -> Prediction:
+    def predict(self, target: Target, interval: bool = True) -> Prediction:
         """Seconds per step of ``target``, by part, with its 80% interval (never faster than linear scaling
-        from one slot, which no measured effect here allows)."""
+        from one slot, which no measured effect here allows); ``interval`` False: the point alone (a fit of the
+        terms' constants, which needs thousands of them)."""
         parts = self._parts(target)
         step = parts["data"] + parts["compute"] + parts["fixed"] + parts["exchange"]
         linear = 0.0
@@ -407,12 +408,14 @@ class CostModel:
             one = self._parts(replace(target, slots=1, nodes=1, threads=None, machine_slots=None))
             linear = (one["data"] + one["compute"] + one["fixed"]) / target.slots
             step = max(step, linear)
+        gbs = target.global_batch or self.facts.global_batch
+        if not interval:
+            return Prediction(target, {**parts, "step": step}, step, step, step, gbs)
         sigmas = spread_of.uncertainties(self, target, parts, step)
         spread = Z80 * math.sqrt(sum(v * v for v in sigmas.values())) / step  # relative: a step is never negative
         if not any(name in NOT_MEASURED for name in sigmas):
             spread = min(spread, MEASURED_SPREAD)
         widest = max(sigmas, key=lambda k: sigmas[k]) if sigmas else ""
-        gbs = target.global_batch or self.facts.global_batch
         low = max(step * math.exp(-spread), linear)
         return Prediction(target, {**parts, "step": step}, step, low, step * math.exp(spread), gbs, widest)
 
