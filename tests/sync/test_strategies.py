@@ -53,6 +53,13 @@ def test_same_weights_as_one_slot(strategy, straight_runs, reference_runs):
     # How its replicas talk, for the cost model (it prices DDP's all-reduce only: dtrain.explain.exchange).
     exchange = {"allreduce": "all_reduce", "parameter_server": "server", "fsdp": "sharded"}[strategy]
     assert summary["strategy"] == strategy and summary["exchange"] == exchange
+    # The end-of-run probes a change of batch or precision is priced from: a parameter server's workers probe
+    # among themselves, the server waiting (they were skipped, and a bigger batch priced as all per-sample).
+    profile = json.loads((straight_runs(strategy) / "profile.json").read_text())
+    assert profile["batch_scaling"], strategy
+    # The first rank alone, the others waiting: not where forward needs every rank (FSDP's all-gathers).
+    alone = strategy != "fsdp"
+    assert bool(profile.get("solo_probe")) == alone and bool(profile.get("model_steps")) == alone, strategy
 
 
 @pytest.mark.slow
