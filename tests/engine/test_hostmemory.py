@@ -51,8 +51,12 @@ def test_freed_step_memory_is_reused_without_page_faults() -> None:
     out = subprocess.run([sys.executable, "-c", STEP], capture_output=True, text=True, timeout=120, check=True)
     default, kept = map(float, out.stdout.split()[-2:])
     assert kept < 0.05 * PAGES_PER_STEP, f"{kept:.0f} page faults per step with the thresholds raised"
-    # The default really faults (what the change is for): otherwise the check above proves nothing.
-    assert default > 0.5 * PAGES_PER_STEP, f"{default:.0f} page faults per step with glibc's defaults"
+    # The default really faults (what the change is for): otherwise the check above proves nothing. It did not
+    # once in a fresh-clone CI run (2026-11-27: 0 faults, where 12 runs alone here faulted 1,500-1,860 pages a
+    # step; not explained: the kernel may have backed the heap with huge pages): a precondition of the
+    # comparison, not the invariant, so it skips, saying so, rather than failing a landing at random.
+    if default <= 0.5 * PAGES_PER_STEP:
+        pytest.skip(f"glibc's defaults faulted {default:.0f} pages per step this time: nothing to compare against")
 
 
 @pytest.mark.parametrize("environ, choice", [
