@@ -74,7 +74,6 @@ MEASURED_SPREAD = math.log(1.25)
 # A run's exchanges may beat the model's (its exchange is scaled down to match): at most this far (a run whose
 # exchange cost nothing measurable says nothing about what it would cost elsewhere).
 MIN_EXCHANGE_SCALE = 0.05
-HELD = "server"  # the exchange kind held as measured (dtrain.explain.exchange)
 NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers")
 
 
@@ -160,7 +159,7 @@ class CostModel:
         # with several, also the exchange's (DDP's hooks, the backend's threads on the same cores): there it
         # is left to the calibrated exchange cost, which only multi-slot targets pay. A held exchange is no
         # calibration: compute stays as measured, per step (aggregation must not divide it).
-        own = f.slots == 1 or f.exchange == HELD
+        own = f.slots == 1 or f.holds_exchange
         factor = f.compute / (solo * contention * f.crowd) if solo > 0 and own else 1.0
         link, found_source, residual = None, "none", 0.0
         if f.link_points:
@@ -174,7 +173,7 @@ class CostModel:
             # latency, which mix the link with training's own waiting: looser.
             fitted = LinkFit(f.train_latency, f.train_algbw, 0.5)
             link, found_source, residual = RingLink.from_fit(fitted, f.slots), link_source, fitted.residual
-        if f.exchange == HELD:
+        if f.holds_exchange:
             return cls._held(f, between_hosts, factor, contention, sources)
         model = cls(f, link, found_source, residual, between_hosts, 0.0, "none", factor, contention, sources)
         if link is not None:
@@ -304,7 +303,7 @@ class CostModel:
             fixed_scale = contention / self._contention(f.local_slots)
         fixed = f.fixed / f.crowd * crowd * fixed_scale
         exchange = compression = 0.0
-        if self.held_exchange > 0:  # on a crowded host its processes take turns on the cores too
+        if f.holds_exchange:  # on a crowded host its processes take turns on the cores too
             exchange = self.held_exchange * crowd / f.crowd
         elif target.slots > 1:
             exchange, compression = self._exchange(target, crowd, compute)

@@ -47,7 +47,7 @@ from dtrain.explain.efficiency import Efficiency
 from dtrain.explain.exchange import Unpriced
 from dtrain.explain.factors import registry
 from dtrain.explain.factors.base import ONE_SLOT, Context, build_context, gains
-from dtrain.explain.facts import exchange_kind
+from dtrain.explain.facts import SERVER, exchange_kind
 from dtrain.explain.predictor import Predictor
 from dtrain.profiling.record import ProfileRecord
 
@@ -115,7 +115,7 @@ def diagnose(profile: ProfileRecord, predictor: Predictor | None = None) -> Diag
         verdict += f"; {_unpriced_note(predictor.unpriced)}"
     return Diagnosis(profile.slots, profile.samples_per_second, ctx.step, top.factor, True, verdict, rows,
                      recommendations, ctx.scaling, efficiency=Efficiency.of(profile),
-                     workers_only=exchange_kind(profile) == "server")
+                     workers_only=exchange_kind(profile) == SERVER)
 
 
 def _unpriced_note(found: Unpriced) -> str:

@@ -22,13 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtrain.explain.costmodel import Target
-from dtrain.explain.facts import ALL_REDUCE, exchange_kind
+from dtrain.explain.facts import ALL_REDUCE, SERVER
+from dtrain.explain.facts import exchange_kind as kind
 from dtrain.profiling.record import ProfileRecord
 
 PRICED = ALL_REDUCE
 MEASURE = "dtrain doctor RUN --try KEY=VALUE --verify measures a change"
 WHY = {
-    "server": ("its workers push gradients to server ranks and pull parameters back: the cost model holds that "
+    SERVER: ("its workers push gradients to server ranks and pull parameters back: the cost model holds that "
                "exchange as the run measured it, and prices DDP's all-reduce among the slots only"),
     "sharded": ("its all-gathers and reduce-scatters run inside forward and backward and were timed as compute, "
                 "so the run cannot tell its communication from its compute"),
@@ -39,7 +40,7 @@ COMPRESSION, FUSION = "optimizations.gradient_compression", "optimizations.tenso
 # Changes that move the exchange itself: what a ``sharded`` run cannot price.
 EXCHANGE_KEYS = (SLOTS, NODES, AGGREGATION, COMPRESSION, FUSION)
 # A ``server`` run's exchange, held as measured, still runs once per update: how often is priced.
-UNPRICED_KEYS: dict[str, tuple[str, ...]] = {"sharded": EXCHANGE_KEYS, "server": (SLOTS, NODES, COMPRESSION, FUSION)}
+UNPRICED_KEYS: dict[str, tuple[str, ...]] = {"sharded": EXCHANGE_KEYS, SERVER: (SLOTS, NODES, COMPRESSION, FUSION)}
 ASIDES = {"sharded": " (the communication row reads 0: it is inside forward and backward)"}
 # How the doctor names a set of unpriced keys.
 NAMES = {SLOTS: "slots", NODES: "hosts", AGGREGATION: "aggregation", COMPRESSION: "compression", FUSION: "fusion"}
@@ -73,12 +74,6 @@ class Unpriced:
     def message(self, what: str) -> str:
         """'cannot predict WHAT because ...; <how to measure it>'."""
         return f"cannot predict {what} because {self.reason}; {MEASURE}"
-
-
-def kind(profile: ProfileRecord) -> str:
-    """How the run's replicas talk: as recorded, else (a profile from before it was recorded) as the
-    strategy's class says, else DDP's all-reduce."""
-    return exchange_kind(profile)
 
 
 def unpriced(profile: ProfileRecord) -> Unpriced | None:

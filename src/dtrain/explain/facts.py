@@ -10,6 +10,7 @@ from dtrain.explain.precision import batch_spread
 from dtrain.profiling.record import ProfileRecord
 
 ALL_REDUCE = "all_reduce"  # the exchange the cost model prices from a link (dtrain.sync.base.SyncStrategy.exchange)
+SERVER = "server"  # a parameter server's: held as measured, per update
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,6 +166,11 @@ class Facts:
         """Bytes of gradients one exchange reduces: the trainable tensors' as recorded (frozen ones send
         nothing), else float32 gradients of every parameter."""
         return float(sum(map(sum, self.gradient_bytes))) if self.gradient_bytes else 4.0 * self.parameters
+
+    @property
+    def holds_exchange(self) -> bool:
+        """Whether the model holds the run's exchange as measured (a parameter server's) rather than pricing it."""
+        return self.exchange == SERVER
 
     @property
     def local_slots(self) -> int:

@@ -24,7 +24,6 @@ class CostModel(Protocol):
     link_residual: float
     between_hosts: Link | None
     overhead_source: str
-    held_exchange: float
 
     def local_threads(self, target: Target) -> tuple[int, int]: ...
 
@@ -44,7 +43,7 @@ def exposures(model: CostModel, target: Target, parts: dict[str, float], step: f
     batch = (target.global_batch or f.global_batch) / target.slots
     if not f.batch_given and batch != f.per_slot_batch:
         out["batch_extrapolation"] = compute * abs(math.log(batch / f.per_slot_batch))
-    if model.held_exchange > 0:  # a parameter server's, as the run measured it per update
+    if f.holds_exchange:  # a parameter server's, as the run measured it per update
         out["exchange_held"] = exchange
     elif target.slots > 1:
         link = {"measured": "link_measured", "probed": "link_probe"}.get(model.link_source, "link_given")

@@ -38,7 +38,7 @@ from typing import Any
 from dtrain.errors import UserError
 from dtrain.explain import paired
 from dtrain.explain.diagnosis import Diagnosis, TryResult, slot_words
-from dtrain.explain.facts import exchange_kind
+from dtrain.explain.facts import SERVER, exchange_kind
 from dtrain.explain.predictor import Predictor
 from dtrain.profiling.record import ProfileRecord, load_profile, load_run_profile
 
@@ -164,7 +164,7 @@ def _local_processes(run_dir: Path, profile: ProfileRecord) -> int:
     """Processes per host of the run: its slots, and a parameter server's servers beside its workers (the
     profile counts the workers only; the launcher shares the cores among all of them)."""
     slots = profile.slots
-    if exchange_kind(profile) == "server":
+    if exchange_kind(profile) == SERVER:
         from dtrain.config.schema import load_config
 
         slots = load_config(run_dir / "config.yaml", []).resources.slots_per_trial
@@ -205,7 +205,7 @@ def session_json(session: Session, repeats: int, rounds: int, target_spread: flo
     return {"run_dir": str(session.run_dir), "steps": session.steps, "repeats": repeats,
             "max_repeats": session.budget, "rounds": rounds, "target_spread": target_spread,
             "median_confidence": paired.median_confidence(rounds), "noise": paired.noise(rounds),
-            "slots": session.profile.slots, "workers_only": exchange_kind(session.profile) == "server",
+            "slots": session.profile.slots, "workers_only": exchange_kind(session.profile) == SERVER,
             "baseline_samples_per_second": base.measured or 0.0,
             "baseline_runs": base.samples_per_second, "session_dir": str(folder)}
 

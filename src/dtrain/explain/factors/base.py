@@ -41,12 +41,12 @@ class Context:
     @property
     def exchanges(self) -> bool:
         """Whether the run exchanged anything: several slots, or one worker with a parameter server."""
-        return self.slots > 1 or self.predictor.model.held_exchange > 0
+        return self.slots > 1 or self.predictor.model.facts.holds_exchange
 
     @property
     def exchange_words(self) -> str:
         """What the run's exchange is, in the doctor's words."""
-        return "push and pull to the servers" if self.predictor.model.held_exchange > 0 else "all-reduce"
+        return "push and pull to the servers" if self.predictor.model.facts.holds_exchange else "all-reduce"
 
     @property
     def global_batch(self) -> int:
@@ -129,7 +129,7 @@ def scaling(profile: ProfileRecord, predictor: Predictor) -> Scaling:
     batch as the end-of-run probe measured them (a small model's step is mostly per-step overhead, which
     N x the batch does not multiply), with the host's cores to itself, and no exchange."""
     if profile.slots == 1:  # one worker beside parameter servers: one slot alone would drop them, not priced
-        return Scaling(None, False) if predictor.model.held_exchange > 0 else Scaling(1.0, False, 1.0)
+        return Scaling(None, False) if predictor.model.facts.holds_exchange else Scaling(1.0, False, 1.0)
     action = f"{ONE_SLOT[0]}: {ONE_SLOT[1]}"
     one = predictor.gain(action, slots=1, nodes=1)
     if one is None:  # a strategy whose exchange the model does not price: not estimated
