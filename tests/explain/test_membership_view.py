@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dtrain.explain import report
+from dtrain.explain import report, report_charts
 from dtrain.explain.membership_view import change_batches, doctor_note, membership_section, slot_counts
 from dtrain.explain.report import render_report
 
@@ -46,9 +46,9 @@ def test_the_header_names_every_slot_count_and_the_chart_marks_each_change(tmp_p
     training = [{"kind": "training", "batches": b, "samples_per_second": 100.0} for b in (8, 16, 48, 64, 96)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in [*training, *RECORDS]) + "\n")
     assert slot_counts(tmp_path) == [1, 2, 1] and change_batches(tmp_path) == [9, 47, 80]
-    assert report._plot_throughput([(8, 100.0), (16, 90.0)], 95.0, [9]).startswith("data:image/png;base64,")
+    assert report_charts.plot_throughput([(8, 100.0), (16, 90.0)], 95.0, [9]).startswith("data:image/png;base64,")
     marks = []
-    monkeypatch.setattr(report, "_plot_throughput", lambda points, mean, changes: marks.append(changes) or "x")
+    monkeypatch.setattr(report, "plot_throughput", lambda points, mean, changes: marks.append(changes) or "x")
     page = render_report(tmp_path)
     assert "<dt>slots</dt><dd>1 -&gt; 2 -&gt; 1 (nodes changed: see Membership changes)</dd>" in page
     assert marks == [[9, 47, 80]]

@@ -9,9 +9,7 @@ The markup is also well-formed XML (void elements self-closed, only XML entities
 
 from __future__ import annotations
 
-import base64
 import html
-import io
 import json
 import math
 import time
@@ -25,7 +23,7 @@ from dtrain.errors import UserError
 from dtrain.explain.diagnosis import Diagnosis, FactorRow
 from dtrain.explain.doctor import diagnose
 from dtrain.explain.membership_view import change_batches, membership_section, slot_counts
-from dtrain.explain.render import pyplot
+from dtrain.explain.report_charts import plot_breakdown, plot_curves, plot_throughput
 from dtrain.profiling.record import ProfileRecord, load_run_profile
 from dtrain.profiling.runsummary import RunSummary, load_summary
 
@@ -33,8 +31,6 @@ REPORT_NAME = "report.html"
 TOP_RECOMMENDATIONS = 3
 # What a run directory holds that the page reads; a folder with none of them is not a run.
 RUN_FILES = ("config.yaml", "metrics.jsonl", "summary.json", "profile.json")
-PHASE_COLORS = {"data": "#4e79a7", "forward": "#59a14f", "backward": "#8cd17d", "comm_exposed": "#e15759",
-                "optimizer": "#f28e2b", "other": "#bab0ac"}
 CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; padding: 0 1em; }
 h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: 0.2em; margin-top: 1.6em; }
@@ -293,7 +289,7 @@ def _breakdown_section(run: _Run) -> str:
     if run.profile is None:
         return title + _note("No step profile (profile.json): the run has not finished or ran with "
                              "profiling.enabled: false, so there is no time breakdown.") + "\n</section>"
-    chart = _img(_plot_breakdown(run.profile), "stacked bar of ms per step per phase, one bar per rank")
+    chart = _img(plot_breakdown(run.profile), "stacked bar of ms per step per phase, one bar per rank")
     if not run.profile.phases_observed:  # the chart's zero phases are unseen, not free
         from dtrain.explain.doctor import unobserved_note
 
@@ -342,7 +338,7 @@ def _throughput_section(run: _Run) -> str:
     if not points:
         return title + _note("No training records with samples/s in metrics.jsonl.") + "\n</section>"
     mean = run.profile.samples_per_second if run.profile is not None else None
-    plot = _plot_throughput(points, mean, change_batches(run.run_dir))
+    plot = plot_throughput(points, mean, change_batches(run.run_dir))
     return title + _img(plot, "samples per second vs batches") + "\n</section>"
 
 
@@ -353,7 +349,7 @@ def _curves_section(run: _Run) -> str:
         return title + _note("No training or validation metrics in metrics.jsonl.") + "\n</section>"
     absent = [kind for kind, s in series.items() if not s]
     notes = "".join(_note(f"No {kind} metrics recorded yet.") for kind in absent)
-    return title + notes + _img(_plot_curves(series), "training and validation metrics vs batches") + "\n</section>"
+    return title + notes + _img(plot_curves(series), "training and validation metrics vs batches") + "\n</section>"
 
 
 def _metric_series(records: list[dict[str, Any]], kind: str) -> dict[str, tuple[list[float], list[float]]]:
@@ -423,77 +419,3 @@ def _scaling_line(diagnosis: Diagnosis) -> str:
         return ""
     return (f"<p>Estimated scaling: {_esc(_fmt(scaling.estimated_speedup_vs_one_slot, '.2f'))}x one slot's "
             f"samples/s (efficiency {_esc(_fmt(100 * (scaling.estimated_scaling_efficiency or 0.0), '.0f'))}%).</p>")
-
-
-# --------------------------------------------------------------------------------------------- charts
-
-
-def _png_data_uri(fig: Any) -> str:
-    """Save ``fig`` as a PNG data URI and close it (pyplot keeps every open figure alive otherwise)."""
-    plt = pyplot()
-    try:
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=100, bbox_inches="tight")
-    finally:
-        plt.close(fig)
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _plain(text: Any) -> str:
-    # Matplotlib reads $...$ as TeX; a metric or host name with dollars must not break (or restyle) a chart.
-    return str(text).replace("$", r"\$")
-
-
-def _plot_breakdown(profile: ProfileRecord) -> str:
-    """Stacked bar, one bar per rank, one segment per phase, in ms per step."""
-    plt = pyplot()
-    ranks = profile.per_rank
-    positions = list(range(len(ranks)))
-    fig, ax = plt.subplots(figsize=(max(5.0, 3.0 + 0.9 * len(ranks)), 4.0))
-    bottoms = [0.0] * len(ranks)
-    for phase in profile.phases:
-        heights = [1e3 * r.seconds_per_step.of(phase) for r in ranks]
-        ax.bar(positions, heights, bottom=bottoms, label=_plain(phase), color=PHASE_COLORS.get(phase))
-        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    for x, total in zip(positions, bottoms, strict=True):  # the step total on top of each bar
-        ax.annotate(f"{total:.2f}", (x, total), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(positions, [_plain(f"rank {r.rank}\n{r.host or '?'}") for r in ranks])
-    ax.set_ylabel("ms per step")
-    ax.set_title("Step time per rank")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
-    return _png_data_uri(fig)
-
-
-def _plot_throughput(points: list[tuple[float, float]], profiled_mean: float | None, changes: list[int]) -> str:
-    """Samples/s per training report vs batches; the profiled mean, and each membership change, as lines."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8.0, 3.5))
-    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label="training reports")
-    if _finite(profiled_mean):
-        ax.axhline(profiled_mean, color="#e15759", linestyle="--", linewidth=1, label="profiled mean")
-    for i, batch in enumerate(changes):
-        ax.axvline(batch, color="#59a14f", linestyle=":", linewidth=1, label="nodes changed" if i == 0 else None)
-    ax.set(xlabel="batches", ylabel="samples / s")
-    top = max([p[1] for p in points] + ([profiled_mean] if _finite(profiled_mean) else []))
-    ax.set_ylim(0, 1.1 * top if top > 0 else 1.0)  # from zero, so a small wobble does not look like a collapse
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    return _png_data_uri(fig)
-
-
-def _plot_curves(series: dict[str, dict[str, tuple[list[float], list[float]]]]) -> str:
-    """One subplot per (kind, metric): losses and accuracies have different scales, so they get own axes."""
-    plt = pyplot()
-    panels = [(kind, name, xy) for kind, metrics in series.items() for name, xy in metrics.items()]
-    cols = min(3, len(panels))
-    rows = math.ceil(len(panels) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.0 * cols, 3.0 * rows), squeeze=False)
-    for ax, (kind, name, (xs, ys)) in zip(axes.flat, panels, strict=False):
-        ax.plot(xs, ys, marker="o", markersize=3, color="#4e79a7" if kind == "training" else "#f28e2b")
-        ax.set_title(_plain(f"{kind}: {name}"), fontsize=10)
-        ax.set_xlabel("batches")
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
-    fig.tight_layout()
-    return _png_data_uri(fig)
