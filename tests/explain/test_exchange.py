@@ -48,6 +48,34 @@ def _changes(doc):
     return keys | {r["key"] for r in doc["recommendations"]}
 
 
+# An FSDP run's end-of-run probe: forward and backward as it ran them (11 ms a step above) and with the parameters
+# held gathered; and the all-reduce points its ranks measured at the end (4 KB to 8 MB, 0.1 ms + 1 GB/s).
+GATHERED = {"step_seconds": 0.0095, "local_seconds": 0.002}
+LINK = {"world": 2, "backend": "gloo",
+        "points": [{"bytes": b, "seconds": 1e-4 + b / 1e9} for b in (4096, 65536, 2**20, 8 * 2**20)]}
+
+
+def _factor(doc, name):
+    return next(f for f in doc["factors"] if f["factor"] == name)
+
+
+def test_fsdp_collectives_probed_apart_are_its_communication_and_ddp_instead_is_priced():
+    doc = diagnose(_fsdp(sharded_exchange=GATHERED, comm_probe=LINK)).to_json()
+    comm = _factor(doc, "communication")
+    # 11 ms of forward and backward, 2 of them with the parameters held gathered: 9 ms of collectives.
+    assert comm["seconds_per_step"] == pytest.approx(0.009) and _factor(doc, "compute")["seconds_per_step"] < 0.003
+    assert (comm["key"], comm["value"]) == ("sync.strategy", "ddp")
+    low, high = comm["predicted_interval"]
+    assert 1 < low < comm["predicted_speedup"] < high, comm
+    assert doc["top_factor"] == "communication" and "try sync.strategy: ddp" in doc["verdict"]
+    # Slots and hosts are still not priced, for what it is: the collectives were measured at one slot count.
+    assert "measured at the end of the run at its own slot count only" in doc["verdict"]
+    assert "reads 0" not in doc["verdict"]
+    # No link measured among the slots: DDP is named in the why, not offered as a change without a figure.
+    bare = _factor(diagnose(_fsdp(sharded_exchange=GATHERED)).to_json(), "communication")
+    assert bare["key"] is None and "a replica per slot" in bare["why"] and "no link" in bare["why"]
+
+
 def test_fsdp_prices_what_leaves_its_exchange_alone_and_names_what_it_cannot(tmp_path):
     doc = diagnose(_fsdp()).to_json()
     # No change of slots or synchronization is stated, and no one-slot estimate: its exchange is in compute.

@@ -60,6 +60,23 @@ def test_same_weights_as_one_slot(strategy, straight_runs, reference_runs):
     # The first rank alone, the others waiting: not where forward needs every rank (FSDP's all-gathers).
     alone = strategy != "fsdp"
     assert bool(profile.get("solo_probe")) == alone and bool(profile.get("model_steps")) == alone, strategy
+    assert bool(profile.get("sharded_exchange")) == (strategy == "fsdp"), strategy
+    if strategy == "fsdp":  # its collectives, timed apart from its compute (the weights above are unchanged)
+        _assert_sharded_collectives_measured_and_ddp_priced(straight_runs(strategy), profile["sharded_exchange"])
+
+
+def _assert_sharded_collectives_measured_and_ddp_priced(run, probe):
+    from dtrain.explain.doctor import diagnose
+    from dtrain.profiling.record import load_run_profile
+
+    # The same forward and backward with the parameters held gathered: no all-gather, no reduce-scatter.
+    assert 0 < probe["local_seconds"] < probe["step_seconds"], probe
+    row = next(r for r in diagnose(load_run_profile(run)).factors if r.factor == "communication")
+    assert row.seconds_per_step > 0 and "the same steps with the parameters held gathered took" in row.why
+    # The gathered model fit on every slot: DDP is a change to try, priced by the cost model, with its interval.
+    assert (row.key, row.value) == ("sync.strategy", "ddp"), row.why
+    low, high = row.predicted_interval
+    assert low < row.predicted_speedup < high and row.predicted_speedup > 1, row
 
 
 @pytest.mark.slow

@@ -10,8 +10,10 @@ a change of that exchange priced as an all-reduce is wrong by a factor, not by a
   priced; other slots, hosts, compression or buckets are not (a server's link is not a ring).
 * ``sharded`` (``fsdp``): all-gathers and reduce-scatters run inside forward and backward, where the run timed
   them as compute. What does not touch the exchange (the batch, the precision, the loader) is priced from the
-  step as measured; a change of slots, hosts or synchronization is not: it would split a step the run could
-  not split.
+  step as measured; a change of slots, hosts or synchronization is not. Its end-of-run probe, where the
+  gathered model fit, takes the collectives out of forward and backward at the run's own slot count
+  (:mod:`dtrain.explain.sharded`: the communication row, and DDP on the same slots), which still says nothing
+  of how they grow with slots or hosts.
 
 Where a change is not priced, the doctor, ``--try`` and ``dtrain plan`` say why in one line and point to
 measuring it (``--verify``; ``dtrain compare`` for strategies), never to a number.
@@ -76,14 +78,23 @@ class Unpriced:
         return f"cannot predict {what} because {self.reason}; {MEASURE}"
 
 
+# A sharded run whose end-of-run probe took its collectives out of forward and backward (dtrain.explain.sharded).
+SPLIT = ("its all-gathers and reduce-scatters (one of each per unit and step, and a second all-gather) were "
+         "measured at the end of the run at its own slot count only: how they grow with slots and hosts is not "
+         "modelled")
+
+
 def unpriced(profile: ProfileRecord) -> Unpriced | None:
     """What the cost model cannot price for this run (None: every change it knows)."""
     found = kind(profile)
     if found == PRICED:
         return None
     why = WHY.get(found, f"it exchanges as {found!r}, which the cost model (DDP's all-reduce) does not price")
+    aside = ASIDES.get(found, "")
+    if found == "sharded" and profile.sharded_exchange is not None:
+        why, aside = SPLIT, ""
     return Unpriced(f"sync.strategy {profile.strategy} exchanges otherwise than DDP: {why}",
-                    UNPRICED_KEYS.get(found), ASIDES.get(found, ""))
+                    UNPRICED_KEYS.get(found), aside)
 
 
 def moves_exchange(target: Target, here: Target, keys: tuple[str, ...] = EXCHANGE_KEYS) -> bool:

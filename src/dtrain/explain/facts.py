@@ -112,6 +112,8 @@ class Facts:
     # How the replicas talk (dtrain.explain.exchange): "all_reduce" is priced from a link; a "server" exchange
     # is held as measured.
     exchange: str = ALL_REDUCE
+    # A DDP model of a sharded (FSDP) run's slots (dtrain.explain.sharded): its compute and optimizer are FSDP's.
+    replica_of_sharded: bool = False
 
     @classmethod
     def from_profile(cls, p: ProfileRecord) -> Facts:

@@ -43,6 +43,8 @@ def exposures(model: CostModel, target: Target, parts: dict[str, float], step: f
     batch = (target.global_batch or f.global_batch) / target.slots
     if not f.batch_given and batch != f.per_slot_batch:
         out["batch_extrapolation"] = compute * abs(math.log(batch / f.per_slot_batch))
+    if f.replica_of_sharded:  # DDP priced from an FSDP run: its compute and optimizer were FSDP's
+        out["sharded_to_replica"] = step
     if f.holds_exchange:  # a parameter server's, as the run measured it per update
         out["exchange_held"] = exchange
     elif target.slots > 1:

@@ -81,7 +81,9 @@ def plan_experiments(diagnosis: Diagnosis, profile: ProfileRecord, steps: int, t
         if rec.key == "hyperparameters.global_batch_size":
             sets += batch_change(profile, int(str(rec.value))).sets
         out.append(Experiment(rec.action, "recommendation", sets, rec.predicted_speedup, rec.factor))
-    if profile.slots > 1 and profile.aggregation_frequency < steps:
+    # A sharded run keeps its all-gathers in every forward and backward whatever the period: aggregation turns
+    # off its reduce-scatters only, which is no ceiling of a communication fix.
+    if profile.slots > 1 and profile.aggregation_frequency < steps and profile.exchange != "sharded":
         out.append(Experiment("bisection: communication off (aggregation_frequency = steps)", "bisection",
                               [f"optimizations.aggregation_frequency={steps}"],
                               predictor.gain(f"optimizations.aggregation_frequency: {steps}", aggregation=steps),

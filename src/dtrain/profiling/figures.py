@@ -29,6 +29,7 @@ from dtrain.profiling.record import (
     PhaseSpread,
     ProfileRecord,
     RankFigures,
+    ShardedExchange,
     SoloProbe,
     Spread,
     WorkPoint,
@@ -187,7 +188,10 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
                                    powersgd_rank=int(first["probe_powersgd_rank"]))
                    if first.get("probe_powersgd_bytes", 0.0) > 0 else None)
     probed_load = mean("probe_load") > 0
+    sharded = (ShardedExchange(step_seconds=mean("probe_sharded_step"), local_seconds=mean("probe_sharded_local"))
+               if all(r.get("probe_sharded_local", 0.0) > 0 for r in per_rank) else None)
     return {"batch_scaling": batch_scaling, "solo_probe": solo, "compression_cost": compression,
+            "sharded_exchange": sharded,
             "data_load_seconds_per_batch": mean("probe_load") if probed_load else None,
             "data_load_cpu_share": mean("probe_load_cpu_share") if probed_load else None,
             "data_handoff_seconds_per_batch": mean("probe_handoff") if mean("probe_handoff") > 0 else None,

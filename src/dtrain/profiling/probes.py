@@ -39,6 +39,8 @@ from dtrain.profiling.handoff import MAX_LOAD_SECONDS, handoff_figures, on_host
 from dtrain.profiling.modelsteps import restored, time_model_steps
 from dtrain.profiling.record import ModelSteps
 from dtrain.profiling.runfacts import ProbeHooks, RunFacts
+from dtrain.profiling.shardprobe import FIELDS as SHARDED_FIELDS
+from dtrain.profiling.shardprobe import sharded_exchange
 
 # Thread counts the solo probe tries: the run's own, one, and every core (at most this many).
 SOLO_THREADS = 3
@@ -47,7 +49,7 @@ SOLO_FIELDS = tuple(f"probe_solo{i}_{what}" for i in range(SOLO_THREADS)
 PROBE_FIELDS = ("probe_work", "probe_work_double", "probe_optimizer", "probe_load", "probe_load_double",
                 "probe_load_cpu_share", "probe_handoff", "probe_handoff_cpu",
                 *SOLO_FIELDS, "probe_fp16_seconds", "probe_powersgd_seconds", "probe_powersgd_bytes",
-                "probe_powersgd_rank")
+                "probe_powersgd_rank", *SHARDED_FIELDS)
 # Rounds of the probe: as many as fit in this many seconds (by the run's last step time), within bounds:
 # the minimum of more rounds is less disturbed by other processes, and the probe stays a small cost.
 BUDGET_SECONDS = 0.3
@@ -231,7 +233,12 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
                 solo = _solo(facts, hooks, batches, repeats) if first else {}
                 steps = _model_steps(facts, hooks, batches) if first else None
                 _barrier(facts.strategy.dp_group)  # the others wait, idle, while the first rank probes alone
-        out = {"probe_work": work[1], "probe_work_double": work[2], "probe_optimizer": optimizer, **solo}
+            # A sharded run's collectives run inside forward and backward: timed with and without them.
+            sharded = (sharded_exchange(facts.models, lambda: hooks.train_batch(batches[1], 0, 0), device,
+                                        facts.strategy.dp_group, repeats)
+                       if facts.strategy.exchange == "sharded" else {})
+        out = {"probe_work": work[1], "probe_work_double": work[2], "probe_optimizer": optimizer, **solo,
+               **sharded}
         if not facts.synthetic_data:
             out.update(_load_figures(hooks.loader, per_slot))
             if on_host(one) and out["probe_load"] <= MAX_LOAD_SECONDS:

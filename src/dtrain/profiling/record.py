@@ -43,6 +43,7 @@ from dtrain.profiling.sections import (
     RankFigures,
     RankLag,
     Section,
+    ShardedExchange,
     SoloProbe,
     Spread,
     Stragglers,
@@ -59,8 +60,8 @@ __all__ = [
     "FILE_NAME", "MODEL_STEPS_VERSION", "SCHEMA_VERSION", "AllreduceProbe", "BatchScaling", "ByPhase", "Comm",
     "CommPoint", "CommProbe", "CompressionCost", "DeviceFacts", "FirstSteps", "Flops", "LrHyperparameter",
     "MatmulTflops", "MembershipChange", "ModelSteps", "PhaseSeconds", "PhaseSpread", "ProfileError",
-    "ProfileRecord", "RankFigures", "RankLag", "Section", "SoloProbe", "Spread", "Stragglers", "WorkPoint",
-    "WorkSeconds", "load_profile", "load_run_profile", "write_profile",
+    "ProfileRecord", "RankFigures", "RankLag", "Section", "ShardedExchange", "SoloProbe", "Spread", "Stragglers",
+    "WorkPoint", "WorkSeconds", "load_profile", "load_run_profile", "write_profile",
 ]
 
 
@@ -76,7 +77,8 @@ class ProfileRecord(Section):
         {"device_facts", "stragglers", "batch_scaling", "allreduce_probe", "data_load_seconds_per_batch",
          "data_load_cpu_share", "solo_probe", "comm_probe", "compression_cost", "step_jitter_seconds",
          "step_window_seconds", "unobserved_phases", "membership_changes", "model_steps", "first_steps",
-         "flops", "gradient_bytes", "data_handoff_seconds_per_batch", "data_handoff_cpu_seconds_per_batch", "exchange"})
+         "flops", "gradient_bytes", "data_handoff_seconds_per_batch", "data_handoff_cpu_seconds_per_batch", "exchange",
+         "sharded_exchange"})
 
     schema_version: int = SCHEMA_VERSION
     # What the run was (also summary.json's head: dtrain.profiling.runsummary.RunHead).
@@ -134,6 +136,7 @@ class ProfileRecord(Section):
     solo_probe: SoloProbe | None = None
     comm_probe: CommProbe | None = None
     compression_cost: CompressionCost | None = None
+    sharded_exchange: ShardedExchange | None = None  # FSDP: forward and backward with and without collectives
     # How steps vary: a step's standard deviation (mean over ranks); the first rank's mean step per 16 steps.
     step_jitter_seconds: float | None = None
     step_window_seconds: list[float] | None = None

@@ -223,6 +223,16 @@ class CompressionCost(Section):
     powersgd_rank: int
 
 
+class ShardedExchange(Section):
+    """``sharded_exchange``: a sharded (FSDP) run's forward and backward at the end of the run, on every rank at
+    once, least seconds: ``step_seconds`` as the run ran them (all-gathers and reduce-scatters inside),
+    ``local_seconds`` with every parameter held gathered and no gradient reduced (as a replica per slot would
+    run them); means over the ranks (:mod:`dtrain.profiling.shardprobe`)."""
+
+    step_seconds: float
+    local_seconds: float
+
+
 MODEL_STEPS_VERSION = 1
 
 

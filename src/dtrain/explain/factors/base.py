@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from dtrain.explain import advice, precision
+from dtrain.explain import advice, precision, sharded
 from dtrain.explain.diagnosis import Advice, Scaling
 from dtrain.explain.predictor import Predictor, target_at
 from dtrain.profiling.record import ProfileRecord
@@ -111,7 +111,11 @@ def build_context(profile: ProfileRecord, predictor: Predictor) -> Context:
     comm = profile.comm
     busy = comm.busy_seconds_per_step
     per_message = min(1.0, comm.buckets_per_step * comm.latency_seconds / busy) if busy > 0 else 0.0
-    return Context(profile, predictor, step, data, compute, fixed, ranks[slowest].comm_exposed, per_message, late,
+    exposed = ranks[slowest].comm_exposed
+    inside = sharded.split(profile, compute)
+    if inside is not None:  # FSDP: its collectives ran inside forward and backward; the probe took them out
+        compute, exposed, per_message = inside.compute, inside.collectives, 0.0
+    return Context(profile, predictor, step, data, compute, fixed, exposed, per_message, late,
                    loader, precision.best(profile), scaling(profile, predictor))
 
 

@@ -1,0 +1,127 @@
+"""What a sharded (FSDP) run's collectives cost a step, measured at the end of the run.
+
+FSDP all-gathers each unit's parameters before its forward and again before its backward, and
+reduce-scatters its gradients, inside forward and backward: the run timed them as compute, and its
+communication row reads 0. So on every rank at once, the trial's ``train_batch`` (forward and backward)
+runs in alternating rounds as the run ran it (*sharded*) and *local*: every unit's parameters gathered once,
+untimed, and held (FSDP's public switches ``set_reshard_after_forward``, ``set_reshard_after_backward``,
+``set_requires_gradient_sync``), no gradient reduced. The least time of each counts, as in the other
+probes; their difference is what the collectives cost a step beside the same work, and the local rounds are
+the step's compute as a replica per slot (DDP) would run it.
+
+The local rounds hold the whole model and its gradients on every rank, as DDP would: where that would not
+fit in the memory free on some rank (a model sharded because it is too big), every rank skips the probe (the
+ranks agree first: one rank failing inside a collective would leave the others waiting).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from dtrain import dist as ddist
+
+FIELDS = ("probe_sharded_step", "probe_sharded_local")
+# Share of the free memory the gathered parameters and their gradients may take.
+MEMORY_SHARE = 0.5
+
+log = logging.getLogger(__name__)
+
+
+def _fsdp_modules(models: Sequence[nn.Module]) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for model in models for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _free_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def _everyone_fits(models: Sequence[nn.Module], device: torch.device, group: ProcessGroup | None) -> bool:
+    """Whether the gathered parameters and their gradients fit on every rank (agreed: a collective)."""
+    import torch.distributed as dist
+
+    full = sum(p.numel() * p.element_size() for m in models for p in m.parameters())  # a DTensor's global size
+    fits = torch.tensor([1 if 2 * full <= MEMORY_SHARE * _free_bytes(device) else 0], dtype=torch.int64,
+                        device=device if dist.get_backend(group) == "nccl" else None)
+    dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=group)
+    return bool(fits.item())
+
+
+def _local(modules: list[nn.Module], roots: set[int], local: bool) -> None:
+    """Hold every unit's parameters gathered with no gradient reduced, or put FSDP's own settings back (the
+    root keeps its gathered parameters after forward: FSDP's default for it)."""
+    for m in modules:
+        m.set_requires_gradient_sync(not local, recurse=False)  # type: ignore[operator]
+        m.set_reshard_after_backward(not local, recurse=False)  # type: ignore[operator]
+        m.set_reshard_after_forward(not local and id(m) not in roots, recurse=False)  # type: ignore[operator]
+    if local:
+        for m in modules:
+            m.unshard()  # type: ignore[operator]
+    else:
+        for m in modules:
+            m.reshard()  # type: ignore[operator]
+
+
+def _clear_grads(models: Sequence[nn.Module]) -> None:
+    for model in models:
+        for p in model.parameters():  # while gathered: the gathered parameters' own gradients
+            p.grad = None
+
+
+def sharded_exchange(models: Sequence[nn.Module], train: Callable[[], object], device: torch.device,
+                     group: ProcessGroup | None, repeats: int) -> dict[str, float]:
+    """``probe_sharded_step`` and ``probe_sharded_local`` (least seconds of forward and backward with FSDP's
+    collectives, and with the parameters held gathered); empty where the models are not sharded or the
+    gathered model would not fit. Collective: every rank calls it with the same ``repeats``. Gradients are
+    cleared; FSDP's settings and sharded parameters are put back."""
+    modules = _fsdp_modules(models)
+    if not modules or not ddist.is_distributed(group) or not _everyone_fits(models, device, group):
+        return {}
+    roots = {id(m) for m in models if m in modules}
+    least = {True: float("inf"), False: float("inf")}
+    held = False
+    try:
+        for round_ in range(repeats + 1):  # the first round warms both up
+            for local in (False, True):
+                if local:
+                    _local(modules, roots, True)
+                    held = True
+                seconds = _timed(train, device)
+                _clear_grads(models)
+                if local:
+                    _local(modules, roots, False)
+                    held = False
+                if round_:
+                    least[local] = min(least[local], seconds)
+    finally:
+        _clear_grads(models)
+        if held:  # FSDP's own settings back, whatever stopped the rounds
+            _local(modules, roots, False)
+    return {"probe_sharded_step": least[False], "probe_sharded_local": least[True]}
+
+
+def _timed(train: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    train()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
