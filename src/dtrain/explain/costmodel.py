@@ -74,7 +74,8 @@ MEASURED_SPREAD = math.log(1.25)
 # A run's exchanges may beat the model's (its exchange is scaled down to match): at most this far (a run whose
 # exchange cost nothing measurable says nothing about what it would cost elsewhere).
 MIN_EXCHANGE_SCALE = 0.05
-NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers")
+NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers",
+                "sharded_to_replica")
 
 
 @dataclass(frozen=True, slots=True)
