@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="predict one change, spelled as for --set (precision, hyperparameters.global_batch_size, "
                         "resources.slots_per_trial, nodes, optimizations.aggregation_frequency, "
                         "optimizations.gradient_compression, optimizations.tensor_fusion_threshold, "
-                        "data_loader.num_workers; repeatable)")
+                        "data_loader.num_workers; sync.strategy=ddp from an fsdp run; repeatable)")
     doctor.add_argument("--link", help="--try: the link between nodes, RATE[,LATENCY][,BURST] as for dtrain plan "
                         "(replaces the measured one for a run across hosts)")
 

@@ -59,7 +59,7 @@ def _factor(doc, name):
     return next(f for f in doc["factors"] if f["factor"] == name)
 
 
-def test_fsdp_collectives_probed_apart_are_its_communication_and_ddp_instead_is_priced():
+def test_fsdp_collectives_probed_apart_are_its_communication_and_ddp_instead_is_priced(tmp_path):
     doc = diagnose(_fsdp(sharded_exchange=GATHERED, comm_probe=LINK)).to_json()
     comm = _factor(doc, "communication")
     # 11 ms of forward and backward, 2 of them with the parameters held gathered: 9 ms of collectives.
@@ -71,6 +71,15 @@ def test_fsdp_collectives_probed_apart_are_its_communication_and_ddp_instead_is_
     # Slots and hosts are still not priced, for what it is: the collectives were measured at one slot count.
     assert "measured at the end of the run at its own slot count only" in doc["verdict"]
     assert "reads 0" not in doc["verdict"]
+    # --try gives the doctor's figure; any other change of strategy is measured, not priced.
+    run = _run_dir(tmp_path, _fsdp(sharded_exchange=GATHERED, comm_probe=LINK), "fsdp")
+    result = cli_in_process("doctor", str(run), "--json", "--try", "sync.strategy=ddp", "--try",
+                            "sync.strategy=local_sgd")
+    assert result.code == 0, result.stderr
+    tries = {t["try"]: t for t in json.loads(result.stdout)["tries"]}
+    assert tries["sync.strategy=ddp"]["gain"] == pytest.approx(comm["predicted_speedup"])
+    assert tries["sync.strategy=local_sgd"]["gain"] is None and "dtrain compare" in tries["sync.strategy=local_sgd"][
+        "reason"]
     # No link measured among the slots: DDP is named in the why, not offered as a change without a figure.
     bare = _factor(diagnose(_fsdp(sharded_exchange=GATHERED)).to_json(), "communication")
     assert bare["key"] is None and "a replica per slot" in bare["why"] and "no link" in bare["why"]

@@ -18,7 +18,7 @@ from pathlib import Path
 from dtrain.config.bounds import MAX_SLOTS
 from dtrain.config.schema import ExperimentConfig, load_config
 from dtrain.errors import ConfigError, UserError
-from dtrain.explain import advice, precision
+from dtrain.explain import advice, precision, sharded
 from dtrain.explain.costmodel import Link, Target
 from dtrain.explain.diagnosis import ConfigValue, TryResult
 from dtrain.explain.plan import LOOPBACK_BETWEEN_HOSTS, as_ran, build_model, parse_link
@@ -36,6 +36,7 @@ READ: dict[str, Callable[[ExperimentConfig], ConfigValue]] = {
     "data_loader.num_workers": lambda c: c.data_loader.num_workers,
 }
 NODES = "nodes"
+STRATEGY = "sync.strategy"  # priced only as DDP instead of a sharded run's FSDP (dtrain.explain.sharded)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,8 @@ class Tries:
     def predict(self, item: str) -> TryResult:
         """``item`` (KEY=VALUE) predicted; :class:`UserError` for a key or value the config refuses."""
         key, value, refused = self.parse(item)
+        if key == STRATEGY and refused is None:
+            return self._strategy(item, str(value))
         unpriced = self.predictor.unpriced
         if refused is None and unpriced is not None and unpriced.covers_key(key):
             refused = unpriced.message(f"{key}: {value}")
@@ -74,6 +77,22 @@ class Tries:
         gain, low, high = found.value * over, found.low * over, found.high * over
         return TryResult(item, key, value, gain * self.profile.samples_per_second, gain, low, high, inputs,
                          priced.why)
+
+    def _strategy(self, item: str, name: str) -> TryResult:
+        """DDP instead of a sharded run's FSDP, as the doctor prices it (:mod:`dtrain.explain.sharded`); any
+        other change of strategy is measured, not priced."""
+        p = self.profile
+        found = sharded.ddp_instead(p, self.predictor.model) if name == "ddp" else None
+        inputs = {"change": f"{STRATEGY}: {name}"}
+        if found is None:
+            why = (f"cannot predict {STRATEGY}: {name} from a {p.strategy} run: the cost model prices DDP instead of "
+                   "FSDP only, where the FSDP run's end-of-run probe timed its collectives apart (the gathered "
+                   f"model fit) and its ranks measured a link; dtrain compare CONFIG --strategies {p.strategy},{name} "
+                   "measures it")
+            return TryResult(item, STRATEGY, name, None, None, None, None, inputs, why)
+        inputs["compute held gathered, FSDP's collectives"] = "measured at the end of the run [measured]"
+        return TryResult(item, STRATEGY, name, found.gain * p.samples_per_second, found.gain, found.low, found.high,
+                         inputs, sharded.NOT_MEASURED)
 
     # ------------------------------------------------------------------------------------------ input
     def parse(self, item: str) -> tuple[str, ConfigValue, str | None]:
