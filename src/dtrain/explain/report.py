@@ -20,6 +20,7 @@ from typing import Any
 import yaml
 
 from dtrain.errors import UserError
+from dtrain.explain import sharded
 from dtrain.explain.diagnosis import Diagnosis, FactorRow
 from dtrain.explain.doctor import diagnose
 from dtrain.explain.membership_view import change_batches, membership_section, slot_counts
@@ -320,7 +321,9 @@ def _phase_table(profile: ProfileRecord) -> str:
 def _comm_table(profile: ProfileRecord) -> str:
     comm = profile.comm
     if not profile.comm_measured:  # FSDP: its collectives run inside forward and backward, timed there
-        return _note(f"Not timed: sync.strategy {profile.strategy} communicates inside forward and backward.")
+        probed = sharded.probe_words(profile)
+        return _note(f"Not timed: sync.strategy {profile.strategy} communicates inside forward and backward"
+                     + (f"; {probed}." if probed else "."))
     figures = [("bytes / step", _bytes(comm.bytes_per_step)),
                ("all-reduces / step", _fmt(comm.buckets_per_step, ".0f")),
                ("busy ms / step", _ms(comm.busy_seconds_per_step)),

@@ -42,6 +42,16 @@ def split(profile: ProfileRecord, run_compute: float) -> Split | None:
     return Split(compute, max(0.0, run_compute - compute))
 
 
+def probe_words(profile: ProfileRecord) -> str:
+    """The probe's figures in words ('' where not probed), for the summary and the report."""
+    probe = profile.sharded_exchange
+    if probe is None:
+        return ""
+    return (f"at the end of the run, forward and backward took {1e3 * probe.step_seconds:.3f} ms with its "
+            f"collectives and {1e3 * probe.local_seconds:.3f} ms with the parameters held gathered (dtrain doctor "
+            "splits the step by it)")
+
+
 @dataclass(frozen=True, slots=True)
 class Instead:
     """DDP on the same slots, by the cost model: gain over the run's samples/s and its 80% interval."""

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from rich.table import Table
 
+from dtrain.explain import sharded
 from dtrain.explain.doctor import diagnose
 from dtrain.explain.efficiency import efficiency_lines
 from dtrain.explain.render import as_text
@@ -40,9 +41,10 @@ def time_cost_table(profile: ProfileRecord) -> str:
     if missing:  # the doctor's verdict below gives the fix
         text += f"* other includes {', '.join(p for p in profile.phases if p in missing)}: not observed\n"
     if profile.slots > 1 and not profile.comm_measured:  # FSDP: its collectives are inside forward and backward
+        probed = sharded.probe_words(profile)
         text += (f"communication: not timed (sync.strategy {profile.strategy} communicates inside forward and "
-                 f"backward, counted there); an all-reduce of one float after the run took "
-                 f"{1e3 * comm.latency_seconds:.3f} ms\n")
+                 f"backward, counted there){'; ' + probed if probed else ''}; an all-reduce of one float after the "
+                 f"run took {1e3 * comm.latency_seconds:.3f} ms\n")
     elif profile.slots > 1:
         exposed = ("not observed" if "comm_exposed" in missing
                    else f"{1e3 * comm.exposed_seconds_per_step:.3f} ms")
