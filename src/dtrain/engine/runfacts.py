@@ -51,7 +51,7 @@ def run_facts(trainer: FinishedTrainer, wall_seconds: float,
     strategy, options = ctx.strategy, config.optimizations
     return RunFacts(
         device=ctx.device, backend=ctx.backend, precision=ctx.precision.name, threads_per_slot=ctx.num_threads,
-        is_chief=ctx.is_chief,
+        is_chief=ctx.is_chief, local_ranks=ctx.env.local_world_size,
         strategy=StrategyFacts(
             name=strategy.name, dp_world=strategy.dp_world, dp_rank=strategy.dp_rank, dp_group=strategy.dp_group,
             has_server_ranks=strategy.has_server_ranks, forward_needs_every_rank=strategy.forward_needs_every_rank,

@@ -234,8 +234,8 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
                 steps = _model_steps(facts, hooks, batches) if first else None
                 _barrier(facts.strategy.dp_group)  # the others wait, idle, while the first rank probes alone
             # A sharded run's collectives run inside forward and backward: timed with and without them.
-            sharded = (sharded_exchange(facts.models, lambda: hooks.train_batch(batches[1], 0, 0), device,
-                                        facts.strategy.dp_group, repeats)
+            sharded = (sharded_exchange(facts.models, facts.optimizers, lambda: hooks.train_batch(batches[1], 0, 0),
+                                        device, facts.strategy.dp_group, repeats, facts.local_ranks)
                        if facts.strategy.exchange == "sharded" else {})
         out = {"probe_work": work[1], "probe_work_double": work[2], "probe_optimizer": optimizer, **solo,
                **sharded}

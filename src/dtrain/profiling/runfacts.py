@@ -70,6 +70,7 @@ class RunFacts:
     precision: str
     threads_per_slot: int
     is_chief: bool
+    local_ranks: int  # processes of the job on this host (they share its memory)
     strategy: StrategyFacts
     models: tuple[nn.Module, ...]
     optimizers: tuple[torch.optim.Optimizer, ...]

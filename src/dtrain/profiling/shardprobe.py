@@ -9,9 +9,12 @@ untimed, and held (FSDP's public switches ``set_reshard_after_forward``, ``set_r
 probes; their difference is what the collectives cost a step beside the same work, and the local rounds are
 the step's compute as a replica per slot (DDP) would run it.
 
-The local rounds hold the whole model and its gradients on every rank, as DDP would: where that would not
-fit in the memory free on some rank (a model sharded because it is too big), every rank skips the probe (the
-ranks agree first: one rank failing inside a collective would leave the others waiting).
+The local rounds hold the whole model and its gradients on every rank: where DDP's own footprint (the
+parameters, their gradients, DDP's buckets of them and the optimizer's whole state) would not fit in half the
+memory free for each of the host's ranks (a model sharded because it is too big), every rank skips the probe;
+the ranks agree first, and after every round (one rank failing alone, out of memory, would otherwise go on to
+the run's next collective while the others wait in the probe's). The probe's passing is what the doctor's
+advice of DDP rests on.
 """
 
 from __future__ import annotations
@@ -53,15 +56,23 @@ def _free_bytes(device: torch.device) -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
-def _everyone_fits(models: Sequence[nn.Module], device: torch.device, group: ProcessGroup | None) -> bool:
-    """Whether the gathered parameters and their gradients fit on every rank (agreed: a collective)."""
+def _replica_bytes(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> float:
+    """What one slot of DDP holds of the models: parameters, gradients, DDP's buckets of them and the optimizers'
+    whole state (a DTensor counts its global size: every shard)."""
+    params = sum(p.numel() * p.element_size() for m in models for p in m.parameters())
+    state = sum(t.numel() * t.element_size() for opt in optimizers for per_param in opt.state.values()
+                for t in per_param.values() if isinstance(t, torch.Tensor))
+    return 3 * params + state
+
+
+def _agreed(ok: bool, device: torch.device, group: ProcessGroup | None) -> bool:
+    """Whether ``ok`` holds on every rank (a collective)."""
     import torch.distributed as dist
 
-    full = sum(p.numel() * p.element_size() for m in models for p in m.parameters())  # a DTensor's global size
-    fits = torch.tensor([1 if 2 * full <= MEMORY_SHARE * _free_bytes(device) else 0], dtype=torch.int64,
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int64,
                         device=device if dist.get_backend(group) == "nccl" else None)
-    dist.all_reduce(fits, op=dist.ReduceOp.MIN, group=group)
-    return bool(fits.item())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def _local(modules: list[nn.Module], roots: set[int], local: bool) -> None:
@@ -85,36 +96,58 @@ def _clear_grads(models: Sequence[nn.Module]) -> None:
             p.grad = None
 
 
-def sharded_exchange(models: Sequence[nn.Module], train: Callable[[], object], device: torch.device,
-                     group: ProcessGroup | None, repeats: int) -> dict[str, float]:
+def sharded_exchange(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
+                     train: Callable[[], object], device: torch.device, group: ProcessGroup | None,
+                     repeats: int, local_ranks: int) -> dict[str, float]:
     """``probe_sharded_step`` and ``probe_sharded_local`` (least seconds of forward and backward with FSDP's
-    collectives, and with the parameters held gathered); empty where the models are not sharded or the
-    gathered model would not fit. Collective: every rank calls it with the same ``repeats``. Gradients are
-    cleared; FSDP's settings and sharded parameters are put back."""
+    collectives, and with the parameters held gathered); empty where the models are not sharded, DDP's
+    footprint would not fit beside the host's ``local_ranks`` ranks, or a round failed on some rank. Collective:
+    every rank calls it with the same ``repeats``. Gradients are cleared; FSDP's settings and sharded
+    parameters are put back."""
     modules = _fsdp_modules(models)
-    if not modules or not ddist.is_distributed(group) or not _everyone_fits(models, device, group):
+    if not modules or not ddist.is_distributed(group):
+        return {}
+    free = MEMORY_SHARE * _free_bytes(device) / (max(1, local_ranks) if device.type == "cpu" else 1)
+    if not _agreed(_replica_bytes(models, optimizers) <= free, device, group):
         return {}
     roots = {id(m) for m in models if m in modules}
     least = {True: float("inf"), False: float("inf")}
+    for round_ in range(repeats + 1):  # the first round warms both up
+        seconds = _round(modules, roots, models, train, device)
+        if not _agreed(seconds is not None, device, group):
+            return {}
+        if round_ and seconds is not None:
+            least = {local: min(least[local], seconds[local]) for local in least}
+    return {"probe_sharded_step": least[False], "probe_sharded_local": least[True]}
+
+
+def _round(modules: list[nn.Module], roots: set[int], models: Sequence[nn.Module], train: Callable[[], object],
+           device: torch.device) -> dict[bool, float] | None:
+    """One sharded and one local forward and backward, seconds by ``local``; None where either failed (its
+    exception logged; FSDP's settings and per-step state put back)."""
+    seconds: dict[bool, float] = {}
     held = False
     try:
-        for round_ in range(repeats + 1):  # the first round warms both up
-            for local in (False, True):
-                if local:
-                    _local(modules, roots, True)
-                    held = True
-                seconds = _timed(train, device)
-                _clear_grads(models)
-                if local:
-                    _local(modules, roots, False)
-                    held = False
-                if round_:
-                    least[local] = min(least[local], seconds)
+        for local in (False, True):
+            if local:
+                held = True  # before: a gather that fails partway still has its settings put back
+                _local(modules, roots, True)
+            seconds[local] = _timed(train, device)
+            _clear_grads(models)
+            if local:
+                _local(modules, roots, False)
+                held = False
+        return seconds
+    except Exception as exc:  # out of memory on this rank alone: the others are told at the next agreement
+        log.info("sharded exchange probe stopped: %s", exc)
+        for m in modules:
+            if id(m) in roots:
+                m.reset_iter_state()  # type: ignore[operator]  # FSDP's own reset after an aborted step
+        return None
     finally:
         _clear_grads(models)
-        if held:  # FSDP's own settings back, whatever stopped the rounds
+        if held:
             _local(modules, roots, False)
-    return {"probe_sharded_step": least[False], "probe_sharded_local": least[True]}
 
 
 def _timed(train: Callable[[], object], device: torch.device) -> float:

@@ -44,16 +44,20 @@ class Communication(Factor):
 def _sharded(ctx: Context) -> Advice:
     """FSDP's collectives, as its probe measured them, and DDP on the same slots by the cost model."""
     probe = ctx.profile.sharded_exchange
-    if probe is None or ctx.exposed <= 0:
+    if probe is None:
         return Advice(None, None, f"sync.strategy {ctx.profile.strategy} all-gathers and reduce-scatters inside "
-                      "forward and backward, counted there (not probed apart: the gathered model did not fit, or "
-                      "the run was not profiled)", None)
+                      "forward and backward, counted there (not probed apart: DDP's footprint would not fit on a "
+                      "slot, a round failed, or the run was not profiled)", None)
+    if ctx.exposed <= 0:
+        return Advice(None, None, "FSDP's collectives took no time beyond the same steps with the parameters "
+                      "held gathered (measured at the end of the run)", None)
     inside = ctx.compute + ctx.exposed
     why = (f"FSDP all-gathers each unit's parameters in forward and again in backward and reduce-scatters its "
            f"gradients: {1e3 * ctx.exposed:.2f} ms of the {1e3 * inside:.2f} ms of forward and backward (the same "
            f"steps with the parameters held gathered took {1e3 * ctx.compute:.2f} ms at the end of the run); the "
-           "whole model and its gradients fit on every slot, so a replica per slot all-reduces the gradients once "
-           "per step instead (its optimizer then steps every parameter on every slot: not priced)")
+           "whole model, its gradients and the optimizer's state fit on every slot, so a replica per slot "
+           "all-reduces the gradients once per step instead (its optimizer then steps every parameter on every "
+           "slot: not priced)")
     instead = sharded.ddp_instead(ctx.profile, ctx.predictor.model)
     if instead is None:
         return Advice("sync.strategy", "ddp", why + "; no link was measured among the slots to price it", None)
