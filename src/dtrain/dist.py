@@ -203,6 +203,17 @@ def is_distributed(group: Any = None) -> bool:
     return world_size(group) > 1
 
 
+def least_over_ranks(value: int, group: Any = None) -> int:
+    """The smallest ``value`` over ``group``'s ranks (a collective; ``value`` itself where no other rank):
+    what every rank must agree on before collectives that only some ranks would otherwise make."""
+    if not is_distributed(group):
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
+    found = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(found, op=dist.ReduceOp.MIN, group=group)
+    return int(found.item())
+
+
 def all_hostnames() -> list[str]:
     """Every rank's host name, in rank order (to name the machine of a straggler)."""
     name = socket.gethostname()

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtrain.explain.costmodel import Target
-from dtrain.explain.facts import ALL_REDUCE, SERVER
+from dtrain.explain.facts import ALL_REDUCE, SERVER, SHARDED
 from dtrain.explain.facts import exchange_kind as kind
 from dtrain.profiling.record import ProfileRecord
 
@@ -33,7 +33,7 @@ MEASURE = "dtrain doctor RUN --try KEY=VALUE --verify measures a change"
 WHY = {
     SERVER: ("its workers push gradients to server ranks and pull parameters back: the cost model holds that "
                "exchange as the run measured it, and prices DDP's all-reduce among the slots only"),
-    "sharded": ("its all-gathers and reduce-scatters run inside forward and backward and were timed as compute, "
+    SHARDED: ("its all-gathers and reduce-scatters run inside forward and backward and were timed as compute, "
                 "so the run cannot tell its communication from its compute"),
 }
 SLOTS, NODES = "resources.slots_per_trial", "nodes"
@@ -42,8 +42,8 @@ COMPRESSION, FUSION = "optimizations.gradient_compression", "optimizations.tenso
 # Changes that move the exchange itself: what a ``sharded`` run cannot price.
 EXCHANGE_KEYS = (SLOTS, NODES, AGGREGATION, COMPRESSION, FUSION)
 # A ``server`` run's exchange, held as measured, still runs once per update: how often is priced.
-UNPRICED_KEYS: dict[str, tuple[str, ...]] = {"sharded": EXCHANGE_KEYS, SERVER: (SLOTS, NODES, COMPRESSION, FUSION)}
-ASIDES = {"sharded": " (the communication row reads 0: it is inside forward and backward)"}
+UNPRICED_KEYS: dict[str, tuple[str, ...]] = {SHARDED: EXCHANGE_KEYS, SERVER: (SLOTS, NODES, COMPRESSION, FUSION)}
+ASIDES = {SHARDED: " (the communication row reads 0: it is inside forward and backward)"}
 # How the doctor names a set of unpriced keys.
 NAMES = {SLOTS: "slots", NODES: "hosts", AGGREGATION: "aggregation", COMPRESSION: "compression", FUSION: "fusion"}
 
@@ -91,7 +91,7 @@ def unpriced(profile: ProfileRecord) -> Unpriced | None:
         return None
     why = WHY.get(found, f"it exchanges as {found!r}, which the cost model (DDP's all-reduce) does not price")
     aside = ASIDES.get(found, "")
-    if found == "sharded" and profile.sharded_exchange is not None:
+    if found == SHARDED and profile.sharded_exchange is not None:
         why, aside = SPLIT, ""
     return Unpriced(f"sync.strategy {profile.strategy} exchanges otherwise than DDP: {why}",
                     UNPRICED_KEYS.get(found), aside)

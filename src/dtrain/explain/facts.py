@@ -11,6 +11,7 @@ from dtrain.profiling.record import ProfileRecord
 
 ALL_REDUCE = "all_reduce"  # the exchange the cost model prices from a link (dtrain.sync.base.SyncStrategy.exchange)
 SERVER = "server"  # a parameter server's: held as measured, per update
+SHARDED = "sharded"  # FSDP's: all-gathers and reduce-scatters inside forward and backward
 
 
 @dataclass(frozen=True, slots=True)

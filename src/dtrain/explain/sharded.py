@@ -16,10 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dtrain.explain.costmodel import CostModel, Source
-from dtrain.explain.facts import ALL_REDUCE, Work
+from dtrain.explain.facts import ALL_REDUCE, SHARDED, Work
 from dtrain.profiling.record import ProfileRecord
 
-SHARDED = "sharded"
 # Beyond the link, DDP's exchange in training waits and wakes up: not measured on a sharded run. Its share of
 # a step's uncertainty is held at this (the doctor's "DDP instead" is a measured-compute estimate).
 NOT_MEASURED = "exchange in training beyond the link (DDP's own hooks and waiting): not measured, 0 assumed"
@@ -42,8 +41,8 @@ def split(profile: ProfileRecord, run_compute: float) -> Split | None:
     # The probe's least local step is the compute; all the rest of the run's mean counts as collectives. The
     # run's steps beyond the probe's least are mostly waiting at the collectives (each all-gather waits for the
     # slowest rank, several times a step), which DDP's one exchange would not repeat as often. Splitting the
-    # mean in the probe's proportion instead would read 3.65 ms of compute on digits (2 slots), where DDP's run
-    # measured 0.62 ms, and about 3.4x for DDP, where 6.32x was measured; this split gave 5.41x.
+    # mean in the probe's proportion instead put far more compute in DDP than DDP's own run measured
+    # (docs/benchmarks.md).
     compute = min(run_compute, probe.local_seconds)
     return Split(compute, max(0.0, run_compute - compute))
 
@@ -71,11 +70,8 @@ def ddp_instead(profile: ProfileRecord, model: CostModel) -> Instead | None:
     """The run as DDP would run it on the same slots (None where the probe did not run, or no link was
     measured among the ranks to price the all-reduce on)."""
     f = model.facts
-    probe = profile.sharded_exchange
-    if probe is None or probe.local_seconds <= 0 or f.slots < 2 or not f.link_points:
-        return None
     found = split(profile, f.compute)
-    if found is None:
+    if found is None or f.slots < 2 or not f.link_points:
         return None
     batch = f.per_slot_batch
     # The measured compute at the run's batch (a change of batch is the FSDP model's, not this one's).

@@ -38,7 +38,7 @@ from typing import Any
 from dtrain.errors import UserError
 from dtrain.explain import paired
 from dtrain.explain.diagnosis import Diagnosis, TryResult, slot_words
-from dtrain.explain.facts import SERVER, exchange_kind
+from dtrain.explain.facts import SERVER, SHARDED, exchange_kind
 from dtrain.explain.predictor import Predictor
 from dtrain.profiling.record import ProfileRecord, load_profile, load_run_profile
 
@@ -83,7 +83,7 @@ def plan_experiments(diagnosis: Diagnosis, profile: ProfileRecord, steps: int, t
         out.append(Experiment(rec.action, "recommendation", sets, rec.predicted_speedup, rec.factor))
     # A sharded run keeps its all-gathers in every forward and backward whatever the period: aggregation turns
     # off its reduce-scatters only, which is no ceiling of a communication fix.
-    if profile.slots > 1 and profile.aggregation_frequency < steps and profile.exchange != "sharded":
+    if profile.slots > 1 and profile.aggregation_frequency < steps and exchange_kind(profile) != SHARDED:
         out.append(Experiment("bisection: communication off (aggregation_frequency = steps)", "bisection",
                               [f"optimizations.aggregation_frequency={steps}"],
                               predictor.gain(f"optimizations.aggregation_frequency: {steps}", aggregation=steps),

@@ -40,7 +40,7 @@ from dtrain.profiling.modelsteps import restored, time_model_steps
 from dtrain.profiling.record import ModelSteps
 from dtrain.profiling.runfacts import ProbeHooks, RunFacts
 from dtrain.profiling.shardprobe import FIELDS as SHARDED_FIELDS
-from dtrain.profiling.shardprobe import sharded_exchange
+from dtrain.profiling.shardprobe import SHARDED, sharded_exchange
 
 # Thread counts the solo probe tries: the run's own, one, and every core (at most this many).
 SOLO_THREADS = 3
@@ -216,7 +216,8 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
         last = timer.last_step_seconds
         repeats = int(max(MIN_REPEATS, min(MAX_REPEATS, BUDGET_SECONDS / (3 * last)))) if last > 0 else MIN_REPEATS
         # A trial that calls opt.step() itself would step its optimizer here: no probe (0 on any rank: none).
-        repeats = _agree(0 if "optimizer" in facts.unobserved_phases else repeats, facts.strategy.dp_group)
+        own_step = "optimizer" in facts.unobserved_phases
+        repeats = ddist.least_over_ranks(0 if own_step else repeats, facts.strategy.dp_group)
     if repeats < 1:
         return ProbeResult(zeros)
     steps: ModelSteps | None = None
@@ -236,7 +237,7 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
             # A sharded run's collectives run inside forward and backward: timed with and without them.
             sharded = (sharded_exchange(facts.models, facts.optimizers, lambda: hooks.train_batch(batches[1], 0, 0),
                                         device, facts.strategy.dp_group, repeats, facts.local_ranks)
-                       if facts.strategy.exchange == "sharded" else {})
+                       if facts.strategy.exchange == SHARDED else {})
         out = {"probe_work": work[1], "probe_work_double": work[2], "probe_optimizer": optimizer, **solo,
                **sharded}
         if not facts.synthetic_data:
@@ -273,16 +274,6 @@ def _barrier(group: ProcessGroup | None) -> None:
         dist.barrier(group=group)
 
 
-def _agree(repeats: int, group: ProcessGroup | None) -> int:
-    """The smallest count over the ranks: the probe may hold collectives, so every rank runs as many."""
-    import torch.distributed as dist
-
-    if not ddist.is_distributed(group):
-        return repeats
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
-    count = torch.tensor([repeats], dtype=torch.int64, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MIN, group=group)
-    return int(count.item())
 
 
 def _sync(device: torch.device) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -29,7 +28,10 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from dtrain import dist as ddist
+from dtrain.profiling.clock import synchronized_now
 
+# How a sharded strategy's replicas talk (SyncStrategy.exchange; dtrain.explain.facts names it too).
+SHARDED = "sharded"
 FIELDS = ("probe_sharded_step", "probe_sharded_local")
 # Share of the free memory the gathered parameters and their gradients may take.
 MEMORY_SHARE = 0.5
@@ -65,14 +67,9 @@ def _replica_bytes(models: Sequence[nn.Module], optimizers: Sequence[torch.optim
     return 3 * params + state
 
 
-def _agreed(ok: bool, device: torch.device, group: ProcessGroup | None) -> bool:
+def _agreed(ok: bool, group: ProcessGroup | None) -> bool:
     """Whether ``ok`` holds on every rank (a collective)."""
-    import torch.distributed as dist
-
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64,
-                        device=device if dist.get_backend(group) == "nccl" else None)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+    return ddist.least_over_ranks(int(ok), group) == 1
 
 
 def _local(modules: list[nn.Module], roots: set[int], local: bool) -> None:
@@ -108,13 +105,13 @@ def sharded_exchange(models: Sequence[nn.Module], optimizers: Sequence[torch.opt
     if not modules or not ddist.is_distributed(group):
         return {}
     free = MEMORY_SHARE * _free_bytes(device) / (max(1, local_ranks) if device.type == "cpu" else 1)
-    if not _agreed(_replica_bytes(models, optimizers) <= free, device, group):
+    if not _agreed(_replica_bytes(models, optimizers) <= free, group):
         return {}
     roots = {id(m) for m in models if m in modules}
     least = {True: float("inf"), False: float("inf")}
     for round_ in range(repeats + 1):  # the first round warms both up
         seconds = _round(modules, roots, models, train, device)
-        if not _agreed(seconds is not None, device, group):
+        if not _agreed(seconds is not None, group):
             return {}
         if round_ and seconds is not None:
             least = {local: min(least[local], seconds[local]) for local in least}
@@ -151,10 +148,6 @@ def _round(modules: list[nn.Module], roots: set[int], models: Sequence[nn.Module
 
 
 def _timed(train: Callable[[], object], device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
+    start = synchronized_now(device)
     train()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+    return synchronized_now(device) - start

@@ -45,8 +45,8 @@ if TYPE_CHECKING:
     from dtrain.sync.options import ParameterServerOptions, StrategyConfig
 
 PUSH, PULL = 1, 2
-# Momentum from which asynchrony's own (about 1 - 1/workers, Mitliagkas et al. 2016) is worth a warning: on
-# digits (2 workers, lr 0.1) momentum 0.9 validated at 0.48, momentum 0.5 at 0.97, sync at 0.98.
+# Momentum from which asynchrony's own (about 1 - 1/workers, Mitliagkas et al. 2016) is worth a warning: the
+# demo's 0.9 did not converge with 2 async workers, 0.5 did (README, "async").
 MOMENTUM_WARNING = 0.5
 
 log = logging.getLogger(__name__)

@@ -9,6 +9,7 @@ from dtrain.explain import sharded
 from dtrain.explain.diagnosis import Advice, Change
 from dtrain.explain.factors import registry
 from dtrain.explain.factors.base import AGGREGATION_TO_TRY, Context, Factor, aggregation_gain, mb, nothing_to_exchange
+from dtrain.explain.facts import SHARDED
 
 
 @registry.register
@@ -21,7 +22,7 @@ class Communication(Factor):
     def advise(self, ctx: Context) -> Advice:
         if not ctx.exchanges:
             return nothing_to_exchange()
-        if ctx.profile.exchange == sharded.SHARDED:
+        if ctx.profile.exchange == SHARDED:
             return _sharded(ctx)
         profile, k = ctx.profile, AGGREGATION_TO_TRY
         comm = profile.comm
