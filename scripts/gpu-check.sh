@@ -8,8 +8,9 @@
 #   test_gpu.txt   tests/test_gpu.py (every test marked gpu) and tests/test_cuda_hidden.py, with CUDA visible
 #   suite.txt      the files that failed where CUDA was visible (fixtures of every scope must see none)
 #   probe.txt      bench/gpu_probe.py: a GPU step timed alone, in chains and in a long loop, per precision
-#   spread.txt     bench/gpu_spread.py: fresh processes of the plain bf16 loop and of dtrain's bf16 run, in
-#   spread.json    turn: how far a host-bound step moves from one process to the next (SPREAD_PROCESSES, 4)
+#   spread.txt     bench/gpu_spread.py: rounds of fresh processes (plain bf16 loop, free and on one core; dtrain
+#   spread.json    fp32 and the doctor's --try precision; dtrain bf16-mixed, 16-mixed, tf32) for SPREAD_SECONDS
+#                  (330): how far a host-bound step moves between processes, and the doctor against that
 #   bench.txt      bench/gpu.py: plain loop vs dtrain run in fp32, tf32, bf16, fp16 (GradScaler) and bf16
 #   bench.json     without a data path (a batch kept on the device): steady state and first steps, MFU,
 #                  and the aten operations and CUDA kernels of one bf16 step on each side; and what
@@ -54,6 +55,8 @@ status=0
 install() {
     {
         nvidia-smi || true
+        nvidia-smi topo -m || true
+        lscpu || true
         "$PYTHON" --version
         "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available())'
         if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
@@ -89,7 +92,7 @@ probe() {
 
 spread() {
     # Why the doctor's host-bound precision predictions miss both ways (issue 45): the host, process to process?
-    "$PYTHON" bench/gpu_spread.py --processes "${SPREAD_PROCESSES:-4}" --json "$OUT/spread.json" 2>&1 \
+    "$PYTHON" bench/gpu_spread.py --seconds "${SPREAD_SECONDS:-330}" --json "$OUT/spread.json" 2>&1 \
         | tee "$OUT/spread.txt" || status=1
 }
 
