@@ -3,6 +3,7 @@ predictions miss by more than that (issue 45).
 
     python bench/gpu_spread.py [--seconds 330] [--max-rounds 6] [--precisions bf16-mixed,16-mixed,tf32]
                                [--steps 200] [--warmup 30] [--batch 32] [--json FILE]
+    python bench/gpu_spread.py --table bench/data/gpu-spread-h200-2026-11-27-a.json ...-b.json
 
 The doctor predicts another precision from the model's steps timed in the fp32 run's own process; the check
 runs that precision in another process. On one H200 a bf16 step of bench/gpu.py's model took 15-22 ms of
@@ -192,7 +193,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--smoke-on-cpu", action="store_true", help="check the script on a CPU (no fp16)")
+    parser.add_argument("--pinned", action="store_true",
+                        help="pin this process, and so every process it starts, to one core (the plain loop "
+                             "pinned ran 1.0-1.35x as fast as free on an H200 host: is dtrain's spread placement?)")
+    parser.add_argument("--table", type=Path, nargs="+", default=None,
+                        help="print the summary of stored --json files, their rounds pooled (calls of one card)")
     args = parser.parse_args()
+    if args.table is not None:
+        stored = [json.loads(path.read_text()) for path in args.table]
+        precisions = stored[0]["args"]["precisions"].strip("[]").replace("'", "").replace(" ", "").split(",")
+        summarize([row for one in stored for row in one["rows"]], precisions)
+        return
     args.precisions = args.precisions.split(",")
     unknown = set(args.precisions) - set(BASELINE) | ({"32-true"} & set(args.precisions))
     if unknown:
@@ -203,6 +214,8 @@ def main() -> None:
     args.plain = "bf16"
     cores = sorted(os.sched_getaffinity(0))
     core = cores[len(cores) // 2]
+    if args.pinned:
+        os.sched_setaffinity(0, {core})
     rows: list[dict[str, Any]] = []
     begin, longest = time.monotonic(), 0.0
     with tempfile.TemporaryDirectory() as tmp:

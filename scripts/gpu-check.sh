@@ -24,7 +24,10 @@
 # tests` (add `suite` only with more than 3 minutes to spare beyond those). On an H200 on 2026-11-27, with the
 # twice-the-batch runs: `install bench tests` (BENCH_ONLY=fp32,tf32,bf16,fp16 BENCH_OPS=0) took 526 s in one
 # call (install 15 s, bench 248 s, tests 256 s), about 558 s of the budget with the start; `bench` again at
-# once on the warm machine, 248 s (265 s of budget).
+# once on the warm machine, 248 s (265 s of budget). On an H200 on 2026-11-27 at 19:58: `install spread`
+# (SPREAD_SECONDS=320) 262 s with 2 rounds of 123-140 s each (297 s of budget with the start), then at once
+# `tests spread` (255) 354 s: tests 205 s (14 passed, 6 skipped for 2 GPUs), one round; the machine then went
+# back with 239 s left. SPREAD_ARGS=--pinned runs every process of the spread on one core.
 #
 # Carry the wheels the machine's image lacks (it has torch, lightning, rich, matplotlib, pyyaml, numpy,
 # scikit-learn, tensorboard, typer, pytest, pytest-timeout, pytest-xdist; see
@@ -92,7 +95,7 @@ probe() {
 
 spread() {
     # Why the doctor's host-bound precision predictions miss both ways (issue 45): the host, process to process?
-    "$PYTHON" bench/gpu_spread.py --seconds "${SPREAD_SECONDS:-330}" --json "$OUT/spread.json" 2>&1 \
+    "$PYTHON" bench/gpu_spread.py --seconds "${SPREAD_SECONDS:-330}" ${SPREAD_ARGS:-} --json "$OUT/spread.json" 2>&1 \
         | tee "$OUT/spread.txt" || status=1
 }
 
