@@ -101,3 +101,12 @@ def test_try_is_printed_in_the_table(run):
     line = next(ln for ln in result.stdout.splitlines() if ln.startswith("try optimizations.aggregation_frequency=4"))
     assert "samples/s" in line and "80%" in line
     assert "try nodes=2: cannot predict nodes: 2 because the run had one host" in result.stdout
+
+
+def test_a_many_times_slower_gain_keeps_two_significant_digits():
+    """bf16 autocast on a CPU without bf16 units ran 0.031x: two decimals would print it as 0.03, its interval
+    as 0.03-0.03, and a 60x slow-down the same."""
+    from dtrain.explain.render import ratio
+
+    assert [ratio(v) for v in (0.0312, 0.0168, 0.099, 0.1, 1.234, 10.32)] == [
+        "0.031", "0.017", "0.099", "0.10", "1.23", "10.32"]

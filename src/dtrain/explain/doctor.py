@@ -49,6 +49,7 @@ from dtrain.explain.factors import registry
 from dtrain.explain.factors.base import ONE_SLOT, Context, build_context, gains
 from dtrain.explain.facts import SERVER, exchange_kind
 from dtrain.explain.predictor import Predictor
+from dtrain.explain.render import ratio
 from dtrain.profiling.record import ProfileRecord
 
 # A factor's change is recommended only where the factor holds at least this share of the step.
@@ -242,9 +243,10 @@ def render(diagnosis: Diagnosis) -> str:
 
 def _predicted(f: FactorRow) -> str:
     if f.predicted_speedup:
-        text = f"{f.predicted_speedup:.2f}x"
+        text = f"{ratio(f.predicted_speedup)}x"
         if f.predicted_interval is not None:
-            text += " ({:.2f}-{:.2f})".format(*f.predicted_interval)
+            low, high = f.predicted_interval
+            text += f" ({ratio(low)}-{ratio(high)})"
         return text
     if f.key is not None and f.advice.bound is not None:
         return f"<= {f.advice.bound:.2f}x (bound)"
@@ -254,5 +256,5 @@ def _predicted(f: FactorRow) -> str:
 def _try_text(t: TryResult) -> str:
     if t.gain is None or t.samples_per_second is None:
         return t.reason or "no prediction"
-    return (f"predicted {t.samples_per_second:,.0f} samples/s, {t.gain:.2f}x ({t.low:.2f}-{t.high:.2f}, 80%)"
+    return (f"predicted {t.samples_per_second:,.0f} samples/s, {ratio(t.gain)}x ({ratio(t.low)}-{ratio(t.high)}, 80%)"
             + (f"; {t.reason}" if t.reason else ""))

@@ -40,6 +40,7 @@ from dtrain.explain import paired
 from dtrain.explain.diagnosis import Diagnosis, TryResult, slot_words
 from dtrain.explain.facts import SERVER, SHARDED, exchange_kind
 from dtrain.explain.predictor import Predictor
+from dtrain.explain.render import ratio
 from dtrain.profiling.record import ProfileRecord, load_profile, load_run_profile
 
 MIN_STEPS = 10
@@ -270,8 +271,8 @@ def render(result: dict[str, Any]) -> str:
         table.add_column(col, justify="left" if col in ("action", "kind", "range of per-round ratios") else "right")
     for r in result["verified"]:
         table.add_row(r["action"], r["kind"], _sps(r["samples_per_second"]),
-                      f"{r['predicted_speedup']:.2f}x" if r["predicted_speedup"] else "-",
-                      f"{r['measured_speedup']:.2f}x" if r["measured_speedup"] else "-",
+                      f"{ratio(r['predicted_speedup'])}x" if r["predicted_speedup"] else "-",
+                      f"{ratio(r['measured_speedup'])}x" if r["measured_speedup"] else "-",
                       r["spread_verdict"] if rounds > 1 else "-")
     text = as_text(table, width=160)
     text += paired.footer(rounds, "baseline")
@@ -361,11 +362,11 @@ def render_tries(result: dict[str, Any]) -> str:
         table.add_column(col, justify="left" if col == "try" else "right")
     notes: list[str] = []
     for r in result["tried"]:
-        predicted = (f"{r['predicted_speedup']:.2f}x ({r['predicted_low']:.2f}-{r['predicted_high']:.2f})"
+        predicted = (f"{ratio(r['predicted_speedup'])}x ({ratio(r['predicted_low'])}-{ratio(r['predicted_high'])})"
                      if r["predicted_speedup"] is not None else "no prediction")
         span = r["speedup_range"]
-        measured = ("-" if r["measured_speedup"] is None else f"{r['measured_speedup']:.2f}x"
-                    + (f" ({span[0]:.2f}-{span[1]:.2f})" if span and rounds > 1 else ""))
+        measured = ("-" if r["measured_speedup"] is None else f"{ratio(r['measured_speedup'])}x"
+                    + (f" ({ratio(span[0])}-{ratio(span[1])})" if span and rounds > 1 else ""))
         error = f"{100 * r['error']:+.0f}%" if r["error"] is not None else "-"
         held = "-" if r["interval_held"] is None else ("yes" if r["interval_held"] else "no")
         table.add_row(r["try"], _sps(r["samples_per_second"]), predicted, measured, error, held)
