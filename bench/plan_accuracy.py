@@ -311,6 +311,14 @@ def _table(title: str, outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
+def other_host(document: dict, constants: fitted.Fitted) -> list[Outcome]:
+    """The rows of ``document['other_host']`` (a repeat measured on another host, never fitted) predicted with
+    ``constants``: do constants fitted on one host hold on another?"""
+    rows = rows_from_json({"published": [], "measured": document.get("other_host", [])})
+    with fitted.trying(constants):
+        return evaluate(rows)
+
+
 def _legacy(document: dict) -> str:
     lines = ["\nLegacy rows (model and measurements of their session; inputs not kept, not re-predictable)\n",
              "| row | predicted (80% interval) | measured (median of rounds) | error | covered |",
@@ -385,10 +393,14 @@ def main(argv: list[str] | None = None) -> int:
     print(_table("With the stored constants (in-sample)", current))
     print(_table("Held out (constants fitted without the row's configuration)", out))
     print(_repeats(out))
+    elsewhere = other_host(document, start)
+    if elsewhere:
+        print(_table("Another host (its rows kept out of the fit: constants fitted on the rows above only)", elsewhere))
     print(_legacy(document))
     if args.json:
         args.json.write_text(json.dumps({"held_out": [_as_dict(o) for o in out],
-                                         "in_sample": [_as_dict(o) for o in current]}, indent=1))
+                                         "in_sample": [_as_dict(o) for o in current],
+                                         "other_host": [_as_dict(o) for o in elsewhere]}, indent=1))
     return 0
 
 

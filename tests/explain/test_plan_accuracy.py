@@ -90,6 +90,18 @@ def test_each_repeat_of_the_bench_meets_the_goals_held_out(held_out):
     assert len([r for r in repeats if r not in KNOWN_MISSED_REPEATS]) >= 3
 
 
+def test_a_repeat_on_another_host_is_predicted_by_constants_fitted_without_it():
+    """bench/data/plan_rows.json's 'other_host': a repeat on an AMD EPYC without bf16 units, never fitted. The
+    constants fitted on the Intel host's repeats missed the goals there (mean 11.6%, worst +40.8%, 72% covered;
+    docs/benchmarks.md says which rows and why): a change may not make that worse."""
+    document = json.loads(ROWS.read_text())
+    rows = calibration.rows_from_json({"published": [], "measured": document["other_host"]})
+    assert len(rows) == 32 and not {r.label for r in rows} & {r["label"] for r in document["measured"]}
+    summary = calibration.Summary.of(calibration.evaluate(rows))
+    assert summary.mean_error <= 0.12 and summary.worst_error <= 0.41, summary
+    assert summary.covered >= 0.70, summary
+
+
 def test_the_packaged_constants_are_the_fit_of_the_stored_rows(rows):
     """fitted_intervals.json is what `bench/plan_accuracy.py --refit` writes from the stored rows today."""
     values, names = calibration.fit(rows, fitted.load())
