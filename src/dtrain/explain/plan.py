@@ -23,6 +23,7 @@ from dtrain.explain.exchange import unpriced
 from dtrain.explain.finish import finish, run_costs
 from dtrain.explain.plandoc import Input, Measured, PlanDocument, PlanRow, RunCostsFacts
 from dtrain.explain.predictor import target_at
+from dtrain.explain.render import ratio
 from dtrain.profiling import commprobe
 from dtrain.profiling.record import ProfileRecord, load_run_profile
 
@@ -79,13 +80,18 @@ class Case:
     target: Target
     option: str = "base"
     precision: str | None = None  # the "precision" option's config name
+    # The per-slot batch the precision's gain was timed at: another one may gain otherwise (bf16 without bf16
+    # units: 0.115x at 32 samples on one thread, 0.079x at 64 on two; docs/benchmarks.md).
+    timed_batch: int | None = None
 
     @property
     def label(self) -> str:
         t = self.target
+        timed = f" at {self.timed_batch} samples per slot" if self.timed_batch else ""
         return {"base": "as measured", "aggregation": f"aggregation_frequency: {t.aggregation}",
                 "compression": f"gradient_compression: {t.compression}", "fusion": "one fused bucket",
-                "precision": f"precision: {self.precision} (compute {t.precision_gain:.2f}x, measured)"}[self.option]
+                "precision": f"precision: {self.precision} (compute {ratio(t.precision_gain)}x, measured{timed})",
+                }[self.option]
 
 
 def cases(model: CostModel, p: ProfileRecord, slot_counts: list[int], nodes: int) -> list[Case]:
@@ -107,7 +113,8 @@ def cases(model: CostModel, p: ProfileRecord, slot_counts: list[int], nodes: int
                     out.append(Case(target_at(model, n, hosts, one_bucket=True), "fusion"))
             if lower is not None and gain is not None:
                 out.append(Case(target_at(model, n, hosts, precision_gain=gain, precision_spread=lower.spread,
-                                          precision_data=lower.data), "precision", lower.precision))
+                                          precision_data=lower.data), "precision", lower.precision,
+                                round(model.facts.per_slot_batch)))
     return out
 
 
