@@ -47,10 +47,10 @@ from dtrain.explain.efficiency import Efficiency
 from dtrain.explain.exchange import Unpriced
 from dtrain.explain.factors import registry
 from dtrain.explain.factors.base import ONE_SLOT, Context, build_context, gains
-from dtrain.explain.facts import SERVER, exchange_kind
+from dtrain.explain.facts import exchange_kind
 from dtrain.explain.predictor import Predictor
 from dtrain.explain.render import ratio
-from dtrain.profiling.record import ProfileRecord
+from dtrain.profiling.record import SERVER, ProfileRecord
 
 # A factor's change is recommended only where the factor holds at least this share of the step.
 MIN_SHARE = 0.05

@@ -24,9 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dtrain.explain.costmodel import Target
-from dtrain.explain.facts import ALL_REDUCE, SERVER, SHARDED
 from dtrain.explain.facts import exchange_kind as kind
-from dtrain.profiling.record import ProfileRecord
+from dtrain.profiling.record import ALL_REDUCE, SERVER, SHARDED, ProfileRecord
 
 PRICED = ALL_REDUCE
 MEASURE = "dtrain doctor RUN --try KEY=VALUE --verify measures a change"

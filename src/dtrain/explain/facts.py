@@ -7,11 +7,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from dtrain.explain.advice import probe_growth
 from dtrain.explain.precision import batch_spread
-from dtrain.profiling.record import ProfileRecord
-
-ALL_REDUCE = "all_reduce"  # the exchange the cost model prices from a link (dtrain.sync.base.SyncStrategy.exchange)
-SERVER = "server"  # a parameter server's: held as measured, per update
-SHARDED = "sharded"  # FSDP's: all-gathers and reduce-scatters inside forward and backward
+from dtrain.profiling.record import ALL_REDUCE, SERVER, ProfileRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,7 +106,7 @@ class Facts:
     batch_spread: float = 0.0  # relative sd of the model's own timed steps' growth to twice the batch (0: none)
     # Each model's trainable tensors' gradient bytes in backward's order (empty: not recorded): DDP's buckets.
     gradient_bytes: tuple[tuple[int, ...], ...] = ()
-    # How the replicas talk (dtrain.explain.exchange): "all_reduce" is priced from a link; a "server" exchange
+    # How the replicas talk (dtrain.explain.exchange): ALL_REDUCE is priced from a link; a SERVER exchange
     # is held as measured.
     exchange: str = ALL_REDUCE
     # A DDP model of a sharded (FSDP) run's slots (dtrain.explain.sharded): its compute and optimizer are FSDP's.

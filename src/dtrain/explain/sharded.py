@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dtrain.explain.costmodel import CostModel, Source
-from dtrain.explain.facts import ALL_REDUCE, SHARDED, Work
-from dtrain.profiling.record import ProfileRecord
+from dtrain.explain.facts import Work
+from dtrain.profiling.record import ALL_REDUCE, SHARDED, ProfileRecord
 
 # Beyond the link, DDP's exchange in training waits and wakes up: not measured on a sharded run. Its share of
 # a step's uncertainty is held at this (the doctor's "DDP instead" is a measured-compute estimate).

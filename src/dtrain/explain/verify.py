@@ -38,10 +38,10 @@ from typing import Any
 from dtrain.errors import UserError
 from dtrain.explain import paired
 from dtrain.explain.diagnosis import Diagnosis, TryResult, slot_words
-from dtrain.explain.facts import SERVER, SHARDED, exchange_kind
+from dtrain.explain.facts import exchange_kind
 from dtrain.explain.predictor import Predictor
 from dtrain.explain.render import ratio
-from dtrain.profiling.record import ProfileRecord, load_profile, load_run_profile
+from dtrain.profiling.record import SERVER, SHARDED, ProfileRecord, load_profile, load_run_profile
 
 MIN_STEPS = 10
 # Seconds of training each short run measures at least (steps are raised to reach it).

@@ -37,10 +37,10 @@ from dtrain import dist as ddist
 from dtrain.profiling.device import cpu_cores
 from dtrain.profiling.handoff import MAX_LOAD_SECONDS, handoff_figures, on_host
 from dtrain.profiling.modelsteps import restored, time_model_steps
-from dtrain.profiling.record import ModelSteps
+from dtrain.profiling.record import SHARDED, ModelSteps
 from dtrain.profiling.runfacts import ProbeHooks, RunFacts
 from dtrain.profiling.shardprobe import FIELDS as SHARDED_FIELDS
-from dtrain.profiling.shardprobe import SHARDED, sharded_exchange
+from dtrain.profiling.shardprobe import sharded_exchange
 
 # Thread counts the solo probe tries: the run's own, one, and every core (at most this many).
 SOLO_THREADS = 3
@@ -272,8 +272,6 @@ def _barrier(group: ProcessGroup | None) -> None:
 
     if ddist.is_distributed(group):
         dist.barrier(group=group)
-
-
 
 
 def _sync(device: torch.device) -> None:

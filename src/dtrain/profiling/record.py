@@ -54,10 +54,17 @@ from dtrain.profiling.sections import (
 # Raise it with any change of a key's name, type or meaning; the loader refuses every other version.
 SCHEMA_VERSION = 1
 FILE_NAME = "profile.json"
+# How replicas talk: the values of ``exchange`` (dtrain.sync.base.SyncStrategy.exchange), read by the probes and
+# the cost model, which prices ALL_REDUCE from a link, holds SERVER's exchange as measured per update, and takes
+# SHARDED's collectives out of forward and backward where its end-of-run probe ran.
+ALL_REDUCE = "all_reduce"  # gradients (or local SGD's parameters) all-reduced among the slots
+SERVER = "server"  # pushed to and pulled from server ranks
+SHARDED = "sharded"  # all-gathers and reduce-scatters inside forward and backward (FSDP)
 
 # The sections are re-exported: readers import every part of the record from here.
 __all__ = [
-    "FILE_NAME", "MODEL_STEPS_VERSION", "SCHEMA_VERSION", "AllreduceProbe", "BatchScaling", "ByPhase", "Comm",
+    "ALL_REDUCE", "FILE_NAME", "MODEL_STEPS_VERSION", "SCHEMA_VERSION", "SERVER", "SHARDED", "AllreduceProbe",
+    "BatchScaling", "ByPhase", "Comm",
     "CommPoint", "CommProbe", "CompressionCost", "DeviceFacts", "FirstSteps", "Flops", "LrHyperparameter",
     "MatmulTflops", "MembershipChange", "ModelSteps", "PhaseSeconds", "PhaseSpread", "ProfileError",
     "ProfileRecord", "RankFigures", "RankLag", "Section", "ShardedExchange", "SoloProbe", "Spread", "Stragglers",

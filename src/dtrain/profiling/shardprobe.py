@@ -30,8 +30,6 @@ from torch.distributed import ProcessGroup
 from dtrain import dist as ddist
 from dtrain.profiling.clock import synchronized_now
 
-# How a sharded strategy's replicas talk (SyncStrategy.exchange; dtrain.explain.facts names it too).
-SHARDED = "sharded"
 FIELDS = ("probe_sharded_step", "probe_sharded_local")
 # Share of the free memory the gathered parameters and their gradients may take.
 MEMORY_SHARE = 0.5

@@ -27,6 +27,7 @@ from torch import nn
 
 from dtrain import dist as ddist
 from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
+from dtrain.profiling.record import ALL_REDUCE
 
 if TYPE_CHECKING:
     from dtrain.sync.options import StrategyConfig
@@ -53,10 +54,9 @@ class SyncStrategy(ABC):
     has_server_ranks: ClassVar[bool] = False
     # dtrain's profiler sees this strategy's communication (FSDP's runs inside its own hooks: unknown).
     comm_measured: ClassVar[bool] = True
-    # How replicas talk, recorded in profile.json for the cost model, which prices "all_reduce" only:
-    # "all_reduce" (gradients, or local SGD's parameters, all-reduced among the slots), "server" (pushed to
-    # and pulled from server ranks), "sharded" (all-gathers and reduce-scatters inside forward and backward).
-    exchange: ClassVar[str] = "all_reduce"
+    # How replicas talk, recorded in profile.json for the cost model: one of the record's ALL_REDUCE, SERVER
+    # and SHARDED (dtrain.profiling.record says what each is and how the cost model treats it).
+    exchange: ClassVar[str] = ALL_REDUCE
     # The strategy the registry builds in its place in a world of one, by name (None: itself): for one whose
     # one slot is plain training, "single_device" (no wrapper, buckets or hooks: sync/single.py).
     one_slot_stand_in: ClassVar[str | None] = None

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dtrain import dist as ddist
+from dtrain.profiling.record import SHARDED
 from dtrain.sync.base import SyncStrategy
 from dtrain.sync.registry import register
 
@@ -36,7 +37,7 @@ class FSDPStrategy(SyncStrategy):
     name = "fsdp"
     per_rank_optimizer_state = True  # each rank holds its shard of the optimizer state
     comm_measured = False  # all-gathers and reduce-scatters run inside FSDP's own hooks
-    exchange = "sharded"
+    exchange = SHARDED
     forward_needs_every_rank = True  # each layer's forward all-gathers its shards
 
     def setup_model(self, model: nn.Module) -> nn.Module:

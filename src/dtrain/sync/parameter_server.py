@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtrain.profiling.comm import NULL_RECORDER, CommRecorder
+from dtrain.profiling.record import SERVER
 from dtrain.sync.base import SyncStrategy, broadcast_from_chief
 from dtrain.sync.registry import register
 
@@ -87,7 +88,7 @@ class ParameterServerStrategy(SyncStrategy):
     name = "parameter_server"
     exchanges_in_step = True
     has_server_ranks = True
-    exchange = "server"
+    exchange = SERVER
     per_rank_optimizer_state = True  # the servers' optimizer shards live in their own rank files
 
     def __init__(self, device: torch.device, options: ParameterServerOptions,

@@ -9,7 +9,7 @@ from dtrain.explain import sharded
 from dtrain.explain.diagnosis import Advice, Change
 from dtrain.explain.factors import registry
 from dtrain.explain.factors.base import AGGREGATION_TO_TRY, Context, Factor, aggregation_gain, mb, nothing_to_exchange
-from dtrain.explain.facts import SHARDED
+from dtrain.profiling.record import SHARDED
 
 
 @registry.register
