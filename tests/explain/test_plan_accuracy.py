@@ -4,9 +4,11 @@ Fast: nothing trains. The rows are predicted as ``bench/plan_accuracy.py`` predi
 when a change to the model or to the stored constants misses them.
 """
 
+import functools
 import json
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -110,6 +112,23 @@ def test_the_packaged_constants_are_the_fit_of_the_stored_rows(rows):
         for name, value in table.items():
             assert mine[name] == pytest.approx(value, rel=1e-4, abs=1e-9), f"{name}: re-fit with --refit"
     assert {"paper_jitter", "inter_given", "unmeasured_drift"} <= set(names)
+
+
+def test_each_terms_walk_on_its_grid_finds_the_least_a_sweep_of_the_whole_grid_finds(rows):
+    """The fit walks a term's grid from its present value (one valley per term over the stored rows): it must
+    pick what pricing every grid value picks, with every configuration in and with one left out."""
+    start = fitted.load()
+    for kept in (rows, [r for r in rows if calibration.system(r) != "2 hosts x 1 slot, 1 Gbit"]):
+        walked, _ = calibration.fit_terms(kept, start)
+        values = start
+        for name in sorted(start.terms):
+            exposed = calibration._term_rows(kept, values, name)
+            if not exposed:
+                continue
+            grid = calibration.TERM_GRIDS.get(name) or tuple(values.terms[name] * g for g in calibration.GRID)
+            best = min(grid, key=functools.partial(calibration._error_with, exposed, values, name))
+            values = replace(values, terms={**values.terms, name: best})
+        assert walked.terms == values.terms
 
 
 def test_no_interval_reaches_above_linear_scaling(rows):

@@ -17,8 +17,10 @@ which is what the accuracy table and the tests report.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -197,6 +199,11 @@ def _squared_log_error(rows: list[Row], values: Fitted) -> float:
     return sum(math.log(p / m) ** 2 for p, m in points if p is not None)
 
 
+def _error_with(rows: list[Row], values: Fitted, name: str, value: float) -> float:
+    """:func:`_squared_log_error` of ``rows`` with term ``name`` at ``value``."""
+    return _squared_log_error(rows, replace(values, terms={**values.terms, name: value}))
+
+
 def fit_terms(rows: list[Row], start: Fitted) -> tuple[Fitted, list[str]]:
     """Each term's constant by least squares on the log error of the rows that expose it (one at a time)."""
     values, names = start, []
@@ -205,10 +212,30 @@ def fit_terms(rows: list[Row], start: Fitted) -> tuple[Fitted, list[str]]:
         if not exposed:
             continue
         grid = TERM_GRIDS.get(name) or tuple(values.terms[name] * g for g in GRID)
-        best = min(grid, key=lambda v: _squared_log_error(exposed, replace(values, terms={**values.terms, name: v})))
+        best = _least_on_grid(grid, values.terms[name], functools.partial(_error_with, exposed, values, name))
         values = replace(values, terms={**values.terms, name: best})
         names.append(name)
     return values, names
+
+
+def _least_on_grid(grid: tuple[float, ...], present: float, cost: Callable[[float], float]) -> float:
+    """The value of ``grid`` (ascending) where ``cost`` is least, walking from the one nearest ``present`` to a
+    neighbour that costs less (towards the smaller on a tie, as :func:`min` over the whole grid would pick) until
+    neither does. One term's error over the rows that expose it has a single valley: the walk prices the few
+    values between the present one and the least where a sweep priced every one (a held-out table refits each
+    term once per configuration left out; tests/explain/test_plan_accuracy.py compares the two)."""
+    prices: dict[int, float] = {}
+
+    def price(i: int) -> float:
+        if i not in prices:
+            prices[i] = cost(grid[i])
+        return prices[i]
+
+    at = min(range(len(grid)), key=lambda i: abs(grid[i] - present))
+    step = -1 if at > 0 and price(at - 1) <= price(at) else 1
+    while 0 <= at + step < len(grid) and (price(at + step) <= price(at) if step < 0 else price(at + step) < price(at)):
+        at += step
+    return grid[at]
 
 
 def fit_uncertainties(rows: list[Row], start: Fitted) -> tuple[Fitted, list[str]]:
