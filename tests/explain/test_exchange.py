@@ -14,6 +14,7 @@ from profiles import make_profile, write
 from dtrain.explain import exchange
 from dtrain.explain.costmodel import CostModel
 from dtrain.explain.doctor import diagnose, render
+from dtrain.explain.predictor import target_at
 from dtrain.explain.spread import uncertainties
 
 STEP = {"data": 0.0002, "forward": 0.005, "backward": 0.006, "optimizer": 0.0005, "other": 0.00001}
@@ -83,6 +84,54 @@ def test_fsdp_collectives_probed_apart_are_its_communication_and_ddp_instead_is_
     # No link measured among the slots: DDP is named in the why, not offered as a change without a figure.
     bare = _factor(diagnose(_fsdp(sharded_exchange=GATHERED)).to_json(), "communication")
     assert bare["key"] is None and "a replica per slot" in bare["why"] and "no link" in bare["why"]
+
+
+# The same probe with FSDP's collectives counted: 6 a step (two units: an all-gather before forward, another before
+# backward, a reduce-scatter), moving 300 kB in all.
+COUNTED = {**GATHERED, "collectives": 6, "collective_bytes": 3e5}
+
+
+def _ring(model, slots, collectives=6, nbytes=3e5):
+    """FSDP's collectives on the model's link, by hand: each is half a ring all-reduce, (N-1) latencies and
+    (N-1)/N of its bytes through each link."""
+    link = model.link
+    latency = 2 * (slots - 1) * link.step_latency
+    return (collectives * latency + 2 * (slots - 1) / slots * nbytes / link.busbw) / 2
+
+
+def test_fsdp_collectives_counted_are_scaled_by_the_ring_to_other_slots_and_hosts_but_one_slot_is_not_priced(tmp_path):
+    model = CostModel.from_profile(_fsdp(sharded_exchange=COUNTED, comm_probe=LINK))
+    here = model.measured_target()
+    # Compute is the probe's with the parameters held gathered; the rest of forward and backward is held.
+    assert model.facts.compute == pytest.approx(0.002) and model.held_exchange == pytest.approx(0.009)
+    assert model.predict(here).step == pytest.approx(sum(STEP.values()))
+    # (On cores enough for every slot: more slots than cores take turns at the collectives too.)
+    roomy = model.predict(replace(here, slots=4, threads=1, cores=8))
+    assert roomy.parts["exchange"] == pytest.approx(0.009 * _ring(model, 4) / _ring(model, 2), rel=1e-6)
+    # Each slot steps a quarter of the parameters instead of half.
+    assert roomy.parts["fixed"] == pytest.approx(STEP["optimizer"] / 2 + STEP["other"])
+    four = model.predict(target_at(model, slots=4))
+    assert "sharded_scaled" in uncertainties(model, four.target, four.parts, four.step)
+    assert "sharded_scaled" not in uncertainties(model, here, model.predict(here).parts, model.predict(here).step)
+    run = _run_dir(tmp_path, _fsdp(sharded_exchange=COUNTED, comm_probe=LINK), "fsdp")
+    result = cli_in_process("doctor", str(run), "--json", *[a for item in [*COMM_TRIES, "resources.slots_per_trial=4"]
+                                                           for a in ("--try", item)], "--link", "100mbit")
+    assert result.code == 0, result.stderr
+    doc = json.loads(result.stdout)
+    tries = {t["try"]: t for t in doc["tries"]}
+    assert tries["resources.slots_per_trial=4"]["gain"] == pytest.approx(
+        model.predict(here).step / four.step, rel=1e-3)
+    # The run's two slots on two hosts over a slow link: the collectives cross it (300 kB at 12.5 MB/s).
+    assert 0 < tries["nodes=2"]["gain"] < 0.6
+    # One slot trains the model unsharded: FSDP's own hooks were not measured apart, so no figure.
+    one = tries["resources.slots_per_trial=1"]
+    assert one["gain"] is None and "trains the model unsharded" in one["reason"], one
+    for item in ("optimizations.aggregation_frequency=4", "optimizations.tensor_fusion_threshold=0"):
+        assert tries[item]["gain"] is None and "exchanges otherwise than DDP" in tries[item]["reason"], tries[item]
+    assert doc["scaling"]["estimated_one_slot_speedup"] is None
+    # dtrain plan's table is DDP's options and one slot: it points to the doctor's --try.
+    result = cli_in_process("plan", str(run), "--slots", "2,4")
+    assert result.code == 2 and "--try resources.slots_per_trial=N" in result.stderr, result.stderr
 
 
 def test_fsdp_prices_what_leaves_its_exchange_alone_and_names_what_it_cannot(tmp_path):

@@ -71,6 +71,10 @@ def _assert_sharded_collectives_measured_and_ddp_priced(run, probe):
 
     # The same forward and backward with the parameters held gathered: no all-gather, no reduce-scatter.
     assert 0 < probe["local_seconds"] < probe["step_seconds"], probe
+    # Counted: two units (the Linear layers; the root has no parameters of its own), each all-gathered before
+    # forward and before backward and reduce-scattered: 6 collectives a step, three times the float32 parameters.
+    assert probe["collectives"] == 6, probe
+    assert probe["collective_bytes"] == 3 * 4 * load_run_profile(run).parameters, probe
     row = next(r for r in diagnose(load_run_profile(run)).factors if r.factor == "communication")
     assert row.seconds_per_step > 0 and "the same steps with the parameters held gathered took" in row.why
     # The gathered model fit on every slot: DDP is a change to try, priced by the cost model, with its interval.

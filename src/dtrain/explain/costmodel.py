@@ -75,7 +75,7 @@ MEASURED_SPREAD = math.log(1.25)
 # exchange cost nothing measurable says nothing about what it would cost elsewhere).
 MIN_EXCHANGE_SCALE = 0.05
 NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers",
-                "sharded_to_replica")
+                "sharded_to_replica", "sharded_scaled")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,7 +141,7 @@ class CostModel:
                      between_hosts: Link | None = None) -> CostModel:
         """The model of ``profile``'s run. ``probe``: ``dtrain plan --probe``'s all-reduce points among
         ``probe_world`` local processes and its in-training exchange overhead, for a run with one slot."""
-        return cls.from_facts(Facts.from_profile(profile), probe, probe_world, probe_overhead, between_hosts)
+        return cls.from_facts(Facts.of_profile(profile), probe, probe_world, probe_overhead, between_hosts)
 
     @classmethod
     def from_facts(cls, f: Facts, probe: list[tuple[float, float]] | None = None, probe_world: int = 2,
@@ -174,9 +174,9 @@ class CostModel:
             # latency, which mix the link with training's own waiting: looser.
             fitted = LinkFit(f.train_latency, f.train_algbw, 0.5)
             link, found_source, residual = RingLink.from_fit(fitted, f.slots), link_source, fitted.residual
-        if f.holds_exchange:
-            return cls._held(f, between_hosts, factor, contention, sources)
         model = cls(f, link, found_source, residual, between_hosts, 0.0, "none", factor, contention, sources)
+        if f.holds_exchange:
+            return model._held()
         if link is not None:
             sources.append(Source("link among local slots", f"{1e6 * link.step_latency:.0f} us per ring step, "
                                   f"{link.busbw / 1e6:,.0f} MB/s (fit residual {100 * residual:.0f}%)", found_source))
@@ -199,16 +199,21 @@ class CostModel:
             sources.append(Source("link between hosts", between_hosts.label + burst + replaces, "given"))
         return model
 
-    @classmethod
-    def _held(cls, f: Facts, between_hosts: Link | None, factor: float, contention: float,
-              sources: list[Source]) -> CostModel:
-        """A model whose exchange is the run's own, per update, whatever its link (a parameter server's)."""
-        model = cls(f, None, "none", 0.0, between_hosts, 0.0, "none", factor, contention, sources)
-        model.held_exchange = max(0.0, model._measured_exchange())
-        model.overhead_source = "measured"
-        sources.append(Source("exchange per update (held as measured: not priced from a link)",
-                              f"{1e3 * model.held_exchange:.2f} ms", "measured"))
-        return model
+    def _held(self) -> CostModel:
+        """This model with the run's exchange held as measured per update, not priced from a link: a parameter
+        server's whatever its link; a sharded run's FSDP collectives, scaled to other slots and hosts by the
+        ring on the run's link (:meth:`_held_scale`)."""
+        link = self.link
+        self.link = None  # the held exchange is all the run spent beyond its compute, data and fixed work
+        self.held_exchange = max(0.0, self._measured_exchange())
+        self.overhead_source = "measured"
+        what = ("FSDP's all-gathers and reduce-scatters per step (held as measured, scaled to other slots and hosts "
+                "by the ring on the run's link)" if self.facts.sharded is not None
+                else "exchange per update (held as measured: not priced from a link)")
+        self.sources.append(Source(what, f"{1e3 * self.held_exchange:.2f} ms", "measured"))
+        if self.facts.sharded is not None:
+            self.link = link
+        return self
 
     def measured_target(self) -> Target:
         f = self.facts
@@ -304,7 +309,13 @@ class CostModel:
             fixed_scale = contention / self._contention(f.local_slots)
         fixed = f.fixed / f.crowd * crowd * fixed_scale
         exchange = compression = 0.0
-        if f.holds_exchange:  # on a crowded host its processes take turns on the cores too
+        if f.sharded is not None:
+            # FSDP's collectives wait far more than they compute: on a crowded host other slots run meanwhile (digits
+            # on 2 cores, 2.1x and 3.2x the 2-slot run's collectives at 3 and 4 slots, where the ring gives 2x
+            # and 3x and taking turns 3x and 6x: docs/benchmarks.md). Each slot steps its shard of the parameters.
+            exchange = self.held_exchange * self._held_scale(target)
+            fixed += f.sharded.optimizer / f.crowd * crowd * (f.slots / target.slots - 1)
+        elif f.holds_exchange:  # on a crowded host its processes take turns on the cores too
             exchange = self.held_exchange * crowd / f.crowd
         elif target.slots > 1:
             exchange, compression = self._exchange(target, crowd, compute)
@@ -383,6 +394,21 @@ class CostModel:
             tree = within * link.step_latency + across * (link.step_latency + between_latency) + wire / TREE_BANDWIDTH
             seconds = min(seconds, tree)
         return seconds
+
+    def _held_scale(self, target: Target) -> float:
+        """FSDP's collectives at ``target`` over the run's: by the ring's steps and bytes (each all-gather or
+        reduce-scatter is half a ring all-reduce: (N-1) latencies and (N-1)/N of its bytes through each link);
+        none on one slot."""
+        sharded = self.facts.sharded
+        if sharded is None or target.slots <= 1:
+            return 0.0
+        here = self._sharded_ring(self.measured_target(), sharded.collectives, sharded.nbytes)
+        there = self._sharded_ring(target, sharded.collectives, sharded.nbytes)
+        return there / here if here > 0 else 1.0
+
+    def _sharded_ring(self, target: Target, collectives: int, nbytes: float) -> float:
+        latency = self._allreduce(0.0, target)
+        return (collectives * latency + self._allreduce(nbytes, target) - latency) / 2
 
     def _descheduled(self, target: Target) -> float:
         """Seconds one collective waits for peers off their cores: a ring step needs its peer running, and with

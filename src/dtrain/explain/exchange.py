@@ -10,10 +10,10 @@ a change of that exchange priced as an all-reduce is wrong by a factor, not by a
   priced; other slots, hosts, compression or buckets are not (a server's link is not a ring).
 * ``sharded`` (``fsdp``): all-gathers and reduce-scatters run inside forward and backward, where the run timed
   them as compute. What does not touch the exchange (the batch, the precision, the loader) is priced from the
-  step as measured; a change of slots, hosts or synchronization is not. Its end-of-run probe, where the
-  gathered model fit, takes the collectives out of forward and backward at the run's own slot count
-  (:mod:`dtrain.explain.sharded`: the communication row, and DDP on the same slots), which still says nothing
-  of how they grow with slots or hosts.
+  step as measured. Its end-of-run probe, where the gathered model fit, takes the collectives out of forward
+  and backward at the run's own slot count (:mod:`dtrain.explain.sharded`: the communication row, and DDP on
+  the same slots) and counts them: then other slots and hosts are priced too, the collectives held as
+  measured and scaled by the ring on the link the ranks measured; aggregation, compression and buckets not.
 
 Where a change is not priced, the doctor, ``--try`` and ``dtrain plan`` say why in one line and point to
 measuring it (``--verify``; ``dtrain compare`` for strategies), never to a number.
@@ -55,10 +55,17 @@ class Unpriced:
     reason: str
     keys: tuple[str, ...] | None
     aside: str = ""  # what the doctor's table shows of it, where that reads oddly
+    alone: str = ""  # why one slot is not priced either (from a run of several), where it is not
 
     def covers(self, target: Target, here: Target) -> bool:
         """Whether ``target`` (a change of the run at ``here``) is one the model does not price."""
-        return self.keys is None or moves_exchange(target, here, self.keys)
+        return self.reason_for(target, here) is not None
+
+    def reason_for(self, target: Target, here: Target) -> str | None:
+        """Why ``target`` (a change of the run at ``here``) is not priced; None: it is."""
+        if self.alone and target.slots == 1 < here.slots:
+            return self.alone
+        return self.reason if self.keys is None or moves_exchange(target, here, self.keys) else None
 
     def covers_key(self, key: str) -> bool:
         """Whether a change of ``key`` (as ``--try`` spells it) is one the model does not price."""
@@ -72,15 +79,25 @@ class Unpriced:
         names = [NAMES[key] for key in self.keys]
         return "a change of " + (", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0])
 
-    def message(self, what: str) -> str:
-        """'cannot predict WHAT because ...; <how to measure it>'."""
-        return f"cannot predict {what} because {self.reason}; {MEASURE}"
+    def message(self, what: str, reason: str | None = None) -> str:
+        """'cannot predict WHAT because ...; <how to measure it>' (``reason``: another than the run's own)."""
+        return f"cannot predict {what} because {reason or self.reason}; {MEASURE}"
 
 
 # A sharded run whose end-of-run probe took its collectives out of forward and backward (dtrain.explain.sharded).
 SPLIT = ("its all-gathers and reduce-scatters (one of each per unit and step, and a second all-gather) were "
          "measured at the end of the run at its own slot count only: how they grow with slots and hosts is not "
          "modelled")
+
+
+# What stays unpriced of a sharded run whose collectives were counted.
+SHARDED_KEPT = ("FSDP all-gathers each unit's parameters and reduce-scatters its gradients every step, inside "
+                "forward and backward: aggregation (gradients then held unsharded), compression and DDP's buckets "
+                "do not apply as they do to DDP's all-reduce")
+
+SHARDED_ALONE = ("on one slot dtrain trains the model unsharded, without FSDP's hooks and its optimizer's step on "
+                 "DTensor shards, which this run's compute and optimizer include and did not measure apart (on a "
+                 "CPU they can be most of a small model's step)")
 
 
 def unpriced(profile: ProfileRecord) -> Unpriced | None:
@@ -92,6 +109,11 @@ def unpriced(profile: ProfileRecord) -> Unpriced | None:
     aside = ASIDES.get(found, "")
     if found == SHARDED and profile.sharded_exchange is not None:
         why, aside = SPLIT, ""
+        if profile.sharded_exchange.collectives and profile.comm_probe is not None:
+            # Counted, and a link measured among the ranks: FSDP's collectives are priced at other slots and
+            # hosts by the ring (dtrain.explain.costmodel: held, scaled); not how often or how they are sent.
+            return Unpriced(f"sync.strategy {profile.strategy} exchanges otherwise than DDP: {SHARDED_KEPT}",
+                            (AGGREGATION, COMPRESSION, FUSION), alone=SHARDED_ALONE)
     return Unpriced(f"sync.strategy {profile.strategy} exchanges otherwise than DDP: {why}",
                     UNPRICED_KEYS.get(found), aside)
 

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from dtrain.explain.advice import probe_growth
 from dtrain.explain.precision import batch_spread
-from dtrain.profiling.record import ALL_REDUCE, SERVER, ProfileRecord
+from dtrain.profiling.record import ALL_REDUCE, SERVER, SHARDED, ProfileRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +61,18 @@ class CompressionFacts:
 
 
 @dataclass(frozen=True, slots=True)
+class ShardedFacts:
+    """A sharded (FSDP) run's collectives per step: how many, the bytes they gather and scatter in all, the
+    seconds its forward and backward spent beyond the end-of-run probe's with the parameters held gathered
+    (the collectives and their waiting), and its optimizer step (of its shard: 1/slots of the parameters)."""
+
+    collectives: int
+    nbytes: float
+    seconds: float
+    optimizer: float
+
+
+@dataclass(frozen=True, slots=True)
 class Facts:
     """What the model knows of one configuration that ran (or, on paper, that was described): the inputs of
     :class:`CostModel`, typed, from :meth:`from_profile` or :mod:`dtrain.explain.paper`."""
@@ -111,6 +123,9 @@ class Facts:
     exchange: str = ALL_REDUCE
     # A DDP model of a sharded (FSDP) run's slots (dtrain.explain.sharded): its compute and optimizer are FSDP's.
     replica_of_sharded: bool = False
+    # A sharded run whose collectives were counted and taken out of its compute (its compute is then the probe's
+    # with the parameters held gathered): they are held as measured and scaled by the ring to other slots.
+    sharded: ShardedFacts | None = None
 
     @classmethod
     def from_profile(cls, p: ProfileRecord) -> Facts:
@@ -139,6 +154,24 @@ class Facts:
             optimizer_concurrent=p.batch_scaling.optimizer_seconds if p.batch_scaling is not None else 0.0,
             gradient_bytes=tuple(tuple(model) for model in p.gradient_bytes or ()), exchange=exchange_kind(p))
 
+    @classmethod
+    def of_profile(cls, p: ProfileRecord) -> Facts:
+        """:meth:`from_profile`, and for a sharded run whose collectives were counted, its collectives taken out
+        of its compute (:func:`sharded_split`): what the cost model prices."""
+        facts = cls.from_profile(p)
+        found = sharded_split(p, facts.compute)
+        probe = p.sharded_exchange
+        if facts.exchange != SHARDED or found is None or probe is None or not probe.collectives:
+            return facts
+        local, collectives = found
+        batch = facts.per_slot_batch or 1
+        # The probe timed forward and backward at the run's batch only: compute in proportion to the batch (the
+        # batch probe of a sharded run ran its collectives too). The run's optimizer stepped its shard.
+        sharded = ShardedFacts(probe.collectives, float(probe.collective_bytes or 0.0), collectives,
+                               _mean_phase(p, "optimizer"))
+        return replace(facts, compute=local, work=Work({facts.threads: (0.0, local / batch)}), threads_probed=False,
+                       concurrent_work=None, sharded=sharded)
+
     def to_json(self) -> dict[str, object]:
         """The facts as plain JSON (the stored held-out rows keep the inputs their predictions came from)."""
         out = asdict(self)
@@ -152,9 +185,11 @@ class Facts:
         values = {k: v for k, v in data.items() if k in known}
         work = values.pop("work")
         costs = values.pop("compression_costs", None)
+        sharded = values.pop("sharded", None)
         built = cls(**values, work=Work({int(t): (float(a), float(c))  # type: ignore[arg-type]
                                          for t, (a, c) in work.items()}))  # type: ignore[union-attr]
-        return replace(built, compression_costs=CompressionFacts(**costs) if isinstance(costs, dict) else None,
+        return replace(built, sharded=ShardedFacts(**sharded) if isinstance(sharded, dict) else None,  # type: ignore[arg-type]
+                       compression_costs=CompressionFacts(**costs) if isinstance(costs, dict) else None,
                        link_points=tuple(tuple(p) for p in built.link_points),  # type: ignore[misc]
                        windows=tuple(built.windows),
                        optimizer_solo=tuple((int(t), float(s)) for t, s in built.optimizer_solo),
@@ -169,7 +204,7 @@ class Facts:
     @property
     def holds_exchange(self) -> bool:
         """Whether the model holds the run's exchange as measured (a parameter server's) rather than pricing it."""
-        return self.exchange == SERVER
+        return self.exchange == SERVER or self.sharded is not None
 
     @property
     def local_slots(self) -> int:
@@ -213,6 +248,18 @@ def exchange_kind(profile: ProfileRecord) -> str:
         return registry.lookup(profile.strategy).exchange
     except KeyError:
         return ALL_REDUCE
+
+
+def sharded_split(p: ProfileRecord, run_compute: float) -> tuple[float, float] | None:
+    """A sharded run's forward and backward per step (``run_compute``) as (compute, collectives) by its
+    end-of-run probe; None where not probed. The probe's least step with the parameters held gathered is the
+    compute; all the rest of the run's mean counts as collectives: the run's steps beyond the probe's least are
+    mostly waiting at them (each all-gather waits for the slowest rank, several times a step)."""
+    probe = p.sharded_exchange
+    if p.exchange != SHARDED or probe is None or probe.local_seconds <= 0:
+        return None
+    compute = min(run_compute, probe.local_seconds)
+    return compute, max(0.0, run_compute - compute)
 
 
 def linear_contention(measured: float, slots: int, run_slots: int) -> float:

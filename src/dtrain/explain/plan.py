@@ -19,7 +19,7 @@ from dtrain.errors import UserError
 from dtrain.explain import precision
 from dtrain.explain.costmodel import CostModel, Link, Prediction, Target
 from dtrain.explain.doctor import unobserved_note
-from dtrain.explain.exchange import unpriced
+from dtrain.explain.exchange import SLOTS, unpriced
 from dtrain.explain.finish import finish, run_costs
 from dtrain.explain.plandoc import Input, Measured, PlanDocument, PlanRow, RunCostsFacts
 from dtrain.explain.predictor import target_at
@@ -154,6 +154,10 @@ def build_model(run_dir: Path, link: Link | None = None, probe: bool = False,
     if not profile.phases_observed:  # compute would be priced at zero: a confident wrong prediction
         raise UserError(f"dtrain plan cannot predict {run_dir}: {unobserved_note(profile)}")
     if (found := unpriced(profile)) is not None:  # every row is another slot count: priced as DDP's, wrongly
+        if not found.covers_key(SLOTS):  # a sharded run: its slots are priced, its rows (DDP's options) not
+            raise UserError(f"dtrain plan cannot predict {run_dir}: its table prices DDP's options and one slot, "
+                            f"and {found.reason}; dtrain doctor {run_dir} --try resources.slots_per_trial=N "
+                            "[--try nodes=N --link RATE] predicts its other slot and host counts")
         raise UserError(f"dtrain plan cannot predict {run_dir}: {found.reason}; dtrain bench "
                         f"{run_dir / 'config.yaml'} --slots 2,4 measures slot counts")
     measured_link = profile.slots > 1 and profile.comm_probe is not None

@@ -55,7 +55,7 @@ class Predictor:
     def refusal(self, target: Target) -> str | None:
         """Why ``target`` is not priced for this run (None: it is)."""
         found = self.unpriced
-        return found.reason if found is not None and found.covers(target, self.here) else None
+        return found.reason_for(target, self.here) if found is not None else None
 
     def predict(self, target: Target, less_step: float = 0.0) -> Gain:
         """``target``'s gain over the run (``less_step``: seconds a change removes that the model does not

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from dtrain.explain.costmodel import CostModel, Source
-from dtrain.explain.facts import Work
-from dtrain.profiling.record import ALL_REDUCE, SHARDED, ProfileRecord
+from dtrain.explain.facts import Facts, Work, sharded_split
+from dtrain.profiling.record import ALL_REDUCE, ProfileRecord
 
 # Beyond the link, DDP's exchange in training waits and wakes up: not measured on a sharded run. Its share of
 # a step's uncertainty is held at this (the doctor's "DDP instead" is a measured-compute estimate).
@@ -34,17 +34,12 @@ class Split:
 
 
 def split(profile: ProfileRecord, run_compute: float) -> Split | None:
-    """``run_compute`` (a rank's forward + backward per step) split by the probe; None where not probed."""
-    probe = profile.sharded_exchange
-    if profile.exchange != SHARDED or probe is None or probe.local_seconds <= 0:
-        return None
-    # The probe's least local step is the compute; all the rest of the run's mean counts as collectives. The
-    # run's steps beyond the probe's least are mostly waiting at the collectives (each all-gather waits for the
-    # slowest rank, several times a step), which DDP's one exchange would not repeat as often. Splitting the
-    # mean in the probe's proportion instead put far more compute in DDP than DDP's own run measured
-    # (docs/benchmarks.md).
-    compute = min(run_compute, probe.local_seconds)
-    return Split(compute, max(0.0, run_compute - compute))
+    """``run_compute`` (a rank's forward + backward per step) split by the probe; None where not probed. The
+    probe's least local step is the compute; all the rest of the run's mean counts as collectives. Splitting the
+    mean in the probe's proportion instead put far more compute in DDP than DDP's own run measured
+    (docs/benchmarks.md)."""
+    found = sharded_split(profile, run_compute)
+    return Split(*found) if found is not None else None
 
 
 def probe_words(profile: ProfileRecord) -> str:
@@ -69,7 +64,7 @@ class Instead:
 def ddp_instead(profile: ProfileRecord, model: CostModel) -> Instead | None:
     """The run as DDP would run it on the same slots (None where the probe did not run, or no link was
     measured among the ranks to price the all-reduce on)."""
-    f = model.facts
+    f = replace(Facts.from_profile(profile), link_points=model.facts.link_points, link_world=model.facts.link_world)
     found = split(profile, f.compute)
     if found is None or f.slots < 2 or not f.link_points:
         return None

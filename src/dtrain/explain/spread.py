@@ -45,7 +45,10 @@ def exposures(model: CostModel, target: Target, parts: dict[str, float], step: f
         out["batch_extrapolation"] = compute * abs(math.log(batch / f.per_slot_batch))
     if f.replica_of_sharded:  # DDP priced from an FSDP run: its compute and optimizer were FSDP's
         out["sharded_to_replica"] = step
-    if f.holds_exchange:  # a parameter server's, as the run measured it per update
+    if f.sharded is not None:  # FSDP's collectives, held as measured and scaled by the ring to other slots
+        if (target.slots, target.nodes) != (f.slots, f.hosts):
+            out["sharded_scaled"] = exchange
+    elif f.holds_exchange:  # a parameter server's, as the run measured it per update
         out["exchange_held"] = exchange
     elif target.slots > 1:
         link = {"measured": "link_measured", "probed": "link_probe"}.get(model.link_source, "link_given")

@@ -67,6 +67,9 @@ class Tries:
         if refused is None and unpriced is not None and unpriced.covers_key(key):
             refused = unpriced.message(f"{key}: {value}")
         priced = self.price(key, value) if refused is None else Priced(None, {"change": f"{key}: {value}"}, refused)
+        why = self.predictor.refusal(priced.target) if priced.target is not None and unpriced is not None else None
+        if why is not None and unpriced is not None:  # a value of a priced key that is not (one slot of FSDP)
+            priced = Priced(None, priced.inputs, unpriced.message(f"{key}: {value}", why))
         if priced.target is None:
             return TryResult(item, key, value, None, None, None, None, priced.inputs, priced.why)
         predictor = self.predictor if not self._needs_link(priced.target) else self.linked()

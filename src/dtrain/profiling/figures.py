@@ -188,7 +188,10 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
                                    powersgd_rank=int(first["probe_powersgd_rank"]))
                    if first.get("probe_powersgd_bytes", 0.0) > 0 else None)
     probed_load = mean("probe_load") > 0
-    sharded = (ShardedExchange(step_seconds=mean("probe_sharded_step"), local_seconds=mean("probe_sharded_local"))
+    counted = mean("probe_sharded_collectives") > 0
+    sharded = (ShardedExchange(step_seconds=mean("probe_sharded_step"), local_seconds=mean("probe_sharded_local"),
+                               collectives=round(mean("probe_sharded_collectives")) if counted else None,
+                               collective_bytes=mean("probe_sharded_bytes") if counted else None)
                if all(r.get("probe_sharded_local", 0.0) > 0 for r in per_rank) else None)
     return {"batch_scaling": batch_scaling, "solo_probe": solo, "compression_cost": compression,
             "sharded_exchange": sharded,

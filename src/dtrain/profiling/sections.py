@@ -227,10 +227,15 @@ class ShardedExchange(Section):
     """``sharded_exchange``: a sharded (FSDP) run's forward and backward at the end of the run, on every rank at
     once, least seconds: ``step_seconds`` as the run ran them (all-gathers and reduce-scatters inside),
     ``local_seconds`` with every parameter held gathered and no gradient reduced (as a replica per slot would
-    run them); means over the ranks (:mod:`dtrain.profiling.shardprobe`)."""
+    run them); means over the ranks (:mod:`dtrain.profiling.shardprobe`); and how many collectives a step ran.
+    """
 
     step_seconds: float
     local_seconds: float
+    # FSDP's collectives per step and the bytes they move in all (absent: a profile of an older dtrain), which
+    # the cost model scales to other slot and host counts (dtrain.explain.sharded).
+    collectives: int | None = None
+    collective_bytes: float | None = None
 
 
 MODEL_STEPS_VERSION = 1

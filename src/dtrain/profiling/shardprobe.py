@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 from dtrain import dist as ddist
 from dtrain.profiling.clock import synchronized_now
 
-FIELDS = ("probe_sharded_step", "probe_sharded_local")
+FIELDS = ("probe_sharded_step", "probe_sharded_local", "probe_sharded_collectives", "probe_sharded_bytes")
 # Share of the free memory the gathered parameters and their gradients may take.
 MEMORY_SHARE = 0.5
 
@@ -113,7 +113,26 @@ def sharded_exchange(models: Sequence[nn.Module], optimizers: Sequence[torch.opt
             return {}
         if round_ and seconds is not None:
             least = {local: min(least[local], seconds[local]) for local in least}
-    return {"probe_sharded_step": least[False], "probe_sharded_local": least[True]}
+    count, nbytes = collectives(modules, roots)
+    return {"probe_sharded_step": least[False], "probe_sharded_local": least[True],
+            "probe_sharded_collectives": float(count), "probe_sharded_bytes": float(nbytes)}
+
+
+def collectives(modules: list[nn.Module], roots: set[int]) -> tuple[int, int]:
+    """FSDP's collectives in one training step and the bytes they gather or scatter in all: each unit with
+    parameters of its own all-gathers them before forward, again before backward unless it is a root (which
+    keeps them gathered after forward), and reduce-scatters their gradients (as large as the parameters)."""
+    units = {id(m) for m in modules}
+    count = nbytes = 0
+    for m in modules:
+        nested = {id(p) for child in m.modules() if child is not m and id(child) in units for p in child.parameters()}
+        own = sum(p.numel() * p.element_size() for p in m.parameters() if id(p) not in nested)
+        if own == 0:
+            continue
+        gathers = 1 if id(m) in roots else 2
+        count += gathers + 1
+        nbytes += (gathers + 1) * own
+    return count, nbytes
 
 
 def _round(modules: list[nn.Module], roots: set[int], models: Sequence[nn.Module], train: Callable[[], object],
