@@ -201,14 +201,15 @@ class CostModel:
 
     def _held(self) -> CostModel:
         """This model with the run's exchange held as measured per update, not priced from a link: a parameter
-        server's whatever its link; a sharded run's FSDP collectives, scaled to other slots and hosts by the
-        ring on the run's link (:meth:`_held_scale`)."""
+        server's whatever its link; a sharded run's FSDP collectives, priced at other slots and hosts from them
+        (:meth:`_sharded_collectives`)."""
         link = self.link
         self.link = None  # the held exchange is all the run spent beyond its compute, data and fixed work
         self.held_exchange = max(0.0, self._measured_exchange())
         self.overhead_source = "measured"
-        what = ("FSDP's all-gathers and reduce-scatters per step (held as measured, scaled to other slots and hosts "
-                "by the ring on the run's link)" if self.facts.sharded is not None
+        what = ("FSDP's all-gathers and reduce-scatters per step (held as measured; at other slots and hosts what the "
+                "ring on the run's link leaves of it grows with the ring's steps, and the ring is priced there)"
+                if self.facts.sharded is not None
                 else "exchange per update (held as measured: not priced from a link)")
         self.sources.append(Source(what, f"{1e3 * self.held_exchange:.2f} ms", "measured"))
         if self.facts.sharded is not None:
@@ -311,9 +312,9 @@ class CostModel:
         exchange = compression = 0.0
         if f.sharded is not None:
             # FSDP's collectives wait far more than they compute: on a crowded host other slots run meanwhile (digits
-            # on 2 cores, 2.1x and 3.2x the 2-slot run's collectives at 3 and 4 slots, where the ring gives 2x
-            # and 3x and taking turns 3x and 6x: docs/benchmarks.md). Each slot steps its shard of the parameters.
-            exchange = self.held_exchange * self._held_scale(target)
+            # on 2 cores, 2.1x and 3.2x the 2-slot run's collectives at 3 and 4 slots, where the ring's steps give
+            # 2x and 3x and taking turns 3x and 6x: docs/benchmarks.md). Each slot steps its shard of the parameters.
+            exchange = self._sharded_collectives(target)
             fixed += f.sharded.optimizer / f.crowd * crowd * (f.slots / target.slots - 1)
         elif f.holds_exchange:  # on a crowded host its processes take turns on the cores too
             exchange = self.held_exchange * crowd / f.crowd
@@ -395,16 +396,18 @@ class CostModel:
             seconds = min(seconds, tree)
         return seconds
 
-    def _held_scale(self, target: Target) -> float:
-        """FSDP's collectives at ``target`` over the run's: by the ring's steps and bytes (each all-gather or
-        reduce-scatter is half a ring all-reduce: (N-1) latencies and (N-1)/N of its bytes through each link);
-        none on one slot."""
+    def _sharded_collectives(self, target: Target) -> float:
+        """FSDP's collectives per step at ``target``: the run's, beyond what the ring's latencies and bytes on its
+        link account for (FSDP's copies, Gloo's or NCCL's own work, waiting for peers), per ring step as the run
+        measured it, plus the ring's latencies and bytes at ``target`` (each all-gather or reduce-scatter is half
+        a ring all-reduce: N-1 steps, (N-1)/N of its bytes through each link); none on one slot."""
         sharded = self.facts.sharded
         if sharded is None or target.slots <= 1:
             return 0.0
-        here = self._sharded_ring(self.measured_target(), sharded.collectives, sharded.nbytes)
-        there = self._sharded_ring(target, sharded.collectives, sharded.nbytes)
-        return there / here if here > 0 else 1.0
+        here = self.measured_target()
+        beyond = max(0.0, self.held_exchange - self._sharded_ring(here, sharded.collectives, sharded.nbytes))
+        steps = (target.slots - 1) / max(1, here.slots - 1)
+        return beyond * steps + self._sharded_ring(target, sharded.collectives, sharded.nbytes)
 
     def _sharded_ring(self, target: Target, collectives: int, nbytes: float) -> float:
         latency = self._allreduce(0.0, target)
