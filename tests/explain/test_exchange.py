@@ -131,9 +131,17 @@ def test_fsdp_collectives_counted_are_scaled_by_the_ring_to_other_slots_and_host
     for item in ("optimizations.aggregation_frequency=4", "optimizations.tensor_fusion_threshold=0"):
         assert tries[item]["gain"] is None and "exchanges otherwise than DDP" in tries[item]["reason"], tries[item]
     assert doc["scaling"]["estimated_one_slot_speedup"] is None
-    # dtrain plan's table is DDP's options and one slot: it points to the doctor's --try.
-    result = cli_in_process("plan", str(run), "--slots", "2,4")
-    assert result.code == 2 and "--try resources.slots_per_trial=N" in result.stderr, result.stderr
+    # dtrain plan gives the same figures for the slot counts it prices, and says what it leaves out: one slot
+    # (no efficiency over it either) and DDP's options.
+    result = cli_in_process("plan", str(run), "--slots", "1,2,4", "--json")
+    assert result.code == 0, result.stderr
+    plan = json.loads(result.stdout)
+    rows = {(r["slots"], r["option"]): r for r in plan["predictions"]}
+    assert set(rows) == {(2, "base"), (4, "base")}, rows
+    assert rows[(4, "base")]["gain"] == pytest.approx(tries["resources.slots_per_trial=4"]["gain"], rel=1e-3)
+    assert rows[(4, "base")]["efficiency"] is None
+    said = next(i for i in plan["inputs"] if i["name"] == "not priced")
+    assert "one slot: on one slot dtrain trains the model unsharded" in said["value"], said
 
 
 def test_fsdp_prices_what_leaves_its_exchange_alone_and_names_what_it_cannot(tmp_path):

@@ -212,8 +212,11 @@ class CostModel:
                 if self.facts.sharded is not None
                 else "exchange per update (held as measured: not priced from a link)")
         self.sources.append(Source(what, f"{1e3 * self.held_exchange:.2f} ms", "measured"))
-        if self.facts.sharded is not None:
+        if self.facts.sharded is not None and link is not None:
             self.link = link
+            self.sources.append(Source("link among the run's slots (FSDP's ring)", f"{1e6 * link.step_latency:.0f} us "
+                                       f"per ring step, {link.busbw / 1e6:,.0f} MB/s (fit residual "
+                                       f"{100 * self.link_residual:.0f}%)", self.link_source))
         return self
 
     def measured_target(self) -> Target:

@@ -101,10 +101,13 @@ def cases(model: CostModel, p: ProfileRecord, slot_counts: list[int], nodes: int
     lower = precision.best(p)
     gain = lower.gain if lower is not None else None
     out = []
+    sharded = model.facts.sharded is not None  # FSDP: other slot and host counts only (dtrain.explain.exchange)
     for n in slot_counts:
+        if sharded and n == 1:
+            continue
         for hosts in sorted({1, nodes} if nodes > 1 and n % nodes == 0 and n >= nodes else {1}):
             out.append(Case(target_at(model, n, hosts)))
-            if n > 1:
+            if n > 1 and not sharded:
                 out.append(Case(target_at(model, n, hosts, aggregation=4), "aggregation"))
                 for compression in ("fp16", "powersgd"):
                     if compression in p.strategy_compressions and compression != p.gradient_compression:
@@ -153,11 +156,8 @@ def build_model(run_dir: Path, link: Link | None = None, probe: bool = False,
     profile = load_run_profile(run_dir)
     if not profile.phases_observed:  # compute would be priced at zero: a confident wrong prediction
         raise UserError(f"dtrain plan cannot predict {run_dir}: {unobserved_note(profile)}")
-    if (found := unpriced(profile)) is not None:  # every row is another slot count: priced as DDP's, wrongly
-        if not found.covers_key(SLOTS):  # a sharded run: its slots are priced, its rows (DDP's options) not
-            raise UserError(f"dtrain plan cannot predict {run_dir}: its table prices DDP's options and one slot, "
-                            f"and {found.reason}; dtrain doctor {run_dir} --try resources.slots_per_trial=N "
-                            "[--try nodes=N --link RATE] predicts its other slot and host counts")
+    found = unpriced(profile)
+    if found is not None and found.covers_key(SLOTS):  # every row is another slot count: priced as DDP's, wrongly
         raise UserError(f"dtrain plan cannot predict {run_dir}: {found.reason}; dtrain bench "
                         f"{run_dir / 'config.yaml'} --slots 2,4 measures slot counts")
     measured_link = profile.slots > 1 and profile.comm_probe is not None
@@ -191,7 +191,8 @@ def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | Non
                         "run dtrain plan --probe on the host it trained on, or give --link RATE,LATENCY")
     costs = run_costs(run_dir, p)
     total = costs.total_batches
-    one = model.predict(Target(1))
+    unpriced_here = unpriced(p)
+    one = model.predict(Target(1)) if model.facts.sharded is None else None
     mine = as_ran(p, model)
     predictions = []
     for case in cases(model, p, slot_counts, nodes):
@@ -205,6 +206,10 @@ def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | Non
             row.seconds_to_finish = row.finish["configured"]["seconds"]
         predictions.append(row)
     inputs = [Input(s.name, s.value, s.source) for s in model.sources]
+    if unpriced_here is not None and model.facts.sharded is not None:
+        # What the table leaves out for a sharded run, in the doctor's words.
+        inputs.append(Input("not priced", unpriced_here.reason + (f"; one slot: {unpriced_here.alone}" if 1 in
+                                                                  slot_counts else ""), "said"))
     if nodes > 1 and p.hosts == 1 and model.between_hosts is None:
         inputs.append(Input("link between hosts", LOOPBACK_BETWEEN_HOSTS, "assumed"))
     return PlanDocument(str(run_dir), Measured(p.slots, p.hosts, p.samples_per_second, mine.samples_per_second),
@@ -242,7 +247,8 @@ def render(doc: PlanDocument) -> str:
     for p in doc.predictions:
         done = p.seconds_to_finish
         cells = [str(p.slots), str(p.nodes), p.change, f"{p.samples_per_second:,.0f}",
-                 f"{p.low:,.0f}-{p.high:,.0f}", f"{100 * p.efficiency:.0f}%", f"{1e3 * p.seconds_per_step:.2f}",
+                 f"{p.low:,.0f}-{p.high:,.0f}", f"{100 * p.efficiency:.0f}%" if p.efficiency is not None else "-",
+                 f"{1e3 * p.seconds_per_step:.2f}",
                  (p.widest_input or "-").split(" (")[0] if doc.what_if
                  else _duration(done) if done is not None else "-"]
         if priced:

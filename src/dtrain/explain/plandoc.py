@@ -24,7 +24,7 @@ class PlanRow:
     samples_per_second: float
     low: float
     high: float
-    efficiency: float
+    efficiency: float | None  # over linear scaling from one slot (None: one slot not priced, a sharded run's)
     seconds_per_step: float
     seconds_per_step_low: float
     seconds_per_step_high: float
@@ -36,12 +36,12 @@ class PlanRow:
     extra: Json = field(default_factory=dict)  # figures a newer paper document adds, kept as they are
 
     @classmethod
-    def of(cls, target: Target, option: str, change: str, pred: Prediction, one: Prediction) -> PlanRow:
-        """The row of ``pred`` (``one``: one slot, for the efficiency)."""
+    def of(cls, target: Target, option: str, change: str, pred: Prediction, one: Prediction | None) -> PlanRow:
+        """The row of ``pred`` (``one``: one slot, for the efficiency; None where one slot is not priced)."""
+        efficiency = pred.samples_per_second / (target.slots * one.samples_per_second) if one is not None else None
         return cls(target.slots, target.nodes, option, change, pred.samples_per_second,
-                   pred.samples_per_second_low, pred.samples_per_second_high,
-                   pred.samples_per_second / (target.slots * one.samples_per_second), pred.step, pred.low, pred.high,
-                   pred.parts)
+                   pred.samples_per_second_low, pred.samples_per_second_high, efficiency, pred.step, pred.low,
+                   pred.high, pred.parts)
 
     def to_json(self) -> Json:
         out: Json = {"slots": self.slots, "nodes": self.nodes, "option": self.option, "change": self.change,
