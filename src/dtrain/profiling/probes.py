@@ -40,7 +40,7 @@ from dtrain.profiling.modelsteps import restored, time_model_steps
 from dtrain.profiling.record import SHARDED, ModelSteps
 from dtrain.profiling.runfacts import ProbeHooks, RunFacts
 from dtrain.profiling.shardprobe import FIELDS as SHARDED_FIELDS
-from dtrain.profiling.shardprobe import sharded_exchange
+from dtrain.profiling.shardprobe import fits_unsharded, sharded_exchange
 
 # Thread counts the solo probe tries: the run's own, one, and every core (at most this many).
 SOLO_THREADS = 3
@@ -219,6 +219,12 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
         own_step = "optimizer" in facts.unobserved_phases
         repeats = ddist.least_over_ranks(0 if own_step else repeats, facts.strategy.dp_group)
     if repeats < 1:
+        return ProbeResult(zeros)
+    # The work probe runs without gradient sync: a sharded model's gradients stay whole on every rank (and the
+    # double batch's activations beside them). A model sharded because it does not fit whole is not probed.
+    if facts.strategy.exchange == SHARDED and not fits_unsharded(facts.models, facts.optimizers, facts.device,
+                                                                  facts.strategy.dp_group, facts.local_ranks):
+        log.info("batch probe skipped: the sharded model's whole gradients would not fit beside it")
         return ProbeResult(zeros)
     steps: ModelSteps | None = None
     try:

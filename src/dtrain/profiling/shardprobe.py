@@ -65,6 +65,16 @@ def _replica_bytes(models: Sequence[nn.Module], optimizers: Sequence[torch.optim
     return 3 * params + state
 
 
+def fits_unsharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
+                   group: ProcessGroup | None, local_ranks: int) -> bool:
+    """Whether DDP's footprint of the models (:func:`_replica_bytes`) fits in :data:`MEMORY_SHARE` of the memory
+    free for each of the host's ``local_ranks`` ranks, on every rank (a collective: every rank calls it). A
+    probe that holds a sharded model's parameters or gradients unsharded runs only where it does: one rank out
+    of memory alone would leave the others waiting in the probe's next collective."""
+    free = MEMORY_SHARE * _free_bytes(device) / (max(1, local_ranks) if device.type == "cpu" else 1)
+    return _agreed(_replica_bytes(models, optimizers) <= free, group)
+
+
 def _agreed(ok: bool, group: ProcessGroup | None) -> bool:
     """Whether ``ok`` holds on every rank (a collective)."""
     return ddist.least_over_ranks(int(ok), group) == 1
@@ -102,8 +112,7 @@ def sharded_exchange(models: Sequence[nn.Module], optimizers: Sequence[torch.opt
     modules = _fsdp_modules(models)
     if not modules or not ddist.is_distributed(group):
         return {}
-    free = MEMORY_SHARE * _free_bytes(device) / (max(1, local_ranks) if device.type == "cpu" else 1)
-    if not _agreed(_replica_bytes(models, optimizers) <= free, group):
+    if not fits_unsharded(models, optimizers, device, group, local_ranks):
         return {}
     roots = {id(m) for m in models if m in modules}
     least = {True: float("inf"), False: float("inf")}
