@@ -14,6 +14,7 @@ from profiles import make_profile, write
 from dtrain.explain import exchange
 from dtrain.explain.costmodel import CostModel
 from dtrain.explain.doctor import diagnose, render
+from dtrain.explain.plan import parse_link
 from dtrain.explain.predictor import target_at
 from dtrain.explain.spread import uncertainties
 
@@ -123,8 +124,13 @@ def test_fsdp_collectives_counted_are_scaled_by_the_ring_to_other_slots_and_host
     tries = {t["try"]: t for t in doc["tries"]}
     assert tries["resources.slots_per_trial=4"]["gain"] == pytest.approx(
         model.predict(here).step / four.step, rel=1e-3)
-    # The run's two slots on two hosts over a slow link: the collectives cross it (300 kB at 12.5 MB/s).
-    assert 0 < tries["nodes=2"]["gain"] < 0.6
+    # Two hosts over the given link: the collectives cross it (300 kB at 12.5 MB/s), priced on that link.
+    linked = CostModel.from_profile(_fsdp(sharded_exchange=COUNTED, comm_probe=LINK),
+                                    between_hosts=parse_link("100mbit"))
+    across = linked.predict(target_at(linked, slots=4, nodes=2))
+    assert tries["nodes=2"]["gain"] == pytest.approx(model.predict(here).step / across.step, rel=1e-3)
+    assert tries["nodes=2"]["gain"] < tries["resources.slots_per_trial=4"]["gain"] / 1.5
+    assert tries["nodes=2"]["inputs"]["link between hosts"] == "100mbit [given]"
     # One slot trains the model unsharded: FSDP's own hooks were not measured apart, so no figure.
     one = tries["resources.slots_per_trial=1"]
     assert one["gain"] is None and "trains the model unsharded" in one["reason"], one
@@ -142,6 +148,21 @@ def test_fsdp_collectives_counted_are_scaled_by_the_ring_to_other_slots_and_host
     assert rows[(4, "base")]["efficiency"] is None
     said = next(i for i in plan["inputs"] if i["name"] == "not priced")
     assert "one slot: on one slot dtrain trains the model unsharded" in said["value"], said
+
+
+def test_fsdp_collectives_are_not_priced_from_a_link_slower_than_the_run_nor_with_aggregation():
+    # A link fit slower than the run's own collectives (each ring step 5 ms): they are scaled to the run's, so
+    # the run is reproduced, and other slot counts grow by the ring's ratio.
+    slow = {**LINK, "points": [{"bytes": b, "seconds": 1e-2 + b / 1e9} for b in (4096, 65536, 2**20, 8 * 2**20)]}
+    model = CostModel.from_profile(_fsdp(sharded_exchange=COUNTED, comm_probe=slow))
+    here = model.measured_target()
+    assert model.predict(here).step == pytest.approx(sum(STEP.values()))
+    roomy = model.predict(replace(here, slots=4, threads=1, cores=8))
+    assert roomy.parts["exchange"] == pytest.approx(0.009 * _ring(model, 4) / _ring(model, 2), rel=1e-6)
+    # With aggregation, FSDP reduce-scatters once per update but all-gathers every step: not counted so.
+    aggregated = _fsdp(sharded_exchange=COUNTED, comm_probe=LINK, aggregation_frequency=4)
+    assert CostModel.from_profile(aggregated).facts.sharded is None
+    assert exchange.unpriced(aggregated).covers_key(exchange.SLOTS)
 
 
 def test_fsdp_prices_what_leaves_its_exchange_alone_and_names_what_it_cannot(tmp_path):
@@ -173,6 +194,12 @@ def test_a_parameter_server_run_prices_what_leaves_its_exchange_alone_with_the_e
     # The server's exchange (push, the servers' step, pull) is held per update as the run measured it.
     model = CostModel.from_profile(_server())
     assert model.held_exchange == pytest.approx(SERVER_STEP["comm_exposed"])
+    # Two workers whose exchanges reached some rate: still no link (a server is no ring), so none is doubted.
+    two = CostModel.from_profile(make_profile(
+        [SERVER_STEP, SERVER_STEP], strategy="parameter_server", exchange="server", strategy_compressions=["none"],
+        tensor_fusion_threshold_mb=None, comm={"bytes_per_step": 2e5, "busy_seconds_per_step": 0.0013,
+                                               "exposed_seconds_per_step": 0.0013, "algbw_bytes_per_second": 1e8}))
+    assert (two.link, two.link_source, two.link_residual) == (None, "none", 0.0)
     here = model.measured_target()
     assert model.predict(here).step == pytest.approx(sum(SERVER_STEP.values()))
     rest = sum(SERVER_STEP.values()) - SERVER_STEP["comm_exposed"]

@@ -219,9 +219,9 @@ def fit_terms(rows: list[Row], start: Fitted) -> tuple[Fitted, list[str]]:
 
 
 def _least_on_grid(grid: tuple[float, ...], present: float, cost: Callable[[float], float]) -> float:
-    """The value of ``grid`` (ascending) where ``cost`` is least, walking from the one nearest ``present`` to a
-    neighbour that costs less (towards the smaller on a tie, as :func:`min` over the whole grid would pick) until
-    neither does. One term's error over the rows that expose it has a single valley: the walk prices the few
+    """The value of ``grid`` (ascending) where ``cost`` is least, walking from the one nearest ``present`` to the
+    neighbour that costs less until neither does (then to the smallest of a flat floor, as :func:`min` over the
+    whole grid would pick). One term's error over the rows that expose it has a single valley: the walk prices the few
     values between the present one and the least where a sweep priced every one (a held-out table refits each
     term once per configuration left out; tests/explain/test_plan_accuracy.py compares the two)."""
     prices: dict[int, float] = {}
@@ -232,9 +232,17 @@ def _least_on_grid(grid: tuple[float, ...], present: float, cost: Callable[[floa
         return prices[i]
 
     at = min(range(len(grid)), key=lambda i: abs(grid[i] - present))
-    step = -1 if at > 0 and price(at - 1) <= price(at) else 1
-    while 0 <= at + step < len(grid) and (price(at + step) <= price(at) if step < 0 else price(at + step) < price(at)):
-        at += step
+    while True:  # down the valley, to the cheaper side
+        left = price(at - 1) if at > 0 else math.inf
+        right = price(at + 1) if at + 1 < len(grid) else math.inf
+        if left < price(at) and left <= right:
+            at -= 1
+        elif right < price(at):
+            at += 1
+        else:
+            break
+    while at > 0 and price(at - 1) == price(at):  # a flat floor: its smallest value, as min() picks
+        at -= 1
     return grid[at]
 
 

@@ -207,6 +207,8 @@ class CostModel:
         self.link = None  # the held exchange is all the run spent beyond its compute, data and fixed work
         self.held_exchange = max(0.0, self._measured_exchange())
         self.overhead_source = "measured"
+        if self.facts.sharded is None:  # a server's exchange is no ring: no link is used, none is uncertain
+            self.link_source, self.link_residual = "none", 0.0
         what = ("FSDP's all-gathers and reduce-scatters per step (held as measured; at other slots and hosts what the "
                 "ring on the run's link leaves of it grows with the ring's steps, and the ring is priced there)"
                 if self.facts.sharded is not None
@@ -217,6 +219,8 @@ class CostModel:
             self.sources.append(Source("link among the run's slots (FSDP's ring)", f"{1e6 * link.step_latency:.0f} us "
                                        f"per ring step, {link.busbw / 1e6:,.0f} MB/s (fit residual "
                                        f"{100 * self.link_residual:.0f}%)", self.link_source))
+            if self.between_hosts is not None:
+                self.sources.append(Source("link between hosts", self.between_hosts.label, "given"))
         return self
 
     def measured_target(self) -> Target:
@@ -318,7 +322,7 @@ class CostModel:
             # on 2 cores, 2.1x and 3.2x the 2-slot run's collectives at 3 and 4 slots, where the ring's steps give
             # 2x and 3x and taking turns 3x and 6x: docs/benchmarks.md). Each slot steps its shard of the parameters.
             exchange = self._sharded_collectives(target)
-            fixed += f.sharded.optimizer / f.crowd * crowd * (f.slots / target.slots - 1)
+            fixed += f.sharded.optimizer / f.crowd * crowd * fixed_scale * (f.slots / target.slots - 1)
         elif f.holds_exchange:  # on a crowded host its processes take turns on the cores too
             exchange = self.held_exchange * crowd / f.crowd
         elif target.slots > 1:
@@ -372,7 +376,7 @@ class CostModel:
         waiting = (self.overhead + jitter * self.exchange_scale) * crowd / f.crowd
         return max(0.0, wire * self.exchange_scale + waiting), math_seconds
 
-    def _allreduce(self, nbytes: float, target: Target) -> float:
+    def _allreduce(self, nbytes: float, target: Target, tree: bool = True) -> float:
         """Seconds of one all-reduce of ``nbytes``: the ring (or NCCL's tree, where faster) through the slower
         link, and each step's latency."""
         n, nodes = target.slots, target.nodes
@@ -393,7 +397,7 @@ class CostModel:
             else:  # the slower link sets the ring's rate
                 wire, between_latency = max(wire, paced), between.latency_seconds
         seconds = 2 * (n - 1) * (link.step_latency + between_latency) + wire
-        if self.facts.device == "cuda" and nodes > 1:
+        if tree and self.facts.device == "cuda" and nodes > 1:
             within, across = tree_latency_steps(n, nodes)
             tree = within * link.step_latency + across * (link.step_latency + between_latency) + wire / TREE_BANDWIDTH
             seconds = min(seconds, tree)
@@ -408,13 +412,19 @@ class CostModel:
         if sharded is None or target.slots <= 1:
             return 0.0
         here = self.measured_target()
-        beyond = max(0.0, self.held_exchange - self._sharded_ring(here, sharded.collectives, sharded.nbytes))
+        # The run's own ring, on the link it measured (a given link between hosts is what a prediction changes).
+        ring_here = replace(self, between_hosts=None)._sharded_ring(here, sharded.collectives, sharded.nbytes)
+        ring_there = self._sharded_ring(target, sharded.collectives, sharded.nbytes)
+        if ring_here > self.held_exchange:  # the link fit was slower than the run's collectives: scaled to them
+            return self.held_exchange * ring_there / ring_here
         steps = (target.slots - 1) / max(1, here.slots - 1)
-        return beyond * steps + self._sharded_ring(target, sharded.collectives, sharded.nbytes)
+        return (self.held_exchange - ring_here) * steps + ring_there
 
     def _sharded_ring(self, target: Target, collectives: int, nbytes: float) -> float:
-        latency = self._allreduce(0.0, target)
-        return (collectives * latency + self._allreduce(nbytes, target) - latency) / 2
+        """FSDP's ``collectives`` moving ``nbytes`` in all by the ring alone (NCCL's all-gather and reduce-scatter
+        run no tree)."""
+        latency = self._allreduce(0.0, target, tree=False)
+        return (collectives * latency + self._allreduce(nbytes, target, tree=False) - latency) / 2
 
     def _descheduled(self, target: Target) -> float:
         """Seconds one collective waits for peers off their cores: a ring step needs its peer running, and with

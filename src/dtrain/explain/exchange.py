@@ -109,7 +109,8 @@ def unpriced(profile: ProfileRecord) -> Unpriced | None:
     aside = ASIDES.get(found, "")
     if found == SHARDED and profile.sharded_exchange is not None:
         why, aside = SPLIT, ""
-        if profile.sharded_exchange.collectives and profile.comm_probe is not None:
+        if (profile.sharded_exchange.collectives and profile.comm_probe is not None
+                and (profile.aggregation_frequency or 1) == 1):
             # Counted, and a link measured among the ranks: FSDP's collectives are priced at other slots and
             # hosts by the ring (dtrain.explain.costmodel: held, scaled); not how often or how they are sent.
             return Unpriced(f"sync.strategy {profile.strategy} exchanges otherwise than DDP: {SHARDED_KEPT}",

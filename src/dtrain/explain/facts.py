@@ -161,16 +161,21 @@ class Facts:
         facts = cls.from_profile(p)
         found = sharded_split(p, facts.compute)
         probe = p.sharded_exchange
-        if facts.exchange != SHARDED or found is None or probe is None or not probe.collectives:
+        if (facts.exchange != SHARDED or found is None or probe is None or not probe.collectives
+                or facts.aggregation != 1):  # (with aggregation its reduce-scatters run once per update)
             return facts
         local, collectives = found
         batch = facts.per_slot_batch or 1
-        # The probe timed forward and backward at the run's batch only: compute in proportion to the batch (the
-        # batch probe of a sharded run ran its collectives too). The run's optimizer stepped its shard.
+        # The probe timed forward and backward at the run's batch and threads only: compute in proportion to the
+        # batch (the batch probe of a sharded run ran its collectives too), and on a CPU to the threads where
+        # fewer (a slot's threads can do no more than all of its work; more are not assumed to help).
+        points = {facts.threads: (0.0, local / batch)}
+        if facts.device == "cpu" and facts.threads > 1:
+            points[1] = (0.0, local * facts.threads / batch)
         sharded = ShardedFacts(probe.collectives, float(probe.collective_bytes or 0.0), collectives,
-                               _mean_phase(p, "optimizer"))
-        return replace(facts, compute=local, work=Work({facts.threads: (0.0, local / batch)}), threads_probed=False,
-                       concurrent_work=None, sharded=sharded)
+                               _mean_phase(p, "optimizer"))  # the run's optimizer stepped its shard
+        return replace(facts, compute=local, work=Work(points), threads_probed=False, concurrent_work=None,
+                       sharded=sharded)
 
     def to_json(self) -> dict[str, object]:
         """The facts as plain JSON (the stored held-out rows keep the inputs their predictions came from)."""

@@ -21,6 +21,7 @@ from dtrain.errors import ConfigError, UserError
 from dtrain.explain import advice, precision, sharded
 from dtrain.explain.costmodel import Link, Target
 from dtrain.explain.diagnosis import ConfigValue, TryResult
+from dtrain.explain.exchange import SLOTS
 from dtrain.explain.plan import LOOPBACK_BETWEEN_HOSTS, as_ran, build_model, parse_link
 from dtrain.explain.predictor import Predictor, TargetValue, target_at
 from dtrain.profiling.record import ProfileRecord
@@ -237,9 +238,12 @@ class Tries:
     def _needs_link(self, target: Target) -> bool:
         """A target priced by ``dtrain plan``'s model: a one-slot run's exchanges (probed), another host count
         than one (the link between hosts), or any count of hosts where a link between them was given. Never
-        for a run whose exchange the model does not price: it prices no change that a link would."""
+        for a change the model does not price for the run's strategy."""
+        found = self.predictor.unpriced
+        if found is not None and (found.covers_key(SLOTS) or self.predictor.refusal(target) is not None):
+            return False  # (a sharded run with its collectives counted prices its slots and hosts: it may)
         given = self.link is not None and self.link.bytes_per_second is not None
-        return self.predictor.unpriced is None and target.slots > 1 and (self.predictor.model.link is None
+        return target.slots > 1 and (self.predictor.model.link is None
                                      or (target.nodes > 1 and (self.profile.hosts == 1 or given)))
 
     def linked(self) -> Predictor:
