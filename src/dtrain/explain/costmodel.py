@@ -87,6 +87,17 @@ class Source:
     source: str  # "measured" (the run), "probed" (dtrain plan --probe), "given" (--link), "assumed"
 
 
+def _link_words(link: RingLink, residual: float) -> str:
+    return (f"{1e6 * link.step_latency:.0f} us per ring step, {link.busbw / 1e6:,.0f} MB/s (fit residual "
+            f"{100 * residual:.0f}%)")
+
+
+def _between_source(between_hosts: Link, f: Facts) -> Source:
+    replaces = " (replaces the link measured between the run's hosts)" if f.hosts > 1 else ""
+    burst = f", a shaper's {between_hosts.burst_bytes:,.0f}-byte burst" if between_hosts.burst_bytes else ""
+    return Source("link between hosts", between_hosts.label + burst + replaces, "given")
+
+
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """Seconds per step by part, the step, and its 80% interval; samples/s the same way."""
@@ -178,8 +189,7 @@ class CostModel:
         if f.holds_exchange:
             return model._held()
         if link is not None:
-            sources.append(Source("link among local slots", f"{1e6 * link.step_latency:.0f} us per ring step, "
-                                  f"{link.busbw / 1e6:,.0f} MB/s (fit residual {100 * residual:.0f}%)", found_source))
+            sources.append(Source("link among local slots", _link_words(link, residual), found_source))
         if f.slots > 1 and found_source in ("measured", "none"):  # no link: the whole exchange is overhead
             model.overhead, model.exchange_scale = model._calibrated_exchange()
             model.overhead_source = "measured"
@@ -194,33 +204,30 @@ class CostModel:
             sources.append(Source("exchange cost in training beyond the link", f"{1e3 * model.overhead:.2f} ms",
                                   model.overhead_source))
         if between_hosts is not None:
-            replaces = " (replaces the link measured between the run's hosts)" if f.hosts > 1 else ""
-            burst = f", a shaper's {between_hosts.burst_bytes:,.0f}-byte burst" if between_hosts.burst_bytes else ""
-            sources.append(Source("link between hosts", between_hosts.label + burst + replaces, "given"))
+            sources.append(_between_source(between_hosts, f))
         return model
 
     def _held(self) -> CostModel:
         """This model with the run's exchange held as measured per update, not priced from a link: a parameter
         server's whatever its link; a sharded run's FSDP collectives, priced at other slots and hosts from them
-        (:meth:`_sharded_collectives`)."""
-        link = self.link
-        self.link = None  # the held exchange is all the run spent beyond its compute, data and fixed work
+        (:meth:`_sharded_collectives`). The held exchange is all the run spent beyond its compute, data and
+        fixed work."""
         self.held_exchange = max(0.0, self._measured_exchange())
         self.overhead_source = "measured"
         if self.facts.sharded is None:  # a server's exchange is no ring: no link is used, none is uncertain
-            self.link_source, self.link_residual = "none", 0.0
-        what = ("FSDP's all-gathers and reduce-scatters per step (held as measured; at other slots and hosts what the "
-                "ring on the run's link leaves of it grows with the ring's steps, and the ring is priced there)"
-                if self.facts.sharded is not None
-                else "exchange per update (held as measured: not priced from a link)")
-        self.sources.append(Source(what, f"{1e3 * self.held_exchange:.2f} ms", "measured"))
-        if self.facts.sharded is not None and link is not None:
-            self.link = link
-            self.sources.append(Source("link among the run's slots (FSDP's ring)", f"{1e6 * link.step_latency:.0f} us "
-                                       f"per ring step, {link.busbw / 1e6:,.0f} MB/s (fit residual "
-                                       f"{100 * self.link_residual:.0f}%)", self.link_source))
-            if self.between_hosts is not None:
-                self.sources.append(Source("link between hosts", self.between_hosts.label, "given"))
+            self.link, self.link_source, self.link_residual = None, "none", 0.0
+            self.sources.append(Source("exchange per update (held as measured: not priced from a link)",
+                                       f"{1e3 * self.held_exchange:.2f} ms", "measured"))
+            return self
+        self.sources.append(Source("FSDP's all-gathers and reduce-scatters per step (held as measured; at other "
+                                   "slots and hosts what the ring on the run's link leaves of it grows with the "
+                                   "ring's steps, and the ring is priced there)", f"{1e3 * self.held_exchange:.2f} ms",
+                                   "measured"))
+        if self.link is not None:
+            self.sources.append(Source("link among the run's slots (FSDP's ring)",
+                                       _link_words(self.link, self.link_residual), self.link_source))
+        if self.between_hosts is not None:
+            self.sources.append(_between_source(self.between_hosts, self.facts))
         return self
 
     def measured_target(self) -> Target:

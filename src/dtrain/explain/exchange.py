@@ -57,10 +57,6 @@ class Unpriced:
     aside: str = ""  # what the doctor's table shows of it, where that reads oddly
     alone: str = ""  # why one slot is not priced either (from a run of several), where it is not
 
-    def covers(self, target: Target, here: Target) -> bool:
-        """Whether ``target`` (a change of the run at ``here``) is one the model does not price."""
-        return self.reason_for(target, here) is not None
-
     def reason_for(self, target: Target, here: Target) -> str | None:
         """Why ``target`` (a change of the run at ``here``) is not priced; None: it is."""
         if self.alone and target.slots == 1 < here.slots:

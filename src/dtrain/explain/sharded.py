@@ -61,10 +61,10 @@ class Instead:
     high: float
 
 
-def ddp_instead(profile: ProfileRecord, model: CostModel) -> Instead | None:
+def ddp_instead(profile: ProfileRecord) -> Instead | None:
     """The run as DDP would run it on the same slots (None where the probe did not run, or no link was
     measured among the ranks to price the all-reduce on)."""
-    f = replace(Facts.from_profile(profile), link_points=model.facts.link_points, link_world=model.facts.link_world)
+    f = Facts.from_profile(profile)  # the run's own compute, collectives inside (the model's has them apart)
     found = split(profile, f.compute)
     if found is None or f.slots < 2 or not f.link_points:
         return None

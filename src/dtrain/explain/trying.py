@@ -86,7 +86,7 @@ class Tries:
         """DDP instead of a sharded run's FSDP, as the doctor prices it (:mod:`dtrain.explain.sharded`); any
         other change of strategy is measured, not priced."""
         p = self.profile
-        found = sharded.ddp_instead(p, self.predictor.model) if name == "ddp" else None
+        found = sharded.ddp_instead(p) if name == "ddp" else None
         inputs = {"change": f"{STRATEGY}: {name}"}
         if found is None:
             why = (f"cannot predict {STRATEGY}: {name} from a {p.strategy} run: the cost model prices DDP instead of "

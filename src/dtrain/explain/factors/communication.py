@@ -59,7 +59,7 @@ def _sharded(ctx: Context) -> Advice:
            "whole model, its gradients and the optimizer's state fit on every slot, so a replica per slot "
            "all-reduces the gradients once per step instead (its optimizer then steps every parameter on every "
            "slot: not priced)")
-    instead = sharded.ddp_instead(ctx.profile, ctx.predictor.model)
+    instead = sharded.ddp_instead(ctx.profile)
     if instead is None:
         return Advice("sync.strategy", "ddp", why + "; no link was measured among the slots to price it", None)
     ctx.predictor.intervals["sync.strategy: ddp"] = (instead.low, instead.high)
