@@ -209,7 +209,7 @@ def _target(row: Row, source_dir: Path, built: CostModel) -> Target | None:
         if found.gain is None:
             print(f"plan_accuracy: {row.label} skipped: {found.source}", file=sys.stderr)
             return None
-        changes.update(precision_gain=found.gain, precision_spread=found.spread)
+        changes.update(found.changes())
     return target_at(built, row.slots, row.nodes, **changes)
 
 

@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from dtrain.engine.precision import make_precision
+from dtrain.profiling.device import cpu_cores
 from dtrain.profiling.modelsteps import BUDGET_SECONDS, MAX_STEPS_TIMED, STEPS_TIMED, time_model_steps
+from dtrain.profiling.probes import thread_counts
 from dtrain.profiling.record import ModelSteps, ProfileRecord, load_profile
 from dtrain.profiling.runfacts import ProbeHooks, SwitchablePrecision
 from dtrain.profiling.runsummary import RunSummary, load_summary, write_summary
@@ -91,8 +93,9 @@ def test_each_setting_runs_in_the_precision_it_names_and_the_run_precision_comes
     model = nn.Linear(8, 1)
     seen: list[bool] = []
     rounds = _probe(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, seen=seen).steps_timed + 1
-    # Settings interleaved, a warm-up round then the timed ones: 32-true, bf16-mixed, double (32-true), per round.
-    assert seen == [False, True, False] * rounds
+    # Settings interleaved, a warm-up round then the timed ones: 32-true, bf16-mixed, double (32-true), then
+    # bf16-mixed at twice the batch, per round; on a CPU each step twice (an untimed one leads the timed one).
+    assert seen == [False, False, True, True, False, False, True, True] * rounds
     # A bf16-mixed run (wrapped forward, outputs cast back to float32): 32-true turns its autocast off.
     precision = make_precision("bf16-mixed", CPU)
     model = nn.Linear(8, 1)
@@ -101,7 +104,45 @@ def test_each_setting_runs_in_the_precision_it_names_and_the_run_precision_comes
     model.forward = lambda *a: (inside.append(torch.is_autocast_enabled("cpu")), original(*a))[1]  # type: ignore[method-assign]
     precision.wrap_forward(model)
     rounds = _probe(model, torch.optim.SGD(model.parameters(), lr=0.1), x, y, precision=precision).steps_timed + 1
-    assert inside == [False, True, True] * rounds and precision.dtype == torch.bfloat16
+    assert inside == [False, False, True, True, True, True, False, False] * rounds
+    assert precision.dtype == torch.bfloat16
+
+
+def _other_thread_counts(rank: int, world: int) -> dict[str, object]:
+    """The probe of test_other_thread_counts... in a process forked for it: a thread count above this one's would
+    leave an OpenMP pool behind in which a process forked later from the test's own (run_ranks) hangs."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+    seen: list[tuple[int, int]] = []
+    hooks = _hooks(model, Float32())
+    watched = ProbeHooks(train_batch=lambda b, e, i: (seen.append((torch.get_num_threads(), len(b[0]))),
+                                                      hooks.train_batch(b, e, i))[1],
+                         to_device=hooks.to_device, gradient_sync=hooks.gradient_sync, loader=hooks.loader,
+                         precision=hooks.precision)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    torch.set_num_threads(1)
+    record = time_model_steps(watched, [model], [torch.optim.SGD(model.parameters(), lr=0.1)], CPU, (x, y),
+                              (torch.cat([x, x]), torch.cat([y, y])), per_slot=4, other_threads=[1, 2])
+    return {"record": record.model_dump(), "seen": seen, "after": torch.get_num_threads()}
+
+
+@pytest.mark.timeout(120)
+def test_other_thread_counts_are_timed_at_both_batches_in_blocks_of_their_own():
+    """What a change of slots gives a slot: every precision at the batch and twice it on another thread count,
+    all of one count's steps together (switching counts between steps slows the next one), and the run's
+    thread count back after."""
+    from helpers import run_ranks
+
+    found = run_ranks(_other_thread_counts, world_size=1, timeout=90)[0]
+    record, seen = ModelSteps.model_validate(found["record"]), found["seen"]
+    assert found["after"] == 1 and record.threads == 1 and set(record.seconds_per_step) == {"32-true", "bf16-mixed"}
+    assert {(s.precision, s.batch_factor, s.threads) for s in record.shapes} == {
+        ("bf16-mixed", 2, 1), *((p, b, 2) for p in ("32-true", "bf16-mixed") for b in (1, 2))}
+    assert all(s.seconds > 0 and s.relative_spread is not None for s in record.shapes)
+    assert [t for t, _ in seen] == sorted(t for t, _ in seen)  # every 1-thread step before every 2-thread one
+    assert set(seen) == {(1, 4), (1, 8), (2, 4), (2, 8)}
+    # The main fields keep their meaning: the run's shape, and its precision at twice the batch.
+    assert set(record.relative_spread) == {"32-true", "bf16-mixed", "double"}
 
 
 def _planted(layers: list[nn.Module], batch: int, width: int) -> ModelSteps:
@@ -156,6 +197,13 @@ def test_a_real_run_records_its_model_steps_and_a_typed_summary(tmp_path, refere
     assert steps is not None and steps.run_precision == record.precision == "32-true"
     assert set(steps.seconds_per_step) == {"32-true", "bf16-mixed"} and steps.double_batch_ratio is not None
     assert steps.per_slot_batch_size == record.per_slot_batch_size
+    # The same steps at other shapes: bf16-mixed at twice the batch, and both precisions at both batches on the
+    # other thread counts the solo probe times (one, or every core).
+    others = thread_counts(record.threads_per_slot, cpu_cores())[1:]
+    assert steps.threads == record.threads_per_slot
+    elsewhere = {(p, b, t) for p in ("32-true", "bf16-mixed") for b in (1, 2) for t in others}
+    assert {(s.precision, s.batch_factor, s.threads) for s in steps.shapes} == {("bf16-mixed", 2, steps.threads),
+                                                                                *elsewhere}
     # The host's own seconds: to queue each setting's steps (a CPU's are its steps: no more than their
     # seconds), and the loop's fetch of a batch, which on a CPU is the data phase itself.
     assert set(steps.host_seconds_per_step) == {*steps.seconds_per_step, "double"}
@@ -282,20 +330,22 @@ def test_a_gpu_sample_is_several_steps_in_a_row_timed_per_step(monkeypatch):
     times: dict[str, list[float]] = {"32-true": []}
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     began = __import__("time").perf_counter()
-    modelsteps._round(counted, [optimizer], CPU, {"32-true": ("32-true", (x, y))}, {}, times, True, {}, 3)
+    modelsteps._round(counted, [optimizer], CPU, {"32-true": ("32-true", (x, y), None)}, {}, times, True, {}, 3)
     elapsed = __import__("time").perf_counter() - began
-    assert len(calls) == 3 and len(times["32-true"]) == 1
+    assert len(calls) == 1 + 3 and len(times["32-true"]) == 1  # on a CPU an untimed step leads the chain
     assert 0 < times["32-true"][0] <= elapsed / 3
 
     monkeypatch.setattr(modelsteps, "_chain", lambda device: 3)  # as on a GPU
-    settings = 3  # 32-true, bf16-mixed and twice the batch on a CPU
+    settings = 4  # 32-true, bf16-mixed, and both at twice the batch on a CPU
     for budget, chain in ((1e6, 3), (0.0, 1)):
         monkeypatch.setattr(modelsteps, "BUDGET_SECONDS", budget)
         calls.clear()
         record = time_model_steps(counted, [model], [optimizer], CPU, (x, y),
                                   (torch.cat([x, x]), torch.cat([y, y])), per_slot=8)
-        # Two untimed rounds of one step each, then the timed rounds of `chain` steps each.
-        assert len(calls) == settings * (2 + record.steps_timed * chain)
+        # Two untimed rounds of one step each, then the timed rounds of `chain` steps each; and the CPU's
+        # untimed step before each sample (a GPU's has none: its chain is a run's steps in a row).
+        rounds = 2 + record.steps_timed
+        assert len(calls) == settings * (2 + record.steps_timed * chain) + settings * rounds
 
 
 def test_a_16_mixed_step_goes_through_a_loss_scaler():

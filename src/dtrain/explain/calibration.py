@@ -22,6 +22,7 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -31,6 +32,7 @@ from dtrain.explain.facts import Facts
 from dtrain.explain.fitted import Fitted
 from dtrain.explain.paper import model as paper_model
 from dtrain.explain.paper import parse, target
+from dtrain.explain.precision import GainCurve
 
 # An uncertainty is fitted only where rows of at least this many configurations expose it (a spread needs
 # more than one configuration's errors); a term's constant from any configuration that exposes it.
@@ -127,8 +129,14 @@ def _predicted(row: Row, interval: bool) -> tuple[CostModel, Prediction, float] 
         return None
     built = _model_of(row)
     base = built.predict(built.measured_target(), interval=False)
-    pred = built.predict(Target(**row.source["target"]), interval)  # type: ignore[arg-type]
+    pred = built.predict(stored_target(row.source["target"]), interval)
     return built, pred, pred.samples_per_second / base.samples_per_second
+
+
+def stored_target(record: dict[str, Any]) -> Target:
+    """A target as a stored row keeps it (``dataclasses.asdict``), its precision's gain curve included."""
+    curve = record.get("precision_curve")
+    return Target(**{**record, "precision_curve": GainCurve.from_record(curve) if curve else None})
 
 
 # A stored row's model, built once: it keeps no fitted constant (the model reads them as it predicts), so the

@@ -310,7 +310,8 @@ class CostModel:
         gbs = target.global_batch or f.global_batch
         batch = gbs / target.slots
         contention = self._contention(target.machine_slots or local)
-        compute = f.work.seconds(batch, threads) * contention * self.factor * crowd / target.precision_gain
+        gain = target.precision_gain if target.precision_curve is None else target.precision_curve.at(batch, threads)
+        compute = f.work.seconds(batch, threads) * contention * self.factor * crowd / gain
         ratio = batch / f.per_slot_batch if f.per_slot_batch else 1.0
         data = (f.data + self._data_growth(ratio)) / f.crowd * crowd
         if target.data_workers_step is not None:

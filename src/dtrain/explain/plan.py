@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -81,13 +81,16 @@ class Case:
     option: str = "base"
     precision: str | None = None  # the "precision" option's config name
     # The per-slot batch the precision's gain was timed at: another one may gain otherwise (bf16 without bf16
-    # units: 0.115x at 32 samples on one thread, 0.079x at 64 on two; docs/benchmarks.md).
+    # units: 0.115x at 32 samples on one thread, 0.079x at 64 on two; docs/benchmarks.md). With a gain curve
+    # (timed at twice it, and on a CPU at other thread counts too) the row's gain is the curve's at its shape.
     timed_batch: int | None = None
 
     @property
     def label(self) -> str:
         t = self.target
         timed = f" at {self.timed_batch} samples per slot" if self.timed_batch else ""
+        if t.precision_curve is not None and self.timed_batch:
+            timed = f" from steps of {self.timed_batch} and {2 * self.timed_batch} samples"
         return {"base": "as measured", "aggregation": f"aggregation_frequency: {t.aggregation}",
                 "compression": f"gradient_compression: {t.compression}", "fusion": "one fused bucket",
                 "precision": f"precision: {self.precision} (compute {ratio(t.precision_gain)}x, measured{timed})",
@@ -115,10 +118,18 @@ def cases(model: CostModel, p: ProfileRecord, slot_counts: list[int], nodes: int
                 if len(model.buckets(model.facts.gradient_total, False)) > 1:
                     out.append(Case(target_at(model, n, hosts, one_bucket=True), "fusion"))
             if lower is not None and gain is not None:
-                out.append(Case(target_at(model, n, hosts, precision_gain=gain, precision_spread=lower.spread,
-                                          precision_data=lower.data), "precision", lower.precision,
-                                round(model.facts.per_slot_batch)))
+                out.append(Case(_in_precision(model, target_at(model, n, hosts), lower, gain), "precision",
+                                lower.precision, round(model.facts.per_slot_batch)))
     return out
+
+
+def _in_precision(model: CostModel, target: Target, lower: precision.PrecisionEstimate, gain: float) -> Target:
+    """``target`` trained in ``lower``'s precision; the gain it shows is the curve's at its per-slot batch and
+    threads, where the run timed one (else ``gain``, the run's shape's)."""
+    if lower.curve is not None:
+        _, threads = model.local_threads(target)
+        gain = lower.curve.at((target.global_batch or model.facts.global_batch) / target.slots, threads)
+    return replace(target, **{**lower.changes(), "precision_gain": gain})
 
 
 def local_probe(run_dir: Path, profile: ProfileRecord, fresh: bool, log: Any) -> commprobe.LocalProbe | None:

@@ -11,15 +11,77 @@ than float32, and then the prediction says slower.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from dtrain.profiling.record import ModelSteps, ProfileRecord
+
+# A shape of the timed steps: (precision, batch factor 1 or 2, threads).
+Shape = tuple[str, int, int]
 
 # The config's names of the precisions, and the matmul probe's names for them.
 MATMUL_NAME = {"32-true": "fp32", "tf32": "tf32", "bf16-mixed": "bf16", "16-mixed": "fp16"}
 # A peak ratio below this is no reason to name a precision at all.
 MIN_PEAK_RATIO = 1.05
+
+
+@dataclass(frozen=True, slots=True)
+class Line:
+    """At one thread count, each precision's compute (its timed step less the optimizer's) as a line in the
+    per-slot batch: ``fixed + per_batch * x`` at ``x`` times the run's per-slot batch; ``spread``: one relative
+    standard deviation of the gain it gives, from its four timed settings."""
+
+    threads: int
+    run_fixed: float
+    run_per_batch: float
+    other_fixed: float
+    other_per_batch: float
+    spread: float
+
+    def gain(self, x: float) -> float:
+        other = self.other_fixed + self.other_per_batch * x
+        return (self.run_fixed + self.run_per_batch * x) / other if other > 0 else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class GainCurve:
+    """A precision's compute gain at another per-slot batch and thread count than the run's: the run's precision
+    and the other timed at the batch and twice it, at the run's threads and (a CPU) others
+    (``model_steps.shapes``). Each precision's step is a fixed part and a per-sample part, so the gain moves
+    from the ratio of the fixed parts (small batches) to that of the per-sample parts (large ones); between
+    thread counts timed it is interpolated in 1 / threads (Amdahl's), beyond them held at the nearest."""
+
+    batch: int  # the run's per-slot batch
+    lines: tuple[Line, ...]  # by thread count, ascending
+    bound: float | None = None  # the matmul peak ratio no gain beats
+
+    @classmethod
+    def from_record(cls, record: dict[str, Any]) -> GainCurve:
+        """The curve ``dataclasses.asdict`` wrote (a stored bench row's)."""
+        return cls(record["batch"], tuple(Line(**line) for line in record["lines"]), record.get("bound"))
+
+    def at(self, batch: float, threads: int) -> float:
+        """The gain at ``batch`` samples per slot on ``threads`` threads."""
+        x = batch / self.batch if self.batch else 1.0
+        gain = self._across_threads(threads, lambda line: line.gain(x))
+        return min(gain, self.bound) if self.bound is not None else gain
+
+    def spread_at(self, threads: int) -> float:
+        """One relative standard deviation of :meth:`at` on ``threads`` threads (the nearer lines' spread)."""
+        return self._across_threads(threads, lambda line: line.spread)
+
+    def _across_threads(self, threads: int, value: Callable[[Line], float]) -> float:
+        lines = self.lines
+        if threads <= lines[0].threads:
+            return value(lines[0])
+        for below, above in itertools.pairwise(lines):
+            if threads <= above.threads:
+                w = (1 / below.threads - 1 / threads) / (1 / below.threads - 1 / above.threads)
+                return (1 - w) * value(below) + w * value(above)
+        return value(lines[-1])
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +97,12 @@ class PrecisionEstimate:
     source: str  # in words, for the doctor's why and --try's inputs
     spread: float = 0.0  # one relative standard deviation of ``gain`` from its timed steps' spread (0: unknown)
     data: float | None = None  # seconds per step the data wait becomes at least (a host-bound step; None: as run)
+    curve: GainCurve | None = None  # the gain at other batches and thread counts (None: ``gain`` everywhere)
+
+    def changes(self) -> dict[str, float | GainCurve | None]:
+        """The :class:`~dtrain.explain.target.Target` fields of training in this precision (its gain measured)."""
+        return {"precision_gain": self.gain, "precision_spread": self.spread, "precision_data": self.data,
+                "precision_curve": self.curve}
 
 
 def model_steps(profile: ProfileRecord) -> ModelSteps | None:
@@ -67,9 +135,12 @@ def estimate(profile: ProfileRecord, precision: str) -> PrecisionEstimate:
         data = host_bound_data(profile, steps, precision) if steps is not None else None
         waits = (f"; the host is the bound there, so each step also waits {1e3 * data:.2f} ms for its batch (the run's "
                  "fetch, timed on the host)" if data is not None and data > profile.seconds_per_step.data.mean else "")
+        curve = gain_curve(profile, steps, precision, bound) if steps is not None else None
+        shapes = " at the batch and twice it" + (" and at other thread counts" if curve and len(curve.lines) > 1
+                                                  else "") if curve is not None else ""
         return PrecisionEstimate(precision, gain, bound, f"the model's own step timed in {profile.precision} and "
-                                 f"{precision} at the end of the run (measured; its float32 optimizer step left "
-                                 f"out){waits}", gain_spread(profile, steps, precision), data)
+                                 f"{precision}{shapes} at the end of the run (measured; its float32 optimizer step "
+                                 f"left out){waits}", gain_spread(profile, steps, precision), data, curve)
     if bound is not None:
         return PrecisionEstimate(precision, None, bound, f"matmuls ran {bound:.1f}x faster in {precision} on this "
                                  f"{_device(profile)} (measured); only the matmul share of the step speeds up, and "
@@ -91,6 +162,69 @@ def compute_speedup(profile: ProfileRecord, steps: ModelSteps, precision: str) -
     if optimizer < 0.5 * min(mine, other):
         return (mine - optimizer) / (other - optimizer)
     return mine / other
+
+
+def _timed(steps: ModelSteps) -> dict[Shape, tuple[float, float]]:
+    """Every timed setting of ``steps`` by shape: (median seconds, relative spread; 0 where not kept)."""
+    threads = steps.threads or 0
+    out = {(name, 1, threads): (seconds, steps.relative_spread.get(name, 0.0))
+           for name, seconds in steps.seconds_per_step.items()}
+    if steps.double_batch_seconds_per_step:
+        out[(steps.run_precision, 2, threads)] = (steps.double_batch_seconds_per_step,
+                                                  steps.relative_spread.get("double", 0.0))
+    out.update({(s.precision, s.batch_factor, s.threads): (s.seconds, s.relative_spread or 0.0) for s in steps.shapes})
+    return out
+
+
+def _optimizer_at(profile: ProfileRecord, threads: int, at_run: int) -> float:
+    """The run's optimizer step (float32 in any precision) on ``threads`` threads: as measured at the run's, scaled
+    by the solo probe's optimizer steps at both where it timed them."""
+    measured = profile.seconds_per_step.optimizer.min
+    solo = {p.threads: p.optimizer_seconds for p in profile.solo_probe.points} if profile.solo_probe else {}
+    if threads != at_run and solo.get(threads, 0) > 0 and solo.get(at_run, 0) > 0:
+        return measured * solo[threads] / solo[at_run]
+    return measured
+
+
+def _line(mine: tuple[float, float], mine2: tuple[float, float] | None, other: tuple[float, float],
+          other2: tuple[float, float] | None, optimizer: float, threads: int) -> Line:
+    """One :class:`Line` from the settings timed at ``threads`` (twice the batch None: the gain held at every
+    batch), the optimizer taken out as :func:`compute_speedup` does."""
+    figures = [mine[0], other[0], *(f[0] for f in (mine2, other2) if f is not None)]
+    if optimizer >= 0.5 * min(figures):
+        optimizer = 0.0
+
+    def fixed_and_per_batch(one: float, two: float | None) -> tuple[float, float]:
+        one -= optimizer
+        if two is None:
+            return 0.0, one
+        per = min(one, max(0.0, two - optimizer - one))  # a step neither shrinks with the batch nor grows past it
+        return one - per, per
+
+    both = mine2 is not None and other2 is not None
+    run_fixed, run_per = fixed_and_per_batch(mine[0], mine2[0] if both and mine2 else None)
+    other_fixed, other_per = fixed_and_per_batch(other[0], other2[0] if both and other2 else None)
+    spreads = [mine[1], other[1], *((mine2[1], other2[1]) if both and mine2 and other2 else ())]
+    return Line(threads, run_fixed, run_per, other_fixed, other_per, math.hypot(*spreads))
+
+
+def gain_curve(profile: ProfileRecord, steps: ModelSteps, precision: str, bound: float | None) -> GainCurve | None:
+    """The gain of ``precision`` at other batches and threads (:class:`GainCurve`), where the model's steps were
+    timed in it at twice the batch or at another thread count (a dtrain before 2026-11-28 timed neither: None)."""
+    if not steps.shapes or steps.threads is None:
+        return None
+    timed, run = _timed(steps), steps.run_precision
+    lines = []
+    for threads in sorted({t for (_, _, t) in timed}):
+        mine, other = timed.get((run, 1, threads)), timed.get((precision, 1, threads))
+        if mine is None or other is None:
+            continue
+        optimizer = _optimizer_at(profile, threads, steps.threads)
+        lines.append(_line(mine, timed.get((run, 2, threads)), other, timed.get((precision, 2, threads)),
+                           optimizer, threads))
+    if not any(line.threads == steps.threads for line in lines):
+        return None
+    return GainCurve(steps.per_slot_batch_size, tuple(lines), bound)
 
 
 def host_bound_data(profile: ProfileRecord, steps: ModelSteps, precision: str) -> float | None:

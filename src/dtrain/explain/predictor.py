@@ -14,10 +14,11 @@ from dataclasses import dataclass, replace
 
 from dtrain.explain.costmodel import CostModel, Prediction, Target, ratio
 from dtrain.explain.exchange import Unpriced, unpriced
+from dtrain.explain.precision import GainCurve
 from dtrain.profiling.record import ProfileRecord
 
 # One change's fields on a Target (precision_gain, compression, ...), as dataclasses.replace takes them.
-TargetValue = int | float | str | bool | None
+TargetValue = int | float | str | bool | GainCurve | None
 
 
 def target_at(model: CostModel, slots: int | None = None, nodes: int | None = None,

@@ -87,10 +87,13 @@ def uncertainties(model: CostModel, target: Target, parts: dict[str, float], ste
     if target.slots > 1 and model.link_residual > 0 and not (target.nodes > 1 and model.between_hosts is not None):
         out["link fit residual"] = model.link_residual * parts["exchange"]
     # The few timed model steps a precision's gain (or a batch's growth) rests on: their own measured spread.
-    if target.precision_spread > 0:
-        out["model steps' spread (precision)"] = target.precision_spread * parts["compute"]
     f = model.facts
     batch = (target.global_batch or f.global_batch) / target.slots
+    precision_spread = target.precision_spread
+    if target.precision_curve is not None:  # the timed settings the gain at this shape rests on
+        precision_spread = max(precision_spread, target.precision_curve.spread_at(model.local_threads(target)[1]))
+    if precision_spread > 0:
+        out["model steps' spread (precision)"] = precision_spread * parts["compute"]
     if f.batch_spread > 0 and f.per_slot_batch and batch != f.per_slot_batch:
         # Measured at the batch and twice it: a change of a doubling or more carries all of it.
         out["model steps' spread (batch)"] = (f.batch_spread * parts["compute"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dtrain.explain.precision import GainCurve
+
 
 @dataclass(frozen=True, slots=True)
 class Target:
@@ -19,6 +21,8 @@ class Target:
     bucket_mb: float | None = None  # optimizations.tensor_fusion_threshold; None: the run's buckets as measured
     precision_gain: float = 1.0
     precision_spread: float = 0.0  # one relative sd of precision_gain, as its timed steps spread (measured)
+    # precision_gain at other per-slot batches and thread counts (None: precision_gain at any)
+    precision_curve: GainCurve | None = None
     data_workers_step: float | None = None  # the data wait with other loader processes (the doctor's plan)
     precision_data: float | None = None  # the least data wait in another precision (a host-bound GPU step)
     cores: int | None = None  # per host; None: as many as the run's host had

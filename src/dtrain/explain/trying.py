@@ -163,8 +163,7 @@ class Tries:
         found = precision.estimate(self.profile, name)
         inputs = {**inputs, "precision": found.source}
         if found.gain is not None:
-            return self._priced(inputs, precision_gain=found.gain, precision_spread=found.spread,
-                                precision_data=found.data)
+            return self._priced(inputs, **found.changes())
         if found.bound is not None:
             bound = self.predictor.predict(target_at(self.predictor.model, precision_gain=found.bound)).value
             return Priced(None, inputs, f"cannot predict precision: {name} because the model's own step was not "

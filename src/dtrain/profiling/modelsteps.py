@@ -12,8 +12,11 @@ the settings interleaved round by round so that a disturbance hits them alike; t
 median time counts: the prediction is of a run's mean step, and the least of a few steps is a best case whose
 ratio between precisions drifts from that of typical steps wherever a disturbance grows with a step's length
 (on a loaded CPU, the least-time ratio of float32 to bf16 was 2.5 where the median's was 2.0). Settings:
-every precision the device has
-(:func:`precisions_for`), and the run's precision at twice the per-slot batch.
+every precision the device has (:func:`precisions_for`) at the per-slot batch and at twice it, and on a CPU
+the same at the other thread counts the caller names (``ModelSteps.shapes``). A precision's gain moves with
+both: on a 2-core CPU without bf16 units, a 266k-parameter MLP's bf16-mixed step ran 0.10x float32's at 32
+samples on one thread and 0.077x at 64 on two, so a gain timed at the run's shape is not carried to the
+shape a change of slots gives.
 
 On a GPU, two things make a run's step differ from one step timed between two synchronizations, and the
 probe does as the run does. The host queues kernels ahead of the device: a run's step costs the longer of
@@ -26,6 +29,11 @@ and chains only where :data:`STEPS_TIMED` rounds of them fit in :data:`BUDGET_SE
 the device's, and chaining it would only multiply the probe's cost). Each sample also keeps the host's own
 seconds to queue its steps: where they come near the sample's, the host is the bound in that precision, and
 whatever else the run's host does each step (fetching a batch) adds to its step there.
+
+On a CPU each timed step comes right after an untimed one of the same setting, as a run's step comes after
+the one before it: a 266k-parameter MLP's float32 step took 2.2 ms right after a bf16 step at twice the batch
+and 1.6 ms right after its own (its weights and activations out of the caches, 2026-11-28), which the
+interleaving would otherwise have put into every setting that follows another.
 
 Training is left as it was: the models' and optimizers' state and the random generators are saved before
 and restored after (:func:`restored`), and gradients are cleared.
@@ -47,6 +55,7 @@ from torch import nn
 
 from dtrain.profiling.record import ModelSteps
 from dtrain.profiling.runfacts import ProbeHooks, SwitchablePrecision
+from dtrain.profiling.sections import ShapeTime
 
 # Timed steps per setting, after one warm-up step each: at least STEPS_TIMED (a median that one disturbed step
 # does not move), and more, up to MAX_STEPS_TIMED, while the timed rounds fit in TARGET_SECONDS: the median of a
@@ -190,8 +199,25 @@ def _too_big(exc: Exception) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
 
 
+# One setting: (precision, batch, torch threads; None: as the run has them).
+Setting = tuple[str, object, int | None]
+
+
+@contextlib.contextmanager
+def _threads(threads: int | None) -> Iterator[None]:
+    """Within: ``threads`` torch threads (None: as they are)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        if threads is not None:
+            torch.set_num_threads(before)
+
+
 def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
-           settings: dict[str, tuple[str, object]], failed: dict[str, str], times: dict[str, list[float]],
+           settings: dict[str, Setting], failed: dict[str, str], times: dict[str, list[float]],
            timed: bool, scalers: dict[str, torch.amp.GradScaler], chain: int = 1,
            queued: dict[str, list[float]] | None = None) -> float:
     """One sample of every setting not failed yet (``chain`` steps in a row); its seconds per step join
@@ -199,11 +225,13 @@ def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], devic
     returned, before the device caught up) join ``queued`` where given. A setting that fails is entered in
     ``failed`` with its reason. Returns the round's seconds."""
     began_round = time.perf_counter()
-    for key, (name, data) in settings.items():
+    for key, (name, data, _) in settings.items():
         if key in failed:
             continue
         try:
             with as_precision(name, hooks.precision, device):
+                if device.type != "cuda":  # a step as a run takes it: right after one like it (see above)
+                    _step(hooks, optimizers, data, scalers.get(key))
                 _sync(device)
                 began = time.perf_counter()
                 for _ in range(chain):
@@ -223,11 +251,33 @@ def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], devic
     return time.perf_counter() - began_round
 
 
+def _time_block(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
+                settings: dict[str, Setting], failed: dict[str, str], times: dict[str, list[float]],
+                scalers: dict[str, torch.amp.GradScaler], steps: int, budget: float,
+                host_times: dict[str, list[float]]) -> int:
+    """Warm-up, then timed rounds of ``settings`` (interleaved) within ``budget`` seconds: how many were timed."""
+    chain, queued = 1, _chain(device)
+    warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers)
+    if queued > 1:  # the first round paid for new kernels: the next one sizes the timed rounds
+        warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers)
+        if warm_up * queued * STEPS_TIMED <= budget:
+            chain = queued
+            warm_up *= chain
+    # Short steps get more timed rounds, long ones fewer (at least one): the probe stays a small cost.
+    if warm_up > 0:
+        steps = max(1, min(max(steps, min(MAX_STEPS_TIMED, int(TARGET_SECONDS / warm_up))), int(budget / warm_up)))
+    for _ in range(steps):
+        _round(hooks, optimizers, device, settings, failed, times, True, scalers, chain, host_times)
+    return steps
+
+
 def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                      device: torch.device, batch: object, double: object, per_slot: int,
-                     steps: int = STEPS_TIMED, keep_state: bool = True) -> ModelSteps:
+                     steps: int = STEPS_TIMED, keep_state: bool = True,
+                     other_threads: Sequence[int] = ()) -> ModelSteps:
     """The model's steps timed as the module's docstring says; run on one rank with gradient exchange
-    off. Never raises for a setting that fails: it is skipped with its reason. ``keep_state`` False: the
+    off. ``other_threads``: thread counts besides the present one to time every setting at too (a CPU's).
+    Never raises for a setting that fails: it is skipped with its reason. ``keep_state`` False: the
     caller restores the models, optimizers and random generators itself (:func:`restored`)."""
     start = time.perf_counter()
     run = hooks.precision.name
@@ -235,40 +285,56 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
     if run not in names:  # tf32 on a CPU runs as float32: timed under the run's own name all the same
         names.insert(0, run)
         skipped.pop(run, None)
-    settings: dict[str, tuple[str, object]] = {name: (name, batch) for name in names}
-    settings["double"] = (run, double)
+    present = torch.get_num_threads()
+    settings: dict[str, Setting] = {name: (name, batch, None) for name in names}
+    settings["double"] = (run, double, None)
+    shapes = _shape_settings(names, run, batch, double, present,
+                             [t for t in other_threads if t != present] if device.type == "cpu" else [])
+    settings.update(shapes)
     times: dict[str, list[float]] = {key: [] for key in settings}
     host_times: dict[str, list[float]] = {key: [] for key in settings}
     failed: dict[str, str] = {}
     # 16-mixed steps through a loss scaler of its own here, one per setting (a 16-mixed run's scaler is left
     # as it was; its twice-the-batch setting gets one too).
-    scalers = {key: loss_scaler(device) for key, (name, _) in settings.items() if name == "16-mixed"}
-    chain, queued = 1, _chain(device)
+    scalers = {key: loss_scaler(device) for key, (name, _, _) in settings.items() if name == "16-mixed"}
+    # One block per thread count, the run's own first: switching threads between steps slowed the next step
+    # (a 2-thread float32 step timed right after a 1-thread one read 2.3 ms; 1.2-1.6 ms in a block of its own).
+    blocks = sorted({threads for (_, _, threads) in settings.values()}, key=lambda t: t is not None)
     with restored(models, optimizers, device) if keep_state else contextlib.nullcontext():
-        warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers)
-        if queued > 1:  # the first round paid for new kernels: the next one sizes the timed rounds
-            warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers)
-            if warm_up * queued * STEPS_TIMED <= BUDGET_SECONDS:
-                chain = queued
-                warm_up *= chain
-        # Short steps get more timed rounds, long ones fewer (at least one): the probe stays a small cost.
-        if warm_up > 0:
-            steps = max(1, min(max(steps, min(MAX_STEPS_TIMED, int(TARGET_SECONDS / warm_up))),
-                               int(BUDGET_SECONDS / warm_up)))
-        for _ in range(steps):
-            _round(hooks, optimizers, device, settings, failed, times, True, scalers, chain, host_times)
-    skipped.update({k: v for k, v in failed.items() if k != "double"})
+        for threads in blocks:
+            block = {key: setting for key, setting in settings.items() if setting[2] == threads}
+            with _threads(threads):
+                timed = _time_block(hooks, optimizers, device, block, failed, times, scalers, steps,
+                                    BUDGET_SECONDS / len(blocks), host_times)
+            steps = timed if threads is None else steps
+    skipped.update({k: v for k, v in failed.items() if k != "double" and k not in shapes})
     best = {key: statistics.median(seconds) if seconds else float("inf") for key, seconds in times.items()}
+    spreads = {k: relative_spread(v) for k, v in times.items() if k not in failed and len(v) > 1}
     return ModelSteps(per_slot_batch_size=per_slot, run_precision=run, steps_timed=steps,
+                      threads=present,
+                      shapes=[ShapeTime(precision=name, batch_factor=1 if data is batch else 2,
+                                        threads=threads or present, seconds=best[key], relative_spread=spreads.get(key))
+                              for key, (name, data, threads) in shapes.items() if key not in failed],
                       seconds_per_step={k: best[k] for k in names if k not in failed},
                       skipped=skipped,
                       double_batch_seconds_per_step=None if "double" in failed else best["double"],
                       double_batch_skipped=failed.get("double"),
                       cost_seconds=time.perf_counter() - start,
-                      relative_spread={k: relative_spread(v) for k, v in times.items()
-                                       if k not in failed and len(v) > 1},
+                      relative_spread={k: v for k, v in spreads.items() if k not in shapes},
                       host_seconds_per_step={k: statistics.median(v) for k, v in host_times.items()
-                                             if k not in failed and v})
+                                             if k not in failed and k not in shapes and v})
+
+
+def _shape_settings(names: list[str], run: str, batch: object, double: object, present: int,
+                    other_threads: Sequence[int]) -> dict[str, Setting]:
+    """The settings beyond the run's shape (:attr:`ModelSteps.shapes`): every other precision at twice the
+    batch, and every precision at both batches on each of ``other_threads``."""
+    out: dict[str, Setting] = {f"{name} x2": (name, double, None) for name in names if name != run}
+    for threads in other_threads:
+        for name in names:
+            out[f"{name} on {threads}"] = (name, batch, threads)
+            out[f"{name} x2 on {threads}"] = (name, double, threads)
+    return out
 
 
 def relative_spread(seconds: list[float]) -> float:

@@ -156,8 +156,11 @@ def _model_steps(facts: RunFacts, hooks: ProbeHooks, batches: dict[int, object])
     if facts.strategy.forward_needs_every_rank:
         return None
     try:  # never raises: the other ranks wait at a barrier for this one
+        # At the thread counts the solo probe times too: what another slot count gives a slot.
+        others = thread_counts(facts.threads_per_slot, cpu_cores())[1:] if facts.device.type == "cpu" else []
         return time_model_steps(hooks, facts.models, facts.optimizers, facts.device, batches[1], batches[2],
-                                facts.per_slot_batch_size, keep_state=False)  # batch_probe restores it
+                                facts.per_slot_batch_size, keep_state=False,  # batch_probe restores it
+                                other_threads=others)
     except Exception as exc:
         log.info("model-step probe skipped: %s", exc)
         return None

@@ -241,6 +241,17 @@ class ShardedExchange(Section):
 MODEL_STEPS_VERSION = 1
 
 
+class ShapeTime(Section):
+    """One more setting of :class:`ModelSteps`: a precision at ``batch_factor`` times the per-slot batch on
+    ``threads`` torch threads, with its median seconds per step and their ``relative_spread`` (as there)."""
+
+    precision: str
+    batch_factor: int
+    threads: int
+    seconds: float
+    relative_spread: float | None = None
+
+
 class ModelSteps(Section):
     """``model_steps``: the model's own training steps (forward, backward and optimizer step on the run's
     data shape) timed on the first rank at the end of the run (:mod:`dtrain.profiling.modelsteps`), under each
@@ -268,6 +279,11 @@ class ModelSteps(Section):
     # run's host seconds per step fetching a batch: what a host-bound step in another precision waits for too.
     host_seconds_per_step: dict[str, float] = {}
     loop_data_host_seconds: float | None = None
+    # The torch threads the settings above ran on (None: an older dtrain), and the same steps at other shapes:
+    # every other precision at twice the batch, and on a CPU every precision on another thread count; how a
+    # precision's gain moves with the batch and the threads a change of slots gives (dtrain.explain.precision).
+    threads: int | None = None
+    shapes: list[ShapeTime] = []
 
     @field_validator("version")
     @classmethod

@@ -29,8 +29,7 @@ class Precision(Factor):
             return Advice("precision", found.precision,
                           f"the step is trained in {run}; {found.source}: forward and backward "
                           f"{found.gain:.2f}x as fast (weights stay float32; bf16 needs no loss scaling)",
-                          ctx.predictor.gain(action, precision_gain=found.gain,
-                                             precision_spread=found.spread, precision_data=found.data))
+                          ctx.predictor.gain(action, **found.changes()))
         target = target_at(ctx.predictor.model, precision_gain=found.bound or 1.0)
         if (why := ctx.predictor.refusal(target)) is not None:
             return Advice(None, None, f"the step is trained in {run}; {found.source}; no bound: {why}", None)
