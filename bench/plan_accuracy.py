@@ -337,7 +337,7 @@ def _legacy(document: dict) -> str:
 
 
 def _repeats(outcomes: list[Outcome]) -> str:
-    """The held-out summary of each repeat's measured rows (the goals hold in each)."""
+    """The summary of each repeat's measured rows (the goals hold in each)."""
     lines = []
     for repeat in sorted({o.row.repeat for o in outcomes if o.row.repeat}):
         s = Summary.of([o for o in outcomes if o.row.repeat == repeat])
@@ -396,6 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     elsewhere = other_host(document, start)
     if elsewhere:
         print(_table("Another host (its rows kept out of the fit: constants fitted on the rows above only)", elsewhere))
+        print(_repeats(elsewhere).replace("held out", "on the other host"))
     print(_legacy(document))
     if args.json:
         args.json.write_text(json.dumps({"held_out": [_as_dict(o) for o in out],

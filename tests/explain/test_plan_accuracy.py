@@ -92,16 +92,25 @@ def test_each_repeat_of_the_bench_meets_the_goals_held_out(held_out):
     assert len([r for r in repeats if r not in KNOWN_MISSED_REPEATS]) >= 3
 
 
-def test_a_repeat_on_another_host_is_predicted_by_constants_fitted_without_it():
-    """bench/data/plan_rows.json's 'other_host': a repeat on an AMD EPYC without bf16 units, never fitted. The
-    constants fitted on the Intel host's repeats missed the goals there (mean 11.6%, worst +40.8%, 72% covered;
-    docs/benchmarks.md says which rows and why): a change may not make that worse."""
+# Each repeat on the other host, and what it reached (repeat 8 missed the goals; repeat 9, with the model-step probe
+# that times each precision at the shape a change gives a slot, met the mean and still has 5 rows beyond 20%: the
+# throttled links and one 10x row, docs/benchmarks.md): a change may not make either worse.
+OTHER_HOST = {8: (0.12, 0.41, 0.70), 9: (0.09, 0.31, 0.84)}
+
+
+@pytest.mark.parametrize("repeat", sorted(OTHER_HOST))
+def test_a_repeat_on_another_host_is_predicted_by_constants_fitted_without_it(repeat):
+    """bench/data/plan_rows.json's 'other_host': repeats on an AMD EPYC without bf16 units, never fitted. The
+    constants fitted on the Intel host's repeats missed the goals there in repeat 8 (mean 11.6%, worst +40.8%, 72%
+    covered); docs/benchmarks.md says which rows and why."""
     document = json.loads(ROWS.read_text())
-    rows = calibration.rows_from_json({"published": [], "measured": document["other_host"]})
+    kept = [r for r in document["other_host"] if r["repeat"] == repeat]
+    rows = calibration.rows_from_json({"published": [], "measured": kept})
     assert len(rows) == 32 and not {r.label for r in rows} & {r["label"] for r in document["measured"]}
     summary = calibration.Summary.of(calibration.evaluate(rows))
-    assert summary.mean_error <= 0.12 and summary.worst_error <= 0.41, summary
-    assert summary.covered >= 0.70, summary
+    mean, worst, covered = OTHER_HOST[repeat]
+    assert summary.mean_error <= mean and summary.worst_error <= worst, summary
+    assert summary.covered >= covered, summary
 
 
 def test_the_packaged_constants_are_the_fit_of_the_stored_rows(rows):

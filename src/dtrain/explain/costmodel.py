@@ -10,7 +10,8 @@ all ask :class:`CostModel`. It starts from one measured run (its ``profile.json`
   per-slot batch and twice it); thread counts in between follow Amdahl's ``s + p / t``. Times how much
   slots on one host slow each other down (memory bandwidth: the same probe on every rank at once, over
   the solo one) and how much a training step costs over the probe (hooks, autocast): both measured on
-  the run. More threads than cores share them.
+  the run. More threads than cores share them. Another precision divides it by the gain its model steps
+  were timed at, at the target's per-slot batch and threads (:class:`~dtrain.explain.precision.GainCurve`).
 * **data** as measured, plus what the probe's own load of a batch grew by at twice the batch (the run's wait
   also holds per-batch costs that do not grow; loader processes hide part of it: then in proportion).
 * **fixed** (optimizer, bookkeeping) as measured, scaled on a CPU by the probe's optimizer steps (alone at

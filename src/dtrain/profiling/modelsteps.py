@@ -58,8 +58,9 @@ from dtrain.profiling.runfacts import ProbeHooks, SwitchablePrecision
 from dtrain.profiling.sections import ShapeTime
 
 # Timed steps per setting, after one warm-up step each: at least STEPS_TIMED (a median that one disturbed step
-# does not move), and more, up to MAX_STEPS_TIMED, while the timed rounds fit in TARGET_SECONDS: the median of a
-# few short steps moves a precision's gain from one run to the next (docs/benchmarks.md).
+# does not move), and more, up to MAX_STEPS_TIMED, while the timed rounds (every thread count's together) fit in
+# TARGET_SECONDS: the median of a few short steps moves a precision's gain from one run to the next
+# (docs/benchmarks.md).
 STEPS_TIMED, MAX_STEPS_TIMED = 5, 25
 TARGET_SECONDS = 0.5
 # Seconds the timed rounds may take together at most, judged by the warm-up round (a step of every setting).
@@ -253,9 +254,11 @@ def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], devic
 
 def _time_block(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
                 settings: dict[str, Setting], failed: dict[str, str], times: dict[str, list[float]],
-                scalers: dict[str, torch.amp.GradScaler], steps: int, budget: float,
+                scalers: dict[str, torch.amp.GradScaler], steps: int, share: float,
                 host_times: dict[str, list[float]]) -> int:
-    """Warm-up, then timed rounds of ``settings`` (interleaved) within ``budget`` seconds: how many were timed."""
+    """Warm-up, then timed rounds of ``settings`` (interleaved), this block's ``share`` of the probe's target and
+    budget: how many rounds were timed."""
+    target, budget = TARGET_SECONDS * share, BUDGET_SECONDS * share
     chain, queued = 1, _chain(device)
     warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers)
     if queued > 1:  # the first round paid for new kernels: the next one sizes the timed rounds
@@ -265,7 +268,7 @@ def _time_block(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], 
             warm_up *= chain
     # Short steps get more timed rounds, long ones fewer (at least one): the probe stays a small cost.
     if warm_up > 0:
-        steps = max(1, min(max(steps, min(MAX_STEPS_TIMED, int(TARGET_SECONDS / warm_up))), int(budget / warm_up)))
+        steps = max(1, min(max(steps, min(MAX_STEPS_TIMED, int(target / warm_up))), int(budget / warm_up)))
     for _ in range(steps):
         _round(hooks, optimizers, device, settings, failed, times, True, scalers, chain, host_times)
     return steps
@@ -300,17 +303,18 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
     # One block per thread count, the run's own first: switching threads between steps slowed the next step
     # (a 2-thread float32 step timed right after a 1-thread one read 2.3 ms; 1.2-1.6 ms in a block of its own).
     blocks = sorted({threads for (_, _, threads) in settings.values()}, key=lambda t: t is not None)
+    rounds = steps
     with restored(models, optimizers, device) if keep_state else contextlib.nullcontext():
         for threads in blocks:
             block = {key: setting for key, setting in settings.items() if setting[2] == threads}
             with _threads(threads):
                 timed = _time_block(hooks, optimizers, device, block, failed, times, scalers, steps,
-                                    BUDGET_SECONDS / len(blocks), host_times)
-            steps = timed if threads is None else steps
+                                    1 / len(blocks), host_times)
+            rounds = timed if threads is None else rounds
     skipped.update({k: v for k, v in failed.items() if k != "double" and k not in shapes})
     best = {key: statistics.median(seconds) if seconds else float("inf") for key, seconds in times.items()}
     spreads = {k: relative_spread(v) for k, v in times.items() if k not in failed and len(v) > 1}
-    return ModelSteps(per_slot_batch_size=per_slot, run_precision=run, steps_timed=steps,
+    return ModelSteps(per_slot_batch_size=per_slot, run_precision=run, steps_timed=rounds,
                       threads=present,
                       shapes=[ShapeTime(precision=name, batch_factor=1 if data is batch else 2,
                                         threads=threads or present, seconds=best[key], relative_spread=spreads.get(key))
