@@ -81,7 +81,7 @@ class Case:
     option: str = "base"
     precision: str | None = None  # the "precision" option's config name
     # The per-slot batch the precision's gain was timed at: another one may gain otherwise (bf16 without bf16
-    # units: 0.115x at 32 samples on one thread, 0.079x at 64 on two; docs/benchmarks.md). With a gain curve
+    # units gains less at a bigger batch and from more threads; docs/benchmarks.md). With a gain curve
     # (timed at twice it, and on a CPU at other thread counts too) the row's gain is the curve's at its shape.
     timed_batch: int | None = None
 
@@ -118,18 +118,20 @@ def cases(model: CostModel, p: ProfileRecord, slot_counts: list[int], nodes: int
                 if len(model.buckets(model.facts.gradient_total, False)) > 1:
                     out.append(Case(target_at(model, n, hosts, one_bucket=True), "fusion"))
             if lower is not None and gain is not None:
-                out.append(Case(_in_precision(model, target_at(model, n, hosts), lower, gain), "precision",
+                out.append(Case(_in_precision(model, target_at(model, n, hosts), lower), "precision",
                                 lower.precision, round(model.facts.per_slot_batch)))
     return out
 
 
-def _in_precision(model: CostModel, target: Target, lower: precision.PrecisionEstimate, gain: float) -> Target:
+def _in_precision(model: CostModel, target: Target, lower: precision.PrecisionEstimate) -> Target:
     """``target`` trained in ``lower``'s precision; the gain it shows is the curve's at its per-slot batch and
-    threads, where the run timed one (else ``gain``, the run's shape's)."""
+    threads, where the run timed one (else the run's shape's)."""
+    changes = lower.changes()
     if lower.curve is not None:
         _, threads = model.local_threads(target)
-        gain = lower.curve.at((target.global_batch or model.facts.global_batch) / target.slots, threads)
-    return replace(target, **{**lower.changes(), "precision_gain": gain})
+        changes["precision_gain"] = lower.curve.at((target.global_batch or model.facts.global_batch) / target.slots,
+                                                   threads)
+    return replace(target, **changes)
 
 
 def local_probe(run_dir: Path, profile: ProfileRecord, fresh: bool, log: Any) -> commprobe.LocalProbe | None:

@@ -8,10 +8,10 @@ training step timed under each precision: ``profile.json``'s ``model_steps``
 (:class:`~dtrain.profiling.record.ModelSteps`); on a CPU with bf16 units, bf16-mixed autocast can be slower
 than float32, and then the prediction says slower.
 
-A change of slots also changes each slot's batch and threads, and the gain moves with both: on a 2-core CPU
-without bf16 units a 266k-parameter MLP's bf16-mixed step ran 0.10x float32's at 32 samples on one thread and
-0.077x at 64 on two. Where the steps were timed at twice the batch and at other thread counts too, the gain at a
-target's shape comes from those (:class:`GainCurve`), not from the run's shape carried unchanged.
+A change of slots also changes each slot's batch and threads, and the gain moves with both (on a CPU without
+bf16 units, bf16 gains little from a second thread and loses more per sample: docs/benchmarks.md). Where the
+steps were timed at twice the batch and at other thread counts too, the gain at a target's shape comes from
+those (:class:`GainCurve`), not from the run's shape carried unchanged.
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ ratio between precisions drifts from that of typical steps wherever a disturbanc
 (on a loaded CPU, the least-time ratio of float32 to bf16 was 2.5 where the median's was 2.0). Settings:
 every precision the device has (:func:`precisions_for`) at the per-slot batch and at twice it, and on a CPU
 the same at the other thread counts the caller names (``ModelSteps.shapes``). A precision's gain moves with
-both: on a 2-core CPU without bf16 units, a 266k-parameter MLP's bf16-mixed step ran 0.10x float32's at 32
-samples on one thread and 0.077x at 64 on two, so a gain timed at the run's shape is not carried to the
-shape a change of slots gives.
+both (bf16 on a CPU without bf16 units gains little from threads and loses more per sample: docs/benchmarks.md),
+so a gain timed at the run's shape is not carried to the shape a change of slots gives.
 
 On a GPU, two things make a run's step differ from one step timed between two synchronizations, and the
 probe does as the run does. The host queues kernels ahead of the device: a run's step costs the longer of
@@ -31,9 +30,9 @@ seconds to queue its steps: where they come near the sample's, the host is the b
 whatever else the run's host does each step (fetching a batch) adds to its step there.
 
 On a CPU each timed step comes right after an untimed one of the same setting, as a run's step comes after
-the one before it: a 266k-parameter MLP's float32 step took 2.2 ms right after a bf16 step at twice the batch
-and 1.6 ms right after its own (its weights and activations out of the caches, 2026-11-28), which the
-interleaving would otherwise have put into every setting that follows another.
+the one before it: right after another setting (a bf16 step at twice the batch) a float32 step runs with its
+weights and activations out of the caches, which the interleaving would otherwise put into every setting that
+follows another (docs/benchmarks.md, "A precision at another slot count").
 
 Training is left as it was: the models' and optimizers' state and the random generators are saved before
 and restored after (:func:`restored`), and gradients are cleared.
@@ -300,8 +299,8 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
     # 16-mixed steps through a loss scaler of its own here, one per setting (a 16-mixed run's scaler is left
     # as it was; its twice-the-batch setting gets one too).
     scalers = {key: loss_scaler(device) for key, (name, _, _) in settings.items() if name == "16-mixed"}
-    # One block per thread count, the run's own first: switching threads between steps slowed the next step
-    # (a 2-thread float32 step timed right after a 1-thread one read 2.3 ms; 1.2-1.6 ms in a block of its own).
+    # One block per thread count, the run's own first: the thread count switches once per block, and the block's
+    # warm-up round takes what a switch costs the next steps (an OpenMP pool resized), not its timed rounds.
     blocks = sorted({threads for (_, _, threads) in settings.values()}, key=lambda t: t is not None)
     rounds = steps
     with restored(models, optimizers, device) if keep_state else contextlib.nullcontext():
