@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cuda_visibility
-from helpers import cli_in_process, final_weights, tiny_config
+from helpers import PROBED, cli_in_process, final_weights, tiny_config
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -52,7 +52,7 @@ class ReferenceRuns:
         if slots not in self._dirs:
             folder = self.root / f"slots{slots}"
             folder.mkdir()
-            result = cli_in_process("run", str(tiny_config(folder)), "--slots", str(slots), "--run-dir",
+            result = cli_in_process("run", str(tiny_config(folder, **PROBED)), "--slots", str(slots), "--run-dir",
                                 str(folder / "r"), "--quiet")
             assert result.code == 0, result.stderr
             self._dirs[slots] = folder / "r"

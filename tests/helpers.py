@@ -160,8 +160,14 @@ def cli_in_process(*args: str, cwd: Path | None = None) -> CliResult:
     return CliResult(code, out.getvalue(), err.getvalue())
 
 
+# The end-of-run probes time what the doctor and `dtrain plan` price changes by, at about a second per run of
+# the tiny trial: tiny_config leaves them off, and tests of what they measure or price turn them on with this.
+PROBED = {"profiling.probes": True}
+
+
 def tiny_config(tmp: Path, **overrides: Any) -> Path:
-    """Write an experiment config for tests/trials/tiny.py into ``tmp``; nested keys with dotted names."""
+    """Write an experiment config for tests/trials/tiny.py into ``tmp``; nested keys with dotted names. The
+    end-of-run probes are off unless ``**PROBED``."""
     cfg: dict[str, Any] = {
         "name": "tiny",
         "entrypoint": "tiny:TinyTrial",
@@ -172,6 +178,7 @@ def tiny_config(tmp: Path, **overrides: Any) -> Path:
         "max_length": {"batches": 24},
         "scheduling_unit": 8,
         "seed": 3,
+        "profiling": {"probes": False},
     }
     for key, value in overrides.items():
         node = cfg

@@ -7,14 +7,14 @@ import math
 import pytest
 import torch
 from cuda_visibility import REAL
-from helpers import dtrain_cli, final_weights, tiny_config
+from helpers import PROBED, dtrain_cli, final_weights, tiny_config
 
 # What the machine has, asked before tests/conftest.py hid CUDA from every test not marked gpu.
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not REAL.available, reason="needs a CUDA GPU")]
 
 
 def _config(tmp_path, **overrides):
-    return tiny_config(tmp_path, backend="nccl", **{"resources.slots_per_trial": 1, **overrides})
+    return tiny_config(tmp_path, backend="nccl", **{"resources.slots_per_trial": 1, **PROBED, **overrides})
 
 
 def _run(tmp_path, name, *args, **overrides):

@@ -6,7 +6,7 @@ import shutil
 import socket
 
 import pytest
-from helpers import TRIALS, cli_in_process, tiny_config
+from helpers import PROBED, TRIALS, cli_in_process, tiny_config
 from profiles import make_profile, write
 
 from dtrain.profiling.record import load_profile
@@ -29,7 +29,7 @@ def _planted_run(tmp_path, case):
     expected, entrypoint, hparams = PLANTED[case]
     shutil.copy(TRIALS / "planted.py", tmp_path / "planted.py")
     cfg = tiny_config(tmp_path, entrypoint=entrypoint, hyperparameters=hparams, max_length={"batches": 40},
-                      scheduling_unit=40)
+                      scheduling_unit=40, **PROBED)
     result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
     assert result.code == 0, result.stderr
     return expected
@@ -60,6 +60,29 @@ def test_planted_bottleneck_is_named(tmp_path, case):
         assert lags is not None and lags.chronic_rank == 1 and lags.per_rank[1].slow_phase == SLOW_PHASE[case]
         if case == "straggler-loader":  # a real fix exists: more loader workers, not fewer slots
             assert top["key"] == "data_loader.num_workers", top
+
+
+@pytest.mark.slow
+def test_a_run_without_its_probes_names_its_factors_and_prices_no_change(tmp_path):
+    # profiling.probes: false (tiny_config's default) ends the run without what a change is priced by.
+    run = tmp_path / "r"
+    assert cli_in_process("run", str(tiny_config(tmp_path)), "--run-dir", str(run), "--quiet").code == 0
+    profile = load_profile(run / "profile.json")
+    assert profile.profiling and not profile.probes
+    assert (profile.batch_scaling, profile.solo_probe, profile.model_steps, profile.comm_probe,
+            profile.compression_cost, profile.data_load_seconds_per_batch) == (None,) * 6
+    assert profile.flops is not None and profile.flops.flops_per_step > 0  # MFU's count runs without them
+    doctor = cli_in_process("doctor", str(run), "--json", "--try", "hyperparameters.global_batch_size=32",
+                            "--try", "optimizations.aggregation_frequency=2")
+    assert doctor.code == 0, doctor.stderr
+    diagnosis = json.loads(doctor.stdout)
+    # The factors as measured; no figure, and one reason with its fix, wherever a change would be priced.
+    assert diagnosis["factors"] and not diagnosis["recommendations"]
+    assert diagnosis["scaling"]["estimated_one_slot_speedup"] is None
+    assert "profiling.probes: false" in diagnosis["verdict"]
+    for tried in diagnosis["tries"]:
+        assert tried["gain"] is None and "profiling.probes: true" in tried["reason"], tried
+    _one_line(cli_in_process("plan", str(run)), "profiling.probes: false")
 
 
 def _one_line(result, fragment):

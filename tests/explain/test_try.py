@@ -4,7 +4,7 @@ same model call as the doctor's table and ``dtrain plan``'s row for it (one mode
 import json
 
 import pytest
-from helpers import cli_in_process, tiny_config
+from helpers import PROBED, cli_in_process, tiny_config
 
 from dtrain.explain import precision
 from dtrain.profiling.record import load_run_profile
@@ -19,7 +19,7 @@ KNOBS = ["precision=bf16-mixed", "hyperparameters.global_batch_size=32", "resour
 def run(tmp_path_factory):
     """One profiled 2-slot run of the tiny trial, shared by every test here."""
     tmp = tmp_path_factory.mktemp("try")
-    cfg = tiny_config(tmp, max_length={"batches": 40}, scheduling_unit=40)
+    cfg = tiny_config(tmp, max_length={"batches": 40}, scheduling_unit=40, **PROBED)
     result = cli_in_process("run", str(cfg), "--run-dir", str(tmp / "r"), "--quiet")
     assert result.code == 0, result.stderr
     return tmp / "r"

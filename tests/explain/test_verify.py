@@ -6,7 +6,9 @@ import statistics
 
 import pytest
 import yaml
-from helpers import TRIALS, cli_in_process, tiny_config
+from helpers import PROBED, TRIALS, cli_in_process, tiny_config
+
+from dtrain.profiling.record import load_profile
 
 PLANTED = {
     # Each record sleeps 1 ms (a slow disk): 16 ms per 16-record slot batch, next to ~1 ms of compute.
@@ -27,7 +29,7 @@ def test_verify_measures_the_recommended_change(tmp_path, monkeypatch, case):
     entrypoint, hparams, factor = PLANTED[case]
     shutil.copy(TRIALS / "planted.py", tmp_path / "planted.py")
     cfg = tiny_config(tmp_path, entrypoint=entrypoint, hyperparameters=hparams, max_length={"batches": 40},
-                      scheduling_unit=40)
+                      scheduling_unit=40, **PROBED)
     run = tmp_path / "r"
     result = cli_in_process("run", str(cfg), "--run-dir", str(run), "--quiet")
     assert result.code == 0, result.stderr
@@ -46,6 +48,9 @@ def test_verify_measures_the_recommended_change(tmp_path, monkeypatch, case):
     assert measured >= 1.3, (first, doc)
     assert rows[first["action"]]["predicted_speedup"] == pytest.approx(first["predicted_speedup"])
     assert {r["kind"] for r in doc["verified"]} == {"recommendation", "bisection"}
+    # The short runs are read for their samples/s alone: no end-of-run probes lengthen the rounds.
+    shorts = list(run.glob("verify-*/r*/profile.json"))
+    assert shorts and not any(load_profile(path).probes for path in shorts)
     # Best measured first; tuned.yaml holds the best measured recommendation, a loadable config.
     speeds = [r["measured_speedup"] for r in doc["verified"]]
     assert speeds == sorted(speeds, reverse=True)

@@ -4,7 +4,7 @@ the same round's baseline; the point's error and whether the 80% interval held t
 import json
 
 import pytest
-from helpers import cli_in_process, tiny_config
+from helpers import PROBED, cli_in_process, tiny_config
 
 from dtrain.explain import verify as verify_mod
 
@@ -13,7 +13,7 @@ from dtrain.explain import verify as verify_mod
 def run(tmp_path_factory):
     """One profiled 2-slot run of the tiny trial (global batch 16)."""
     tmp = tmp_path_factory.mktemp("verifytry")
-    cfg = tiny_config(tmp, max_length={"batches": 40}, scheduling_unit=40)
+    cfg = tiny_config(tmp, max_length={"batches": 40}, scheduling_unit=40, **PROBED)
     result = cli_in_process("run", str(cfg), "--run-dir", str(tmp / "r"), "--quiet")
     assert result.code == 0, result.stderr
     return tmp / "r"

@@ -24,6 +24,7 @@ import torch
 from helpers import ROOT, cli_in_process, final_weights, free_port, tiny_config
 
 from dtrain.launcher.supervise import children
+from dtrain.profiling.record import load_profile
 
 HOLD_AT = 8  # the first node holds while training batch index 8: asked to stop, it stops after batch 9
 TOTAL = 160
@@ -216,9 +217,8 @@ def test_a_node_joins_then_one_leaves_and_the_run_matches_the_same_world_sizes(j
     summary = json.loads((job.run_dir / "summary.json").read_text())
     assert summary["batches"] == TOTAL
     assert not (job.run_dir / "logs" / "elastic" / "pending.json").exists()
-    from dtrain.profiling.record import load_profile  # the changes travel into the run's profile
 
-    changes = load_profile(job.run_dir / "profile.json").membership_changes
+    changes = load_profile(job.run_dir / "profile.json").membership_changes  # travelled into the profile
     assert [(c.cause, c.batches, c.new_world_size) for c in changes or []] == [
         ("join", 9, 2), ("leave", leave["batches"], 1)]
 
@@ -260,14 +260,17 @@ def test_a_node_signalled_as_its_workers_start_leaves_and_is_no_crash(job, tmp_p
 @pytest.mark.timeout(300)
 def test_two_nodes_started_together_train_as_one_job(job, tmp_path):
     (tmp_path / "hold").unlink()
-    job.start("a")
-    job.start("b")
+    probed = ("--set", "profiling.probes=true")  # the end-of-run probes of a job of two elastic nodes
+    job.start("a", *probed)
+    job.start("b", *probed)
     job.wait("two ranks train", lambda: job.training(2, 0))
     (tmp_path / "slow").unlink()  # both nodes are in: the rest of the run need not be slow
     assert job.finish("a") == 0, job.err("a")
     assert job.finish("b") == 0, job.err("b")
     summary = json.loads((job.run_dir / "summary.json").read_text())
     assert summary["batches"] == TOTAL
+    profile = load_profile(job.run_dir / "profile.json")
+    assert profile.probes and profile.batch_scaling is not None and profile.comm_probe is not None
     # Either both met at once (one world of 2 from batch 0), or the second joined the first's job: never a
     # refusal, never a second run in the directory.
     records = job.records()

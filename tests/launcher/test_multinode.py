@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, dtrain_cli, final_weights, tiny_config
+from helpers import PROBED, ROOT, dtrain_cli, final_weights, tiny_config
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import testhosts
 
 from dtrain import cli
+from dtrain.profiling.record import load_profile
 
 NO_NAMESPACES = testhosts.unavailable_reason()
 needs_namespaces = pytest.mark.skipif(NO_NAMESPACES is not None, reason=f"test hosts unavailable: {NO_NAMESPACES}")
@@ -138,7 +139,7 @@ def two_hosts():
 @pytest.mark.slow
 @needs_namespaces
 def test_two_hosts_train_like_two_local_slots(tmp_path, two_hosts, reference):
-    cfg = tiny_config(tmp_path, **{"resources.join_timeout_seconds": 30})
+    cfg = tiny_config(tmp_path, **PROBED, **{"resources.join_timeout_seconds": 30})
     run_dir = tmp_path / "r"
     master = f"{two_hosts.hostname(0)}:29500"
     results = _run_on_hosts(two_hosts, [
@@ -153,6 +154,10 @@ def test_two_hosts_train_like_two_local_slots(tmp_path, two_hosts, reference):
     _assert_same_weights(reference, final_weights(run_dir))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["slots"] == 2 and summary["batches"] == 24
+    # The end-of-run probes across the two hosts: the all-reduce on their link, each rank's batch probe.
+    profile = load_profile(run_dir / "profile.json")
+    assert profile.comm_probe is not None and profile.comm_probe.world == 2
+    assert profile.batch_scaling is not None
     assert (run_dir / "logs" / "rank1.log").exists() and (run_dir / "logs" / "agent" / "node1").is_dir()
     assert not list(run_dir.glob(".join-*"))
 

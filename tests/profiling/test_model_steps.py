@@ -259,7 +259,7 @@ def _train_and_read_back(rank: int, world: int, config: str, run_dir: str) -> di
 
 @pytest.mark.slow
 def test_training_ends_exactly_as_without_the_probe(tmp_path):
-    from helpers import run_ranks, tiny_config
+    from helpers import PROBED, run_ranks, tiny_config
 
     (tmp_path / "kept.py").write_text(KEPT_TRIAL)
     results = {}
@@ -270,7 +270,7 @@ def test_training_ends_exactly_as_without_the_probe(tmp_path):
         config = tiny_config(folder, **{"entrypoint": "kept:KeptTrial", "resources.slots_per_trial": 1,
                                         "hyperparameters.train_size": 64, "max_length": {"batches": 12},
                                         "hyperparameters.dropout": 0.2, "profiling.enabled": profiled,
-                                        "profiling.warmup_steps": 1})
+                                        "profiling.warmup_steps": 1, **PROBED})
         results[profiled] = run_ranks(_train_and_read_back, world_size=1, timeout=90,
                                       args=(str(config), str(folder / "run")))[0]
     probed, plain = results[True], results[False]

@@ -16,6 +16,7 @@ from helpers import TRIALS, dtrain_cli, tiny_config
 from dtrain.config import rungs as asha
 from dtrain.config.schema import Length, SearcherConfig
 from dtrain.errors import ConfigError
+from dtrain.profiling.record import load_profile
 from dtrain.search.space import load_plan
 
 FIXTURES = Path(__file__).parents[1] / "config" / "determined_yaml"
@@ -136,3 +137,6 @@ def test_a_determined_search_runs_its_brackets(tmp_path):
     for n in (0, 2):
         assert trials[n]["batches"] in (4, 8)
     assert "environment" not in (out / "trials" / "0" / "trial.yaml").read_text()
+    # The trials skipped the end-of-run probes (the config does not name them); best.yaml keeps the default.
+    assert not load_profile(out / "trials" / "0" / "profile.json").probes
+    assert "probes" not in (out / "best.yaml").read_text()

@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from helpers import ROOT, cli_in_process, final_weights, run_ranks, tiny_config, train
+from helpers import PROBED, ROOT, cli_in_process, final_weights, run_ranks, tiny_config, train
 from torch import nn
 
 DIGITS = ROOT / "examples" / "digits" / "experiment.yaml"
@@ -30,7 +30,7 @@ class StraightRuns:
         if strategy not in self.dirs:
             folder = self.root / strategy
             folder.mkdir()
-            cfg = tiny_config(folder, **CRASH, **{"sync.strategy": strategy})
+            cfg = tiny_config(folder, **CRASH, **PROBED, **{"sync.strategy": strategy})
             train(cfg, folder / "straight", "--slots", str(SLOTS[strategy]))
             self.dirs[strategy] = folder / "straight"
         return self.dirs[strategy]

@@ -111,6 +111,10 @@ class Profiling(Strict):
     # After 200 profiled steps, time one step in this many (random, the same on every rank; each weighs as
     # many steps in the figures). 1 times every step.
     sample_every: int = Field(default=4, ge=1, le=1_000_000)
+    # After training, time the model's own steps at other batch sizes, threads and precisions, and the
+    # all-reduce at other sizes (dtrain.profiling.probes): what the doctor and `dtrain plan` price changes by.
+    # Off: the run ends sooner (up to seconds per run, more for a big model), and they price no change.
+    probes: bool = True
 
 
 class Optimizations(Strict):

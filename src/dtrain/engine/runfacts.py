@@ -65,6 +65,6 @@ def run_facts(trainer: FinishedTrainer, wall_seconds: float,
         steps=trainer.steps, train_seconds=trainer.train_seconds, validation_seconds=trainer.validation_seconds,
         checkpoint_seconds=trainer.checkpoint_seconds, wall_seconds=wall_seconds,
         resumed_at_batch=trainer.resumed_at, unobserved_phases=tuple(trainer.unobserved_phases),
-        membership_changes=tuple(membership_changes or ()),
+        membership_changes=tuple(membership_changes or ()), probes=config.profiling.probes,
         probe=ProbeHooks(train_batch=trainer.trial.train_batch, to_device=ctx.to_device,
                          gradient_sync=ctx.gradient_sync, loader=trainer.loader, precision=ctx.precision))

@@ -96,8 +96,16 @@ SHARDED_ALONE = ("on one slot dtrain trains the model unsharded, without FSDP's 
                  "CPU they can be most of a small model's step)")
 
 
+# A run with profiling.probes off: what would price a change was not measured.
+NOT_PROBED = ("the run turned its end-of-run probes off (profiling.probes: false): they time what a change moves "
+              "(the model's step at other batch sizes, threads and precisions, the loader, the all-reduce at other "
+              "sizes); run with profiling.probes: true, the default, to price it")
+
+
 def unpriced(profile: ProfileRecord) -> Unpriced | None:
     """What the cost model cannot price for this run (None: every change it knows)."""
+    if not profile.probes:
+        return Unpriced(NOT_PROBED, None)
     found = kind(profile)
     if found == PRICED:
         return None

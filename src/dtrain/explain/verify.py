@@ -111,7 +111,8 @@ def _short_run(config: Path, exp: Experiment, steps: int, out: Path, debug: bool
     from dtrain.launcher import runs
 
     sets = [*exp.sets, f"max_length={{batches: {steps}}}", "min_validation_period=null",
-            "min_checkpoint_period=null", f"scheduling_unit={steps}", "profiling.enabled=true"]
+            "min_checkpoint_period=null", f"scheduling_unit={steps}", "profiling.enabled=true",
+            "profiling.probes=false"]  # only the samples/s is read: the probes would lengthen every round
     plan = runs.prepare(config, sets, run_dir=out, resume=None)
     failure = runs.execute(plan, quiet=True, debug=debug, threads=_threads(exp, threads))
     if failure is not None:

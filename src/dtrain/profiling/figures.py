@@ -203,8 +203,9 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
 
 def collect_rank_figures(facts: RunFacts) -> EndFigures:
     """End of a run, on every rank: per-rank step figures and memory (training slots), the end-of-run
-    probes (when profiling, given the trial's hooks), the all-reduce latency probe, every rank's host name,
-    and the all-reduce probe's points (when profiling with several slots). Collectives: all ranks call it."""
+    probes (when profiling with ``profiling.probes``, given the trial's hooks), the all-reduce latency probe,
+    every rank's host name, and the all-reduce probe's points (when profiling with several slots) and the
+    step's FLOPs (when profiling). Collectives: all ranks call it."""
     from dtrain.dist import all_hostnames
 
     group, timer = facts.strategy.dp_group, facts.timer
@@ -212,15 +213,16 @@ def collect_rank_figures(facts: RunFacts) -> EndFigures:
               "state_bytes": state_bytes(facts.models, facts.optimizers)}
     points: list[tuple[float, float]] = []
     steps: ModelSteps | None = None
-    if facts.probe is not None and timer.enabled:
+    if facts.probe is not None and timer.enabled and facts.probes:
         probed = batch_probe(facts)
         memory.update(probed.figures)
-        memory["step_flops"] = count_step_flops(facts)
         steps = probed.model_steps
         if steps is not None:  # this rank's loop, beside this rank's probe: the doctor weighs one against the other
             steps = steps.model_copy(update={"loop_data_host_seconds": timer.per_step()["data_host"]})
         if not facts.strategy.has_server_ranks:
             points = commprobe.end_of_run(group)
+    if facts.probe is not None and timer.enabled:  # MFU's count, with the probes off too
+        memory["step_flops"] = count_step_flops(facts)
     per_rank = gather_rank_stats(timer, memory, group)
     return EndFigures(per_rank, latency_probe(group=group), all_hostnames(), points, steps,
                       gradient_bytes(facts.models))
@@ -265,8 +267,8 @@ def run_head(facts: RunFacts, figures: EndFigures | None = None) -> RunHead:
         gradient_compression=facts.gradient_compression, tensor_fusion_threshold_mb=strategy.fusion_threshold_mb,
         comm_measured=strategy.comm_measured, exchange=strategy.exchange,
         strategy_compressions=sorted(strategy.compressions),
-        profiling=timer.enabled, steps=facts.steps, profiled_steps=timer.profiled_steps,
-        timed_steps=timer.timed_steps,
+        profiling=timer.enabled, probes=timer.enabled and facts.probes, steps=facts.steps,
+        profiled_steps=timer.profiled_steps, timed_steps=timer.timed_steps,
         samples_per_second=samples_per_second,
         samples_per_second_all_steps=all_steps, train_seconds=facts.train_seconds,
         validation_seconds=facts.validation_seconds, checkpoint_seconds=facts.checkpoint_seconds,

@@ -113,6 +113,8 @@ class ProfileRecord(Section):
     exchange: str | None = None
     strategy_compressions: list[str]
     profiling: bool
+    # The end-of-run probes ran (profiling.probes); False: the run turned them off, and no change is priced.
+    probes: bool = True
     steps: int
     profiled_steps: int
     timed_steps: int

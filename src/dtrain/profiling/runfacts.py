@@ -97,3 +97,5 @@ class RunFacts:
     # An elastic job's joins and leaves so far (dtrain.launcher.membership).
     membership_changes: tuple[MembershipChange, ...] = ()
     probe: ProbeHooks | None = None
+    # profiling.probes: the end-of-run probes run (the FLOP count, for MFU, runs either way).
+    probes: bool = True

@@ -64,6 +64,8 @@ class RunHead(Section):
     # What the doctor may advise: the strategy's capabilities, from the registry's class.
     strategy_compressions: list[str]
     profiling: bool
+    # The end-of-run probes ran (profiling.probes); False: the run turned them off, and no change is priced.
+    probes: bool = True
     steps: int
     profiled_steps: int
     timed_steps: int

@@ -127,6 +127,10 @@ class Search:
                     child.unlink()
         command = [sys.executable, "-m", "dtrain.cli", "run", str(trial_yaml.resolve()), "--run-dir",
                    str(tdir.resolve()), "--quiet", "--set", f"max_length={{{self.plan.unit}: {target}}}"]
+        if "probes" not in self.plan.config.profiling.model_fields_set:
+            # One trial of many, cut at its rungs: the end-of-run probes (what the doctor and `dtrain plan`
+            # price a change by) would lengthen every segment. A config that sets profiling.probes keeps it.
+            command += ["--set", "profiling.probes=false"]
         if resume:
             command += ["--resume", str(tdir.resolve())]
         log = tdir / "search.log"
