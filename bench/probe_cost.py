@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = [ROOT / "examples" / "digits" / "experiment.yaml", ROOT / "bench" / "trials" / "mlp1m.yaml"]
 
@@ -66,10 +68,11 @@ def main() -> None:
     print("| config | run, probes on (s) | run, probes off (s) | on - off, paired (range) | model-step probe (s) |")
     print("|---|---|---|---|---|")
     for config in configs:
+        name = yaml.safe_load(config.read_text()).get("name", config.stem)
         on, off = walls[(config.stem, True)], walls[(config.stem, False)]
         diffs = [a - b for a, b in zip(on, off, strict=True)]
         probe = f"{statistics.median(costs[config.stem]):.2f}" if costs.get(config.stem) else "-"
-        print(f"| {config.stem} | {statistics.median(on):.2f} | {statistics.median(off):.2f} | "
+        print(f"| {name} | {statistics.median(on):.2f} | {statistics.median(off):.2f} | "
               f"{statistics.median(diffs):.2f} ({min(diffs):.2f} to {max(diffs):.2f}) | {probe} |")
 
 

@@ -79,6 +79,7 @@ def print_run_summary(run_dir: Path, seconds: float, quiet: bool = False) -> Non
         done = (f"dtrain: done in {seconds:.1f}s: {s.batches} batches, {len(s.membership_changes)} membership "
                 f"change(s); the last stretch (batches {s.resumed_at_batch}-{s.batches}) on {s.slots} slot(s): ")
     done += f"{s.samples_per_second:,.0f} samples/s" + (f"; validation: {val}" if val else "")
+    done += probes_note(run_dir)
     report = _write_report(run_dir)
     if quiet:
         print(done + (f"; report {report}" if report is not None else ""))
@@ -88,6 +89,23 @@ def print_run_summary(run_dir: Path, seconds: float, quiet: bool = False) -> Non
         print_profile(run_dir)
     if report is not None:
         print(f"dtrain: report {report}  (details: dtrain doctor {run_dir})")
+
+
+# From this long the end-of-run probes are worth a word: a user who sees "done in" well past the training time
+# learns where it went and how to skip it.
+PROBES_WORTH_SAYING_SECONDS = 1.0
+
+
+def probes_note(run_dir: Path) -> str:
+    """'; end-of-run probes N.Ns (...)' where the probes took :data:`PROBES_WORTH_SAYING_SECONDS` or more."""
+    path = run_dir / "profile.json"
+    if not path.exists():
+        return ""
+    seconds = load_profile(path).probe_seconds
+    if seconds is None or seconds < PROBES_WORTH_SAYING_SECONDS:
+        return ""
+    return (f"; end-of-run probes {seconds:.1f}s (what the doctor prices changes by; profiling.probes: false "
+            "skips them)")
 
 
 def print_profile(run_dir: Path) -> None:

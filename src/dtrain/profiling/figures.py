@@ -118,6 +118,7 @@ class EndFigures:
     comm_points: list[tuple[float, float]]
     model_steps: ModelSteps | None = None
     gradient_bytes: list[list[int]] | None = None
+    probe_seconds: float | None = None  # the probes' wall time on this rank (None: not probed)
 
 
 def build_profile(figures: EndFigures, head: RunHead) -> ProfileRecord:
@@ -161,6 +162,7 @@ def build_profile(figures: EndFigures, head: RunHead) -> ProfileRecord:
                          stragglers=lags, comm_probe=probe,
                          step_jitter_seconds=sum(r.get("step_std", 0.0) for r in per_rank) / slots,
                          model_steps=figures.model_steps, gradient_bytes=figures.gradient_bytes,
+                         probe_seconds=figures.probe_seconds,
                          **_probe_figures(per_rank, head.per_slot_batch_size))
 
 
@@ -213,6 +215,7 @@ def collect_rank_figures(facts: RunFacts) -> EndFigures:
               "state_bytes": state_bytes(facts.models, facts.optimizers)}
     points: list[tuple[float, float]] = []
     steps: ModelSteps | None = None
+    started, probed_for = time.perf_counter(), None
     if facts.probe is not None and timer.enabled and facts.probes:
         probed = batch_probe(facts)
         memory.update(probed.figures)
@@ -221,11 +224,12 @@ def collect_rank_figures(facts: RunFacts) -> EndFigures:
             steps = steps.model_copy(update={"loop_data_host_seconds": timer.per_step()["data_host"]})
         if not facts.strategy.has_server_ranks:
             points = commprobe.end_of_run(group)
+        probed_for = time.perf_counter() - started
     if facts.probe is not None and timer.enabled:  # MFU's count, with the probes off too
         memory["step_flops"] = count_step_flops(facts)
     per_rank = gather_rank_stats(timer, memory, group)
     return EndFigures(per_rank, latency_probe(group=group), all_hostnames(), points, steps,
-                      gradient_bytes(facts.models))
+                      gradient_bytes(facts.models), probed_for)
 
 
 

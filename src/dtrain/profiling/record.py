@@ -156,6 +156,8 @@ class ProfileRecord(Section):
     flops: Flops | None = None
     # Each model's trainable tensors' gradient bytes, in backward's order: DDP's buckets at any cap (older: absent).
     gradient_bytes: list[list[int]] | None = None
+    # The end-of-run probes' wall time on the first rank: what they added to the run (None: not probed).
+    probe_seconds: float | None = None
 
     @field_validator("phases")
     @classmethod
