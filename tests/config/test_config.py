@@ -96,3 +96,13 @@ def test_batch_split(caplog):
     assert "effective global batch is 64" in caplog.text
     with pytest.raises(DataError, match="smaller than slots_per_trial 4"):
         per_slot_batch_size(3, 4)
+
+
+def test_runs_read_for_their_samples_per_second_skip_the_probes_unless_the_config_names_them(tmp_path):
+    from dtrain.config.model import samples_only_sets
+
+    plain = tmp_path / "plain.yaml"
+    write(plain, "name: x\nentrypoint: a:B\nhyperparameters: {global_batch_size: 4}\nmax_length: {batches: 2}\n")
+    assert samples_only_sets(load_config(plain)) == ["profiling.probes=false"]
+    assert samples_only_sets(load_config(plain, ["profiling.probes=true"])) == []  # the command named them
+    assert samples_only_sets(load_config(tiny_config(tmp_path, **{"profiling.probes": True}))) == []

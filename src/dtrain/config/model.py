@@ -392,3 +392,10 @@ def expected_phrase(message: str) -> str:
     """What a pydantic message says was expected, as the end of "expected ...": "a valid integer"."""
     expected = re.sub(r"^(Input should be |(String|List|Dictionary) should have )", "", message)
     return f"a value {expected}" if expected.startswith(("greater", "less")) else expected
+
+
+def samples_only_sets(config: ExperimentConfig) -> list[str]:
+    """``--set`` items for a run read for its samples/s alone (a search trial, a ``dtrain bench`` or ``dtrain
+    compare`` case): the end-of-run probes off, as they would only lengthen it, unless the config (or the
+    command's ``--set``) names ``profiling.probes``: then it keeps its choice."""
+    return [] if "probes" in config.profiling.model_fields_set else ["profiling.probes=false"]

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dtrain.config.model import samples_only_sets
 from dtrain.config.schema import load_config
 from dtrain.errors import UserError
 from dtrain.explain.render import as_text, pyplot
@@ -113,6 +114,7 @@ def compare(config: Path, strategies: list[str], steps: int, out: Path | None, o
             nodes: NodeArgs | None, debug: bool) -> Path | None:
     """Run each strategy; the chief writes compare.json, compare.txt and compare.png under ``out``."""
     cfg = load_config(config, overrides)
+    overrides = [*samples_only_sets(cfg), *overrides]
     out = out or Path("runs") / f"compare-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     rows = []

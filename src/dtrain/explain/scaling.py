@@ -185,10 +185,12 @@ def bench(config: Path, slot_counts: list[int], synthetic: bool, steps: int, out
     if steps < 1:
         raise UserError(f"--steps must be >= 1, got {steps}")
     budget = paired.check_rounds(repeats, max_repeats, target_spread)
+    from dtrain.config.model import samples_only_sets
     from dtrain.config.schema import load_config
     from dtrain.launcher import cpu
 
     cfg = load_config(config, overrides)
+    overrides = [*samples_only_sets(cfg), *overrides]
     out = out or Path("runs") / f"bench-{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     todo = cases(slot_counts, synthetic)

@@ -39,6 +39,7 @@ from optuna.storages import JournalStorage
 from optuna.storages.journal import JournalFileBackend
 from optuna.trial import TrialState
 
+from dtrain.config.model import samples_only_sets
 from dtrain.config.schema import ExperimentConfig
 from dtrain.errors import UserError
 from dtrain.search import procs
@@ -127,10 +128,8 @@ class Search:
                     child.unlink()
         command = [sys.executable, "-m", "dtrain.cli", "run", str(trial_yaml.resolve()), "--run-dir",
                    str(tdir.resolve()), "--quiet", "--set", f"max_length={{{self.plan.unit}: {target}}}"]
-        if "probes" not in self.plan.config.profiling.model_fields_set:
-            # One trial of many, cut at its rungs: the end-of-run probes (what the doctor and `dtrain plan`
-            # price a change by) would lengthen every segment. A config that sets profiling.probes keeps it.
-            command += ["--set", "profiling.probes=false"]
+        for item in samples_only_sets(self.plan.config):  # one trial of many, cut at its rungs
+            command += ["--set", item]
         if resume:
             command += ["--resume", str(tdir.resolve())]
         log = tdir / "search.log"
