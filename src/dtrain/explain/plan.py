@@ -169,9 +169,9 @@ def build_model(run_dir: Path, link: Link | None = None, probe: bool = False,
     profile = load_run_profile(run_dir)
     if not profile.phases_observed:  # compute would be priced at zero: a confident wrong prediction
         raise UserError(f"dtrain plan cannot predict {run_dir}: {unobserved_note(profile)}")
-    found = unpriced(profile)
     if not profile.probes:
         raise UserError(f"dtrain plan cannot predict {run_dir}: {NOT_PROBED}")
+    found = unpriced(profile)
     if found is not None and found.covers_key(SLOTS):  # every row is another slot count: priced as DDP's, wrongly
         raise UserError(f"dtrain plan cannot predict {run_dir}: {found.reason}; dtrain bench "
                         f"{run_dir / 'config.yaml'} --slots 2,4 measures slot counts")
