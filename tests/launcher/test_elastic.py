@@ -42,6 +42,9 @@ NO_HOLD = ("--set", "hyperparameters.hold_at_batch=null", "--set", "hyperparamet
 def _config(tmp: Path, **extra: object) -> Path:
     return tiny_config(tmp, **{
         "resources.join_timeout_seconds": 60, "resources.collective_timeout_seconds": 30,
+        # A node alone starts (and survivors of a leave go on) 1 s after the rendezvous has its minimum, not 5:
+        # every change below waits for a state, and a join completes at once as it brings the maximum.
+        "resources.rendezvous_last_call_seconds": 1,
         "max_length": {"batches": TOTAL}, "min_checkpoint_period": {"batches": 40},
         # Rank 0 sleeps a little every batch: the run lasts long enough for a node to leave mid-run. Only while
         # the file "slow" exists: once the last change is recorded, the test removes it and the run ends fast.
@@ -435,3 +438,19 @@ def test_after_a_lost_node_the_survivors_meet_after_a_short_last_call_then_the_u
     assert executor._settings.timeout.join == usual.timeout.join and executor._settings.run_id == "job"
     ElasticAgent._restore_last_call(agent, group)
     assert executor._settings is usual and agent._usual_settings is None
+    # A last call set shorter than the survivors' stays as short.
+    short = RendezvousSettings("job", 1, 2, RendezvousTimeout(last_call=timedelta(seconds=1)), timedelta(seconds=2), 3)
+    executor._settings = short
+    ElasticAgent._quick_last_call(agent, group)
+    assert executor._settings.timeout.last_call == timedelta(seconds=1)
+
+
+def test_an_elastic_range_waits_its_configured_last_call_for_more_nodes(tmp_path):
+    from dtrain.config.schema import load_config
+    from dtrain.launcher import runs
+
+    args = runs.NodeArgs(nnodes="1:2", master="127.0.0.1:29400", rdzv_backend="c10d")
+    for setting, expected in ((None, 5), (12, 12)):
+        extra = {} if setting is None else {"resources.rendezvous_last_call_seconds": setting}
+        rdzv = runs._rendezvous(args, load_config(tiny_config(tmp_path, **extra)), None)
+        assert rdzv is not None and rdzv.last_call == expected

@@ -60,6 +60,11 @@ class Resources(Strict):
     # how long to wait for every node to join before failing with the names of the missing ones.
     network_interface: str | None = None
     join_timeout_seconds: float = Field(default=300.0, ge=1, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False)
+    # An elastic job (--nnodes MIN:MAX): how long a rendezvous that has its minimum of nodes, but not its
+    # maximum, waits for more before it starts (torch's last_call_timeout, whole seconds). Longer gathers
+    # nodes that start at different times into the first world; shorter starts, and goes on after a leave,
+    # sooner. A lost node's survivors wait 2 s (dtrain.launcher.elastic).
+    rendezvous_last_call_seconds: int = Field(default=5, ge=1, le=3600)
     # Collective timeout: torch's default is 30 minutes, far too long to notice a stuck peer.
     collective_timeout_seconds: float = Field(default=300.0, ge=1, le=MAX_TIMEOUT_SECONDS, allow_inf_nan=False)
 

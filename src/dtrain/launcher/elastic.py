@@ -205,7 +205,8 @@ class ElasticAgent(LocalElasticAgent):
         timeout = getattr(settings, "timeout", None)
         if settings is None or not isinstance(timeout, RendezvousTimeout) or self._usual_settings is not None:
             return
-        quick = RendezvousTimeout(join=timeout.join, last_call=timedelta(seconds=LOST_LAST_CALL_SECONDS),
+        last_call = min(timedelta(seconds=LOST_LAST_CALL_SECONDS), timeout.last_call)  # never longer than set
+        quick = RendezvousTimeout(join=timeout.join, last_call=last_call,
                                   close=timeout.close, heartbeat=timeout.heartbeat)
         with contextlib.suppress(TypeError, ValueError, AttributeError):
             executor._settings = dataclasses.replace(settings, timeout=quick)

@@ -375,7 +375,7 @@ def _node_launch(node: _Node, decision: Decision, key: str, ifname: str, local_i
         configs = {"rank": rdzv.node_rank, "timeout": int(max(1, rdzv.join_timeout))}
     else:
         configs = {"join_timeout": int(max(1, rdzv.join_timeout)), "is_host": node.is_host,
-                   "last_call_timeout": 5 if rdzv.min_nodes < rdzv.max_nodes else 1}
+                   "last_call_timeout": rdzv.last_call if rdzv.min_nodes < rdzv.max_nodes else 1}
     # c10d: the arrival number too, as two nodes may share a host name and address (containers, one machine).
     log_name = f"node{rdzv.node_rank}" if rdzv.node_rank is not None else f"{node.hostname}-{local_ip}-{key}"
     return NodeLaunch(

@@ -35,6 +35,7 @@ class Rendezvous:
     rdzv_id: str
     join_timeout: float
     source: str = "command line"  # for messages: "command line", "Slurm", "PyTorchJob"
+    last_call: int = 5  # an elastic range's wait for more nodes (resources.rendezvous_last_call_seconds)
 
     @property
     def endpoint(self) -> str:

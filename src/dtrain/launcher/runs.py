@@ -235,7 +235,7 @@ def _rendezvous(args: NodeArgs, config: ExperimentConfig, cluster: ClusterEnv | 
         _check_elastic_batch(config, low, high, slots // high, str(args.nnodes))
     rdzv_id = args.rdzv_id or f"dtrain-{config.name}"
     return Rendezvous(backend, host, port, low, high, node_rank, rdzv_id, config.resources.join_timeout_seconds,
-                      source)
+                      source, config.resources.rendezvous_last_call_seconds)
 
 
 def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | None, resume: Path | None) -> RunPlan:
