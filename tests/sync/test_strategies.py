@@ -9,6 +9,7 @@ from helpers import PROBED, ROOT, cli_in_process, final_weights, run_ranks, tiny
 from torch import nn
 
 DIGITS = ROOT / "examples" / "digits" / "experiment.yaml"
+NO_PROBES = ("--set", "profiling.probes=false")  # these runs are read for their accuracy alone
 SLOTS = {"ddp": 2, "allreduce": 2, "local_sgd": 2, "fsdp": 2, "parameter_server": 3}  # PS: 2 workers + 1 server
 
 
@@ -108,7 +109,7 @@ def test_async_parameter_server_converges_within_its_staleness_bound(tmp_path):
     # Asynchrony acts like extra momentum (Mitliagkas et al., 2016): plain SGD here, as advised for async.
     train(DIGITS, tmp_path / "async", "--slots", "3", "--set", "sync.strategy=parameter_server",
          "--set", "sync.parameter_server.mode=async", "--set", "sync.parameter_server.staleness=1",
-         "--set", "hyperparameters.momentum=0.0")
+         "--set", "hyperparameters.momentum=0.0", *NO_PROBES)
     assert _accuracy(tmp_path / "async") >= 0.95
     stats = json.loads((tmp_path / "async" / "ps_stats.rank2.json").read_text())
     assert stats["mode"] == "async" and stats["staleness_bound"] == 1
@@ -118,7 +119,7 @@ def test_async_parameter_server_converges_within_its_staleness_bound(tmp_path):
 
 @pytest.mark.slow
 def test_local_sgd_converges(tmp_path):
-    train(DIGITS, tmp_path / "local", "--set", "sync.strategy=local_sgd")
+    train(DIGITS, tmp_path / "local", "--set", "sync.strategy=local_sgd", *NO_PROBES)
     assert _accuracy(tmp_path / "local") >= 0.95
 
 
