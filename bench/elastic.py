@@ -15,7 +15,7 @@ For each change: seconds from the event (B's agent starting to meet the job; the
 this script's clock) to the end of the first step at the new world size, and the batches lost (trained,
 then trained again after resuming), from the ``membership`` records of the run's metrics.jsonl.
 
-    .venv/bin/python bench/elastic.py [--where local|hosts|both] [--trials 5] [--json out.json]
+    .venv/bin/python bench/elastic.py [--where local|hosts|both] [--trials 5] [--last-call 5] [--json out.json]
 
 Prints a Markdown table. About a minute per trial and place on a 2-core machine.
 """
@@ -104,10 +104,11 @@ def _training(run: Path, world: int, past: int) -> bool:
     return set(found) >= set(range(world)) and all((found[r].batch or 0) > past for r in range(world))
 
 
-def trial(where: str, crash: bool, tmp: Path) -> list[dict]:
+def trial(where: str, crash: bool, tmp: Path, last_call: int) -> list[dict]:
     """One job: B joins A, then leaves (or is killed); the membership records, with the measured seconds."""
     (tmp / "hold").write_text("hold")
     cfg = tiny_config(tmp, **{"resources.join_timeout_seconds": 60, "resources.collective_timeout_seconds": 30,
+                              "resources.rendezvous_last_call_seconds": last_call,
                               "max_length": {"batches": TOTAL}, "min_checkpoint_period": {"batches": 40},
                               "hyperparameters.sleep_rank": 0, "hyperparameters.sleep_seconds": 0.03,
                               "hyperparameters.hold_at_batch": HOLD_AT, "hyperparameters.hold_file": str(tmp / "hold")})
@@ -141,6 +142,7 @@ def main() -> int:
     parser.add_argument("--where", choices=["local", "hosts", "both"], default="local")
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--last-call", type=int, default=5, help="resources.rendezvous_last_call_seconds")
     args = parser.parse_args()
     places = ["local", "hosts"] if args.where == "both" else [args.where]
     if "hosts" in places and testhosts.unavailable_reason() is not None:
@@ -151,7 +153,7 @@ def main() -> int:
         for _ in range(args.trials):
             for crash in (False, True):
                 with tempfile.TemporaryDirectory(prefix="dtrain-elastic-") as tmp:
-                    found = trial(where, crash, Path(tmp))
+                    found = trial(where, crash, Path(tmp), args.last_call)
                 rows.extend(found if not crash else found[1:])  # the crash job's join repeats the first's
     table: dict[tuple[str, str], list[dict]] = {}
     for row in rows:
