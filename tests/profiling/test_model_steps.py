@@ -348,6 +348,28 @@ def test_a_gpu_sample_is_several_steps_in_a_row_timed_per_step(monkeypatch):
         assert len(calls) == settings * (2 + record.steps_timed * chain) + settings * rounds
 
 
+def test_a_long_cpu_step_is_timed_without_a_lead_step(monkeypatch):
+    """The untimed step before each timed one on a CPU refills the caches another setting left cold; a setting
+    whose steps are longer than LEAD_STEP_MAX_SECONDS goes without it (the refill is lost in a step that long),
+    which halves what its timed rounds cost."""
+    from dtrain.profiling import modelsteps
+
+    calls: list[int] = []
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    hooks = _hooks(model, Float32())
+    counted = ProbeHooks(train_batch=lambda b, e, i: (calls.append(1), hooks.train_batch(b, e, i))[1],
+                         to_device=hooks.to_device, gradient_sync=hooks.gradient_sync, loader=hooks.loader,
+                         precision=hooks.precision)
+    x, y = torch.randn(8, 4), torch.randn(8, 1)
+    monkeypatch.setattr(modelsteps, "LEAD_STEP_MAX_SECONDS", 0.0)  # every step counts as long
+    record = time_model_steps(counted, [model], [optimizer], CPU, (x, y), (torch.cat([x, x]), torch.cat([y, y])),
+                              per_slot=8)
+    settings = 4  # 32-true, bf16-mixed, and both at twice the batch
+    # The warm-up round leads every setting (nothing is known of its length yet); the timed rounds do not.
+    assert len(calls) == settings * 2 + settings * record.steps_timed
+
+
 def test_a_16_mixed_step_goes_through_a_loss_scaler():
     """16-mixed runs step through a GradScaler (its found-inf check waits for the device once a step): the
     probe's 16-mixed steps do too, the optimizer still steps and the scale moves on; an optimizer that got no

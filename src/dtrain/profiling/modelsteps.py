@@ -32,7 +32,8 @@ whatever else the run's host does each step (fetching a batch) adds to its step 
 On a CPU each timed step comes right after an untimed one of the same setting, as a run's step comes after
 the one before it: right after another setting (a bf16 step at twice the batch) a float32 step runs with its
 weights and activations out of the caches, which the interleaving would otherwise put into every setting that
-follows another (docs/benchmarks.md, "A precision at another slot count").
+follows another (docs/benchmarks.md, "A precision at another slot count"). A setting whose steps take over
+:data:`LEAD_STEP_MAX_SECONDS` goes without: the refill is lost in a step that long.
 
 Training is left as it was: the models' and optimizers' state and the random generators are saved before
 and restored after (:func:`restored`), and gradients are cleared.
@@ -64,6 +65,11 @@ STEPS_TIMED, MAX_STEPS_TIMED = 5, 25
 TARGET_SECONDS = 0.5
 # Seconds the timed rounds may take together at most, judged by the warm-up round (a step of every setting).
 BUDGET_SECONDS = 10.0
+# On a CPU, a setting whose step takes longer than this is timed without an untimed step of its own before
+# it: what a step after another setting pays is a refill of the caches, a fraction of a millisecond, which a
+# step this long does not feel, and a lead step would double the cost of the probe's slowest settings (bf16
+# on a CPU without bf16 units: docs/benchmarks.md, "What the end-of-run probes add to a run").
+LEAD_STEP_MAX_SECONDS = 0.05
 # Consecutive steps in one timed sample on a GPU, between two synchronizations: the host runs ahead of the
 # device as in a run (a CPU's steps do not overlap: one).
 CHAIN = 4
@@ -219,18 +225,21 @@ def _threads(threads: int | None) -> Iterator[None]:
 def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
            settings: dict[str, Setting], failed: dict[str, str], times: dict[str, list[float]],
            timed: bool, scalers: dict[str, torch.amp.GradScaler], chain: int = 1,
-           queued: dict[str, list[float]] | None = None) -> float:
+           queued: dict[str, list[float]] | None = None, last: dict[str, float] | None = None) -> float:
     """One sample of every setting not failed yet (``chain`` steps in a row); its seconds per step join
     ``times`` where ``timed``, and the host's seconds per step to queue them (until the last step's calls
-    returned, before the device caught up) join ``queued`` where given. A setting that fails is entered in
-    ``failed`` with its reason. Returns the round's seconds."""
+    returned, before the device caught up) join ``queued`` where given; ``last`` keeps each setting's latest
+    seconds per step, timed or not. A setting that fails is entered in ``failed`` with its reason. Returns the
+    round's seconds."""
     began_round = time.perf_counter()
+    last = {} if last is None else last
     for key, (name, data, _) in settings.items():
         if key in failed:
             continue
         try:
             with as_precision(name, hooks.precision, device):
-                if device.type != "cuda":  # a step as a run takes it: right after one like it (see above)
+                # A step as a run takes it: right after one like it (see above), where that matters.
+                if device.type != "cuda" and last.get(key, 0.0) <= LEAD_STEP_MAX_SECONDS:
                     _step(hooks, optimizers, data, scalers.get(key))
                 _sync(device)
                 began = time.perf_counter()
@@ -244,8 +253,9 @@ def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], devic
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             continue
+        last[key] = (time.perf_counter() - began) / chain
         if timed:
-            times[key].append((time.perf_counter() - began) / chain)
+            times[key].append(last[key])
             if queued is not None:
                 queued[key].append((host - began) / chain)
     return time.perf_counter() - began_round
@@ -258,10 +268,10 @@ def _time_block(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], 
     """Warm-up, then timed rounds of ``settings`` (interleaved), this block's ``share`` of the probe's target and
     budget: how many rounds were timed."""
     target, budget = TARGET_SECONDS * share, BUDGET_SECONDS * share
-    chain, queued = 1, _chain(device)
-    warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers)
+    chain, queued, last = 1, _chain(device), {}
+    warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers, last=last)
     if queued > 1:  # the first round paid for new kernels: the next one sizes the timed rounds
-        warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers)
+        warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers, last=last)
         if warm_up * queued * STEPS_TIMED <= budget:
             chain = queued
             warm_up *= chain
@@ -269,7 +279,7 @@ def _time_block(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], 
     if warm_up > 0:
         steps = max(1, min(max(steps, min(MAX_STEPS_TIMED, int(target / warm_up))), int(budget / warm_up)))
     for _ in range(steps):
-        _round(hooks, optimizers, device, settings, failed, times, True, scalers, chain, host_times)
+        _round(hooks, optimizers, device, settings, failed, times, True, scalers, chain, host_times, last)
     return steps
 
 
