@@ -2,7 +2,9 @@
 pytest_configure on, so fixtures of every scope and the processes tests start see none); reference runs
 that several test modules compare with are trained once."""
 
+import fcntl
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -42,7 +44,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 class ReferenceRuns:
-    """The tiny trial with its default config, on N slots, trained on first use and kept for the run."""
+    """The tiny trial with its default config (probed), on N slots, trained on first use and kept for the run.
+    ``root`` may be shared by `make test`'s two pytest processes: a lock file per slot count lets the first to
+    ask train it, and the other wait for it and read it (tests only read these runs)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -51,10 +55,15 @@ class ReferenceRuns:
     def run_dir(self, slots: int) -> Path:
         if slots not in self._dirs:
             folder = self.root / f"slots{slots}"
-            folder.mkdir()
-            result = cli_in_process("run", str(tiny_config(folder, **PROBED)), "--slots", str(slots), "--run-dir",
-                                str(folder / "r"), "--quiet")
-            assert result.code == 0, result.stderr
+            with (self.root / f"slots{slots}.lock").open("w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+                if not (folder / "trained").exists():  # none yet, or one that failed: trained afresh
+                    shutil.rmtree(folder, ignore_errors=True)
+                    folder.mkdir()
+                    result = cli_in_process("run", str(tiny_config(folder, **PROBED)), "--slots", str(slots),
+                                            "--run-dir", str(folder / "r"), "--quiet")
+                    assert result.code == 0, result.stderr
+                    (folder / "trained").touch()
             self._dirs[slots] = folder / "r"
         return self._dirs[slots]
 
@@ -63,8 +72,13 @@ class ReferenceRuns:
 
 
 @pytest.fixture(scope="session")
-def reference_runs(tmp_path_factory):
-    return ReferenceRuns(tmp_path_factory.mktemp("reference"))
+def reference_runs(tmp_path_factory, worker_id):
+    if worker_id == "master":  # one pytest process
+        return ReferenceRuns(tmp_path_factory.mktemp("reference"))
+    # pytest-xdist: the workers' temporary folders share this session's parent (xdist's advice for session data).
+    shared = tmp_path_factory.getbasetemp().parent / "reference"
+    shared.mkdir(exist_ok=True)
+    return ReferenceRuns(shared)
 
 
 @pytest.fixture
