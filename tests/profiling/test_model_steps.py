@@ -29,8 +29,12 @@ class Float32:
     dtype: torch.dtype | None = None
 
 
-def _hooks(model: nn.Module, precision: SwitchablePrecision, seen: list[bool] | None = None) -> ProbeHooks:
+def _hooks(model: nn.Module, precision: SwitchablePrecision, seen: list[bool] | None = None,
+           calls: list[int] | None = None) -> ProbeHooks:
+    """The probe's hooks for ``model``; ``seen`` gets whether each step ran in bf16, ``calls`` one entry per step."""
     def train_batch(batch: object, epoch_idx: int, batch_idx: int) -> None:
+        if calls is not None:
+            calls.append(1)
         x, y = batch  # type: ignore[misc]
         out = model(x)
         if seen is not None:
@@ -323,10 +327,7 @@ def test_a_gpu_sample_is_several_steps_in_a_row_timed_per_step(monkeypatch):
     calls: list[int] = []
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    hooks = _hooks(model, Float32())
-    counted = ProbeHooks(train_batch=lambda b, e, i: (calls.append(1), hooks.train_batch(b, e, i))[1],
-                         to_device=hooks.to_device, gradient_sync=hooks.gradient_sync, loader=hooks.loader,
-                         precision=hooks.precision)
+    counted = _hooks(model, Float32(), calls=calls)
     times: dict[str, list[float]] = {"32-true": []}
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     began = __import__("time").perf_counter()
@@ -357,10 +358,7 @@ def test_a_long_cpu_step_is_timed_without_a_lead_step(monkeypatch):
     calls: list[int] = []
     model = nn.Linear(4, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    hooks = _hooks(model, Float32())
-    counted = ProbeHooks(train_batch=lambda b, e, i: (calls.append(1), hooks.train_batch(b, e, i))[1],
-                         to_device=hooks.to_device, gradient_sync=hooks.gradient_sync, loader=hooks.loader,
-                         precision=hooks.precision)
+    counted = _hooks(model, Float32(), calls=calls)
     x, y = torch.randn(8, 4), torch.randn(8, 1)
     monkeypatch.setattr(modelsteps, "LEAD_STEP_MAX_SECONDS", 0.0)  # every step counts as long
     record = time_model_steps(counted, [model], [optimizer], CPU, (x, y), (torch.cat([x, x]), torch.cat([y, y])),
