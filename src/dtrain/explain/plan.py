@@ -19,7 +19,7 @@ from dtrain.errors import UserError
 from dtrain.explain import precision
 from dtrain.explain.costmodel import CostModel, Link, Prediction, Target
 from dtrain.explain.doctor import unobserved_note
-from dtrain.explain.exchange import NOT_PROBED, SLOTS, unpriced
+from dtrain.explain.exchange import SLOTS, unpriced
 from dtrain.explain.finish import finish, run_costs
 from dtrain.explain.plandoc import Input, Measured, PlanDocument, PlanRow, RunCostsFacts
 from dtrain.explain.predictor import target_at
@@ -169,10 +169,8 @@ def build_model(run_dir: Path, link: Link | None = None, probe: bool = False,
     profile = load_run_profile(run_dir)
     if not profile.phases_observed:  # compute would be priced at zero: a confident wrong prediction
         raise UserError(f"dtrain plan cannot predict {run_dir}: {unobserved_note(profile)}")
-    if not profile.probes:
-        raise UserError(f"dtrain plan cannot predict {run_dir}: {NOT_PROBED}")
     found = unpriced(profile)
-    if found is not None and found.covers_key(SLOTS):  # every row is another slot count: priced as DDP's, wrongly
+    if found is not None and found.covers_key(SLOTS):  # every row is another slot count, which this run cannot price
         raise UserError(f"dtrain plan cannot predict {run_dir}: {found.reason}; dtrain bench "
                         f"{run_dir / 'config.yaml'} --slots 2,4 measures slot counts")
     measured_link = profile.slots > 1 and profile.comm_probe is not None
