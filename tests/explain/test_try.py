@@ -45,7 +45,9 @@ def test_every_knob_is_predicted_with_its_interval_or_a_reason(run, tried):
         if t["gain"] is None:
             assert t["reason"].startswith(f"cannot predict {t['key']}"), t
             continue
-        assert t["low"] < t["gain"] < t["high"], t
+        # The top may be the point itself: a step held at linear scaling from one slot (CostModel.predict), which
+        # no interval reaches above (seen once in CI: bf16-mixed on 2 slots, 0.844x with its high at 0.844x).
+        assert t["low"] < t["gain"] <= t["high"], t
         assert t["samples_per_second"] == pytest.approx(t["gain"] * doc["samples_per_second"])
         assert t["inputs"]["change"] == f"{t['key']}: {t['value']}" and len(t["inputs"]) > 1, t
     # bf16-mixed on this CPU: from the model's own steps timed in it at the end of the run, slower predicted

@@ -42,7 +42,8 @@ def test_tried_changes_are_predicted_and_measured(run):
             assert r["reason"].startswith(f"cannot predict {r['key']}") and r["error"] is None, r
             assert r["interval_held"] is None
             continue
-        assert r["predicted_low"] < r["predicted_speedup"] < r["predicted_high"], r
+        # (its top may be the point: a step held at linear scaling from one slot, as in test_try.py)
+        assert r["predicted_low"] < r["predicted_speedup"] <= r["predicted_high"], r
         assert r["error"] == pytest.approx((r["predicted_speedup"] - r["measured_speedup"]) / r["measured_speedup"])
         assert r["interval_held"] == (r["predicted_low"] <= r["measured_speedup"] <= r["predicted_high"])
     # The batch the model prices from the run's own batch probe: a prediction, in samples/s, with the
