@@ -454,3 +454,41 @@ def test_an_elastic_range_waits_its_configured_last_call_for_more_nodes(tmp_path
         extra = {} if setting is None else {"resources.rendezvous_last_call_seconds": setting}
         rdzv = runs._rendezvous(args, load_config(tiny_config(tmp_path, **extra)), None)
         assert rdzv is not None and rdzv.last_call == expected
+
+
+def test_the_first_nodes_agent_holds_its_workers_store_port_until_the_next_rendezvous():
+    """The port torch's rendezvous picked stays out of other sockets' reach, yet the worker's store takes it."""
+    import socket
+    from types import SimpleNamespace
+
+    from torch.distributed import TCPStore
+
+    from dtrain.launcher.elastic import WorkerPortHold
+
+    ports = iter([free_port(), free_port(), free_port()])
+    met = []
+
+    def meet(rank: int = 0) -> SimpleNamespace:
+        met.append(SimpleNamespace(rank=rank, bootstrap_store_info=SimpleNamespace(master_port=next(ports))))
+        return met[-1]
+
+    def taken(port: int) -> bool:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return True
+        return False
+
+    hold = WorkerPortHold(meet)
+    first = hold().bootstrap_store_info.master_port
+    assert taken(first)
+    store = TCPStore("127.0.0.1", first, None, True, timedelta(seconds=10), wait_for_workers=False)
+    store.set("k", "v")
+    del store
+    second = hold().bootstrap_store_info.master_port
+    assert not taken(first) and taken(second)
+    hold.release()
+    assert not taken(second)
+    # Another node's agent holds nothing: its workers serve no store.
+    assert not taken(WorkerPortHold(lambda: meet(rank=1))().bootstrap_store_info.master_port)

@@ -351,7 +351,8 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
     os.environ[survivor.ENABLE_ENV] = "1"  # a lost node: the survivors keep their state (dtrain.engine.survivor)
     handler = rdzv_registry.get_rendezvous_handler(params)
     handler.num_nodes_waiting = _tolerant(handler.num_nodes_waiting)  # type: ignore[method-assign]
-    handler.next_rendezvous = _marking(handler.next_rendezvous, setup.in_world)  # type: ignore[method-assign]
+    port_hold = WorkerPortHold(handler.next_rendezvous)
+    handler.next_rendezvous = _marking(port_hold, setup.in_world)  # type: ignore[method-assign]
     spec = WorkerSpec(role=config.role, local_world_size=config.nproc_per_node, entrypoint=entrypoint,
                       args=tuple(args), rdzv_handler=handler, max_restarts=config.max_restarts,
                       monitor_interval=config.monitor_interval, local_addr=config.local_addr)
@@ -379,6 +380,7 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
         _leave_round(handler)
         raise
     finally:
+        port_hold.release()
         os.environ.pop(survivor.ENABLE_ENV, None)
         if close:
             with contextlib.suppress(Exception):
@@ -387,6 +389,49 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
             os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         else:
             os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = previous
+
+
+class WorkerPortHold:
+    """Keeps the port the first node's agent chose for its first worker's store until that worker listens.
+
+    Without the shared agent store, torch's rendezvous picks a free port for the workers' store and lets
+    it go at once; the worker binds it only seconds later, after starting Python and torch. Any connection
+    made on the machine meanwhile may take it as its ephemeral port, and that worker then fails to listen
+    (EADDRINUSE; seen once in a CI run of the suite). A socket bound to it with SO_REUSEADDR, never
+    listening, keeps the kernel from handing it out (to connect() or bind(port 0)) while the worker's store,
+    which binds with SO_REUSEADDR too (libuv), may still take it. Held until the next rendezvous or the end.
+    """
+
+    __slots__ = ("_held", "_next_rendezvous")
+
+    def __init__(self, next_rendezvous: Callable[[], Any]) -> None:
+        self._next_rendezvous = next_rendezvous
+        self._held: socket.socket | None = None
+
+    def __call__(self) -> Any:
+        self.release()  # the previous world's workers have stopped: their store is gone
+        found = self._next_rendezvous()
+        if found.rank == 0 and found.bootstrap_store_info is not None:
+            self._held = hold_port(found.bootstrap_store_info.master_port)
+        return found
+
+    def release(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
+
+
+def hold_port(port: int) -> socket.socket | None:
+    """A socket bound to ``port`` on every address with SO_REUSEADDR, not listening; None when the port is
+    taken already (the worker's store then says so)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("", port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
 
 
 def _marking(next_rendezvous: Callable[[], Any], in_world: threading.Event) -> Callable[[], Any]:
