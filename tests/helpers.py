@@ -5,6 +5,7 @@ A hang must fail fast: every helper kills all the processes it started when one 
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -15,7 +16,7 @@ import sys
 import textwrap
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,9 +28,23 @@ TRIALS = Path(__file__).resolve().parent / "trials"
 
 
 def free_port() -> int:
+    """A port free now, not held (see :func:`held_port` for one a process started later will serve)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def held_port() -> Iterator[int]:
+    """A port for a store that a process started later serves, kept from other sockets until the block ends
+    (:func:`dtrain.dist.hold_port`): a free port let go at once may be any connection's by then."""
+    from dtrain.dist import hold_port
+
+    sock = hold_port()
+    if sock is None:
+        raise OSError("no free local port")
+    with contextlib.closing(sock):
+        yield sock.getsockname()[1]
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple) -> None:
@@ -53,6 +68,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout: float = 60.0
     Fails (and kills every rank) as soon as one rank raises or dies, or when ``timeout`` passes; the
     failing rank's traceback is re-raised in the test.
     """
+    with held_port() as port:
+        return _run_ranks(fn, world_size, timeout, args, port)
+
+
+def _run_ranks(fn: Callable[..., Any], world_size: int, timeout: float, args: tuple, port: int) -> list[Any]:
     from dtrain.launcher import forkstart
 
     # Fork where dtrain's launcher would (a CPU build; each rank sets one thread above): the ranks inherit
@@ -63,7 +83,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout: float = 60.0
         forkstart.preload_torch()
     ctx = mp.get_context("fork" if fork else "spawn")
     queue = ctx.Queue()
-    port = free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, queue, args), daemon=True)
              for r in range(world_size)]
     for p in procs:

@@ -177,6 +177,25 @@ def init_process_group(env: DistEnv, backend: str, timeout_seconds: float) -> No
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
 
 
+def hold_port(port: int = 0) -> socket.socket | None:
+    """A socket bound to ``port`` (0: one the kernel picks) on every address with SO_REUSEADDR, never listening.
+
+    A store's port chosen in one process and served seconds later by another (after it started Python and
+    torch) is free for anyone meanwhile: any connection made on the machine may take it as its ephemeral
+    port, and the store then fails to listen (EADDRINUSE). While this socket holds it, the kernel hands it
+    to no connect() and no bind(port 0), yet a TCPStore server, which binds with SO_REUSEADDR too (libuv),
+    may take it. None when ``port`` is taken already (the store then says so when it starts).
+    """
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("", port))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
 def destroy_process_group() -> None:
     if dist.is_initialized():
         # Gloo's worker threads destroy finished collectives themselves, and a collective on tensors made

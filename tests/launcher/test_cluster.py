@@ -255,26 +255,27 @@ def test_worker_flags_inside_torchrun_are_refused(tmp_path, monkeypatch):
 def test_srun_with_one_task_per_slot_trains_in_place(tmp_path):
     """srun started one task per slot (no torchrun): each task trains in place with Slurm's rank and
     world; the first task serves the store its peers learn the run directory from."""
-    from helpers import free_port
+    from helpers import held_port
 
     cfg = tiny_config(tmp_path)
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "SLURM_JOB_ID": "99", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-               "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1",
-               "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2", "MASTER_PORT": port,
-               "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", str(cfg), "--run-dir",
-                                       str(tmp_path / "r"), "--quiet"], cwd=ROOT, env=env, start_new_session=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        results = [p.communicate(timeout=90) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, 9)
-                p.communicate()
+    with held_port() as held:  # until the first task serves its store on it
+        port = str(held)
+        procs = []
+        for rank in range(2):
+            env = {**os.environ, "SLURM_JOB_ID": "99", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+                   "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1",
+                   "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2", "MASTER_PORT": port,
+                   "OMP_NUM_THREADS": "1"}
+            procs.append(subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", str(cfg), "--run-dir",
+                                           str(tmp_path / "r"), "--quiet"], cwd=ROOT, env=env, start_new_session=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        try:
+            results = [p.communicate(timeout=90) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, 9)
+                    p.communicate()
     for p, (_out, err) in zip(procs, results, strict=True):
         assert p.returncode == 0, err
     assert results[0][0].count("dtrain: done") == 1 and "on 2 slot(s)" in results[0][0]

@@ -23,6 +23,7 @@ import pytest
 import torch
 from helpers import ROOT, cli_in_process, final_weights, free_port, tiny_config
 
+from dtrain.dist import hold_port
 from dtrain.launcher.supervise import children
 from dtrain.profiling.record import load_profile
 
@@ -58,7 +59,10 @@ class Job:
 
     def __init__(self, tmp: Path, cfg: Path) -> None:
         self.tmp, self.cfg, self.run_dir = tmp, cfg, tmp / "r"
-        self.port = free_port()
+        self._port = hold_port()  # until node a's launcher serves the rendezvous on it (see hold_port)
+        if self._port is None:
+            raise OSError("no free local port")
+        self.port = self._port.getsockname()[1]
         self.nodes: dict[str, subprocess.Popen] = {}
         self.workers: set[int] = set()
 
@@ -140,6 +144,7 @@ class Job:
         for proc in self.nodes.values():
             with contextlib.suppress(Exception):
                 proc.wait(timeout=10)
+        self._port.close()
 
 
 @pytest.fixture

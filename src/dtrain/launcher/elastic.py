@@ -53,6 +53,7 @@ from torch.distributed.elastic.rendezvous.api import RendezvousClosedError, Rend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
 from torch.distributed.launcher.api import LaunchConfig
 
+from dtrain.dist import hold_port
 from dtrain.engine import survivor
 from dtrain.engine.failures import ERROR_FILE, is_secondary
 from dtrain.engine.watchdog import STATUS_FILE
@@ -392,15 +393,10 @@ def launch_elastic(config: LaunchConfig, entrypoint: Any, args: list[str], setup
 
 
 class WorkerPortHold:
-    """Keeps the port the first node's agent chose for its first worker's store until that worker listens.
-
-    Without the shared agent store, torch's rendezvous picks a free port for the workers' store and lets
-    it go at once; the worker binds it only seconds later, after starting Python and torch. Any connection
-    made on the machine meanwhile may take it as its ephemeral port, and that worker then fails to listen
-    (EADDRINUSE; seen once in a CI run of the suite). A socket bound to it with SO_REUSEADDR, never
-    listening, keeps the kernel from handing it out (to connect() or bind(port 0)) while the worker's store,
-    which binds with SO_REUSEADDR too (libuv), may still take it. Held until the next rendezvous or the end.
-    """
+    """Keeps the port the first node's agent chose for its first worker's store (:func:`dtrain.dist.hold_port`)
+    until the next rendezvous or the end: without the shared agent store, torch's rendezvous picks a free
+    port and lets it go at once, and the worker binds it seconds later (once, in a CI run, another
+    connection had taken it meanwhile)."""
 
     __slots__ = ("_held", "_next_rendezvous")
 
@@ -419,19 +415,6 @@ class WorkerPortHold:
         if self._held is not None:
             self._held.close()
             self._held = None
-
-
-def hold_port(port: int) -> socket.socket | None:
-    """A socket bound to ``port`` on every address with SO_REUSEADDR, not listening; None when the port is
-    taken already (the worker's store then says so)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("", port))
-    except OSError:
-        sock.close()
-        return None
-    return sock
 
 
 def _marking(next_rendezvous: Callable[[], Any], in_world: threading.Event) -> Callable[[], Any]:

@@ -112,12 +112,6 @@ def end_of_run(group: Any) -> list[tuple[float, float]]:
 
 
 # ------------------------------------------------------------------ local processes (dtrain plan --probe)
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _stand_in(parameters: int) -> torch.nn.Module:
     """Linear layers holding about ``parameters`` parameters: DDP buckets them as it would the model's."""
     width = int(min(256, max(8, math.sqrt(parameters))))
@@ -244,9 +238,12 @@ def _probe_once(world: int, threads: int, parameters: int, cap_mb: float | None,
 
     import torch.multiprocessing as mp
 
-    with tempfile.TemporaryDirectory() as tmp:
+    held = ddist.hold_port()  # until rank 0's store listens on it: see hold_port
+    if held is None:
+        raise ProbeFailed("no free local port for the all-reduce probe; give the link with --link RATE,LATENCY")
+    with tempfile.TemporaryDirectory() as tmp, contextlib.closing(held):
         out = os.path.join(tmp, "probe.json")
-        args = (world, _free_port(), threads, parameters, cap_mb, steps, budget, out)
+        args = (world, held.getsockname()[1], threads, parameters, cap_mb, steps, budget, out)
         ctx = mp.start_processes(_worker, args=args, nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
         try:
