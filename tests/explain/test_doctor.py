@@ -424,8 +424,11 @@ def test_one_slot_run_gets_no_exchange_advice():
 def test_changes_within_two_percent_are_not_advised():
     from dtrain.explain.doctor import diagnose, render
 
-    # 1.25x the batch (memory-bound) amortizes 3 ms of fixed costs in a 34 ms step: about 1.8% faster.
-    typed = diagnose(_gpu_profile(peak_gb=50))
+    # 1.25x the batch (memory-bound) amortizes 3 ms of fixed costs in a 34 ms step: about 1.8% faster (its
+    # forward and backward timed at twice the batch took twice as long).
+    grows = {"per_slot_batch_size": 32, "work_seconds": 0.030, "work_double_seconds": 0.060, "load_seconds": 0.001,
+             "load_double_seconds": 0.002}
+    typed = diagnose(_gpu_profile(peak_gb=50, batch_scaling=grows))
     row = {f["factor"]: f for f in typed.to_json()["factors"]}["batch_size"]
     assert row["key"] is None and row["predicted_speedup"] is None and "within 2% of today" in row["why"]
     line = next(ln for ln in render(typed).splitlines() if "batch_size" in ln)
@@ -433,6 +436,20 @@ def test_changes_within_two_percent_are_not_advised():
     for profile in (_gpu_profile(), _gpu_profile(peak_gb=50), _gpu_profile(precision="bf16-mixed"),
                     _straggler_profile(True), _straggler_profile(False), _straggler_profile(True, probe=None)):
         _assert_true_words(diagnose(profile).to_json())
+
+
+def test_a_bigger_batch_of_a_model_not_timed_at_twice_its_batch_is_a_bound_never_advised():
+    """No batch probe: how much of the step grows with the batch is unknown. The change is named with the top of
+    its range (none of the work growing), as a bound, and neither advised nor counted as saved time."""
+    from dtrain.explain.doctor import diagnose, render
+
+    typed = diagnose(_gpu_profile())
+    diagnosis = typed.to_json()
+    row = {f["factor"]: f for f in diagnosis["factors"]}["batch_size"]
+    assert row["key"] == "hyperparameters.global_batch_size" and row["predicted_speedup"] is None
+    assert row["predicted_bound"] > 1.0 and "not timed at twice its batch" in row["why"]
+    assert all(r["key"] != "hyperparameters.global_batch_size" for r in diagnosis["recommendations"])
+    assert "(bound)" in render(typed)
 
 
 # A train_batch that calls loss.backward() / opt.step() itself: its forward, backward, exchange and update are
@@ -448,7 +465,8 @@ def test_phases_not_observed_are_not_diagnosed(tmp_path, missing):
     profile = make_profile([RAW_STEP, RAW_STEP], "vm", unobserved_phases=missing, batch_scaling=FLAT_PROBE,
                            comm={"busy_seconds_per_step": 0.003, "bytes_per_step": 1e6, "buckets_per_step": 1.0,
                                  "latency_seconds": 1e-4, "algbw_bytes_per_second": 3e8})
-    assert diagnose(make_profile([RAW_STEP, RAW_STEP], "vm")).recommendations  # seen as a whole step, advised
+    # Seen as a whole step, advised:
+    assert diagnose(make_profile([RAW_STEP, RAW_STEP], "vm", batch_scaling=FLAT_PROBE)).recommendations
     typed = diagnose(profile)
     diagnosis = typed.to_json()
     verdict = diagnosis["verdict"]

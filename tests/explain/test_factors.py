@@ -36,7 +36,10 @@ def test_a_registered_factor_is_diagnosed_and_predicted_by_the_cost_model(toy):
     from dtrain.explain.doctor import diagnose
 
     assert registry.names()[-1] == "toy_factor" and registry.names()[0] == "communication"
-    profile = make_profile([STEP], "vm")
+    # Its forward and backward were timed at twice the batch: the batch-size factor predicts (else a bound only).
+    grows = {"per_slot_batch_size": 64, "work_seconds": 0.008, "work_double_seconds": 0.014, "load_seconds": 0.001,
+             "load_double_seconds": 0.002}
+    profile = make_profile([STEP], "vm", batch_scaling=grows)
     diagnosis = diagnose(profile)
     row = diagnosis.factor("toy_factor")
     assert row is not None and row.why == "a toy's reason" and row.share == 0

@@ -4,12 +4,12 @@ import json
 from dataclasses import replace
 
 import pytest
-from helpers import cli_in_process
+from helpers import cli_in_process, tiny_config
 from profiles import make_profile, write
 
 from dtrain.errors import UserError
 from dtrain.explain import fitted
-from dtrain.explain.costmodel import CostModel, Link, Target, expected_max
+from dtrain.explain.costmodel import GROWTH_NOT_PROBED, CostModel, Link, Target, expected_max
 from dtrain.explain.facts import Work
 from dtrain.explain.plan import parse_link, plan
 from dtrain.explain.spread import uncertainties
@@ -283,3 +283,33 @@ def test_a_precision_row_names_the_per_slot_batch_its_gain_was_timed_at():
 
     case = Case(Target(2, precision_gain=0.0789), "precision", "bf16-mixed", 64)
     assert case.label == "precision: bf16-mixed (compute 0.079x, measured at 64 samples per slot)"
+
+
+def test_a_model_not_timed_at_twice_its_batch_spans_all_to_none_of_its_work_growing_with_it(tmp_path):
+    """No batch probe (a trial stepping its own optimizer, a model that cannot take twice its batch): at one
+    slot, 3 ms of compute and 1 ms of loading per 64 samples, 1 ms fixed. At 128 samples all of it growing gives
+    9 ms, none 5 ms: the point is halfway, the interval spans both, and the doctor's --try says why."""
+    blind = _profile(slots=1, batch_scaling=None, solo_probe=None, data_load_seconds_per_batch=None)
+    model = CostModel.from_profile(blind)
+    assert model.facts.batch_growth_probed is False
+    double = model.predict(Target(1, global_batch=128, threads=1))
+    assert double.step == pytest.approx(0.007, rel=0.02)
+    assert double.low < 0.005 * 1.01 and double.high > 0.009 * 0.99
+    assert double.widest == GROWTH_NOT_PROBED
+    # At the run's own per-slot batch nothing is extrapolated: the usual interval, as when probed.
+    same = model.predict(Target(1, global_batch=64, threads=1))
+    assert same.step == pytest.approx(0.005, rel=0.02) and same.widest != GROWTH_NOT_PROBED
+    probed = CostModel.from_profile(_profile(slots=1)).predict(Target(1, global_batch=128, threads=1))
+    assert probed.widest != GROWTH_NOT_PROBED and probed.high / probed.low < double.high / double.low
+    run = _run_dir(tmp_path, blind)
+    (tmp_path / "trial").mkdir()
+    (run / "config.yaml").write_text(tiny_config(tmp_path / "trial").read_text())  # --try checks its changes there
+    result = cli_in_process("doctor", str(run), "--json", "--try", "hyperparameters.global_batch_size=128",
+                            "--try", "optimizations.aggregation_frequency=2")
+    assert result.code == 0, result.stderr
+    tries = {t["try"]: t for t in json.loads(result.stdout)["tries"]}
+    bigger = tries["hyperparameters.global_batch_size=128"]
+    assert "not timed at twice its batch" in bigger["reason"] and bigger["low"] < bigger["gain"] < bigger["high"]
+    assert bigger["low"] <= 128 / 0.009 / blind.samples_per_second * 1.01
+    assert bigger["high"] >= 128 / 0.005 / blind.samples_per_second * 0.99
+    assert "not timed" not in (tries["optimizations.aggregation_frequency=2"]["reason"] or "")

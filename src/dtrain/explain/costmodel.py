@@ -18,27 +18,27 @@ all ask :class:`CostModel`. It starts from one measured run (its ``profile.json`
   each thread count, and on every rank at once: an optimizer streams memory, so threads and neighbours
   change it otherwise than matmuls); without that probe, by the model steps' contention. Slots that share
   one machine's memory contend though on other hosts (``Target.machine_slots``: test hosts in namespaces).
-* **exchange**: per bucket ``latency + bytes / rate`` of a ring all-reduce (``2(N-1)`` steps, ``2(N-1)/N`` of
-  the bytes through each link; across nodes on GPUs, NCCL's tree where it is faster: :mod:`.network`),
-  fitted to all-reduces of several sizes (:mod:`dtrain.profiling.commprobe`) on the run's own ranks, or by
-  ``dtrain plan --probe`` in local processes, or a given link; plus what an
-  exchange costs inside training beyond that (waking up, waiting for the slowest peer: the step's jitter
-  grows with the expected maximum of ``N`` ranks), calibrated so the run reproduces its own step (an exchange
-  faster than the fitted link scales the whole exchange down, never by a negative cost). fp16
-  halves the bytes and adds the measured cast; PowerSGD sends the measured low-rank bytes, in two
-  collectives per bucket, and adds its measured matmuls and QR and its hook's own host time per collective.
-  A given link's rate counts frames on the wire: on CPU (Gloo over TCP) payload gets a fitted share of it.
-  A shaped link (a token bucket) paces each message by its bucket; more slots than a host's cores wait,
-  at every ring step, for a peer the scheduler has put aside. A parameter server's exchange (workers push, the
-  servers step, workers pull) is no ring: it is held per update as the run measured it
-  (:mod:`dtrain.explain.exchange` says which changes that leaves priced).
+* **exchange**: per bucket ``latency + bytes / rate`` of a ring all-reduce (``2(N-1)`` steps, ``2(N-1)/N`` of the
+  bytes through each link; across nodes on GPUs, NCCL's tree where it is faster: :mod:`.network`), fitted to
+  all-reduces of several sizes (:mod:`dtrain.profiling.commprobe`) on the run's own ranks, or by
+  ``dtrain plan --probe`` in local processes, or a given link; plus what an exchange costs inside training beyond
+  that (waking up, waiting for the slowest peer: the step's jitter grows with the expected maximum of ``N`` ranks),
+  calibrated so the run reproduces its own step (an exchange faster than the fitted link scales the whole exchange
+  down, never by a negative cost). fp16 halves the bytes and adds the measured cast; PowerSGD sends the measured
+  low-rank bytes, in two collectives per bucket, and adds its measured matmuls and QR and its hook's own host time
+  per collective. A given link's rate counts frames on the wire: on CPU (Gloo over TCP) payload gets a fitted share
+  of it. A shaped link (a token bucket) paces each message by its bucket; more slots than a host's cores wait, at
+  every ring step, for a peer the scheduler has put aside. A parameter server's exchange (workers push, the servers
+  step, workers pull) is no ring: it is held per update as the run measured it (:mod:`dtrain.explain.exchange` says
+  which changes that leaves priced).
 
-Every input is recorded with where it came from (measured, probed, given, assumed), and every prediction
-carries an 80% interval from the run's own step-to-step drift, the measured spread of the timed model steps
-a precision or batch change rests on, and the uncertainty of each input: those
-uncertainties and the terms' constants are fitted to stored held-out rows (:mod:`dtrain.explain.fitted`).
-The interval never reaches beyond linear scaling, and where every input was measured on this host it is at
-most +/-25% of its point.
+Every input is recorded with where it came from (measured, probed, given, assumed), and every prediction carries an
+80% interval from the run's own step-to-step drift, the measured spread of the timed model steps a precision or
+batch change rests on, and the uncertainty of each input: those uncertainties and the terms' constants are fitted
+to stored held-out rows (:mod:`dtrain.explain.fitted`). The interval never reaches beyond linear scaling, and where
+every input was measured on this host it is at most +/-25% of its point. Where the run's model was not timed at
+twice its batch, a prediction at another per-slot batch is halfway between all of its compute and loading growing
+with the batch and none, and its interval spans both.
 """
 
 from __future__ import annotations
@@ -63,13 +63,15 @@ from dtrain.profiling import buckets as ddp_buckets
 from dtrain.profiling.commprobe import LinkFit, fit
 from dtrain.profiling.record import ProfileRecord
 
-__all__ = ["CostModel", "Link", "Prediction", "RingLink", "Source", "Target", "expected_max", "ratio", "ring"]
+__all__ = ["CostModel", "Link", "Prediction", "RingLink", "Source", "Target", "expected_max", "ring"]
 
 # z of the 80% two-sided normal interval.
 Z80 = 1.2816
 # Where every input was measured on this host (the run, its probes, dtrain plan --probe), the interval is at
 # most this far from its point (issue 45): wider says nothing a user can act on.
 MEASURED_SPREAD = math.log(1.25)
+# A prediction's widest input where the model's compute at another batch was not timed (CostModel.predict).
+GROWTH_NOT_PROBED = "compute and loading at another batch (not timed after the run)"
 # Inputs given rather than measured here (a link, a datasheet, a loader count the run did not use): an
 # interval with one of them keeps its full width.
 # A run's exchanges may beat the model's (its exchange is scaled down to match): at most this far (a run whose
@@ -159,8 +161,12 @@ class CostModel:
     def from_facts(cls, f: Facts, probe: list[tuple[float, float]] | None = None, probe_world: int = 2,
                    probe_overhead: float | None = None, between_hosts: Link | None = None,
                    link_source: str = "measured") -> CostModel:
-        sources = [Source("compute vs batch and threads", _describe(f.work), "measured" if f.threads_probed
-                          else "measured at the run's threads only (other thread counts assumed the same)")]
+        how = ("measured" if f.threads_probed
+               else "measured at the run's threads only (other thread counts assumed the same)")
+        if not f.batch_growth_probed:
+            how = ("measured at the run's batch and threads only (at another batch: between all of it growing with the "
+                   "batch and none)")
+        sources = [Source("compute vs batch and threads", _describe(f.work), how)]
         busy = f.work.oversubscribed()
         if busy:
             sources.append(Source("thread counts probed while the cores were busy", ", ".join(map(str, busy)),
@@ -449,7 +455,21 @@ class CostModel:
     def predict(self, target: Target, interval: bool = True) -> Prediction:
         """Seconds per step of ``target``, by part, with its 80% interval (never faster than linear scaling
         from one slot, which no measured effect here allows); ``interval`` False: the point alone (a fit of the
-        terms' constants, which needs thousands of them)."""
+        terms' constants, which needs thousands of them). At another per-slot batch of a model not timed at twice
+        its batch: halfway between all of its compute and loading growing with the batch and none, spanning both."""
+        f = self.facts
+        if f.batch_growth_probed or f.batch_given or (target.global_batch or f.global_batch) / target.slots in (
+                f.per_slot_batch, 0):
+            return self._predict(target, interval)
+        grows = self._predict(target, interval)
+        fixed_work = Work({t: (a + c * f.per_slot_batch, 0.0) for t, (a, c) in f.work.points.items()})
+        fixed = replace(self, facts=replace(f, work=fixed_work, load_growth=0.0, load_increment=0.0),
+                        sources=[])._predict(target, interval)
+        parts = {name: (grows.parts[name] + fixed.parts[name]) / 2 for name in grows.parts}
+        return Prediction(target, parts, parts["step"], min(grows.low, fixed.low), max(grows.high, fixed.high),
+                          grows.global_batch, GROWTH_NOT_PROBED)
+
+    def _predict(self, target: Target, interval: bool) -> Prediction:
         parts = self._parts(target)
         step = parts["data"] + parts["compute"] + parts["fixed"] + parts["exchange"]
         linear = 0.0
@@ -469,14 +489,6 @@ class CostModel:
         widest = max(sigmas, key=lambda k: sigmas[k]) if sigmas else ""
         low = max(step * math.exp(-spread), linear)
         return Prediction(target, {**parts, "step": step}, step, low, step * math.exp(spread), gbs, widest)
-
-
-def ratio(new: Prediction, base: Prediction) -> tuple[float, float, float]:
-    """samples/s of ``new`` over ``base`` (same model: its biases cancel), with an 80% interval from
-    ``new``'s own (the base is the measured run)."""
-    value = new.samples_per_second / base.samples_per_second
-    base_sps = base.samples_per_second
-    return value, new.samples_per_second_low / base_sps, new.samples_per_second_high / base_sps
 
 
 def _describe(work: Work) -> str:

@@ -191,18 +191,24 @@ def _verdict(row: FactorRow, scaling: Scaling, profile: ProfileRecord, rows: lis
             lead += f"; {row.key}: {row.value}: about {row.predicted_speedup:.1f}x"
     elif change:
         lead += f": try {row.key}: {row.value}, predicted about {row.predicted_speedup:.1f}x samples/s"
-    # A change known only by its bound (a lower precision, where only matmul peaks were measured) is named
-    # for a compute-bound step, with the bound, never as a prediction.
+    # A change known only by its bound (a lower precision, where only matmul peaks were measured; a bigger batch
+    # of a model not timed at twice its batch) is named for a compute-bound step, with the bound, never advised.
     bounded = next((r for r in rows if r.key is not None and r.advice.bound is not None), None)
     if bounded is not None and top in ("compute", bounded.factor):
+        why = BOUND_WHY.get(bounded.factor, "")
         lead += (f"; {bounded.key}: {bounded.value} gives at most {bounded.advice.bound:.1f}x samples/s (a bound, "
-                 "not a prediction: only the matmul share of a step speeds up)")
+                 f"not a prediction{why})")
     if fewer:
         lead = (f"{profile.slots} slots are SLOWER than 1 would be here (estimated "
                 f"{scaling.estimated_speedup_vs_one_slot or 0.0:.2f}x of one slot): communication and "
                 f"{_cpus(profile)} cost more than they buy; use resources.slots_per_trial: 1 (about "
                 f"{scaling.estimated_one_slot_speedup or 0.0:.2f}x samples/s) or make each step bigger. Then: " + lead)
     return lead
+
+
+# Why a factor's change is known only by its bound (the verdict's words).
+BOUND_WHY = {"precision": ": only the matmul share of a step speeds up",
+             "batch_size": ": the model was not timed at twice its batch, and none of its work growing is the top"}
 
 
 def _cpus(profile: ProfileRecord) -> str:

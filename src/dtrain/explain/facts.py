@@ -113,6 +113,9 @@ class Facts:
     train_algbw: float = 0.0  # bytes per second the run's own exchanges achieved (0: not measured)
     overlap: bool | None = None  # whether the all-reduce overlaps backward (None: on a GPU, as DDP does)
     batch_given: bool = False  # on paper: compute at any batch is given (proportional), not extrapolated
+    # Whether the end-of-run probe timed the model at twice its batch (False: none ran, as for a trial that steps
+    # its own optimizer, and compute at another batch is taken in proportion to it: only a guess).
+    batch_growth_probed: bool = True
     jitter: float = 0.0  # standard deviation of a step
     windows: tuple[float, ...] = ()  # mean step of successive windows of the run
     batch_spread: float = 0.0  # relative sd of the model's own timed steps' growth to twice the batch (0: none)
@@ -142,6 +145,7 @@ class Facts:
             backward_share=_mean_phase(p, "backward") / compute if compute > 0 else 0.5,
             fixed=_mean_phase(p, "optimizer") + _mean_phase(p, "other"), step=p.seconds_per_step.step.mean,
             work=work, threads_probed=threads_probed and p.solo_probe is not None,
+            batch_growth_probed=bool(p.solo_probe and p.solo_probe.points) or p.batch_scaling is not None,
             concurrent_work=p.batch_scaling.work_seconds if p.batch_scaling is not None else None,
             load_growth=probe_growth(p.batch_scaling)[1], load_increment=_load_increment(p),
             link_points=tuple((c.bytes, c.seconds) for c in p.comm_probe.points) if p.comm_probe else (),

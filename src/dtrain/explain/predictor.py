@@ -3,7 +3,7 @@
 A change is a :class:`~dtrain.explain.costmodel.Target` built by :func:`target_at` from the run's own
 (:meth:`CostModel.measured_target`): the measured slot and node count keep the run's threads, any other
 takes the launcher's rule. Its gain is its predicted samples/s over the model's own figure for the run as
-it was (so the model's bias cancels), with the 80% interval of :func:`dtrain.explain.costmodel.ratio`.
+it was (so the model's bias cancels), with the 80% interval of :func:`ratio`.
 ``dtrain plan`` prices its rows with the same targets, so the doctor and the planner give one answer.
 A change the model cannot price for the run's strategy (:mod:`dtrain.explain.exchange`) gets no gain.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dtrain.explain.costmodel import CostModel, Prediction, Target, ratio
+from dtrain.explain.costmodel import CostModel, Prediction, Target
 from dtrain.explain.exchange import Unpriced, unpriced
 from dtrain.explain.precision import GainCurve
 from dtrain.profiling.record import ProfileRecord
@@ -78,3 +78,11 @@ class Predictor:
         found = self.predict(target, less_step)
         self.intervals[action] = (found.low, found.high)
         return found.value
+
+
+def ratio(new: Prediction, base: Prediction) -> tuple[float, float, float]:
+    """samples/s of ``new`` over ``base`` (same model: its biases cancel), with an 80% interval from
+    ``new``'s own (the base is the measured run)."""
+    value = new.samples_per_second / base.samples_per_second
+    base_sps = base.samples_per_second
+    return value, new.samples_per_second_low / base_sps, new.samples_per_second_high / base_sps

@@ -19,7 +19,7 @@ from dtrain.config.bounds import MAX_SLOTS
 from dtrain.config.schema import ExperimentConfig, load_config
 from dtrain.errors import ConfigError, UserError
 from dtrain.explain import advice, precision, sharded
-from dtrain.explain.costmodel import Link, Target
+from dtrain.explain.costmodel import GROWTH_NOT_PROBED, Link, Target
 from dtrain.explain.diagnosis import ConfigValue, TryResult
 from dtrain.explain.exchange import SLOTS
 from dtrain.explain.plan import LOOPBACK_BETWEEN_HOSTS, as_ran, build_model, parse_link
@@ -37,6 +37,10 @@ READ: dict[str, Callable[[ExperimentConfig], ConfigValue]] = {
     "data_loader.num_workers": lambda c: c.data_loader.num_workers,
 }
 NODES = "nodes"
+# Beside a prediction at another per-slot batch of a run whose model was not timed at twice its batch.
+GROWTH_NOTE = ("the run's model was not timed at twice its batch after the run (rank 0's log says why), so how much of "
+               "its compute and loading grows with the batch is unknown: the figure is halfway between all of it "
+               "and none, the interval spans both (--verify measures it)")
 STRATEGY = "sync.strategy"  # priced only as DDP instead of a sharded run's FSDP (dtrain.explain.sharded)
 
 
@@ -79,8 +83,10 @@ class Tries:
         # A given link that replaces the one the run's hosts measured: the gain is over the run as it ran.
         over = predictor.base.samples_per_second / as_ran(self.profile, predictor.model).samples_per_second
         gain, low, high = found.value * over, found.low * over, found.high * over
-        return TryResult(item, key, value, gain * self.profile.samples_per_second, gain, low, high, inputs,
-                         priced.why)
+        why = priced.why
+        if found.prediction.widest == GROWTH_NOT_PROBED:
+            why = "; ".join(filter(None, [why, GROWTH_NOTE]))
+        return TryResult(item, key, value, gain * self.profile.samples_per_second, gain, low, high, inputs, why)
 
     def _strategy(self, item: str, name: str) -> TryResult:
         """DDP instead of a sharded run's FSDP, as the doctor prices it (:mod:`dtrain.explain.sharded`); any

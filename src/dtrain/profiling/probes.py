@@ -222,6 +222,8 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
         own_step = "optimizer" in facts.unobserved_phases
         repeats = ddist.least_over_ranks(0 if own_step else repeats, facts.strategy.dp_group)
     if repeats < 1:
+        log.info("batch probe skipped: the trial steps its optimizer itself (on some rank), which the probe would "
+                 "step")
         return ProbeResult(zeros)
     # The work probe runs without gradient sync: a sharded model's gradients stay whole on every rank (and the
     # double batch's activations beside them). A model sharded because it does not fit whole is not probed.

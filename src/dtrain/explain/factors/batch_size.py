@@ -9,6 +9,7 @@ from dtrain.explain import advice
 from dtrain.explain.diagnosis import Advice
 from dtrain.explain.factors import registry
 from dtrain.explain.factors.base import Context, Factor
+from dtrain.explain.predictor import target_at
 
 # Keep this share of the device's memory free when advising a bigger batch.
 MEMORY_HEADROOM = 0.9
@@ -33,12 +34,26 @@ class BatchSize(Factor):
         per_step = ctx.compute_per_step
         flat = (f", and so did {1e3 * per_step:.2f} ms of forward and backward (the model's step at twice the batch "
                 "took little longer, measured)" if per_step >= 0.05 * ctx.step else "")
-        return Advice(
-            "hyperparameters.global_batch_size", new_gbs,
-            f"optimizer step and bookkeeping cost the same whatever the batch{flat}; a bigger batch spreads them "
-            f"(and communication) over more samples. {advice.batch_change(profile, new_gbs).text}{memory_note}",
-            # More samples per step: data and compute grow with them as probed; fixed costs and the exchange do not.
-            ctx.predictor.gain(f"hyperparameters.global_batch_size: {new_gbs}", global_batch=new_gbs))
+        why = (f"optimizer step and bookkeeping cost the same whatever the batch{flat}; a bigger batch spreads them "
+               f"(and communication) over more samples. {advice.batch_change(profile, new_gbs).text}{memory_note}")
+        if not ctx.predictor.model.facts.batch_growth_probed:
+            return _unprobed(ctx, new_gbs, why)
+        # More samples per step: data and compute grow with them as probed; fixed costs and the exchange do not.
+        return Advice("hyperparameters.global_batch_size", new_gbs, why,
+                      ctx.predictor.gain(f"hyperparameters.global_batch_size: {new_gbs}", global_batch=new_gbs))
+
+
+def _unprobed(ctx: Context, new_gbs: int, why: str) -> Advice:
+    """The model was not timed at twice its batch: how much of its compute and loading grows with it is unknown,
+    and the change is named with the top of what it could give, never advised on it (as precision's bound)."""
+    target = target_at(ctx.predictor.model, global_batch=new_gbs)
+    if (refused := ctx.predictor.refusal(target)) is not None:
+        return Advice(None, None, f"{why}; not predicted: {refused}", None)
+    top = ctx.predictor.predict(target).high
+    return Advice("hyperparameters.global_batch_size", new_gbs,
+                  f"{why}; the model was not timed at twice its batch after the run (rank 0's log says why): at most "
+                  f"{top:.2f}x samples/s, if none of its compute and loading grew with the batch, not a prediction "
+                  "(dtrain doctor --verify measures it)", None, bound=top)
 
 
 def room(ctx: Context) -> tuple[float, str]:
