@@ -411,6 +411,11 @@ class WorkerPortHold:
             self._held = hold_port(found.bootstrap_store_info.master_port)
         return found
 
+    @property
+    def port(self) -> int | None:
+        """The port held now (None: none)."""
+        return None if self._held is None else int(self._held.getsockname()[1])
+
     def release(self) -> None:
         if self._held is not None:
             self._held.close()
