@@ -313,3 +313,13 @@ def test_a_model_not_timed_at_twice_its_batch_spans_all_to_none_of_its_work_grow
     assert bigger["low"] <= 128 / 0.009 / blind.samples_per_second * 1.01
     assert bigger["high"] >= 128 / 0.005 / blind.samples_per_second * 0.99
     assert "not timed" not in (tries["optimizations.aggregation_frequency=2"]["reason"] or "")
+
+
+def test_n_slots_are_called_slower_than_one_only_where_the_whole_range_of_an_unprobed_growth_says_so():
+    from dtrain.explain.doctor import diagnose
+
+    unsure = diagnose(_profile(slots=2, exposed=0.004, batch_scaling=None, solo_probe=None)).scaling
+    assert unsure.estimated_speedup_vs_one_slot < 1 < unsure.estimated_speedup_vs_one_slot_interval[1]
+    assert not unsure.slower_than_one_slot
+    assert diagnose(_profile(slots=2, exposed=0.004)).scaling.slower_than_one_slot  # probed: the point says it
+    assert diagnose(_profile(slots=2, exposed=0.02, batch_scaling=None, solo_probe=None)).scaling.slower_than_one_slot

@@ -140,7 +140,10 @@ def scaling(profile: ProfileRecord, predictor: Predictor) -> Scaling:
         return Scaling(None, False)
     low, high = predictor.intervals[action]
     speedup = 1 / one  # N slots' samples/s over one slot's
-    return Scaling(one, speedup < 1.0, speedup / profile.slots, speedup, (1 / high, 1 / low),
+    # A model not timed at twice its batch: one slot's step at N x the batch is a range, and "N slots are slower"
+    # is said only where all of it is.
+    slower = speedup < 1.0 and (predictor.model.facts.batch_growth_probed or low > 1.0)
+    return Scaling(one, slower, speedup / profile.slots, speedup, (1 / high, 1 / low),
                    predictor.predict(target_at(predictor.model, 1, 1)).prediction.step,
                    advice.probe_growth(profile.batch_scaling)[0] if profile.batch_scaling is not None else None)
 
