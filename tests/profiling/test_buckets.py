@@ -4,6 +4,7 @@ its gradient tensors, and a model whose gradients cross 1 MiB in few tensors is 
 
 from __future__ import annotations
 
+import gc
 import random
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtrain import dist as ddist
 from dtrain.profiling import buckets
 from dtrain.profiling.buckets import gradient_bytes
 
@@ -38,6 +40,7 @@ def test_the_layout_is_what_a_real_ddp_made_after_its_rebuild(tmp_path):
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    ddp = None
     try:
         for cap_mb in (64.0, 0.5, 0.1, None):
             model = nn.Sequential(nn.Linear(64, 480), nn.ReLU(), nn.Linear(480, 480), nn.ReLU(), nn.Linear(480, 10))
@@ -47,7 +50,12 @@ def test_the_layout_is_what_a_real_ddp_made_after_its_rebuild(tmp_path):
             made = [b.buffer().numel() * b.buffer().element_size() for b in ddp.reducer._get_zeros_like_grad_buckets()]
             assert made == buckets.layout(gradient_bytes([model])[0], cap_mb), cap_mb
     finally:
-        dist.destroy_process_group()
+        # The last DDP's Reducer holds the group: freed after the group is destroyed (when this function returned),
+        # the group's destructor joined Gloo's threads while holding the GIL they wait for, and the suite hung
+        # (seen once in a fresh-clone CI run). Freed first, while the default group still holds it.
+        del ddp
+        gc.collect()
+        ddist.destroy_process_group()
 
 
 def test_a_cap_of_zero_is_one_bucket_per_tensor():
