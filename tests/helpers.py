@@ -38,13 +38,18 @@ def free_port() -> int:
 def held_port() -> Iterator[int]:
     """A port for a store that a process started later serves, kept from other sockets until the block ends
     (:func:`dtrain.dist.hold_port`): a free port let go at once may be any connection's by then."""
+    with contextlib.closing(port_hold()) as sock:
+        yield sock.getsockname()[1]
+
+
+def port_hold() -> socket.socket:
+    """:func:`dtrain.dist.hold_port` of a port the kernel picks; the caller closes it."""
     from dtrain.dist import hold_port
 
     sock = hold_port()
     if sock is None:
         raise OSError("no free local port")
-    with contextlib.closing(sock):
-        yield sock.getsockname()[1]
+    return sock
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: Any, args: tuple) -> None:

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, cli_in_process, final_weights, free_port, tiny_config
+from helpers import ROOT, cli_in_process, final_weights, free_port, port_hold, tiny_config
 
-from dtrain.dist import hold_port
 from dtrain.launcher.supervise import children
 from dtrain.profiling.record import load_profile
 
@@ -59,9 +58,7 @@ class Job:
 
     def __init__(self, tmp: Path, cfg: Path) -> None:
         self.tmp, self.cfg, self.run_dir = tmp, cfg, tmp / "r"
-        self._port = hold_port()  # until node a's launcher serves the rendezvous on it (see hold_port)
-        if self._port is None:
-            raise OSError("no free local port")
+        self._port = port_hold()  # until node a's launcher serves the rendezvous on it (dtrain.dist.hold_port)
         self.port = self._port.getsockname()[1]
         self.nodes: dict[str, subprocess.Popen] = {}
         self.workers: set[int] = set()

@@ -458,8 +458,8 @@ class CostModel:
         terms' constants, which needs thousands of them). At another per-slot batch of a model not timed at twice
         its batch: halfway between all of its compute and loading growing with the batch and none, spanning both."""
         f = self.facts
-        if f.batch_growth_probed or f.batch_given or (target.global_batch or f.global_batch) / target.slots in (
-                f.per_slot_batch, 0):
+        if f.batch_growth_probed or f.batch_given or (target.global_batch or f.global_batch) / target.slots == (
+                f.per_slot_batch):
             return self._predict(target, interval)
         grows = self._predict(target, interval)
         fixed_work = Work({t: (a + c * f.per_slot_batch, 0.0) for t, (a, c) in f.work.points.items()})
