@@ -114,17 +114,20 @@ def test_the_optimizer_follows_its_own_probe_of_threads_and_neighbours():
     assert together.parts["compute"] == pytest.approx(1.5 * apart.parts["compute"])
 
 
-def test_a_bigger_batch_adds_what_the_probe_loaded_more_not_the_loaders_per_batch_costs():
-    """The run waited 1 ms per batch for data; the probe's own load of a batch took 0.3 ms, of twice it 0.5 ms:
-    twice the batch waits 1.2 ms (the rest is per batch: the loader's iterator and sampler), not 1.67 ms."""
+def test_a_bigger_batch_grows_the_whole_wait_where_the_slots_stay_and_the_probes_load_where_they_leave():
+    """The run (2 slots) waited 1 ms per batch for data; the probe's own load of a batch took 0.3 ms, of twice it
+    0.5 ms. On the same 2 slots a host, twice the batch waits 1.67 ms: the run's slower loads (between steps,
+    beside the other slot) grow with it. On 1 slot, part of that slowdown leaves with the other slot, by a share
+    not measured: the wait grows by what the probe's load grew, 1.2 ms."""
     scaling = {"per_slot_batch_size": 32, "work_seconds": 0.003, "work_double_seconds": 0.0045,
                "load_seconds": 0.0003, "load_double_seconds": 0.0005}
     model = CostModel.from_profile(_profile(batch_scaling=scaling))
-    double = model.predict(Target(2, global_batch=128, threads=1))
-    assert double.parts["data"] == pytest.approx(0.0012)
+    assert model.predict(Target(2, global_batch=128, threads=1)).parts["data"] == pytest.approx(0.001 * (1 + 2 / 3))
+    assert model.predict(Target(1, global_batch=64, threads=1)).parts["data"] == pytest.approx(0.0012)
     # Loader processes hide loading (the wait is shorter than the probe's load): the wait grows in proportion.
     hidden = replace(model, facts=replace(model.facts, data=0.0001))
     assert hidden.predict(Target(2, global_batch=128, threads=1)).parts["data"] == pytest.approx(0.0001 * (1 + 2 / 3))
+    assert hidden.predict(Target(1, global_batch=64, threads=1)).parts["data"] == pytest.approx(0.0001 * (1 + 2 / 3))
 
 
 def test_a_slow_link_between_hosts_costs_its_bytes_and_latency():
