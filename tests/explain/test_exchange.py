@@ -12,7 +12,7 @@ from helpers import cli_in_process, tiny_config
 from profiles import make_profile, write
 
 from dtrain.explain import exchange
-from dtrain.explain.costmodel import CostModel
+from dtrain.explain.costmodel import GROWTH_NOT_PROBED, CostModel
 from dtrain.explain.doctor import diagnose, render
 from dtrain.explain.plan import parse_link
 from dtrain.explain.predictor import target_at
@@ -148,6 +148,24 @@ def test_fsdp_collectives_counted_are_scaled_by_the_ring_to_other_slots_and_host
     assert rows[(4, "base")]["efficiency"] is None
     said = next(i for i in plan["inputs"] if i["name"] == "not priced")
     assert "one slot: on one slot dtrain trains the model unsharded" in said["value"], said
+
+
+def test_fsdp_compute_at_another_batch_grows_by_what_the_batch_probe_added_and_unprobed_spans_both_ends():
+    """The probe timed forward and backward (FSDP's all-gathers in both, the same bytes at any batch) at the
+    batch and twice it: 9.5 and 10.5 ms. Of the 2 ms of compute left once the collectives are out, 1 ms grows
+    with the batch: twice it computes 3 ms, not 4 ms."""
+    scaling = {"per_slot_batch_size": 32, "work_seconds": 0.0095, "work_double_seconds": 0.0105,
+               "load_seconds": 0.0002, "load_double_seconds": 0.0004}
+    model = CostModel.from_profile(_fsdp(sharded_exchange=COUNTED, comm_probe=LINK, batch_scaling=scaling))
+    here = model.measured_target()
+    double = model.predict(replace(here, global_batch=2 * model.facts.global_batch))
+    assert double.parts["compute"] == pytest.approx(0.003)
+    assert model.predict(here).step == pytest.approx(sum(STEP.values()))
+    # Not probed: all in proportion (4 ms) at one end, none at the other, and the figure says so.
+    bare = CostModel.from_profile(_fsdp(sharded_exchange=COUNTED, comm_probe=LINK))
+    guess = bare.predict(replace(bare.measured_target(), global_batch=2 * bare.facts.global_batch))
+    assert guess.parts["compute"] == pytest.approx((0.004 + 0.002) / 2)
+    assert guess.widest == GROWTH_NOT_PROBED
 
 
 def test_fsdp_collectives_are_not_priced_from_a_link_slower_than_the_run_nor_with_aggregation():

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from dtrain.explain.advice import probe_growth
 from dtrain.explain.precision import batch_spread
-from dtrain.profiling.record import ALL_REDUCE, SERVER, SHARDED, ProfileRecord
+from dtrain.profiling.record import ALL_REDUCE, SERVER, SHARDED, BatchScaling, ProfileRecord
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,12 +170,14 @@ class Facts:
             return facts
         local, collectives = found
         batch = facts.per_slot_batch or 1
-        # The probe timed forward and backward at the run's batch and threads only: compute in proportion to the
-        # batch (the batch probe of a sharded run ran its collectives too), and on a CPU to the threads where
-        # fewer (a slot's threads can do no more than all of its work; more are not assumed to help).
-        points = {facts.threads: (0.0, local / batch)}
+        # The batch probe timed forward and backward at the batch and twice it, FSDP's all-gathers in both (the
+        # same bytes whatever the batch): what twice the batch added is the compute that grows with it, the rest
+        # does not. Not probed: all of it in proportion to the batch (and said so). On a CPU, at fewer threads
+        # in proportion to them (a slot's threads can do no more than all of its work; more are not assumed).
+        grows = _sharded_growth(p.batch_scaling, local)
+        points = {facts.threads: (local - grows, grows / batch)}
         if facts.device == "cpu" and facts.threads > 1:
-            points[1] = (0.0, local * facts.threads / batch)
+            points[1] = ((local - grows) * facts.threads, grows * facts.threads / batch)
         sharded = ShardedFacts(probe.collectives, float(probe.collective_bytes or 0.0), collectives,
                                _mean_phase(p, "optimizer"))  # the run's optimizer stepped its shard
         return replace(facts, compute=local, work=Work(points), threads_probed=False, concurrent_work=None,
@@ -257,6 +259,14 @@ def exchange_kind(profile: ProfileRecord) -> str:
         return registry.lookup(profile.strategy).exchange
     except KeyError:
         return ALL_REDUCE
+
+
+def _sharded_growth(probe: BatchScaling | None, compute: float) -> float:
+    """Seconds of a sharded run's ``compute`` (collectives out) that grow with the batch: what the batch probe's
+    twice the batch added, at most all of it; all of it where not probed."""
+    if probe is None or probe.work_seconds <= 0 or probe.work_double_seconds <= 0:
+        return compute
+    return min(compute, max(0.0, probe.work_double_seconds - probe.work_seconds))
 
 
 def sharded_split(p: ProfileRecord, run_compute: float) -> tuple[float, float] | None:
