@@ -124,6 +124,9 @@ def test_a_bigger_batch_grows_the_whole_wait_where_the_slots_stay_and_the_probes
     model = CostModel.from_profile(_profile(batch_scaling=scaling))
     assert model.predict(Target(2, global_batch=128, threads=1)).parts["data"] == pytest.approx(0.001 * (1 + 2 / 3))
     assert model.predict(Target(1, global_batch=64, threads=1)).parts["data"] == pytest.approx(0.0012)
+    # Two hosts that are namespaces of one machine keep its two slots side by side: the whole wait grows.
+    both = model.predict(Target(2, 2, global_batch=128, threads=1, machine_slots=2))
+    assert both.parts["data"] == pytest.approx(0.001 * (1 + 2 / 3))
     # Loader processes hide loading (the wait is shorter than the probe's load): the wait grows in proportion.
     hidden = replace(model, facts=replace(model.facts, data=0.0001))
     assert hidden.predict(Target(2, global_batch=128, threads=1)).parts["data"] == pytest.approx(0.0001 * (1 + 2 / 3))

@@ -320,7 +320,7 @@ class CostModel:
         gain = target.precision_gain if target.precision_curve is None else target.precision_curve.at(batch, threads)
         compute = f.work.seconds(batch, threads) * contention * self.factor * crowd / gain
         ratio = batch / f.per_slot_batch if f.per_slot_batch else 1.0
-        data = (f.data + self._data_growth(ratio, local)) / f.crowd * crowd
+        data = (f.data + self._data_growth(ratio, target.machine_slots or local)) / f.crowd * crowd
         if target.data_workers_step is not None:
             data = target.data_workers_step
         if target.precision_data is not None:
@@ -348,7 +348,7 @@ class CostModel:
 
     def _data_growth(self, ratio: float, local: int) -> float:
         """Seconds the run's data wait grows by (shrinks, below 1) at ``ratio`` times its per-slot batch, on
-        ``local`` slots a host. The probe loads alone in a tight loop, faster than the run, whose loads ran
+        ``local`` slots a machine. The probe loads alone in a tight loop, faster than the run, whose loads ran
         between steps (caches gone) beside the host's other slots. With as many local slots that slowdown stays
         and grows with the batch: the whole wait grows as the probe's load did. With fewer, an unmeasured share
         of it leaves with the slots: the wait grows by no more than the probe's load did. With loader processes
