@@ -73,10 +73,10 @@ def _other_host() -> list[calibration.Outcome]:
 def test_held_out_80_percent_intervals_cover_70_to_90_percent_and_errors_stay_small(held_out):
     """Every held-out row counts: the fitted host's, each predicted by constants fitted without its configuration,
     and the other host's, never fitted. Alone, the fitted host's rows are covered a little more (90.5%: its
-    intervals carry the run's whole drift, which is what holds them on the other host, 78%)."""
+    intervals carry the run's whole drift, which is what holds them on the other host, 75%)."""
     other = _other_host()
     summary = calibration.Summary.of([*held_out, *other])
-    assert summary.rows >= 300
+    assert summary.rows >= 340
     assert 0.70 <= summary.covered <= 0.90, f"covered {100 * summary.covered:.1f}%"
     assert calibration.Summary.of(held_out).mean_error <= 0.10
     assert min(calibration.Summary.of(part).covered for part in (held_out, other)) >= 0.70
@@ -105,7 +105,9 @@ def test_each_repeat_of_the_bench_meets_the_goals_held_out(held_out):
 # Each repeat on the other host, and what it reached (repeat 8 missed the goals; repeat 9, with the model-step probe
 # that times each precision at the shape a change gives a slot, met the mean and still has 5 rows beyond 20%: the
 # throttled links and one 10x row, docs/benchmarks.md): a change may not make either worse.
-OTHER_HOST = {8: (0.12, 0.41, 0.70), 9: (0.09, 0.31, 0.84)}
+# Repeat 10 (2026-12-02, about 2x slower host): one reference run of the 1-slot digits source ran 1.6x as fast as
+# the others, lowering two of three rounds of every row from that source (mean 17.7%, worst +49.3%, 69% covered).
+OTHER_HOST = {8: (0.12, 0.41, 0.70), 9: (0.09, 0.31, 0.84), 10: (0.18, 0.50, 0.68)}
 
 
 @pytest.mark.parametrize("repeat", sorted(OTHER_HOST))
