@@ -61,6 +61,7 @@ from dtrain.explain.calibration import (
     fit,
     held_out,
     model_to_json,
+    other_host,
     rows_from_json,
     with_values,
 )
@@ -309,14 +310,6 @@ def _table(title: str, outcomes: list[Outcome]) -> str:
                      f"worst {100 * s.worst_error:.1f}%, covered {100 * s.covered:.0f}%, "
                      f"widest interval +/-{100 * s.widest_half_width:.0f}%")
     return "\n".join(lines)
-
-
-def other_host(document: dict, constants: fitted.Fitted) -> list[Outcome]:
-    """The rows of ``document['other_host']`` (a repeat measured on another host, never fitted) predicted with
-    ``constants``: do constants fitted on one host hold on another?"""
-    rows = rows_from_json({"published": [], "measured": document.get("other_host", [])})
-    with fitted.trying(constants):
-        return evaluate(rows)
 
 
 def _legacy(document: dict) -> str:

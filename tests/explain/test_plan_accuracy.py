@@ -65,16 +65,11 @@ def test_published_results_at_scale_are_reproduced_within_10_percent_held_out(he
     assert abs(worst.error) <= 0.10, f"{worst.row.label}: {100 * worst.error:+.1f}%"
 
 
-def _other_host() -> list[calibration.Outcome]:
-    document = json.loads(ROWS.read_text())
-    return calibration.evaluate(calibration.rows_from_json({"published": [], "measured": document["other_host"]}))
-
-
 def test_held_out_80_percent_intervals_cover_70_to_90_percent_and_errors_stay_small(held_out):
     """Every held-out row counts: the fitted host's, each predicted by constants fitted without its configuration,
     and the other host's, never fitted. Alone, the fitted host's rows are covered a little more (90.5%: its
     intervals carry the run's whole drift, which is what holds them on the other host, 75%)."""
-    other = _other_host()
+    other = calibration.other_host(json.loads(ROWS.read_text()), fitted.load())
     summary = calibration.Summary.of([*held_out, *other])
     assert summary.rows >= 340
     assert 0.70 <= summary.covered <= 0.90, f"covered {100 * summary.covered:.1f}%"

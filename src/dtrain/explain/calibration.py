@@ -333,6 +333,14 @@ def rows_from_json(document: dict[str, list[dict[str, object]]]) -> list[Row]:
     return published + measured
 
 
+def other_host(document: dict[str, Any], constants: Fitted) -> list[Outcome]:
+    """The rows of ``document['other_host']`` (a repeat measured on another host, never fitted) predicted with
+    ``constants``: do constants fitted on one host hold on another?"""
+    rows = rows_from_json({"published": [], "measured": document.get("other_host", [])})
+    with fitted.trying(constants):
+        return evaluate(rows)
+
+
 def with_values(document: dict[str, dict[str, dict[str, object]]], values: Fitted,
                 names: list[str]) -> dict[str, dict[str, dict[str, object]]]:
     """``fitted_intervals.json``'s document with ``values``; ``names`` marked fitted, the rest as they were."""
