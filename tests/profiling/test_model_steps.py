@@ -168,9 +168,12 @@ def _speedup(record: ModelSteps, precision: str) -> float:
 
 
 def test_bf16_is_measured_slower_on_a_model_of_many_tiny_layers():
-    # Autocast casts every weight at every forward: on tiny layers the casts cost more than bf16 saves.
-    record = _planted([m for _ in range(40) for m in (nn.Linear(16, 16), nn.Tanh())], batch=8, width=16)
-    assert _speedup(record, "bf16-mixed") < 0.92, record.seconds_per_step
+    # Autocast casts every weight at every forward: on tiny layers the casts cost more than bf16 saves (0.67-0.81x
+    # on the 2-core VM, alone and beside 3 busy processes). The median of three probes: one probe taken beside the
+    # suite's bursts of multi-process tests once measured 1.03x where its 32-true steps were the ones slowed.
+    records = [_planted([nn.Linear(16, 16) for _ in range(40)], batch=8, width=16) for _ in range(3)]
+    speedups = sorted(_speedup(record, "bf16-mixed") for record in records)
+    assert speedups[1] < 0.92, [record.seconds_per_step for record in records]
 
 
 @pytest.mark.skipif("amx_bf16" not in Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists()
