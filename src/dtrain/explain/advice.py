@@ -64,6 +64,7 @@ class LoaderPlan:
     workers: int
     step_seconds: float
     why: str
+    timed: bool = False  # the step with that many was timed after the run beside the training's work
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,6 +168,11 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
 
         step(W) = max(step - data + R, T / W, (threads x cpu_work + R + cpu_share x T) / cores_per_slot)
 
+    On a CPU host that bound is too kind: a loader that waits (a file, a sleep) waits again for a core at every
+    wake-up while the training keeps the cores busy. There the step with W = 1, 2, ... loader processes was timed
+    after the run beside the training's own work (``data_crowded_step_seconds``): it replaces the formula for
+    those W, and a W beyond them is taken at least as crowded as the most timed.
+
     So on 2 cores with 2 slots, CPU-bound loaders gain little (they take the training's core), loaders that
     mostly wait (disk, network) need no core and hide up to W batches of waiting, and a batch that loads
     faster in place than it is handed over is slower through any loader process. Without the handoff probe
@@ -188,11 +194,21 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
     if profile.device == "cpu":  # Gloo's exchange is the cores' work too on a CPU host (TCP copies at both ends)
         cpu_work += profile.seconds_per_step.comm_exposed.mean
 
-    def predicted(workers: int) -> float:
+    def modelled(workers: int) -> float:
         bound = max(rest + receive, through / workers)
         if per_slot is not None:
             bound = max(bound, (threads * cpu_work + receive + cpu_share * through) / per_slot)
         return bound
+
+    crowded = dict(enumerate(profile.data_crowded_step_seconds or [], start=1))
+    most = max(crowded, default=0)
+
+    def predicted(workers: int) -> float:
+        if workers in crowded:  # timed beside the training's own work: the cores' sharing is in it
+            return crowded[workers]
+        if most and workers > most:  # at least as crowded as the most loader processes timed
+            return modelled(workers) * max(1.0, crowded[most] / modelled(most))
+        return modelled(workers)
 
     limit = MAX_ADVISED_WORKERS
     if cores:  # the preflight's own limit on loader processes per slot
@@ -224,11 +240,18 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
     if handoff is not None:
         probed += (f"; through a loader process {1e3 * handoff:.2f} ms a batch, {1e3 * receive:.2f} ms of it "
                    "the training process's to receive it")
+    if workers in crowded:
+        probed += (f"; a step with {workers} loader process(es) per slot timed {1e3 * crowded[workers]:.2f} ms "
+                   "beside the training's own work (probed after the run)")
+    elif most and workers > most:
+        probed += (f"; beyond the {most} loader process(es) per slot timed beside the training's work, the cores "
+                   f"as crowded as with {most}")
     if workers == 0:
         return LoaderPlan(0, new_step, f"{probed}; with no loader process each slot loads its batch in place, "
                           f"after the {1e3 * rest:.2f} ms rest of the step, on {where}")
     return LoaderPlan(workers, new_step, f"{probed}; {workers} loader process(es) per slot overlap it with the "
-                      f"{1e3 * rest:.2f} ms rest of the step, on {where}")
+                      f"{1e3 * rest:.2f} ms rest of the step, on {where}",
+                      timed=workers in crowded and workers != current)
 
 
 # Optimizers whose step is normalized by a running gradient scale: a k times bigger batch lowers the

@@ -65,7 +65,11 @@ def exposures(model: CostModel, target: Target, parts: dict[str, float], step: f
         # A precision's gain rests on a few steps timed at the end of the run, alone (no loader, no exchange
         # beside them, the caches warm): a whole run in that precision may gain less or more than they did.
         out["precision_probe"] = compute
-    if target.data_workers_step is not None:
+    if target.data_workers_timed:
+        # A step with that many loader processes timed after the run beside an emulation of the training's
+        # work (its CPU time, a barrier for the exchange): not the training itself, and a few dozen steps.
+        out["loader_workers_timed"] = step
+    elif target.data_workers_step is not None:
         # Other loader processes: the hand-over of each batch is probed, but their start-up is not modelled,
         # and on shared cores their competing with training's threads is priced as even shares, which a
         # 2-thread slot took 1.4x as long as (docs/benchmarks.md); the planted slow-data case's measured

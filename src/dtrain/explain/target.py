@@ -24,6 +24,7 @@ class Target:
     # precision_gain at other per-slot batches and thread counts (None: precision_gain at any)
     precision_curve: GainCurve | None = None
     data_workers_step: float | None = None  # the data wait with other loader processes (the doctor's plan)
+    data_workers_timed: bool = False  # that wait's step timed after the run beside the training's work
     precision_data: float | None = None  # the least data wait in another precision (a host-bound GPU step)
     cores: int | None = None  # per host; None: as many as the run's host had
     # Slots sharing one machine's caches and memory bandwidth; None: a host's local slots. Hosts that are network

@@ -237,7 +237,8 @@ class Tries:
         plan = advice.loader_plan(p, data, step, fastest.forward + fastest.backward + fastest.optimizer
                                   + fastest.other, workers=workers)
         left = max(0.0, plan.step_seconds - (step - self.predictor.base.parts["data"]))
-        return Priced(target_at(self.predictor.model, data_workers_step=left), {**inputs, "loader": plan.why})
+        return Priced(target_at(self.predictor.model, data_workers_step=left, data_workers_timed=plan.timed),
+                      {**inputs, "loader": plan.why})
 
     # ------------------------------------------------------------------------------------------ the link
     def _needs_link(self, target: Target) -> bool:

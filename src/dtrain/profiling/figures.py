@@ -16,6 +16,7 @@ from dtrain.profiling import commprobe, stragglers
 from dtrain.profiling.buckets import gradient_bytes
 from dtrain.profiling.device import cpu_cores, device_facts
 from dtrain.profiling.flops import count_step_flops, mfu_section
+from dtrain.profiling.handoff import MAX_WORKERS
 from dtrain.profiling.probes import PROBE_FIELDS, SOLO_THREADS, batch_probe
 from dtrain.profiling.record import (
     BatchScaling,
@@ -200,7 +201,19 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
             "data_load_seconds_per_batch": mean("probe_load") if probed_load else None,
             "data_load_cpu_share": mean("probe_load_cpu_share") if probed_load else None,
             "data_handoff_seconds_per_batch": mean("probe_handoff") if mean("probe_handoff") > 0 else None,
-            "data_handoff_cpu_seconds_per_batch": mean("probe_handoff_cpu") if mean("probe_handoff") > 0 else None}
+            "data_handoff_cpu_seconds_per_batch": mean("probe_handoff_cpu") if mean("probe_handoff") > 0 else None,
+            "data_crowded_step_seconds": _crowded(per_rank)}
+
+
+def _crowded(per_rank: list[dict[str, float]]) -> list[float] | None:
+    """The crowded loader probe's steps with 1, 2, ... loader processes (means over ranks), as far as every
+    rank timed them."""
+    steps: list[float] = []
+    for w in range(1, MAX_WORKERS + 1):
+        if not all(r.get(f"probe_crowd{w}", 0.0) > 0 for r in per_rank):
+            break
+        steps.append(sum(r[f"probe_crowd{w}"] for r in per_rank) / len(per_rank))
+    return steps or None
 
 
 def collect_rank_figures(facts: RunFacts) -> EndFigures:

@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from dtrain import dist as ddist
 from dtrain.profiling.device import cpu_cores
-from dtrain.profiling.handoff import MAX_LOAD_SECONDS, handoff_figures, on_host
+from dtrain.profiling.handoff import MAX_LOAD_SECONDS, MAX_WORKERS, crowded_steps, handoff_figures, on_host
 from dtrain.profiling.modelsteps import restored, time_model_steps
 from dtrain.profiling.record import SHARDED, ModelSteps
 from dtrain.profiling.runfacts import ProbeHooks, RunFacts
@@ -44,12 +44,13 @@ from dtrain.profiling.shardprobe import fits_unsharded, sharded_exchange
 
 # Thread counts the solo probe tries: the run's own, one, and every core (at most this many).
 SOLO_THREADS = 3
+CROWDED_FIELDS = tuple(f"probe_crowd{w}" for w in range(1, MAX_WORKERS + 1))
 SOLO_FIELDS = tuple(f"probe_solo{i}_{what}" for i in range(SOLO_THREADS)
                     for what in ("threads", "work", "double", "optimizer"))
 PROBE_FIELDS = ("probe_work", "probe_work_double", "probe_optimizer", "probe_load", "probe_load_double",
                 "probe_load_cpu_share", "probe_handoff", "probe_handoff_cpu",
                 *SOLO_FIELDS, "probe_fp16_seconds", "probe_powersgd_seconds", "probe_powersgd_bytes",
-                "probe_powersgd_rank", *SHARDED_FIELDS)
+                "probe_powersgd_rank", *SHARDED_FIELDS, *CROWDED_FIELDS)
 # Rounds of the probe: as many as fit in this many seconds (by the run's last step time), within bounds:
 # the minimum of more rounds is less disturbed by other processes, and the probe stays a small cost.
 BUDGET_SECONDS = 0.3
@@ -255,6 +256,8 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
             out.update(_load_figures(hooks.loader, per_slot))
             if on_host(one) and out["probe_load"] <= MAX_LOAD_SECONDS:
                 out.update(handoff_figures(hooks.loader, per_slot))
+            if device.type == "cpu":  # every rank (a collective), whatever its own figures
+                out.update(_crowded_figures(facts, hooks.loader, out))
         return ProbeResult({**zeros, **out}, steps)
     except Exception as exc:  # a trial that cannot take another batch size: no probe, not a failed run
         log.info("batch probe skipped: %s", exc)
@@ -276,6 +279,17 @@ def _load_figures(loader: DataLoader[object], per_slot: int) -> dict[str, float]
             break
     return {"probe_load": loads[1], "probe_load_double": loads[2],
             "probe_load_cpu_share": min(1.0, cpu / wall) if wall > 0 else 1.0}
+
+
+def _crowded_figures(facts: RunFacts, loader: DataLoader[object], out: dict[str, float]) -> dict[str, float]:
+    """``probe_crowd{W}``: the step with W loader processes per slot, timed beside the training's own CPU work
+    (:func:`dtrain.profiling.handoff.crowded_steps`), for W up to what hides this rank's load behind the rest of
+    its step."""
+    phases = facts.timer.per_step()
+    rest = max(0.0, phases["step"] - phases["data"])
+    steps = crowded_steps(loader, facts.per_slot_batch_size, rest, out.get("probe_handoff", 0.0),
+                          facts.strategy.dp_group)
+    return {f"probe_crowd{w}": seconds for w, seconds in steps.items()}
 
 
 def _barrier(group: ProcessGroup | None) -> None:

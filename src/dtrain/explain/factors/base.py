@@ -172,4 +172,5 @@ def loader_gain(ctx: Context) -> float | None:
     plan = ctx.loader
     data = ctx.predictor.base.parts["data"]
     left = max(0.0, plan.step_seconds - (ctx.step - data))
-    return ctx.predictor.gain(f"data_loader.num_workers: {plan.workers}", data_workers_step=left)
+    return ctx.predictor.gain(f"data_loader.num_workers: {plan.workers}", data_workers_step=left,
+                              data_workers_timed=plan.timed)
