@@ -117,7 +117,7 @@ class Sleepy(Dataset):
 def test_the_crowded_probe_times_a_step_per_loader_count_within_its_budget():
     # 8 records of 1 ms a batch through a loader process, a 2 ms rest of the step: 5 processes would hide it.
     start = time.perf_counter()
-    steps = crowded_steps(DataLoader(Sleepy(), batch_size=8), 8, rest_cpu=0.002, through=0.0095)
+    steps = crowded_steps(DataLoader(Sleepy(), batch_size=8), 8, rest=0.002, through=0.0095)
     spent = time.perf_counter() - start
     assert list(steps) == list(range(1, len(steps) + 1)) and len(steps) >= 2, steps
     # Each step at least the rest of the step, and more loader processes make it shorter (one loads at ~9 ms).
@@ -125,13 +125,13 @@ def test_the_crowded_probe_times_a_step_per_loader_count_within_its_budget():
     # The budget holds it to about a second (each count's processes start beside it).
     assert spent < handoff.CROWDED_BUDGET_SECONDS + 2.0, spent
     # Nothing to hide (the load is faster than the rest of the step): one count, as for any load.
-    assert list(crowded_steps(DataLoader(Sleepy(), batch_size=1), 1, rest_cpu=0.01, through=0.001)) == [1]
+    assert list(crowded_steps(DataLoader(Sleepy(), batch_size=1), 1, rest=0.01, through=0.001)) == [1]
 
 
 def test_a_step_too_long_for_the_budget_is_not_probed_and_a_failing_loader_reports_nothing():
     # A 1 s rest of the step: 10 steps would take 10 s, not a small cost beside a run.
-    assert crowded_steps(DataLoader(Sleepy(), batch_size=8), 8, rest_cpu=1.0, through=2.0) == {}
-    assert crowded_steps(DataLoader(Stream(), batch_size=2), 2, rest_cpu=0.001, through=0.002) == {}
+    assert crowded_steps(DataLoader(Sleepy(), batch_size=8), 8, rest=1.0, through=2.0) == {}
+    assert crowded_steps(DataLoader(Stream(), batch_size=2), 2, rest=0.001, through=0.002) == {}
 
 
 def test_the_loader_plan_takes_the_crowded_steps_as_timed():

@@ -13,8 +13,9 @@ Those figures come from idle cores. In a run on a CPU host, W loader processes p
 training: a loader that waits (a file, a sleep) then waits again for a core at every wake-up. On the 2-core VM the
 planted slow-data trial (2 slots, 1 ms per record) got a batch every 11 ms from 3 loader processes each, where
 their idle pace promised one every 6.8 ms. So on a CPU host every rank also times the step itself with 1, 2, ...
-loader processes (:func:`crowded_steps`): after each batch it keeps its core busy for the run's own rest of the
-step, then waits at a barrier for the other ranks, as their exchange would.
+loader processes (:func:`crowded_steps`): after each batch it does the training's work (given by the caller:
+:mod:`dtrain.profiling.probes`), and its epochs are as long as the run's (persistent loader processes queue
+nothing across an epoch's end: each epoch starts by waiting for a whole batch's load).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader
@@ -41,10 +42,11 @@ TIMEOUT_SECONDS = 30.0
 # the handoff is small beside such a load (the loader plan then takes the in-place load for both).
 MAX_LOAD_SECONDS = 0.25
 # Loader processes per slot probed at most (beyond what would hide the load); the steps timed with each (as many
-# as fit in a share of the budget, within bounds) after warm-up steps; all of it within a budget the ranks agree
-# on, the probe a small cost beside a run.
-MAX_WORKERS, WARMUP_STEPS, CROWDED_BUDGET_SECONDS = 8, 2, 1.2
-MIN_CROWDED_STEPS, MAX_CROWDED_STEPS = 8, 30
+# as fit in a share of the budget, within bounds); all of it within a budget the ranks agree on, the probe a small
+# cost beside a run. Before the timed steps, the batches the loader processes queued while they started
+# (PREFETCH each) are taken: a step on a queued batch does not wait for its loading.
+MAX_WORKERS, PREFETCH, CROWDED_BUDGET_SECONDS = 8, 2, 1.2
+MIN_CROWDED_STEPS, MAX_CROWDED_STEPS = 8, 40
 
 
 def on_host(batch: object) -> bool:
@@ -92,28 +94,29 @@ def _probe(loader: DataLoader[object], per_slot: int) -> dict[str, float]:
     return {"probe_handoff": statistics.median(walls), "probe_handoff_cpu": cpu / len(walls)}
 
 
-def crowded_steps(loader: DataLoader[object], per_slot: int, rest_cpu: float, through: float,
-                  group: object = None) -> dict[int, float]:
+def crowded_steps(loader: DataLoader[object], per_slot: int, rest: float, through: float, group: object = None,
+                  step: Callable[[object | None], object] | None = None) -> dict[int, float]:
     """{W: mean seconds of a step with W loader processes (the run's samples/s is a mean too), for W = 1 up to
-    what hides the load behind the rest of the step on every rank (``through``: seconds per batch through one
-    loader process, on idle cores)}, each step being a batch taken, ``rest_cpu`` CPU seconds of this thread's
-    work (the run's step without its data wait) and a barrier over ``group``. A collective: every rank calls it
-    and takes the same number of steps; a rank whose loader fails keeps meeting the barriers, and then no rank
-    reports a figure for that count."""
-    needed = math.ceil(through / rest_cpu) if through > 0 and rest_cpu > 0 else 0
+    what hides the load behind ``rest`` (the run's step without its data wait) on every rank (``through``:
+    seconds per batch through one loader process, on idle cores)}. Each step takes a batch and gives it to
+    ``step`` (the training's work on it, None where this rank's loader failed; by default ``rest`` CPU seconds
+    of this thread and a barrier over ``group``). A collective: every rank calls it and takes the same number of
+    steps; a rank whose loader fails keeps stepping, and then no rank reports a figure for that count."""
+    needed = math.ceil(through / rest) if through > 0 and rest > 0 else 0
     workers = -ddist.least_over_ranks(-min(MAX_WORKERS, needed), group)
+    work = step or (lambda _: (busy(rest), barrier(group)))
     out: dict[int, float] = {}
     spent = 0.0
     for count in range(1, workers + 1):
         # As many steps as fit in this count's share of what is left of the budget (each one the rest of the
         # step, or the loaders' pace where slower); a count whose fewest steps do not fit ends the probe.
         share = min(CROWDED_BUDGET_SECONDS - spent, 2 * CROWDED_BUDGET_SECONDS / (workers + 1))
-        fit = int(share / max(rest_cpu, through / count)) - WARMUP_STEPS
+        fit = int(share / max(rest, through / count)) - _warmup(count)
         steps = ddist.least_over_ranks(min(MAX_CROWDED_STEPS, fit), group)
         if steps < MIN_CROWDED_STEPS:
             break
         start = time.perf_counter()
-        seconds = _crowded(loader, per_slot, rest_cpu, count, steps, group)
+        seconds = _crowded(loader, per_slot, count, steps, work)
         spent += time.perf_counter() - start
         if ddist.least_over_ranks(int(seconds is not None), group) == 0:
             break
@@ -121,49 +124,60 @@ def crowded_steps(loader: DataLoader[object], per_slot: int, rest_cpu: float, th
     return out
 
 
-def _crowded(loader: DataLoader[object], per_slot: int, rest_cpu: float, workers: int, timed: int,
-             group: object) -> float | None:
-    steps = WARMUP_STEPS + timed
-    batches = _started(loader, per_slot, workers, steps)
+def _crowded(loader: DataLoader[object], per_slot: int, workers: int, timed: int,
+             step: Callable[[object | None], object]) -> float | None:
+    warmup = _warmup(workers)
+    batches = _started(loader, per_slot, workers)
     walls: list[float] = []
     last = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(warmup + timed):
+        batch = None
         if batches is not None:
             try:
-                next(batches)
+                batch = next(batches)
             except Exception as exc:
                 log.info("crowded loader probe stopped: %s", exc)
                 batches = None
-        _busy(rest_cpu)
-        _barrier(group)  # met whatever happened above: the other ranks wait here
+        step(batch)  # whatever happened above: the other ranks' steps meet this one's
         now = time.perf_counter()
         walls.append(now - last)
         last = now
     measured = batches is not None
     del batches  # the workers end with their iterator
-    return statistics.fmean(walls[WARMUP_STEPS:]) if measured else None
+    return statistics.fmean(walls[warmup:]) if measured else None
 
 
-def _started(loader: DataLoader[object], per_slot: int, workers: int, steps: int) -> Iterator[object] | None:
-    """An iterator over ``steps`` batches through ``workers`` loader processes, its first batch taken (the
-    workers' start); None where they cannot start."""
+def _warmup(workers: int) -> int:
+    """Steps before the timed ones: the queue the loader processes filled, and one more."""
+    return PREFETCH * workers + 1
+
+
+def _started(loader: DataLoader[object], per_slot: int, workers: int) -> Iterator[object] | None:
+    """Batches through ``workers`` persistent loader processes, epoch after epoch of the run's length, its first
+    batch taken (the workers' start); None where they cannot start."""
     try:
         size = len(loader.dataset)  # type: ignore[arg-type]
-        indices = [i % size for i in range((steps + 1) * per_slot)]
+        epoch = max(1, len(loader))  # the run's batches per epoch on this rank
+        indices = [i % size for i in range(epoch * per_slot)]
         with warnings.catch_warnings():  # torch's advice on loader processes per core: crowding them is the point
             warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
             probe = DataLoader(loader.dataset, batch_size=per_slot, sampler=indices, num_workers=workers,
-                               collate_fn=loader.collate_fn, generator=torch.Generator().manual_seed(0),
-                               timeout=TIMEOUT_SECONDS)
-            batches = iter(probe)
-        next(batches)
+                               collate_fn=loader.collate_fn, prefetch_factor=PREFETCH, persistent_workers=True,
+                               generator=torch.Generator().manual_seed(0), timeout=TIMEOUT_SECONDS)
+            batches = _epochs(probe)
+            next(batches)
         return batches
     except Exception as exc:
         log.info("crowded loader probe skipped: %s", exc)
         return None
 
 
-def _busy(cpu_seconds: float) -> None:
+def _epochs(probe: DataLoader[object]) -> Iterator[object]:
+    while True:
+        yield from probe
+
+
+def busy(cpu_seconds: float) -> None:
     """Keep this thread on a core for ``cpu_seconds`` of its own CPU time, as the training's step would:
     time taken from it by the loader processes lengthens it, as it lengthens the step."""
     end = time.thread_time() + cpu_seconds
@@ -171,7 +185,13 @@ def _busy(cpu_seconds: float) -> None:
         pass
 
 
-def _barrier(group: object) -> None:
+def busy_process(until: float) -> None:
+    """Keep this thread on a core until the process's CPU time (all its threads) reaches ``until``."""
+    while time.process_time() < until:
+        pass
+
+
+def barrier(group: object) -> None:
     import torch.distributed as dist
 
     if ddist.is_distributed(group):  # type: ignore[arg-type]

@@ -34,8 +34,17 @@ from torch.distributed import ProcessGroup
 from torch.utils.data import DataLoader
 
 from dtrain import dist as ddist
+from dtrain.profiling.buckets import gradient_bytes
 from dtrain.profiling.device import cpu_cores
-from dtrain.profiling.handoff import MAX_LOAD_SECONDS, MAX_WORKERS, crowded_steps, handoff_figures, on_host
+from dtrain.profiling.handoff import (
+    MAX_LOAD_SECONDS,
+    MAX_WORKERS,
+    barrier,
+    busy_process,
+    crowded_steps,
+    handoff_figures,
+    on_host,
+)
 from dtrain.profiling.modelsteps import restored, time_model_steps
 from dtrain.profiling.record import SHARDED, ModelSteps
 from dtrain.profiling.runfacts import ProbeHooks, RunFacts
@@ -44,6 +53,8 @@ from dtrain.profiling.shardprobe import fits_unsharded, sharded_exchange
 
 # Thread counts the solo probe tries: the run's own, one, and every core (at most this many).
 SOLO_THREADS = 3
+# Strategies that all-reduce every step's gradients (the crowded probe does it too; the others meet at a barrier).
+EXCHANGE_EVERY_STEP = ("ddp", "allreduce")
 CROWDED_FIELDS = tuple(f"probe_crowd{w}" for w in range(1, MAX_WORKERS + 1))
 SOLO_FIELDS = tuple(f"probe_solo{i}_{what}" for i in range(SOLO_THREADS)
                     for what in ("threads", "work", "double", "optimizer"))
@@ -239,6 +250,11 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
         with restored(facts.models, facts.optimizers, device):
             _, _, one = _load(hooks.loader, per_slot)
             batches = {1: hooks.to_device(one), 2: hooks.to_device(_double(one))}
+            loads: dict[str, float] = {}
+            if not facts.synthetic_data:
+                loads = _load_figures(hooks.loader, per_slot)
+                if on_host(one) and loads["probe_load"] <= MAX_LOAD_SECONDS:
+                    loads.update(handoff_figures(hooks.loader, per_slot))
             with hooks.gradient_sync(False):  # no exchange, no optimizer step: forward and backward only
                 work = _time_work(hooks, batches, device, repeats)
                 optimizer = _time_optimizer(facts.optimizers, device, repeats)  # every rank at once, as in the run
@@ -246,18 +262,14 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
                 solo = _solo(facts, hooks, batches, repeats) if first else {}
                 steps = _model_steps(facts, hooks, batches) if first else None
                 _barrier(facts.strategy.dp_group)  # the others wait, idle, while the first rank probes alone
+                if not facts.synthetic_data and device.type == "cpu":  # every rank (a collective)
+                    loads.update(_crowded_figures(facts, hooks, batches[1], loads))
             # A sharded run's collectives run inside forward and backward: timed with and without them.
             sharded = (sharded_exchange(facts.models, facts.optimizers, lambda: hooks.train_batch(batches[1], 0, 0),
                                         device, facts.strategy.dp_group, repeats, facts.local_ranks)
                        if facts.strategy.exchange == SHARDED else {})
         out = {"probe_work": work[1], "probe_work_double": work[2], "probe_optimizer": optimizer, **solo,
-               **sharded}
-        if not facts.synthetic_data:
-            out.update(_load_figures(hooks.loader, per_slot))
-            if on_host(one) and out["probe_load"] <= MAX_LOAD_SECONDS:
-                out.update(handoff_figures(hooks.loader, per_slot))
-            if device.type == "cpu":  # every rank (a collective), whatever its own figures
-                out.update(_crowded_figures(facts, hooks.loader, out))
+               **sharded, **loads}
         return ProbeResult({**zeros, **out}, steps)
     except Exception as exc:  # a trial that cannot take another batch size: no probe, not a failed run
         log.info("batch probe skipped: %s", exc)
@@ -281,15 +293,40 @@ def _load_figures(loader: DataLoader[object], per_slot: int) -> dict[str, float]
             "probe_load_cpu_share": min(1.0, cpu / wall) if wall > 0 else 1.0}
 
 
-def _crowded_figures(facts: RunFacts, loader: DataLoader[object], out: dict[str, float]) -> dict[str, float]:
-    """``probe_crowd{W}``: the step with W loader processes per slot, timed beside the training's own CPU work
-    (:func:`dtrain.profiling.handoff.crowded_steps`), for W up to what hides this rank's load behind the rest of
-    its step."""
+def _crowded_figures(facts: RunFacts, hooks: ProbeHooks, batch: object, loads: dict[str, float]) -> dict[str, float]:
+    """``probe_crowd{W}``: the step with W loader processes per slot, timed beside the training's own work
+    (:func:`dtrain.profiling.handoff.crowded_steps`). Each step trains the model on the batch (forward and
+    backward, on the run's threads); a DDP run's exchange is an all-reduce of the bytes it sent a step (not
+    through DDP, whose own timers the profile reads), any other's a barrier; then this thread works until the
+    process has spent the CPU time a training step cost it in the run (its optimizer, its exchange's copies,
+    bookkeeping: every thread's), less what taking its batch cost there."""
     phases = facts.timer.per_step()
-    rest = max(0.0, phases["step"] - phases["data"])
-    steps = crowded_steps(loader, facts.per_slot_batch_size, rest, out.get("probe_handoff", 0.0),
-                          facts.strategy.dp_group)
-    return {f"probe_crowd{w}": seconds for w, seconds in steps.items()}
+    step_seconds = phases["step"]
+    rest = max(0.0, step_seconds - phases["data"])
+    group = facts.strategy.dp_group
+    exchange = None
+    if ddist.is_distributed(group) and facts.strategy.name in EXCHANGE_EVERY_STEP:
+        sent = phases.get("comm_bytes", 0.0) or float(sum(sum(sizes) for sizes in gradient_bytes(facts.models)))
+        exchange = torch.zeros(max(1, int(sent) // 4))  # the bytes the run sent a step (compressed or not)
+    # After backward here, where the run overlapped part of it with backward: that part is taken off again.
+    overlap = max(0.0, phases.get("comm_busy", 0.0) - phases["comm_exposed"]) if exchange is not None else 0.0
+    share = facts.train_cpu_seconds / facts.train_seconds if facts.train_seconds > 0 else 1.0
+    taking = (phases["data"] * loads.get("probe_load_cpu_share", 1.0) if facts.data_loader_workers == 0
+              else loads.get("probe_handoff_cpu", 0.0))
+    cpu = max(0.0, share * step_seconds - taking)
+
+    def step(taken: object | None) -> None:  # a rank whose loader failed still trains: a forward may gather
+        began = time.process_time()
+        hooks.train_batch(hooks.to_device(taken) if taken is not None else batch, 0, 0)
+        if exchange is not None:
+            torch.distributed.all_reduce(exchange, group=group)
+        else:
+            barrier(group)
+        busy_process(began + cpu)
+
+    steps = crowded_steps(hooks.loader, facts.per_slot_batch_size, rest, loads.get("probe_handoff", 0.0), group,
+                          step=step)
+    return {f"probe_crowd{w}": max(rest, seconds - overlap) for w, seconds in steps.items()}
 
 
 def _barrier(group: ProcessGroup | None) -> None:
