@@ -6,6 +6,7 @@ and the plan takes those steps as they were timed."""
 
 from __future__ import annotations
 
+import multiprocessing
 import re
 import time
 
@@ -113,30 +114,53 @@ class Sleepy(Dataset):
         return torch.zeros(4)
 
 
+def _working(seconds: float, taken: list[object | None]):
+    """A training step that keeps this thread busy ``seconds``, and notes each batch it was given."""
+    def step(batch: object | None) -> None:
+        taken.append(batch)
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+    return step
+
+
 @pytest.mark.timeout(60)
 def test_the_crowded_probe_times_a_step_per_loader_count_within_its_budget():
     # 8 records of 1 ms a batch through a loader process, a 2 ms rest of the step: 5 processes would hide it.
+    taken: list[object | None] = []
+    children = set(multiprocessing.active_children())
     start = time.perf_counter()
-    steps = crowded_steps(DataLoader(Sleepy(), batch_size=8), 8, rest=0.002, through=0.0095)
+    steps = crowded_steps(DataLoader(Sleepy(), batch_size=8), 8, rest=0.002, through=0.0095, group=None,
+                          step=_working(0.002, taken))
     spent = time.perf_counter() - start
     assert list(steps) == list(range(1, len(steps) + 1)) and len(steps) >= 2, steps
     # Each step at least the rest of the step, and more loader processes make it shorter (one loads at ~9 ms).
     assert all(s >= 0.002 for s in steps.values()) and steps[1] > 0.008 and steps[2] < steps[1], steps
-    # The budget holds it to about a second (each count's processes start beside it).
+    # Every step was given a real batch of the run's per-slot size; the epochs (8 batches) ran on and on.
+    assert taken and all(isinstance(b, torch.Tensor) and b.shape == (8, 4) for b in taken)
+    # The budget holds it to about two seconds (each count's processes start beside it), and none is left.
     assert spent < handoff.CROWDED_BUDGET_SECONDS + 2.0, spent
+    assert set(multiprocessing.active_children()) <= children
     # Nothing to hide (the load is faster than the rest of the step): one count, as for any load.
-    assert list(crowded_steps(DataLoader(Sleepy(), batch_size=1), 1, rest=0.01, through=0.001)) == [1]
+    one = crowded_steps(DataLoader(Sleepy(), batch_size=1), 1, rest=0.01, through=0.001, group=None,
+                        step=_working(0.01, []))
+    assert list(one) == [1]
 
 
 def test_a_step_too_long_for_the_budget_is_not_probed_and_a_failing_loader_reports_nothing():
     # A 1 s rest of the step: 10 steps would take 10 s, not a small cost beside a run.
-    assert crowded_steps(DataLoader(Sleepy(), batch_size=8), 8, rest=1.0, through=2.0) == {}
-    assert crowded_steps(DataLoader(Stream(), batch_size=2), 2, rest=0.001, through=0.002) == {}
+    taken: list[object | None] = []
+    assert crowded_steps(DataLoader(Sleepy(), batch_size=8), 8, rest=1.0, through=2.0, group=None,
+                         step=_working(1.0, taken)) == {} and not taken
+    # A loader process that cannot take the data: the steps still run (a peer's exchange would wait for them).
+    assert crowded_steps(DataLoader(Stream(), batch_size=2), 2, rest=0.001, through=0.002, group=None,
+                         step=_working(0.001, taken)) == {}
+    assert taken and all(b is None for b in taken)
 
 
 def test_the_loader_plan_takes_the_crowded_steps_as_timed():
     """The planted slow-data case on the 2-core VM (2 slots, 1 ms per record): the formula put 3 loader
-    processes at a 7.0 ms step, the runs took 10-11 ms; the crowded probe had timed 8.4-12.2 ms."""
+    processes at a 7.0 ms step, the runs took 9.5-11 ms; the crowded probe timed 10.0 ms."""
     from profiles import make_profile
 
     from dtrain.explain.advice import loader_plan
@@ -144,19 +168,20 @@ def test_the_loader_plan_takes_the_crowded_steps_as_timed():
     seconds = {"data": 0.0187, "forward": 0.001, "backward": 0.0006, "comm_exposed": 0.0021, "optimizer": 0.0004}
     profile = make_profile([seconds, seconds], threads_per_slot=1, cpu_cores=2, data_loader_workers=0,
                            data_load_seconds_per_batch=0.0179, data_load_cpu_share=0.06,
-                           data_handoff_seconds_per_batch=0.0197, data_handoff_cpu_seconds_per_batch=0.0018)
+                           data_handoff_seconds_per_batch=0.0192, data_handoff_cpu_seconds_per_batch=0.0018)
     step, work = 0.0228, 0.002
-    formula = {w: loader_plan(profile, 0.0187, step, work, workers=w) for w in (2, 3, 4)}
+    formula = {w: loader_plan(profile, 0.0187, step, work, workers=w) for w in (1, 2, 3, 4)}
     assert not any(plan.timed for plan in formula.values())
-    timed = profile.model_copy(update={"data_crowded_step_seconds": [0.0204, 0.0112, 0.0101]})
+    timed = profile.model_copy(update={"data_crowded_step_seconds": [0.0204, 0.0124, 0.0100]})
     plans = {w: loader_plan(timed, 0.0187, step, work, workers=w) for w in (1, 2, 3, 4)}
-    assert [plans[w].step_seconds for w in (1, 2, 3)] == [0.0204, 0.0112, 0.0101]
+    assert [plans[w].step_seconds for w in (1, 2, 3)] == [0.0204, 0.0124, 0.0100]
     assert all(plans[w].timed for w in (1, 2, 3)) and not plans[4].timed
-    assert "a step with 3 loader process(es) per slot timed 10.10 ms" in plans[3].why
-    # Beyond the counts timed: the formula, as crowded as the most timed was against it.
-    crowding = 0.0101 / formula[3].step_seconds
-    assert plans[4].step_seconds == pytest.approx(formula[4].step_seconds * crowding)
-    assert "as crowded as with 3" in plans[4].why
+    assert "a step with 3 loader process(es) per slot timed 10.00 ms" in plans[3].why
+    # Beyond the counts timed: the formula, crowded on as the last two timed counts grew its crowding.
+    crowding = {w: timed.data_crowded_step_seconds[w - 1] / formula[w].step_seconds for w in (2, 3)}
+    expected = formula[4].step_seconds * (crowding[3] + (crowding[3] - crowding[2]))
+    assert plans[4].step_seconds == pytest.approx(expected)
+    assert "crowded on as the counts timed crowded them" in plans[4].why
     # The doctor's advice, fewest processes within 3% of the best, from the timed steps.
     assert loader_plan(timed, 0.0187, step, work).workers == 3
 

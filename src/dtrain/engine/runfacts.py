@@ -31,7 +31,6 @@ class FinishedTrainer(Protocol):
     global_batch: int
     steps: int
     train_seconds: float
-    train_cpu_seconds: float
     validation_seconds: float
     checkpoint_seconds: float
     unobserved_phases: list[str]
@@ -63,9 +62,8 @@ def run_facts(trainer: FinishedTrainer, wall_seconds: float,
         per_slot_batch_size=trainer.per_slot, aggregation_frequency=options.aggregation_frequency,
         gradient_compression=options.gradient_compression, powersgd_rank=options.powersgd.rank,
         synthetic_data=config.data_loader.synthetic, data_loader_workers=config.data_loader.num_workers,
-        steps=trainer.steps, train_seconds=trainer.train_seconds, train_cpu_seconds=trainer.train_cpu_seconds,
-        validation_seconds=trainer.validation_seconds, checkpoint_seconds=trainer.checkpoint_seconds,
-        wall_seconds=wall_seconds,
+        steps=trainer.steps, train_seconds=trainer.train_seconds, validation_seconds=trainer.validation_seconds,
+        checkpoint_seconds=trainer.checkpoint_seconds, wall_seconds=wall_seconds,
         resumed_at_batch=trainer.resumed_at, unobserved_phases=tuple(trainer.unobserved_phases),
         membership_changes=tuple(membership_changes or ()), probes=config.profiling.probes,
         probe=ProbeHooks(train_batch=trainer.trial.train_batch, to_device=ctx.to_device,

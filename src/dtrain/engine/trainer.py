@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -139,10 +138,11 @@ class Trainer:
         self.train_metrics = MeanAccumulator()
         self.last_validation: dict[str, float] = {}
         self.validation_seconds = self.checkpoint_seconds = 0.0
-        # Training time from device-synchronized points only (run start and end, reports): true on CUDA, where host
-        # clocks around asynchronous kernels are not; and this process's CPU seconds meanwhile (all its threads).
-        self.train_seconds = self.train_cpu_seconds = 0.0
-        self.steps, self._window_start, self._window_steps, self._window_cpu = 0, 0.0, 0, 0.0
+        # Training time from device-synchronized points only (run start and end, reports): true on CUDA,
+        # where host clocks around asynchronous kernels are not.
+        self.train_seconds = 0.0
+        self.steps = 0
+        self._window_start, self._window_steps = 0.0, 0
         self._iterating = False
         self.tuner = tuner_for_run(context, config.optimizations, run_dir)
         # Non-finite losses: tracked on the device each step, compared across ranks where the loop syncs anyway.
@@ -313,11 +313,12 @@ class Trainer:
             self.progress.advance(self.batches)
 
     def _start_synthetic(self) -> None:
-        """``data_loader.synthetic``: one real batch (same shapes and dtypes), read once in this process and kept
-        on the device; the loader is never iterated. An iterator every epoch, as for real data, started the loader's
-        worker processes (``data_loader.num_workers``) every epoch, which loaded batches nobody read on the cores
-        the slots train on and lived through the epoch (and, never drained, held each rank 5 s per worker at the
-        end): the data-loading bisection of ``dtrain doctor --verify`` measured them rather than no loading."""
+        """``data_loader.synthetic``: one real batch (same shapes and dtypes), read once in this process
+        and kept on the device; the loader is never iterated. An iterator every epoch, as for real data,
+        started the loader's worker processes (``data_loader.num_workers``) every epoch, which loaded
+        batches nobody read on the cores the slots train on and lived through the epoch (and, never
+        drained, held each rank 5 s per worker at the end): the data-loading bisection of ``dtrain doctor
+        --verify`` measured them rather than no loading."""
         if self.synthetic_batch is None:
             self.synthetic_batch = self.ctx.to_device(data.first_batch(self.loader))
         elif self.sampler.on_epoch_start is not None:  # what iterating the epoch would have announced
@@ -338,7 +339,7 @@ class Trainer:
 
     # ---------------------------------------------------------------------------- time windows
     def _open_window(self) -> None:
-        self._window_start, self._window_cpu = synchronized_now(self.ctx.device), time.process_time()
+        self._window_start = synchronized_now(self.ctx.device)
         self._window_steps = 0
         self._group_start = self._window_start
 
@@ -346,7 +347,6 @@ class Trainer:
         """Add the window since :meth:`_open_window` to the training time; its samples/s."""
         seconds = synchronized_now(self.ctx.device) - self._window_start
         self.train_seconds += seconds
-        self.train_cpu_seconds += time.process_time() - self._window_cpu
         self.steps += self._window_steps
         return self._window_steps * self.global_batch / seconds if seconds > 0 else 0.0
 

@@ -171,7 +171,7 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
     On a CPU host that bound is too kind: a loader that waits (a file, a sleep) waits again for a core at every
     wake-up while the training keeps the cores busy. There the step with W = 1, 2, ... loader processes was timed
     after the run beside the training's own work (``data_crowded_step_seconds``): it replaces the formula for
-    those W, and a W beyond them is taken at least as crowded as the most timed.
+    those W, and beyond them the crowding (timed step over formula) grows on as it grew over the last two timed.
 
     So on 2 cores with 2 slots, CPU-bound loaders gain little (they take the training's core), loaders that
     mostly wait (disk, network) need no core and hide up to W batches of waiting, and a batch that loads
@@ -203,11 +203,16 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
     crowded = dict(enumerate(profile.data_crowded_step_seconds or [], start=1))
     most = max(crowded, default=0)
 
+    def crowding(workers: int) -> float:
+        """The timed step over the formula's: how much the cores' sharing added (at least nothing)."""
+        return max(1.0, crowded[workers] / modelled(workers))
+
     def predicted(workers: int) -> float:
         if workers in crowded:  # timed beside the training's own work: the cores' sharing is in it
             return crowded[workers]
-        if most and workers > most:  # at least as crowded as the most loader processes timed
-            return modelled(workers) * max(1.0, crowded[most] / modelled(most))
+        if most and workers > most:  # more crowded still, as the last counts timed grew it (or as crowded)
+            growth = crowding(most) - crowding(most - 1) if most > 1 else 0.0
+            return modelled(workers) * (crowding(most) + max(0.0, growth) * (workers - most))
         return modelled(workers)
 
     limit = MAX_ADVISED_WORKERS
@@ -245,7 +250,7 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
                    "beside the training's own work (probed after the run)")
     elif most and workers > most:
         probed += (f"; beyond the {most} loader process(es) per slot timed beside the training's work, the cores "
-                   f"as crowded as with {most}")
+                   f"crowded on as the counts timed crowded them")
     if workers == 0:
         return LoaderPlan(0, new_step, f"{probed}; with no loader process each slot loads its batch in place, "
                           f"after the {1e3 * rest:.2f} ms rest of the step, on {where}")

@@ -45,7 +45,7 @@ MAX_LOAD_SECONDS = 0.25
 # as fit in a share of the budget, within bounds); all of it within a budget the ranks agree on, the probe a small
 # cost beside a run. Before the timed steps, the batches the loader processes queued while they started
 # (PREFETCH each) are taken: a step on a queued batch does not wait for its loading.
-MAX_WORKERS, PREFETCH, CROWDED_BUDGET_SECONDS = 8, 2, 1.2
+MAX_WORKERS, PREFETCH, CROWDED_BUDGET_SECONDS = 8, 2, 2.0
 MIN_CROWDED_STEPS, MAX_CROWDED_STEPS = 8, 40
 
 
@@ -94,29 +94,28 @@ def _probe(loader: DataLoader[object], per_slot: int) -> dict[str, float]:
     return {"probe_handoff": statistics.median(walls), "probe_handoff_cpu": cpu / len(walls)}
 
 
-def crowded_steps(loader: DataLoader[object], per_slot: int, rest: float, through: float, group: object = None,
-                  step: Callable[[object | None], object] | None = None) -> dict[int, float]:
+def crowded_steps(loader: DataLoader[object], per_slot: int, rest: float, through: float, group: object,
+                  step: Callable[[object | None], object]) -> dict[int, float]:
     """{W: mean seconds of a step with W loader processes (the run's samples/s is a mean too), for W = 1 up to
     what hides the load behind ``rest`` (the run's step without its data wait) on every rank (``through``:
     seconds per batch through one loader process, on idle cores)}. Each step takes a batch and gives it to
-    ``step`` (the training's work on it, None where this rank's loader failed; by default ``rest`` CPU seconds
-    of this thread and a barrier over ``group``). A collective: every rank calls it and takes the same number of
-    steps; a rank whose loader fails keeps stepping, and then no rank reports a figure for that count."""
+    ``step``: the training's work on it (None where this rank's loader failed). A collective over ``group``: every
+    rank calls it and takes the same number of steps; a rank whose loader fails keeps stepping (its peers'
+    exchange waits for it), and then no rank reports a figure for that count."""
     needed = math.ceil(through / rest) if through > 0 and rest > 0 else 0
     workers = -ddist.least_over_ranks(-min(MAX_WORKERS, needed), group)
-    work = step or (lambda _: (busy(rest), barrier(group)))
     out: dict[int, float] = {}
     spent = 0.0
     for count in range(1, workers + 1):
         # As many steps as fit in this count's share of what is left of the budget (each one the rest of the
         # step, or the loaders' pace where slower); a count whose fewest steps do not fit ends the probe.
-        share = min(CROWDED_BUDGET_SECONDS - spent, 2 * CROWDED_BUDGET_SECONDS / (workers + 1))
+        share = min(CROWDED_BUDGET_SECONDS - spent, CROWDED_BUDGET_SECONDS / workers)
         fit = int(share / max(rest, through / count)) - _warmup(count)
         steps = ddist.least_over_ranks(min(MAX_CROWDED_STEPS, fit), group)
         if steps < MIN_CROWDED_STEPS:
             break
         start = time.perf_counter()
-        seconds = _crowded(loader, per_slot, count, steps, work)
+        seconds = _crowded(loader, per_slot, count, steps, step)
         spent += time.perf_counter() - start
         if ddist.least_over_ranks(int(seconds is not None), group) == 0:
             break
@@ -175,24 +174,3 @@ def _started(loader: DataLoader[object], per_slot: int, workers: int) -> Iterato
 def _epochs(probe: DataLoader[object]) -> Iterator[object]:
     while True:
         yield from probe
-
-
-def busy(cpu_seconds: float) -> None:
-    """Keep this thread on a core for ``cpu_seconds`` of its own CPU time, as the training's step would:
-    time taken from it by the loader processes lengthens it, as it lengthens the step."""
-    end = time.thread_time() + cpu_seconds
-    while time.thread_time() < end:
-        pass
-
-
-def busy_process(until: float) -> None:
-    """Keep this thread on a core until the process's CPU time (all its threads) reaches ``until``."""
-    while time.process_time() < until:
-        pass
-
-
-def barrier(group: object) -> None:
-    import torch.distributed as dist
-
-    if ddist.is_distributed(group):  # type: ignore[arg-type]
-        dist.barrier(group=group)  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ what a change of batch or precision moves beside the exchange the cost model hol
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Sequence
@@ -34,13 +35,10 @@ from torch.distributed import ProcessGroup
 from torch.utils.data import DataLoader
 
 from dtrain import dist as ddist
-from dtrain.profiling.buckets import gradient_bytes
 from dtrain.profiling.device import cpu_cores
 from dtrain.profiling.handoff import (
     MAX_LOAD_SECONDS,
     MAX_WORKERS,
-    barrier,
-    busy_process,
     crowded_steps,
     handoff_figures,
     on_host,
@@ -53,8 +51,8 @@ from dtrain.profiling.shardprobe import fits_unsharded, sharded_exchange
 
 # Thread counts the solo probe tries: the run's own, one, and every core (at most this many).
 SOLO_THREADS = 3
-# Strategies that all-reduce every step's gradients (the crowded probe does it too; the others meet at a barrier).
-EXCHANGE_EVERY_STEP = ("ddp", "allreduce")
+# Strategies whose training steps the crowded loader probe can run as the run did.
+STEPS_ALONE = ("ddp", "single_device")
 CROWDED_FIELDS = tuple(f"probe_crowd{w}" for w in range(1, MAX_WORKERS + 1))
 SOLO_FIELDS = tuple(f"probe_solo{i}_{what}" for i in range(SOLO_THREADS)
                     for what in ("threads", "work", "double", "optimizer"))
@@ -262,8 +260,8 @@ def batch_probe(facts: RunFacts, repeats: int | None = None) -> ProbeResult:
                 solo = _solo(facts, hooks, batches, repeats) if first else {}
                 steps = _model_steps(facts, hooks, batches) if first else None
                 _barrier(facts.strategy.dp_group)  # the others wait, idle, while the first rank probes alone
-                if not facts.synthetic_data and device.type == "cpu":  # every rank (a collective)
-                    loads.update(_crowded_figures(facts, hooks, batches[1], loads))
+            if not facts.synthetic_data and device.type == "cpu":  # every rank (a collective)
+                loads.update(_crowded_figures(facts, hooks, batches[1], loads))
             # A sharded run's collectives run inside forward and backward: timed with and without them.
             sharded = (sharded_exchange(facts.models, facts.optimizers, lambda: hooks.train_batch(batches[1], 0, 0),
                                         device, facts.strategy.dp_group, repeats, facts.local_ranks)
@@ -295,38 +293,26 @@ def _load_figures(loader: DataLoader[object], per_slot: int) -> dict[str, float]
 
 def _crowded_figures(facts: RunFacts, hooks: ProbeHooks, batch: object, loads: dict[str, float]) -> dict[str, float]:
     """``probe_crowd{W}``: the step with W loader processes per slot, timed beside the training's own work
-    (:func:`dtrain.profiling.handoff.crowded_steps`). Each step trains the model on the batch (forward and
-    backward, on the run's threads); a DDP run's exchange is an all-reduce of the bytes it sent a step (not
-    through DDP, whose own timers the profile reads), any other's a barrier; then this thread works until the
-    process has spent the CPU time a training step cost it in the run (its optimizer, its exchange's copies,
-    bookkeeping: every thread's), less what taking its batch cost there."""
+    (:func:`dtrain.profiling.handoff.crowded_steps`): the trial's own training steps, exchange and optimizer step
+    included, as the run aggregated them (the weights are put back after). One slot or DDP only: a strategy
+    with server ranks, sharded state or periodic averaging cannot step here as it trained (its loader advice
+    keeps the formula's pricing)."""
+    if facts.strategy.name not in STEPS_ALONE:
+        return {}
     phases = facts.timer.per_step()
-    step_seconds = phases["step"]
-    rest = max(0.0, step_seconds - phases["data"])
-    group = facts.strategy.dp_group
-    exchange = None
-    if ddist.is_distributed(group) and facts.strategy.name in EXCHANGE_EVERY_STEP:
-        sent = phases.get("comm_bytes", 0.0) or float(sum(sum(sizes) for sizes in gradient_bytes(facts.models)))
-        exchange = torch.zeros(max(1, int(sent) // 4))  # the bytes the run sent a step (compressed or not)
-    # After backward here, where the run overlapped part of it with backward: that part is taken off again.
-    overlap = max(0.0, phases.get("comm_busy", 0.0) - phases["comm_exposed"]) if exchange is not None else 0.0
-    share = facts.train_cpu_seconds / facts.train_seconds if facts.train_seconds > 0 else 1.0
-    taking = (phases["data"] * loads.get("probe_load_cpu_share", 1.0) if facts.data_loader_workers == 0
-              else loads.get("probe_handoff_cpu", 0.0))
-    cpu = max(0.0, share * step_seconds - taking)
+    rest = max(0.0, phases["step"] - phases["data"])
+    every, taken_steps = facts.aggregation_frequency, itertools.count(1)
 
-    def step(taken: object | None) -> None:  # a rank whose loader failed still trains: a forward may gather
-        began = time.process_time()
-        hooks.train_batch(hooks.to_device(taken) if taken is not None else batch, 0, 0)
-        if exchange is not None:
-            torch.distributed.all_reduce(exchange, group=group)
-        else:
-            barrier(group)
-        busy_process(began + cpu)
+    def step(taken: object | None) -> None:  # a rank whose loader failed still trains: its peers' exchange waits
+        with hooks.gradient_sync(next(taken_steps) % every == 0):
+            hooks.train_batch(hooks.to_device(taken) if taken is not None else batch, 0, 0)
 
-    steps = crowded_steps(hooks.loader, facts.per_slot_batch_size, rest, loads.get("probe_handoff", 0.0), group,
-                          step=step)
-    return {f"probe_crowd{w}": max(rest, seconds - overlap) for w, seconds in steps.items()}
+    try:
+        steps = crowded_steps(hooks.loader, facts.per_slot_batch_size, rest, loads.get("probe_handoff", 0.0),
+                              facts.strategy.dp_group, step)
+    finally:
+        hooks.gradient_sync(True)  # as the run left it
+    return {f"probe_crowd{w}": seconds for w, seconds in steps.items()}
 
 
 def _barrier(group: ProcessGroup | None) -> None:

@@ -92,8 +92,6 @@ class RunFacts:
     checkpoint_seconds: float
     wall_seconds: float
     resumed_at_batch: int
-    # This process's CPU seconds over train_seconds (all its threads): what its steps cost the cores.
-    train_cpu_seconds: float = 0.0
     # Phases train_batch left unmarked (dtrain.engine.firstbatch): their time is in "other".
     unobserved_phases: tuple[str, ...] = ()
     # An elastic job's joins and leaves so far (dtrain.launcher.membership).
