@@ -66,8 +66,8 @@ def exposures(model: CostModel, target: Target, parts: dict[str, float], step: f
         # beside them, the caches warm): a whole run in that precision may gain less or more than they did.
         out["precision_probe"] = compute
     if target.data_workers_timed:
-        # A step with that many loader processes timed after the run beside an emulation of the training's
-        # work (its CPU time, a barrier for the exchange): not the training itself, and a few dozen steps.
+        # The run's own steps timed after it with that many loader processes: a few dozen of them, whose mean
+        # moved 10-15% between runs (docs/benchmarks.md).
         out["loader_workers_timed"] = step
     elif target.data_workers_step is not None:
         # Other loader processes: the hand-over of each batch is probed, but their start-up is not modelled,
