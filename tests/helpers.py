@@ -67,17 +67,20 @@ def _rank_main(fn: Callable[..., Any], rank: int, world: int, port: int, queue: 
         sys.exit(1)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout: float = 60.0, args: tuple = ()) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int = 2, timeout: float = 60.0, args: tuple = (),
+              daemon: bool = True) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` processes; return each rank's result.
 
     Fails (and kills every rank) as soon as one rank raises or dies, or when ``timeout`` passes; the
-    failing rank's traceback is re-raised in the test.
+    failing rank's traceback is re-raised in the test. ``daemon=False`` for ranks that start processes of their
+    own (a DataLoader's loader processes); they are killed all the same.
     """
     with held_port() as port:
-        return _run_ranks(fn, world_size, timeout, args, port)
+        return _run_ranks(fn, world_size, timeout, args, port, daemon)
 
 
-def _run_ranks(fn: Callable[..., Any], world_size: int, timeout: float, args: tuple, port: int) -> list[Any]:
+def _run_ranks(fn: Callable[..., Any], world_size: int, timeout: float, args: tuple, port: int,
+               daemon: bool = True) -> list[Any]:
     from dtrain.launcher import forkstart
 
     # Fork where dtrain's launcher would (a CPU build; each rank sets one thread above): the ranks inherit
@@ -88,7 +91,7 @@ def _run_ranks(fn: Callable[..., Any], world_size: int, timeout: float, args: tu
         forkstart.preload_torch()
     ctx = mp.get_context("fork" if fork else "spawn")
     queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, queue, args), daemon=True)
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, queue, args), daemon=daemon)
              for r in range(world_size)]
     for p in procs:
         p.start()

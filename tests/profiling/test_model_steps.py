@@ -257,15 +257,20 @@ def _train_and_read_back(rank: int, world: int, config: str, run_dir: str) -> di
     summary = run_trial(load_config(Path(config)), run, None, quiet=True)
     trial = sys.modules["kept"].KEPT[-1]
     saved = final_weights(run)  # written before the end-of-run probes
-    return {"same_weights": all(torch.equal(v, saved[k]) for k, v in trial.model.state_dict().items()),
-            "grads_cleared": all(p.grad is None for p in trial.model.parameters()),
+    model = getattr(trial.model, "module", trial.model)  # DDP's, on two slots
+    return {"same_weights": all(torch.equal(v, saved[k]) for k, v in model.state_dict().items()),
+            "grads_cleared": all(p.grad is None for p in model.parameters()),
             "momentum": [s["momentum_buffer"].clone() for s in trial.optimizer.state.values()],
             "probed": (run / "profile.json").exists() and load_profile(run / "profile.json").model_steps is not None,
+            # The crowded loader probe ran too: training steps, optimizer steps included, with loader processes.
+            "crowded": (run / "profile.json").exists()
+            and load_profile(run / "profile.json").data_crowded_step_seconds is not None,
             "validation": summary["validation"], "rng": torch.get_rng_state()}
 
 
 @pytest.mark.slow
-def test_training_ends_exactly_as_without_the_probe(tmp_path):
+@pytest.mark.parametrize("slots", [1, 2])
+def test_training_ends_exactly_as_without_the_probe(tmp_path, slots):
     from helpers import PROBED, run_ranks, tiny_config
 
     (tmp_path / "kept.py").write_text(KEPT_TRIAL)
@@ -274,14 +279,16 @@ def test_training_ends_exactly_as_without_the_probe(tmp_path):
         folder = tmp_path / f"profiled{profiled}"
         folder.mkdir()
         (folder / "kept.py").write_text(KEPT_TRIAL)
-        config = tiny_config(folder, **{"entrypoint": "kept:KeptTrial", "resources.slots_per_trial": 1,
+        config = tiny_config(folder, **{"entrypoint": "kept:KeptTrial", "resources.slots_per_trial": slots,
                                         "hyperparameters.train_size": 64, "max_length": {"batches": 12},
                                         "hyperparameters.dropout": 0.2, "profiling.enabled": profiled,
                                         "profiling.warmup_steps": 1, **PROBED})
-        results[profiled] = run_ranks(_train_and_read_back, world_size=1, timeout=90,
-                                      args=(str(config), str(folder / "run")))[0]
+        # Two slots: DDP's own steps (its exchange too) are what the crowded loader probe runs, then undoes.
+        results[profiled] = run_ranks(_train_and_read_back, world_size=slots, timeout=90,
+                                      args=(str(config), str(folder / "run")), daemon=False)[0]
     probed, plain = results[True], results[False]
-    assert probed["probed"] and probed["same_weights"] and probed["grads_cleared"] and plain["same_weights"]
+    assert probed["probed"] and probed["crowded"] and probed["same_weights"] and probed["grads_cleared"]
+    assert plain["same_weights"]
     # The in-memory optimizer state, the validation metrics and the random generator match the run without it.
     assert all(torch.equal(a, b) for a, b in zip(probed["momentum"], plain["momentum"], strict=True))
     assert probed["validation"] == plain["validation"] and torch.equal(probed["rng"], plain["rng"])
