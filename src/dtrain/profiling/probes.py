@@ -13,8 +13,10 @@ Each size runs once untimed (new shapes: autograd and allocator warm-up), then `
 alternating; the minimum counts (the least disturbed by other processes on a shared machine). Then the
 first rank alone, the others waiting at a barrier, repeats it at other thread counts (CPU), prices gradient
 compression, and times the model's whole training steps under each precision
-(:mod:`dtrain.profiling.modelsteps`). Models, optimizer state and random generators are restored after
-all of it, gradients cleared: the run ends as it would have without the probes. Skipped (zeros) on any
+(:mod:`dtrain.profiling.modelsteps`). On a CPU host every rank then trains on with 1, 2, ... loader processes
+per slot, the cores shared as a run with them would share them (:func:`dtrain.profiling.handoff.crowded_steps`).
+Models, optimizer state and random generators are restored after all of it, gradients cleared: the run ends
+as it would have without the probes. Skipped (zeros) on any
 error (a trial that cannot take another batch size). A parameter server's workers probe among themselves
 (its ``dp_group``), the servers waiting: their forward and backward are local, and what the probes time is
 what a change of batch or precision moves beside the exchange the cost model holds as measured.
@@ -302,6 +304,10 @@ def _crowded_figures(facts: RunFacts, hooks: ProbeHooks, batch: object, loads: d
     phases = facts.timer.per_step()
     rest = max(0.0, phases["step"] - phases["data"])
     every, taken_steps = facts.aggregation_frequency, itertools.count(1)
+    recorder = facts.timer.recorder
+    if recorder.native is not None:  # DDP's own timers would average these steps into the run's exchange
+        native = recorder.native()
+        recorder.native = lambda: native
 
     def step(taken: object | None) -> None:  # a rank whose loader failed still trains: its peers' exchange waits
         with hooks.gradient_sync(next(taken_steps) % every == 0):
