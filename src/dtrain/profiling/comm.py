@@ -49,6 +49,13 @@ class CommRecorder:
         # parameter's gradient is ready last); clears itself.
         self.settle: Any = None
 
+    def hold_native(self) -> None:
+        """From now on, DDP's own timers read as they read now: exchanges after the run (a probe's steps) would
+        join the sampled iterations they average."""
+        if self.native is not None:
+            held = self.native()
+            self.native = lambda: held
+
     # ---------------------------------------------------------------------------- exchanges
     def launch(self, nbytes: int) -> None:
         """A collective of ``nbytes`` (as sent on the wire) starts now.

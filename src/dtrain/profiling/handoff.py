@@ -71,13 +71,7 @@ def handoff_figures(loader: DataLoader[object], per_slot: int) -> dict[str, floa
 
 
 def _probe(loader: DataLoader[object], per_slot: int) -> dict[str, float]:
-    size = len(loader.dataset)  # type: ignore[arg-type]
-    indices = [i % size for i in range((BATCHES + 1) * per_slot)]
-    # Its own generator: the loader's iterator draws its workers' base seed from it, not from the global
-    # random stream, which the run's next steps would otherwise continue differently.
-    probe = DataLoader(loader.dataset, batch_size=per_slot, sampler=indices, num_workers=1,
-                       collate_fn=loader.collate_fn, prefetch_factor=2, generator=torch.Generator().manual_seed(0),
-                       timeout=TIMEOUT_SECONDS)
+    probe = _through_processes(loader, per_slot, BATCHES + 1, workers=1)
     walls: list[float] = []
     cpu = 0.0
     batches = iter(probe)
@@ -155,20 +149,27 @@ def _started(loader: DataLoader[object], per_slot: int, workers: int) -> Iterato
     """Batches through ``workers`` persistent loader processes, epoch after epoch of the run's length, its first
     batch taken (the workers' start); None where they cannot start."""
     try:
-        size = len(loader.dataset)  # type: ignore[arg-type]
         epoch = max(1, len(loader))  # the run's batches per epoch on this rank
-        indices = [i % size for i in range(epoch * per_slot)]
         with warnings.catch_warnings():  # torch's advice on loader processes per core: crowding them is the point
             warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-            probe = DataLoader(loader.dataset, batch_size=per_slot, sampler=indices, num_workers=workers,
-                               collate_fn=loader.collate_fn, prefetch_factor=PREFETCH, persistent_workers=True,
-                               generator=torch.Generator().manual_seed(0), timeout=TIMEOUT_SECONDS)
-            batches = _epochs(probe)
+            batches = _epochs(_through_processes(loader, per_slot, epoch, workers, persistent_workers=True))
             next(batches)
         return batches
     except Exception as exc:
         log.info("crowded loader probe skipped: %s", exc)
         return None
+
+
+def _through_processes(loader: DataLoader[object], per_slot: int, batches: int, workers: int,
+                       **options: bool) -> DataLoader[object]:
+    """``batches`` batches of the run's data set (its first records, in order) through ``workers`` loader
+    processes. Its own generator: the iterator draws its workers' base seed from it, not from the global random
+    stream, which the run's next steps would otherwise continue differently."""
+    size = len(loader.dataset)  # type: ignore[arg-type]
+    indices = [i % size for i in range(batches * per_slot)]
+    return DataLoader(loader.dataset, batch_size=per_slot, sampler=indices, num_workers=workers,
+                      collate_fn=loader.collate_fn, prefetch_factor=PREFETCH,
+                      generator=torch.Generator().manual_seed(0), timeout=TIMEOUT_SECONDS, **options)
 
 
 def _epochs(probe: DataLoader[object]) -> Iterator[object]:

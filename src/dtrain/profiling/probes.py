@@ -304,10 +304,7 @@ def _crowded_figures(facts: RunFacts, hooks: ProbeHooks, batch: object, loads: d
     phases = facts.timer.per_step()
     rest = max(0.0, phases["step"] - phases["data"])
     every, taken_steps = facts.aggregation_frequency, itertools.count(1)
-    recorder = facts.timer.recorder
-    if recorder.native is not None:  # DDP's own timers would average these steps into the run's exchange
-        native = recorder.native()
-        recorder.native = lambda: native
+    facts.timer.recorder.hold_native()  # these steps exchange too: not the run's
 
     def step(taken: object | None) -> None:  # a rank whose loader failed still trains: its peers' exchange waits
         with hooks.gradient_sync(next(taken_steps) % every == 0):

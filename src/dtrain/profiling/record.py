@@ -142,7 +142,7 @@ class ProfileRecord(Section):
     data_load_cpu_share: float | None = None
     data_handoff_seconds_per_batch: float | None = None  # through one loader process (profiling/handoff.py)
     data_handoff_cpu_seconds_per_batch: float | None = None  # the training thread's, to receive one
-    # A step with 1, 2, ... loader processes per slot (item W - 1), timed beside the training's CPU work (CPU hosts)
+    # A step with 1, 2, ... loader processes per slot (item W - 1): the run's own steps timed after it (CPU hosts)
     data_crowded_step_seconds: list[float] | None = None
     solo_probe: SoloProbe | None = None
     comm_probe: CommProbe | None = None
