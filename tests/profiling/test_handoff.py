@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset
 
 from dtrain.profiling import handoff
-from dtrain.profiling.handoff import crowded_steps, handoff_figures, on_host
+from dtrain.profiling.handoff import Pace, crowded_steps, handoff_figures, on_host
 
 
 def test_a_batch_through_a_loader_process_is_timed_and_the_random_stream_is_left_alone():
@@ -130,31 +130,39 @@ def test_the_crowded_probe_times_a_step_per_loader_count_within_its_budget():
     taken: list[object | None] = []
     children = set(multiprocessing.active_children())
     start = time.perf_counter()
-    steps = crowded_steps(DataLoader(Sleepy(), batch_size=8), 8, rest=0.002, through=0.0095, group=None,
-                          step=_working(0.002, taken))
+    timed = crowded_steps(DataLoader(Sleepy(), batch_size=8), 8, Pace(rest=0.002, load=0.0095, through=0.0095),
+                          0, group=None, step=_working(0.002, taken))
     spent = time.perf_counter() - start
+    assert timed is not None
+    steps = timed.steps
     assert list(steps) == list(range(1, len(steps) + 1)) and len(steps) >= 2, steps
-    # Each step at least the rest of the step, and more loader processes make it shorter (one loads at ~9 ms).
+    # Each step at least the rest of the step, and more loader processes make it shorter (one loads at ~9 ms);
+    # the run's own (each batch loaded in place, after the rest of the step) about their sum.
     assert all(s >= 0.002 for s in steps.values()) and steps[1] > 0.008 and steps[2] < steps[1], steps
+    assert 0.0105 < timed.own < 0.03 and timed.own > steps[2], timed
     # Every step was given a real batch of the run's per-slot size; the epochs (8 batches) ran on and on.
     assert taken and all(isinstance(b, torch.Tensor) and b.shape == (8, 4) for b in taken)
     # The budget holds it to about two seconds (each count's processes start beside it), and none is left.
     assert spent < handoff.CROWDED_BUDGET_SECONDS + 2.0, spent
     assert set(multiprocessing.active_children()) <= children
     # Nothing to hide (the load is faster than the rest of the step): one count, as for any load.
-    one = crowded_steps(DataLoader(Sleepy(), batch_size=1), 1, rest=0.01, through=0.001, group=None,
-                        step=_working(0.01, []))
-    assert list(one) == [1]
+    one = crowded_steps(DataLoader(Sleepy(), batch_size=1), 1, Pace(rest=0.01, load=0.001, through=0.001), 0,
+                        group=None, step=_working(0.01, []))
+    assert one is not None and list(one.steps) == [1]
+    # A run with a loader process already: its own count is the reference, and among the steps.
+    own = crowded_steps(DataLoader(Sleepy(), batch_size=1, num_workers=1, persistent_workers=True), 1,
+                        Pace(rest=0.01, load=0.001, through=0.001), 1, group=None, step=_working(0.01, []))
+    assert own is not None and own.steps == {1: own.own}
 
 
 def test_a_step_too_long_for_the_budget_is_not_probed_and_a_failing_loader_reports_nothing():
     # A 1 s rest of the step: 10 steps would take 10 s, not a small cost beside a run.
     taken: list[object | None] = []
-    assert crowded_steps(DataLoader(Sleepy(), batch_size=8), 8, rest=1.0, through=2.0, group=None,
-                         step=_working(1.0, taken)) == {} and not taken
-    # A loader process that cannot take the data: the steps still run (a peer's exchange would wait for them).
-    assert crowded_steps(DataLoader(Stream(), batch_size=2), 2, rest=0.001, through=0.002, group=None,
-                         step=_working(0.001, taken)) == {}
+    assert crowded_steps(DataLoader(Sleepy(), batch_size=8), 8, Pace(rest=1.0, load=2.0, through=2.0), 0,
+                         group=None, step=_working(1.0, taken)) is None and not taken
+    # A loader that cannot take the data: the steps still run (a peer's exchange would wait for them).
+    assert crowded_steps(DataLoader(Stream(), batch_size=2), 2, Pace(rest=0.001, load=0.001, through=0.002), 0,
+                         group=None, step=_working(0.001, taken)) is None
     assert taken and all(b is None for b in taken)
 
 
@@ -184,6 +192,12 @@ def test_the_loader_plan_takes_the_crowded_steps_as_timed():
     assert "crowded on as the counts timed crowded them" in plans[4].why
     # The doctor's advice, fewest processes within 3% of the best, from the timed steps.
     assert loader_plan(timed, 0.0187, step, work).workers == 3
+    # The probe timed the run's own step (loaded in place) at 20.0 ms, where the run's was 22.8 ms: each timed
+    # step is taken as its ratio to that one, in the run's step.
+    scaled = timed.model_copy(update={"data_crowded_own_step_seconds": 0.0200})
+    plan = loader_plan(scaled, 0.0187, step, work, workers=3)
+    assert plan.step_seconds == pytest.approx(0.0100 * step / 0.0200) and plan.timed
+    assert "timed 10.00 ms beside the training's own work against 20.00 ms with the run's 0, so 11.40 ms" in plan.why
 
 
 def test_a_timed_loader_count_is_predicted_with_a_measured_interval():

@@ -170,8 +170,10 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
 
     On a CPU host that bound is too kind: a loader that waits (a file, a sleep) waits again for a core at every
     wake-up while the training keeps the cores busy. There the step with W = 1, 2, ... loader processes was timed
-    after the run beside the training's own work (``data_crowded_step_seconds``): it replaces the formula for
-    those W, and beyond them the crowding (timed step over formula) grows on as it grew over the last two timed.
+    after the run beside the training's own work (``data_crowded_step_seconds``), and with the run's own W
+    (``data_crowded_own_step_seconds``): each such step, as its ratio to the run's own, times the run's step,
+    replaces the formula for those W, and beyond them the crowding (that step over the formula's) grows on as it
+    grew over the last two timed.
 
     So on 2 cores with 2 slots, CPU-bound loaders gain little (they take the training's core), loaders that
     mostly wait (disk, network) need no core and hide up to W batches of waiting, and a batch that loads
@@ -200,7 +202,12 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
             bound = max(bound, (threads * cpu_work + receive + cpu_share * through) / per_slot)
         return bound
 
-    crowded = dict(enumerate(profile.data_crowded_step_seconds or [], start=1))
+    # The probe's steps run faster or slower than the run's (its timers, the cores' state after it): each is
+    # taken as its ratio to the probe's step with the run's own loader processes, times the run's step.
+    own = profile.data_crowded_own_step_seconds
+    scale = step / own if own else 1.0
+    timed = dict(enumerate(profile.data_crowded_step_seconds or [], start=1))
+    crowded = {w: seconds * scale for w, seconds in timed.items()}
     most = max(crowded, default=0)
 
     def crowding(workers: int) -> float:
@@ -246,8 +253,10 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
         probed += (f"; through a loader process {1e3 * handoff:.2f} ms a batch, {1e3 * receive:.2f} ms of it "
                    "the training process's to receive it")
     if workers in crowded:
-        probed += (f"; a step with {workers} loader process(es) per slot timed {1e3 * crowded[workers]:.2f} ms "
-                   "beside the training's own work (probed after the run)")
+        against = (f" against {1e3 * own:.2f} ms with the run's {current}, so {1e3 * crowded[workers]:.2f} ms in "
+                   "the run" if own else "")
+        probed += (f"; a step with {workers} loader process(es) per slot timed {1e3 * timed[workers]:.2f} ms "
+                   f"beside the training's own work{against} (probed after the run)")
     elif most and workers > most:
         probed += (f"; beyond the {most} loader process(es) per slot timed beside the training's work, the cores "
                    f"crowded on as the counts timed crowded them")

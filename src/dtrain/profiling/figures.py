@@ -202,13 +202,16 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
             "data_load_cpu_share": mean("probe_load_cpu_share") if probed_load else None,
             "data_handoff_seconds_per_batch": mean("probe_handoff") if mean("probe_handoff") > 0 else None,
             "data_handoff_cpu_seconds_per_batch": mean("probe_handoff_cpu") if mean("probe_handoff") > 0 else None,
-            "data_crowded_step_seconds": _crowded(per_rank)}
+            "data_crowded_step_seconds": _crowded(per_rank),
+            "data_crowded_own_step_seconds": mean("probe_crowd_own") if _crowded(per_rank) else None}
 
 
 def _crowded(per_rank: list[dict[str, float]]) -> list[float] | None:
     """The crowded loader probe's steps with 1, 2, ... loader processes (means over ranks), as far as every
-    rank timed them."""
+    rank timed them (none without the step with the run's own, their scale)."""
     steps: list[float] = []
+    if not all(r.get("probe_crowd_own", 0.0) > 0 for r in per_rank):
+        return None
     for w in range(1, MAX_WORKERS + 1):
         if not all(r.get(f"probe_crowd{w}", 0.0) > 0 for r in per_rank):
             break

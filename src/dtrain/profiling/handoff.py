@@ -26,6 +26,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch.utils.data import DataLoader
@@ -46,7 +47,7 @@ MAX_LOAD_SECONDS = 0.25
 # cost beside a run. Before the timed steps, the batches the loader processes queued while they started
 # (PREFETCH each) are taken: a step on a queued batch does not wait for its loading.
 MAX_WORKERS, PREFETCH, CROWDED_BUDGET_SECONDS = 8, 2, 2.0
-MIN_CROWDED_STEPS, MAX_CROWDED_STEPS = 8, 40
+MIN_CROWDED_STEPS, MAX_CROWDED_STEPS, STARTS_TIMED = 8, 40, 3
 
 
 def on_host(batch: object) -> bool:
@@ -88,39 +89,121 @@ def _probe(loader: DataLoader[object], per_slot: int) -> dict[str, float]:
     return {"probe_handoff": statistics.median(walls), "probe_handoff_cpu": cpu / len(walls)}
 
 
-def crowded_steps(loader: DataLoader[object], per_slot: int, rest: float, through: float, group: object,
-                  step: Callable[[object | None], object]) -> dict[int, float]:
-    """{W: mean seconds of a step with W loader processes (the run's samples/s is a mean too), for W = 1 up to
-    what hides the load behind ``rest`` (the run's step without its data wait) on every rank (``through``:
-    seconds per batch through one loader process, on idle cores)}. Each step takes a batch and gives it to
-    ``step``: the training's work on it (None where this rank's loader failed). A collective over ``group``: every
-    rank calls it and takes the same number of steps; a rank whose loader fails keeps stepping (its peers'
-    exchange waits for it), and then no rank reports a figure for that count."""
-    needed = math.ceil(through / rest) if through > 0 and rest > 0 else 0
-    workers = -ddist.least_over_ranks(-min(MAX_WORKERS, needed), group)
-    out: dict[int, float] = {}
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """What the run's steps take, which sizes the crowded probe: ``rest`` (the step without its data wait),
+    ``load`` (a batch loaded in place) and ``through`` (a batch through one loader process, on idle cores)."""
+
+    rest: float
+    load: float
+    through: float
+
+    def step(self, workers: int) -> float:
+        """A step's seconds with ``workers`` loader processes per slot, as idle cores would give it."""
+        return self.rest + self.load if workers == 0 else max(self.rest, self.through / workers)
+
+    def needed(self) -> int:
+        """Loader processes per slot that hide the load behind the rest of the step (at most MAX_WORKERS)."""
+        return min(MAX_WORKERS, math.ceil(self.through / self.rest)) if self.through > 0 and self.rest > 0 else 0
+
+
+@dataclass(frozen=True, slots=True)
+class CrowdedSteps:
+    """The crowded probe's mean steps: ``own`` with the run's own loader processes per slot (timed first and
+    last, the mean of both), ``steps`` with W = 1, 2, ... (``own`` among them where it is one)."""
+
+    own: float
+    steps: dict[int, float]
+
+
+def crowded_steps(loader: DataLoader[object], per_slot: int, pace: Pace, own: int, group: object,
+                  step: Callable[[object | None], object]) -> CrowdedSteps | None:
+    """Mean seconds of a step (the run's samples/s is a mean too) with W loader processes per slot, for W = 1 up
+    to what hides the load on every rank (:meth:`Pace.needed`), and with the run's own ``own`` (0: loaded in
+    place) timed first and last, the same way: the probe's steps may run faster or slower than the run's (the
+    run's timers, the cores' state after it), so the doctor takes their ratios to ``own``. None where not even
+    ``own`` could be timed within the budget.
+
+    Each step takes a batch and gives it to ``step``: the training's work on it (None where this rank's loader
+    failed). A collective over ``group``: every rank calls it and takes the same number of steps; a rank whose
+    loader fails keeps stepping (its peers' exchange waits for it), and then no rank reports a figure for that
+    count."""
+    workers = -ddist.least_over_ranks(-pace.needed(), group)
+    counts = [w for w in range(1, workers + 1) if w != own]
+    feeding = Feeding.of(loader)
+    share = CROWDED_BUDGET_SECONDS / (len(counts) + 2)  # each count's, the reference's twice
+    timed: dict[int, float] = {}
     spent = 0.0
-    for count in range(1, workers + 1):
-        # As many steps as fit in this count's share of what is left of the budget (each one the rest of the
-        # step, or the loaders' pace where slower); a count whose fewest steps do not fit ends the probe.
-        share = min(CROWDED_BUDGET_SECONDS - spent, CROWDED_BUDGET_SECONDS / workers)
-        fit = int(share / max(rest, through / count)) - _warmup(count)
-        steps = ddist.least_over_ranks(min(MAX_CROWDED_STEPS, fit), group)
-        if steps < MIN_CROWDED_STEPS:
-            break
+    opening = _timed_count(loader, per_slot, own, pace, share, feeding, group, step)
+    if opening is None:
+        return None
+    for count in counts:
+        # A count whose fewest steps do not fit in its share of what is left ends the probe.
         start = time.perf_counter()
-        seconds = _crowded(loader, per_slot, count, steps, step)
+        seconds = _timed_count(loader, per_slot, count, pace, min(share, CROWDED_BUDGET_SECONDS - 2 * share - spent),
+                               feeding, group, step)
         spent += time.perf_counter() - start
-        if ddist.least_over_ranks(int(seconds is not None), group) == 0:
+        if seconds is None:
             break
-        out[count] = seconds  # type: ignore[assignment]
-    return out
+        timed[count] = seconds
+    closing = _timed_count(loader, per_slot, own, pace, share, feeding, group, step)
+    mean = (opening + closing) / 2 if closing is not None else opening
+    return CrowdedSteps(mean, {**timed, own: mean} if own else timed)
+
+
+def _timed_count(loader: DataLoader[object], per_slot: int, workers: int, pace: Pace, share: float,
+                 feeding: Feeding, group: object, step: Callable[[object | None], object]) -> float | None:
+    """The mean step with ``workers`` loader processes per slot, over as many steps as fit in ``share`` seconds
+    (the same on every rank); None where too few fit or a rank's loader failed."""
+    fit = int(share / pace.step(workers)) - feeding.warmup(workers)
+    steps = ddist.least_over_ranks(feeding.timed(fit), group)
+    if steps < MIN_CROWDED_STEPS:
+        return None
+    seconds = _crowded(loader, per_slot, workers, steps, step, feeding)
+    return seconds if ddist.least_over_ranks(int(seconds is not None), group) == 1 else None
+
+
+@dataclass(frozen=True, slots=True)
+class Feeding:
+    """How the run's loader feeds its processes, which the crowded probe's loaders copy: ``persistent`` (kept
+    across epochs; else each epoch starts them anew, and waits for their first batch), ``prefetch`` (batches
+    each queues ahead) and ``epoch`` (batches per epoch on a rank: the same on every rank, the sampler shards
+    evenly)."""
+
+    persistent: bool
+    prefetch: int
+    epoch: int
+
+    @classmethod
+    def of(cls, loader: DataLoader[object]) -> Feeding:
+        """The run's own (a run without loader processes: torch's defaults for a loader given some)."""
+        try:
+            epoch = max(1, len(loader))
+        except TypeError:  # no length (a stream): its loader fails to start in the probe, which says so
+            epoch = 1
+        if loader.num_workers == 0:  # the trainer's own default for loader processes: persistent
+            return cls(True, PREFETCH, epoch)
+        return cls(bool(loader.persistent_workers), loader.prefetch_factor or PREFETCH, epoch)
+
+    def warmup(self, workers: int) -> int:
+        """Steps before the timed ones: the queue the loader processes filled while starting, and one more."""
+        return self.prefetch * workers + 1
+
+    def timed(self, fit: int) -> int:
+        """Steps to time, of the ``fit`` the budget allows: whole epochs where one fits, up to ``STARTS_TIMED`` of
+        them or ``MAX_CROWDED_STEPS`` steps, whichever is more; else at most ``MAX_CROWDED_STEPS``. An epoch
+        starts with an empty queue (loader processes fetch nothing across its end, and ones not persistent start
+        anew), and k epochs' steps in a row hold exactly k starts, wherever they begin."""
+        if self.epoch > fit:
+            return min(MAX_CROWDED_STEPS, fit)
+        epochs = min(fit // self.epoch, max(STARTS_TIMED, MAX_CROWDED_STEPS // self.epoch))
+        return epochs * self.epoch
 
 
 def _crowded(loader: DataLoader[object], per_slot: int, workers: int, timed: int,
-             step: Callable[[object | None], object]) -> float | None:
-    warmup = _warmup(workers)
-    batches = _started(loader, per_slot, workers)
+             step: Callable[[object | None], object], feeding: Feeding) -> float | None:
+    warmup = feeding.warmup(workers)
+    batches = _started(loader, per_slot, workers, feeding)
     walls: list[float] = []
     last = time.perf_counter()
     for _ in range(warmup + timed):
@@ -140,19 +223,14 @@ def _crowded(loader: DataLoader[object], per_slot: int, workers: int, timed: int
     return statistics.fmean(walls[warmup:]) if measured else None
 
 
-def _warmup(workers: int) -> int:
-    """Steps before the timed ones: the queue the loader processes filled, and one more."""
-    return PREFETCH * workers + 1
-
-
-def _started(loader: DataLoader[object], per_slot: int, workers: int) -> Iterator[object] | None:
-    """Batches through ``workers`` persistent loader processes, epoch after epoch of the run's length, its first
-    batch taken (the workers' start); None where they cannot start."""
+def _started(loader: DataLoader[object], per_slot: int, workers: int, feeding: Feeding) -> Iterator[object] | None:
+    """Batches through ``workers`` loader processes fed as the run's are, epoch after epoch of the run's length,
+    its first batch taken (the workers' start); None where they cannot start."""
     try:
-        epoch = max(1, len(loader))  # the run's batches per epoch on this rank
         with warnings.catch_warnings():  # torch's advice on loader processes per core: crowding them is the point
             warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-            batches = _epochs(_through_processes(loader, per_slot, epoch, workers, persistent_workers=True))
+            batches = _epochs(_through_processes(loader, per_slot, feeding.epoch, workers, feeding.prefetch,
+                                                 persistent_workers=feeding.persistent))
             next(batches)
         return batches
     except Exception as exc:
@@ -161,15 +239,15 @@ def _started(loader: DataLoader[object], per_slot: int, workers: int) -> Iterato
 
 
 def _through_processes(loader: DataLoader[object], per_slot: int, batches: int, workers: int,
-                       **options: bool) -> DataLoader[object]:
+                       prefetch: int | None = PREFETCH, **options: bool) -> DataLoader[object]:
     """``batches`` batches of the run's data set (its first records, in order) through ``workers`` loader
     processes. Its own generator: the iterator draws its workers' base seed from it, not from the global random
     stream, which the run's next steps would otherwise continue differently."""
     size = len(loader.dataset)  # type: ignore[arg-type]
     indices = [i % size for i in range(batches * per_slot)]
+    processes = {"prefetch_factor": prefetch, "timeout": TIMEOUT_SECONDS, **options} if workers else {}
     return DataLoader(loader.dataset, batch_size=per_slot, sampler=indices, num_workers=workers,
-                      collate_fn=loader.collate_fn, prefetch_factor=PREFETCH,
-                      generator=torch.Generator().manual_seed(0), timeout=TIMEOUT_SECONDS, **options)
+                      collate_fn=loader.collate_fn, generator=torch.Generator().manual_seed(0), **processes)
 
 
 def _epochs(probe: DataLoader[object]) -> Iterator[object]:

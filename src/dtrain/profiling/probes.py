@@ -41,6 +41,7 @@ from dtrain.profiling.device import cpu_cores
 from dtrain.profiling.handoff import (
     MAX_LOAD_SECONDS,
     MAX_WORKERS,
+    Pace,
     crowded_steps,
     handoff_figures,
     on_host,
@@ -55,7 +56,7 @@ from dtrain.profiling.shardprobe import fits_unsharded, sharded_exchange
 SOLO_THREADS = 3
 # Strategies whose training steps the crowded loader probe can run as the run did.
 STEPS_ALONE = ("ddp", "single_device")
-CROWDED_FIELDS = tuple(f"probe_crowd{w}" for w in range(1, MAX_WORKERS + 1))
+CROWDED_FIELDS = ("probe_crowd_own", *(f"probe_crowd{w}" for w in range(1, MAX_WORKERS + 1)))
 SOLO_FIELDS = tuple(f"probe_solo{i}_{what}" for i in range(SOLO_THREADS)
                     for what in ("threads", "work", "double", "optimizer"))
 PROBE_FIELDS = ("probe_work", "probe_work_double", "probe_optimizer", "probe_load", "probe_load_double",
@@ -296,7 +297,8 @@ def _load_figures(loader: DataLoader[object], per_slot: int) -> dict[str, float]
 def _crowded_figures(facts: RunFacts, hooks: ProbeHooks, batch: object, loads: dict[str, float]) -> dict[str, float]:
     """``probe_crowd{W}``: the step with W loader processes per slot, timed beside the training's own work
     (:func:`dtrain.profiling.handoff.crowded_steps`): the trial's own training steps, exchange and optimizer step
-    included, as the run aggregated them (the weights are put back after). One slot or DDP only: a strategy
+    included, as the run aggregated them (the weights are put back after); ``probe_crowd_own``: the step timed
+    the same way with the run's own loader processes. One slot or DDP only: a strategy
     with server ranks, sharded state or periodic averaging cannot step here as it trained (its loader advice
     keeps the formula's pricing)."""
     if facts.strategy.name not in STEPS_ALONE:
@@ -311,11 +313,14 @@ def _crowded_figures(facts: RunFacts, hooks: ProbeHooks, batch: object, loads: d
             hooks.train_batch(hooks.to_device(taken) if taken is not None else batch, 0, 0)
 
     try:
-        steps = crowded_steps(hooks.loader, facts.per_slot_batch_size, rest, loads.get("probe_handoff", 0.0),
+        pace = Pace(rest, loads.get("probe_load", 0.0), loads.get("probe_handoff", 0.0))
+        timed = crowded_steps(hooks.loader, facts.per_slot_batch_size, pace, facts.data_loader_workers,
                               facts.strategy.dp_group, step)
     finally:
         hooks.gradient_sync(True)  # as the run left it
-    return {f"probe_crowd{w}": seconds for w, seconds in steps.items()}
+    if timed is None:
+        return {}
+    return {"probe_crowd_own": timed.own, **{f"probe_crowd{w}": seconds for w, seconds in timed.steps.items()}}
 
 
 def _barrier(group: ProcessGroup | None) -> None:

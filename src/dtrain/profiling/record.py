@@ -144,6 +144,8 @@ class ProfileRecord(Section):
     data_handoff_cpu_seconds_per_batch: float | None = None  # the training thread's, to receive one
     # A step with 1, 2, ... loader processes per slot (item W - 1): the run's own steps timed after it (CPU hosts)
     data_crowded_step_seconds: list[float] | None = None
+    # The same probe's step with the run's own loader processes (data_loader_workers): the others' scale
+    data_crowded_own_step_seconds: float | None = None
     solo_probe: SoloProbe | None = None
     comm_probe: CommProbe | None = None
     compression_cost: CompressionCost | None = None
