@@ -15,7 +15,9 @@ planted slow-data trial (2 slots, 1 ms per record) got a batch every 11 ms from 
 their idle pace promised one every 6.8 ms. So on a CPU host every rank also times the step itself with 1, 2, ...
 loader processes (:func:`crowded_steps`): after each batch it does the training's work (given by the caller:
 :mod:`dtrain.profiling.probes`), and its epochs are as long as the run's (persistent loader processes queue
-nothing across an epoch's end: each epoch starts by waiting for a whole batch's load).
+nothing across an epoch's end: each epoch starts by waiting for a whole batch's load). The same steps, timed
+with the run's own loader setting, ran 10-20% faster than the run's on the 2-core VM (its timers, the cores'
+state after it): the run's own count is timed too, first and last, and the doctor takes the ratios.
 """
 
 from __future__ import annotations
