@@ -350,6 +350,29 @@ def _straggler_profile(chronic, hosts=("vm", "vm"), phase="forward", probe=FLAT_
     return make_profile([FAST, slow], list(hosts), comm=comm, stragglers=lags, batch_scaling=probe)
 
 
+def test_a_chronic_loading_straggler_is_priced_as_the_loader_plans_whole_step():
+    """The planted loading straggler on the 2-core VM (2026-12-02: one rank sleeps 10 ms a record, 4 a batch):
+    the fast rank's exposed exchange holds its wait for the slow one. Priced as a data wait added to the run's
+    rest, and that wait counted as the cores' work, the doctor advised 1 loader process at 1.15x; 4 measured
+    4.30x. The plan's step is a whole step (the slow rank's load hidden, no one waiting): 3.9x."""
+    from dtrain.explain.advice import loader_inputs, loader_plan
+    from dtrain.explain.doctor import diagnose
+
+    fast = {"data": 0.00033, "forward": 0.00073, "backward": 0.0048, "comm_exposed": 0.0393, "optimizer": 0.00056}
+    slow = {"data": 0.0418, "forward": 0.00103, "backward": 0.00057, "comm_exposed": 0.0018, "optimizer": 0.00054}
+    lags = {"samples": 97, "lag_floor_seconds": 0.0023, "chronic_last_fraction": 0.6, "chronic_rank": 1,
+            "per_rank": [_lag(0, "vm", 0.0, 0.0, False, "optimizer"), _lag(1, "vm", 1.0, 0.0416, True, "data")]}
+    profile = make_profile([fast, slow], stragglers=lags, threads_per_slot=1, cpu_cores=2, data_loader_workers=0,
+                           global_batch_size=8, data_load_seconds_per_batch=0.041, data_load_cpu_share=0.018,
+                           data_handoff_seconds_per_batch=0.0424, data_handoff_cpu_seconds_per_batch=0.0018)
+    row = next(f for f in diagnose(profile).factors if f.factor == "straggler")
+    assert (row.key, row.value) == ("data_loader.num_workers", 4), row
+    plan = loader_plan(profile, *loader_inputs(profile), workers=4)
+    step = profile.seconds_per_step.step.mean
+    assert row.predicted_speedup == pytest.approx(step / plan.step_seconds, rel=0.01)
+    assert 3.5 < row.predicted_speedup < 4.5, row
+
+
 def test_no_straggler_advice_when_ranks_take_turns():
     from dtrain.explain.doctor import diagnose, render
 

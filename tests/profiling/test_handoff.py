@@ -234,3 +234,18 @@ def test_a_real_run_records_its_crowded_steps(reference_runs, slots):
     # as the run's steps, though not as fast (the probe's ran 10-20% faster on the 2-core VM): within a factor 2.
     own, step = record.data_crowded_own_step_seconds, record.seconds_per_step.step.mean
     assert own is not None and step / 2 < own < 2 * step, (own, step)
+
+
+def test_the_loading_figures_are_the_slowest_loading_ranks():
+    """A synchronous step waits for the rank slowest to load its batch: its figures, not the mean over ranks
+    (which gave a loading straggler half its load, and the fast rank's CPU share)."""
+    from dtrain.profiling.figures import _probe_figures
+
+    fast = {"probe_load": 0.0003, "probe_load_double": 0.0006, "probe_load_cpu_share": 1.0, "probe_handoff": 0.001,
+            "probe_handoff_cpu": 0.0005}
+    slow = {"probe_load": 0.041, "probe_load_double": 0.082, "probe_load_cpu_share": 0.02, "probe_handoff": 0.042,
+            "probe_handoff_cpu": 0.0018}
+    for ranks in ([fast, slow], [slow, fast]):
+        out = _probe_figures(ranks, 4)
+        assert (out["data_load_seconds_per_batch"], out["data_load_cpu_share"], out["data_handoff_seconds_per_batch"],
+                out["data_handoff_cpu_seconds_per_batch"]) == (0.041, 0.02, 0.042, 0.0018), out

@@ -194,7 +194,8 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
     threads = profile.threads_per_slot
     rest = max(0.0, step - data)
     if profile.device == "cpu":  # Gloo's exchange is the cores' work too on a CPU host (TCP copies at both ends)
-        cpu_work += profile.seconds_per_step.comm_exposed.mean
+        # The least exposed over ranks: the last to arrive waited for no one; the others' held their waiting.
+        cpu_work += min(r.seconds_per_step.comm_exposed for r in profile.per_rank)
 
     def modelled(workers: int) -> float:
         bound = max(rest + receive, through / workers)
@@ -266,6 +267,29 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
     return LoaderPlan(workers, new_step, f"{probed}; {workers} loader process(es) per slot overlap it with the "
                       f"{1e3 * rest:.2f} ms rest of the step, on {where}",
                       timed=workers in crowded and workers != current)
+
+
+def loader_inputs(profile: ProfileRecord) -> tuple[float, float, float]:
+    """The loader plan's inputs for the doctor and ``--try`` alike: the data wait to hide (a rank chronically
+    late with its batch sets it, else the least over ranks), the step (the mean over ranks) and the training
+    process's own work per step (the fastest rank's forward, backward, optimizer and the rest)."""
+    ranks = [r.seconds_per_step for r in profile.per_rank]
+    step = sum(r.step for r in ranks) / len(ranks)
+    work = [r.data + r.forward + r.backward + r.optimizer + r.other for r in ranks]
+    fastest = ranks[min(range(len(ranks)), key=lambda i: work[i])]
+    late = straggler(profile, work)
+    chronic_data = late is not None and late.chronic and late.phase == "data"
+    data = ranks[late.rank].data if late is not None and chronic_data else min(r.data for r in ranks)
+    return data, step, fastest.forward + fastest.backward + fastest.optimizer + fastest.other
+
+
+def loader_priced(plan: LoaderPlan, rest: float) -> tuple[float, float]:
+    """The data wait a loader plan leaves in the cost model, and the seconds of the rest of the step (``rest``,
+    the run's step less its data wait) it removes. The plan's step is a whole step, timed after the run or the
+    formula's, whose rest holds no waiting for a rank late with its batch: the predicted step is it. (Added to
+    the run's rest, a chronic loading straggler's fix was priced 1.8x where 4 loader processes gave 4.4x: the
+    others' rest held their wait for it.)"""
+    return max(0.0, plan.step_seconds - rest), max(0.0, rest - plan.step_seconds)
 
 
 # Optimizers whose step is normalized by a running gradient scale: a k times bigger batch lowers the

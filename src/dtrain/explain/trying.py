@@ -229,16 +229,11 @@ class Tries:
 
     def _loader(self, workers: int, inputs: dict[str, str]) -> Priced:
         """The loader plan's step with ``workers`` processes per slot, as the data factor predicts it."""
-        p = self.profile
-        ranks = [r.seconds_per_step for r in p.per_rank]
-        step = sum(r.step for r in ranks) / len(ranks)
-        data = min(r.data for r in ranks)
-        fastest = min(ranks, key=lambda r: r.data + r.forward + r.backward + r.optimizer + r.other)
-        plan = advice.loader_plan(p, data, step, fastest.forward + fastest.backward + fastest.optimizer
-                                  + fastest.other, workers=workers)
-        left = max(0.0, plan.step_seconds - (step - self.predictor.base.parts["data"]))
+        data, step, work = advice.loader_inputs(self.profile)
+        plan = advice.loader_plan(self.profile, data, step, work, workers=workers)
+        left, less = advice.loader_priced(plan, step - self.predictor.base.parts["data"])
         return Priced(target_at(self.predictor.model, data_workers_step=left, data_workers_timed=plan.timed),
-                      {**inputs, "loader": plan.why})
+                      {**inputs, "loader": plan.why}, less_step=less)
 
     # ------------------------------------------------------------------------------------------ the link
     def _needs_link(self, target: Target) -> bool:

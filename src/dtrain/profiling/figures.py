@@ -168,17 +168,23 @@ def build_profile(figures: EndFigures, head: RunHead) -> ProfileRecord:
 
 
 def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str, Any]:
-    """The end-of-run probe (:mod:`dtrain.profiling.probes`), means over ranks: the record's probe sections,
-    None where not probed."""
+    """The end-of-run probe (:mod:`dtrain.profiling.probes`), means over ranks (the loading figures: the rank
+    slowest to load a batch's, which a synchronous step waits for; in a balanced run ranks load alike): the
+    record's probe sections, None where not probed."""
     def mean(field: str) -> float:
         return sum(r.get(field, 0.0) for r in per_rank) / len(per_rank)
+
+    loading = max(per_rank, key=lambda r: r.get("probe_load", 0.0))
+
+    def loaded(field: str) -> float:
+        return loading.get(field, 0.0)
 
     batch_scaling: BatchScaling | None = None
     if mean("probe_work") > 0:
         batch_scaling = BatchScaling(
             per_slot_batch_size=per_slot, work_seconds=mean("probe_work"),
-            work_double_seconds=mean("probe_work_double"), load_seconds=mean("probe_load"),
-            load_double_seconds=mean("probe_load_double"), optimizer_seconds=mean("probe_optimizer"))
+            work_double_seconds=mean("probe_work_double"), load_seconds=loaded("probe_load"),
+            load_double_seconds=loaded("probe_load_double"), optimizer_seconds=mean("probe_optimizer"))
     first = per_rank[0]  # the solo probe ran on the first rank alone
     points = [WorkPoint(threads=int(first[f"probe_solo{i}_threads"]), work_seconds=first[f"probe_solo{i}_work"],
                         work_double_seconds=first[f"probe_solo{i}_double"],
@@ -190,7 +196,7 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
                                    powersgd_bytes=first["probe_powersgd_bytes"],
                                    powersgd_rank=int(first["probe_powersgd_rank"]))
                    if first.get("probe_powersgd_bytes", 0.0) > 0 else None)
-    probed_load = mean("probe_load") > 0
+    probed_load = loaded("probe_load") > 0
     counted = mean("probe_sharded_collectives") > 0
     sharded = (ShardedExchange(step_seconds=mean("probe_sharded_step"), local_seconds=mean("probe_sharded_local"),
                                collectives=round(mean("probe_sharded_collectives")) if counted else None,
@@ -198,10 +204,10 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
                if all(r.get("probe_sharded_local", 0.0) > 0 for r in per_rank) else None)
     return {"batch_scaling": batch_scaling, "solo_probe": solo, "compression_cost": compression,
             "sharded_exchange": sharded,
-            "data_load_seconds_per_batch": mean("probe_load") if probed_load else None,
-            "data_load_cpu_share": mean("probe_load_cpu_share") if probed_load else None,
-            "data_handoff_seconds_per_batch": mean("probe_handoff") if mean("probe_handoff") > 0 else None,
-            "data_handoff_cpu_seconds_per_batch": mean("probe_handoff_cpu") if mean("probe_handoff") > 0 else None,
+            "data_load_seconds_per_batch": loaded("probe_load") if probed_load else None,
+            "data_load_cpu_share": loaded("probe_load_cpu_share") if probed_load else None,
+            "data_handoff_seconds_per_batch": loaded("probe_handoff") if loaded("probe_handoff") > 0 else None,
+            "data_handoff_cpu_seconds_per_batch": loaded("probe_handoff_cpu") if loaded("probe_handoff") > 0 else None,
             "data_crowded_step_seconds": _crowded(per_rank),
             "data_crowded_own_step_seconds": mean("probe_crowd_own") if _crowded(per_rank) else None}
 

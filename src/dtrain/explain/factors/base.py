@@ -104,10 +104,8 @@ def build_context(profile: ProfileRecord, predictor: Predictor) -> Context:
     fastest = min(range(len(ranks)), key=lambda i: work[i])
     compute = ranks[fastest].forward + ranks[fastest].backward
     fixed = ranks[fastest].optimizer + ranks[fastest].other
-    # One loader plan for one change: a rank chronically late loading its batch sets the wait more loader
-    # workers must hide, for the data factor and the straggler factor alike.
-    chronic_data = late is not None and bool(late.chronic) and late.phase == "data"
-    loader = advice.loader_plan(profile, ranks[slowest].data if chronic_data else data, step, compute + fixed)
+    # One loader plan for one change, the data factor's, the straggler factor's and --try's alike.
+    loader = advice.loader_plan(profile, *advice.loader_inputs(profile))
     comm = profile.comm
     busy = comm.busy_seconds_per_step
     per_message = min(1.0, comm.buckets_per_step * comm.latency_seconds / busy) if busy > 0 else 0.0
@@ -168,9 +166,8 @@ def aggregation_gain(ctx: Context) -> float | None:
 
 
 def loader_gain(ctx: Context) -> float | None:
-    """The cost model with the data wait that the loader plan's processes leave (the rest of the step as is)."""
+    """The cost model with the loader plan's step (:func:`dtrain.explain.advice.loader_priced`)."""
     plan = ctx.loader
-    data = ctx.predictor.base.parts["data"]
-    left = max(0.0, plan.step_seconds - (ctx.step - data))
-    return ctx.predictor.gain(f"data_loader.num_workers: {plan.workers}", data_workers_step=left,
+    left, less = advice.loader_priced(plan, ctx.step - ctx.predictor.base.parts["data"])
+    return ctx.predictor.gain(f"data_loader.num_workers: {plan.workers}", less_step=less, data_workers_step=left,
                               data_workers_timed=plan.timed)
