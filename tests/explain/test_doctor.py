@@ -371,6 +371,17 @@ def test_a_chronic_loading_straggler_is_priced_as_the_loader_plans_whole_step():
     step = profile.seconds_per_step.step.mean
     assert row.predicted_speedup == pytest.approx(step / plan.step_seconds, rel=0.01)
     assert 3.5 < row.predicted_speedup < 4.5, row
+    # Where one slot is also estimated faster, the verdict leads with the better change, as the recommendations
+    # rank them (the run itself measured one slot at 1.07x).
+    from dataclasses import replace
+
+    from dtrain.explain.doctor import _verdict
+
+    typed = diagnose(profile)
+    for one, first in ((1.07, "straggler is the top factor"), (9.0, "2 slots are SLOWER than 1 would be")):
+        scaling = replace(typed.scaling, slower_than_one_slot=True, estimated_one_slot_speedup=one)
+        verdict = _verdict(typed.factors[0], scaling, profile, typed.factors)
+        assert verdict.startswith(first) and f"about {one:.2f}x samples/s" in verdict, verdict
 
 
 def test_no_straggler_advice_when_ranks_take_turns():

@@ -199,10 +199,16 @@ def _verdict(row: FactorRow, scaling: Scaling, profile: ProfileRecord, rows: lis
         lead += (f"; {bounded.key}: {bounded.value} gives at most {bounded.advice.bound:.1f}x samples/s (a bound, "
                  f"not a prediction{why})")
     if fewer:
-        lead = (f"{profile.slots} slots are SLOWER than 1 would be here (estimated "
-                f"{scaling.estimated_speedup_vs_one_slot or 0.0:.2f}x of one slot): communication and "
-                f"{_cpus(profile)} cost more than they buy; use resources.slots_per_trial: 1 (about "
-                f"{scaling.estimated_one_slot_speedup or 0.0:.2f}x samples/s) or make each step bigger. Then: " + lead)
+        one = scaling.estimated_one_slot_speedup or 0.0
+        slower = (f"{profile.slots} slots are SLOWER than 1 would be here (estimated "
+                  f"{scaling.estimated_speedup_vs_one_slot or 0.0:.2f}x of one slot): communication and "
+                  f"{_cpus(profile)} cost more than they buy; use resources.slots_per_trial: 1 (about {one:.2f}x "
+                  "samples/s) or make each step bigger")
+        # The best change first, as the recommendations rank them: a loading straggler's fix can gain more than
+        # dropping to one slot.
+        if change and row.predicted_speedup is not None and row.predicted_speedup > one:
+            return f"{lead}. As the run is, {slower}"
+        lead = f"{slower}. Then: {lead}"
     return lead
 
 
