@@ -71,6 +71,19 @@ def test_check_prints_what_the_trial_gives(tmp_path):
     assert "; no validation data\n" in result.stdout
 
 
+def test_more_loader_processes_than_cores_get_no_torch_warning(tmp_path):
+    """torch warns in many lines when a DataLoader is made with more processes than cores; the check makes the
+    loaders without starting them, and the preflight says it in one line (a tuned.yaml with the doctor's
+    loader advice is checked so)."""
+    import warnings
+
+    cfg = tiny_config(tmp_path, **{"data_loader.num_workers": 2 * (os.cpu_count() or 1)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        result = _check(cfg)
+    assert result.code == 0, result.stderr
+
+
 def test_a_trial_that_raises_while_built_is_one_line_naming_where(tmp_path):
     cfg = tiny_config(tmp_path, **{"hyperparameters.train_size": "many"})
     _one_line_error(_check(cfg), "entrypoint 'tiny:TinyTrial': building the trial as each worker of dtrain run "

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import random
 import traceback
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,11 +97,14 @@ def _check(trial: PyTorchTrial, context: TrialContext, config: ExperimentConfig,
                                    pin_memory=context.device.type == "cuda", collate_fn=None,
                                    persistent_workers=False, prefetch_factor=None)
     train_set = trial.build_training_data()
-    # Making a DataLoader starts none of its worker processes: only iterating it would.
-    data.train_loader(train_set, per_slot, 0, training_slots, config.seed, drop_last=True, **options)
-    val_set = trial.build_validation_data()
-    if val_set is not None:
-        data.eval_loader(val_set, per_slot, 0, training_slots, drop_last=False, **options)
+    # Making a DataLoader starts none of its worker processes: only iterating it would. torch's multi-line
+    # warning on loader processes per core is left out: the preflight says it in one line, with the slots.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
+        data.train_loader(train_set, per_slot, 0, training_slots, config.seed, drop_last=True, **options)
+        val_set = trial.build_validation_data()
+        if val_set is not None:
+            data.eval_loader(val_set, per_slot, 0, training_slots, drop_last=False, **options)
     per_epoch = data.batches_per_epoch(train_set, per_slot * training_slots)
     Callbacks(trial.build_callbacks(), per_epoch)
     return DataFacts(len(train_set), len(val_set) if val_set is not None else None,  # type: ignore[arg-type]
