@@ -197,6 +197,7 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
                                    powersgd_rank=int(first["probe_powersgd_rank"]))
                    if first.get("probe_powersgd_bytes", 0.0) > 0 else None)
     probed_load = loaded("probe_load") > 0
+    crowded = _crowded(per_rank)
     counted = mean("probe_sharded_collectives") > 0
     sharded = (ShardedExchange(step_seconds=mean("probe_sharded_step"), local_seconds=mean("probe_sharded_local"),
                                collectives=round(mean("probe_sharded_collectives")) if counted else None,
@@ -208,8 +209,8 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
             "data_load_cpu_share": loaded("probe_load_cpu_share") if probed_load else None,
             "data_handoff_seconds_per_batch": loaded("probe_handoff") if loaded("probe_handoff") > 0 else None,
             "data_handoff_cpu_seconds_per_batch": loaded("probe_handoff_cpu") if loaded("probe_handoff") > 0 else None,
-            "data_crowded_step_seconds": _crowded(per_rank),
-            "data_crowded_own_step_seconds": mean("probe_crowd_own") if _crowded(per_rank) else None}
+            "data_crowded_step_seconds": crowded,
+            "data_crowded_own_step_seconds": mean("probe_crowd_own") if crowded else None}
 
 
 def _crowded(per_rank: list[dict[str, float]]) -> list[float] | None:
