@@ -102,6 +102,10 @@ def straggler(profile: ProfileRecord, work: list[float]) -> Straggler | None:
                      excess[phase], False)
 
 
+# How the last sentence of :func:`straggler_text` begins: the fallback, if the rank cannot be fixed.
+FALLBACK_OPENINGS = ("If it cannot be fixed, ", "One slot fewer ")
+
+
 def straggler_text(s: Straggler, fewer_slots: str, one_host: bool = False,
                    fallback_speedup: float | None = None) -> str:
     """One paragraph about a chronically late rank: who, where, how late, slow in what, what to check there,
@@ -116,14 +120,23 @@ def straggler_text(s: Straggler, fewer_slots: str, one_host: bool = False,
         how = f"needs {ms:.2f} ms more work per step than the fastest rank"
     # Every rank shares the one host: there is no other host to move to, only fewer slots on this one.
     if fallback_speedup is not None and fallback_speedup > MIN_GAIN:
-        fallback = "If it cannot be fixed, " + (f"run one slot fewer ({fewer_slots})" if one_host
-                                                 else f"leave it out ({fewer_slots})")
+        fallback = FALLBACK_OPENINGS[0] + (f"run one slot fewer ({fewer_slots})" if one_host
+                                           else f"leave it out ({fewer_slots})")
     else:
         shown = f"{fallback_speedup:.2f}x" if fallback_speedup is not None else "not predicted"
-        fallback = f"One slot fewer ({fewer_slots}) is predicted no faster ({shown}): fixing it is the way"
+        fallback = f"{FALLBACK_OPENINGS[1]}({fewer_slots}) is predicted no faster ({shown}): fixing it is the way"
     return (f"rank {s.rank} (host {s.host}) {how}, slow in {s.phase} "
             f"(+{1e3 * s.phase_excess_seconds:.2f} ms per step over the fastest rank); the other ranks wait for "
             f"it. Check on {s.host}: {CHECKS[s.phase]}. {fallback}")
+
+
+def split_fallback(text: str) -> tuple[str, str]:
+    """:func:`straggler_text`'s paragraph as (the finding, its last sentence: the fallback), for a verdict that
+    puts the figures of the fix between them; ("text", "") for another paragraph."""
+    finding, _, last = text.rpartition(". ")
+    if finding and last.startswith(FALLBACK_OPENINGS):
+        return finding, last
+    return text, ""
 
 
 def turns_text(s: Straggler, waiting: float) -> str:
@@ -269,18 +282,28 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
                       timed=workers in crowded and workers != current)
 
 
+def own_work(profile: ProfileRecord) -> tuple[float, float]:
+    """A training process's own work per step, waiting for no one: (forward + backward, optimizer + the rest),
+    each phase the least over ranks. Not the rank with the least work: a rank that waits for a late peer can
+    carry part of that wait in its backward, where DDP's busy time bounds the exposed wait (DDP samples other
+    steps than the profile's; a planted loading straggler's early rank showed 4.2 ms of backward against
+    0.4 ms on the late rank and in the same run without the straggler)."""
+    ranks = [r.seconds_per_step for r in profile.per_rank]
+    compute = min(r.forward for r in ranks) + min(r.backward for r in ranks)
+    return compute, min(r.optimizer for r in ranks) + min(r.other for r in ranks)
+
+
 def loader_inputs(profile: ProfileRecord) -> tuple[float, float, float]:
     """The loader plan's inputs for the doctor and ``--try`` alike: the data wait to hide (a rank chronically
     late with its batch sets it, else the least over ranks), the step (the mean over ranks) and the training
-    process's own work per step (the fastest rank's forward, backward, optimizer and the rest)."""
+    process's own work per step (:func:`own_work`)."""
     ranks = [r.seconds_per_step for r in profile.per_rank]
     step = sum(r.step for r in ranks) / len(ranks)
     work = [r.data + r.forward + r.backward + r.optimizer + r.other for r in ranks]
-    fastest = ranks[min(range(len(ranks)), key=lambda i: work[i])]
     late = straggler(profile, work)
     chronic_data = late is not None and late.chronic and late.phase == "data"
     data = ranks[late.rank].data if late is not None and chronic_data else min(r.data for r in ranks)
-    return data, step, fastest.forward + fastest.backward + fastest.optimizer + fastest.other
+    return data, step, sum(own_work(profile))
 
 
 def loader_priced(plan: LoaderPlan, rest: float) -> tuple[float, float]:

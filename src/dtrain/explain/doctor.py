@@ -184,11 +184,14 @@ def _verdict(row: FactorRow, scaling: Scaling, profile: ProfileRecord, rows: lis
               and not (fewer and (row.key, row.value) == ONE_SLOT))
     if top == "straggler":  # who, or that ranks take turns (then there is nothing to try)
         fixed = row.advice.straggler.fixed_speedup if row.advice.straggler is not None else None
-        lead += f": {row.why}"
+        finding, fallback = advice.split_fallback(row.why)
+        lead += f": {finding}"
         if fixed:
             lead += f"; fixing it: about {fixed:.1f}x samples/s"
         if change:
             lead += f"; {row.key}: {row.value}: about {row.predicted_speedup:.1f}x"
+        if fallback and not (fewer and f"{ONE_SLOT[0]}: {ONE_SLOT[1]}" in fallback):  # said once, below
+            lead += f". {fallback}"
     elif change:
         lead += f": try {row.key}: {row.value}, predicted about {row.predicted_speedup:.1f}x samples/s"
     # A change known only by its bound (a lower precision, where only matmul peaks were measured; a bigger batch

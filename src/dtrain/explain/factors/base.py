@@ -25,8 +25,8 @@ class Context:
     predictor: Predictor
     step: float  # mean over ranks
     data: float  # the wait every rank has (one rank's slower loader is that rank straggling)
-    compute: float  # forward + backward of the fastest rank
-    fixed: float  # optimizer + other of the fastest rank
+    compute: float  # forward + backward, each the least over ranks (advice.own_work)
+    fixed: float  # optimizer + other, each the least over ranks
     exposed: float  # exposed all-reduce of the rank the others wait for
     per_message: float  # share of the exposed time paid per message (latency), not per byte
     late: advice.Straggler | None  # the rank the others wait for, None with one slot
@@ -101,9 +101,7 @@ def build_context(profile: ProfileRecord, predictor: Predictor) -> Context:
     # The rank the others wait for: the one that arrives last at the collectives (measured), else the one
     # with the most work; its exposed time is pure communication (it waited for no one).
     slowest = late.rank if late is not None else max(range(len(ranks)), key=lambda i: work[i])
-    fastest = min(range(len(ranks)), key=lambda i: work[i])
-    compute = ranks[fastest].forward + ranks[fastest].backward
-    fixed = ranks[fastest].optimizer + ranks[fastest].other
+    compute, fixed = advice.own_work(profile)
     # One loader plan for one change, the data factor's, the straggler factor's and --try's alike.
     loader = advice.loader_plan(profile, *advice.loader_inputs(profile))
     comm = profile.comm
