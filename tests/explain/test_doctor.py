@@ -331,11 +331,12 @@ FLAT_PROBE = {"per_slot_batch_size": 32, "work_seconds": 0.008, "work_double_sec
               "load_seconds": 0.001, "load_double_seconds": 0.001}
 
 
-def _lag(rank, host, last, lag, chronic, phase="forward"):
+def _lag(rank, host, last, lag, chronic, phase="forward", excess=None):
+    """A rank's lag record: its excess over the fastest rank all in its slow phase, unless ``excess`` says."""
+    excess = excess or {**dict.fromkeys(("data", "forward", "backward", "optimizer", "other"), 0.0), phase: lag}
     return {"rank": rank, "host": host, "lag_median_seconds": lag, "lag_p90_seconds": 2 * lag,
             "lag_mean_seconds": lag, "last_fraction": last, "slow_phase": phase, "slow_phase_excess_seconds": lag,
-            "excess_seconds": {"data": 0.0, "forward": lag, "backward": 0.0, "optimizer": 0.0, "other": 0.0},
-            "chronic": chronic}
+            "excess_seconds": excess, "chronic": chronic}
 
 
 def _straggler_profile(chronic, hosts=("vm", "vm"), phase="forward", probe=FLAT_PROBE):
@@ -364,7 +365,10 @@ def test_a_chronic_loading_straggler_is_priced_as_the_loader_plans_whole_step():
     fast = {"data": 0.00033, "forward": 0.00073, "backward": 0.0048, "comm_exposed": 0.0393, "optimizer": 0.00056}
     slow = {"data": 0.0418, "forward": 0.00103, "backward": 0.00057, "comm_exposed": 0.0018, "optimizer": 0.00054}
     lags = {"samples": 97, "lag_floor_seconds": 0.0023, "chronic_last_fraction": 0.6, "chronic_rank": 1,
-            "per_rank": [_lag(0, "vm", 0.0, 0.0, False, "optimizer"), _lag(1, "vm", 1.0, 0.0416, True, "data")]}
+            "per_rank": [_lag(0, "vm", 0.0, 0.0, False, "optimizer"),
+                         _lag(1, "vm", 1.0, 0.0416, True, "data", excess={"data": 0.04145, "forward": 0.00029,
+                                                                         "backward": 0.0001, "optimizer": 0.00004,
+                                                                         "other": 0.00001})]}
     profile = make_profile([fast, slow], stragglers=lags, threads_per_slot=1, cpu_cores=2, data_loader_workers=0,
                            global_batch_size=8, data_load_seconds_per_batch=0.041, data_load_cpu_share=0.018,
                            data_handoff_seconds_per_batch=0.0424, data_handoff_cpu_seconds_per_batch=0.0018)

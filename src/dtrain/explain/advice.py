@@ -283,14 +283,21 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
 
 
 def own_work(profile: ProfileRecord) -> tuple[float, float]:
-    """A training process's own work per step, waiting for no one: (forward + backward, optimizer + the rest),
-    each phase the least over ranks. Not the rank with the least work: a rank that waits for a late peer can
-    carry part of that wait in its backward, where DDP's busy time bounds the exposed wait (DDP samples other
-    steps than the profile's; a planted loading straggler's early rank showed 4.2 ms of backward against
-    0.4 ms on the late rank and in the same run without the straggler)."""
-    ranks = [r.seconds_per_step for r in profile.per_rank]
-    compute = min(r.forward for r in ranks) + min(r.backward for r in ranks)
-    return compute, min(r.optimizer for r in ranks) + min(r.other for r in ranks)
+    """A training process's own work per step, waiting for no one: (forward + backward, optimizer + the rest).
+    Each phase is the least over ranks, and where a rank is chronically late, no more than that rank's less its
+    excess over the fastest (measured step by step on raw timings). Not the rank with the least work: a rank
+    that waits for a late peer can carry part of that wait in its backward, where DDP's busy time bounds the
+    exposed wait (DDP times other steps than the profile's). Planted stragglers on the 2-core VM: the early
+    rank's backward read 1.7-4.2 ms, the late rank's 0.4 ms (0.3 ms less its excess where it was slow in
+    backward), and the same runs without a slow rank 0.2-0.6 ms."""
+    phases = ("forward", "backward", "optimizer", "other")
+    least = {p: min(r.seconds_per_step.of(p) for r in profile.per_rank) for p in phases}
+    lags = profile.stragglers
+    late = lags.chronic_rank if lags is not None else None
+    if lags is not None and late is not None and late < len(profile.per_rank) and late < len(lags.per_rank):
+        own, excess = profile.per_rank[late].seconds_per_step, lags.per_rank[late].excess_seconds
+        least = {p: max(0.0, min(least[p], own.of(p) - getattr(excess, p))) for p in phases}
+    return least["forward"] + least["backward"], least["optimizer"] + least["other"]
 
 
 def loader_inputs(profile: ProfileRecord) -> tuple[float, float, float]:
