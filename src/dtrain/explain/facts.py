@@ -117,6 +117,10 @@ class Facts:
     # its own optimizer, and compute at another batch is taken in proportion to it: only a guess).
     batch_growth_probed: bool = True
     jitter: float = 0.0  # standard deviation of a step
+    # A chronically late rank (None: none measured): its exposed exchange, which is pure exchange (it waits for
+    # no one), and its data wait beyond the mean over ranks (the most of the others' wait for it that is loading).
+    late_exposed: float | None = None
+    late_data: float = 0.0
     windows: tuple[float, ...] = ()  # mean step of successive windows of the run
     batch_spread: float = 0.0  # relative sd of the model's own timed steps' growth to twice the batch (0: none)
     # Each model's trainable tensors' gradient bytes in backward's order (empty: not recorded): DDP's buckets.
@@ -153,7 +157,7 @@ class Facts:
             compression_costs=(CompressionFacts(costs.fp16_seconds, costs.powersgd_seconds, costs.powersgd_bytes)
                                if costs is not None else None),
             train_latency=p.comm.latency_seconds, train_algbw=p.comm.algbw_bytes_per_second,
-            jitter=p.step_jitter_seconds or 0.0, windows=tuple(p.step_window_seconds or ()),
+            jitter=p.step_jitter_seconds or 0.0, **_late(p), windows=tuple(p.step_window_seconds or ()),
             batch_spread=batch_spread(p.model_steps), optimizer_solo=_optimizer_solo(p),
             optimizer_concurrent=p.batch_scaling.optimizer_seconds if p.batch_scaling is not None else 0.0,
             gradient_bytes=tuple(tuple(model) for model in p.gradient_bytes or ()), exchange=exchange_kind(p))
@@ -290,6 +294,17 @@ def linear_contention(measured: float, slots: int, run_slots: int) -> float:
 
 
 # -------------------------------------------------------------------------------- the run's figures
+def _late(p: ProfileRecord) -> dict[str, float]:
+    """A chronically late rank's ``late_exposed`` and ``late_data`` (:class:`Facts`); none where none was
+    measured (ranks that take turns are noise, not a rank to wait for)."""
+    lags = p.stragglers
+    rank = lags.chronic_rank if lags is not None else None
+    if rank is None or rank >= len(p.per_rank):
+        return {}
+    own = p.per_rank[rank].seconds_per_step
+    return {"late_exposed": own.comm_exposed, "late_data": max(0.0, own.data - _mean_phase(p, "data"))}
+
+
 def _mean_phase(p: ProfileRecord, phase: str) -> float:
     return sum(r.seconds_per_step.of(phase) for r in p.per_rank) / len(p.per_rank)
 
