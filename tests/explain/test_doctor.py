@@ -412,8 +412,10 @@ def test_a_chronic_loading_straggler_is_priced_as_the_loader_plans_whole_step():
         scaling = replace(typed.scaling, slower_than_one_slot=True, estimated_one_slot_speedup=one)
         verdict = _verdict(typed.factors[0], scaling, profile, typed.factors)
         assert verdict.startswith(first) and f"about {one:.2f}x samples/s" in verdict, verdict
-        # One slot is named once, by the scaling sentence (the straggler's fallback says the same).
+        # One slot is named once, by the scaling sentence (the straggler's fallback says the same), which names
+        # the wait for the late rank among what the second slot costs.
         assert verdict.count("resources.slots_per_trial: 1") == 1, verdict
+        assert "SLOWER than 1 would be here (estimated" in verdict and "waiting for rank 1, communication" in verdict
     # Without it, the fallback comes after the figures of the fix it falls back from.
     scaling = replace(typed.scaling, slower_than_one_slot=False)
     verdict = _verdict(typed.factors[0], scaling, profile, typed.factors)
