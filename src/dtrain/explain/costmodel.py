@@ -81,7 +81,7 @@ GROWTH_NOT_PROBED = "compute and loading at another batch (not timed after the r
 # exchange cost nothing measurable says nothing about what it would cost elsewhere).
 MIN_EXCHANGE_SCALE = 0.05
 NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers",
-                "sharded_to_replica", "sharded_scaled")
+                "sharded_to_replica", "sharded_scaled", spread_of.LATE_GONE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,7 +327,7 @@ class CostModel:
         if fixed_scale is None:
             fixed_scale = contention / self._contention(f.local_slots)
         fixed = f.fixed / f.crowd * crowd * fixed_scale
-        if target.slots > 1 and self.late > 0:  # every rank waits for the late one: its loading grows with the batch
+        if target.slots > 1 and self.late > 0 and not target.late_gone:  # all wait; its loading grows with the batch
             loading = min(self.late, f.late_data)
             fixed += self.late - loading + loading * ratio
         exchange = compression = 0.0

@@ -150,7 +150,7 @@ class Facts:
             fixed=_mean_phase(p, "optimizer") + _mean_phase(p, "other"), step=p.seconds_per_step.step.mean,
             work=work, threads_probed=threads_probed and p.solo_probe is not None,
             batch_growth_probed=bool(p.solo_probe and p.solo_probe.points) or p.batch_scaling is not None,
-            concurrent_work=p.batch_scaling.work_seconds if p.batch_scaling is not None else None,
+            concurrent_work=_concurrent_work(p),
             load_growth=probe_growth(p.batch_scaling)[1], load_increment=_load_increment(p),
             link_points=tuple((c.bytes, c.seconds) for c in p.comm_probe.points) if p.comm_probe else (),
             link_world=p.comm_probe.world if p.comm_probe else 0,
@@ -294,6 +294,15 @@ def linear_contention(measured: float, slots: int, run_slots: int) -> float:
 
 
 # -------------------------------------------------------------------------------- the run's figures
+def _concurrent_work(p: ProfileRecord) -> float | None:
+    """The end-of-run probe's model step with every local slot at once (a mean over ranks), None where not
+    probed or where a rank was chronically late: its own slowness is then in that mean, not the slots' contention
+    (a planted straggler's 20 ms read as 31x contention, and one slot was predicted 26x where it measured 43x)."""
+    if p.batch_scaling is None or (p.stragglers is not None and p.stragglers.chronic_rank is not None):
+        return None
+    return p.batch_scaling.work_seconds
+
+
 def _late(p: ProfileRecord) -> dict[str, float]:
     """A chronically late rank's ``late_exposed`` and ``late_data`` (:class:`Facts`); none where none was
     measured (ranks that take turns are noise, not a rank to wait for)."""

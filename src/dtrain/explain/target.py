@@ -30,3 +30,4 @@ class Target:
     # Slots sharing one machine's caches and memory bandwidth; None: a host's local slots. Hosts that are network
     # namespaces of one machine (scripts/testhosts.py) share it: their slots slow each other as local ones do.
     machine_slots: int | None = None
+    late_gone: bool = False  # the chronically late rank left the run (one slot fewer without it): no one waits

@@ -45,11 +45,12 @@ class Straggler(Factor):
 
 
 def _fewer_slots_gain(ctx: Context, fewer: int) -> float | None:
-    """One slot fewer, on the hosts that remain: the cost model re-prices the work and the exchange, and the
-    straggler's lag leaves with it (one slot is the scaling estimate itself: one change, one prediction)."""
+    """One slot fewer, on the hosts that remain: the cost model re-prices the work and the exchange, and no one
+    waits for the straggler, which left (one slot is the scaling estimate itself: one change, one prediction).
+    Taking its lag off the priced step instead read a step shorter than the lag as a 2.8e10x gain (4 slots)."""
     profile = ctx.profile
     if fewer == ONE_SLOT[1]:
         return ctx.scaling.estimated_one_slot_speedup
     hosts = profile.hosts - 1 if profile.hosts > 1 and profile.slots // profile.hosts == 1 else profile.hosts
-    return ctx.predictor.gain(f"resources.slots_per_trial: {fewer}", less_step=ctx.straggler, slots=fewer,
-                              nodes=max(1, hosts))
+    return ctx.predictor.gain(f"resources.slots_per_trial: {fewer}", slots=fewer, nodes=max(1, hosts),
+                              late_gone=True)
