@@ -612,8 +612,9 @@ def test_one_slot_fewer_without_a_late_rank_is_priced_without_its_wait():
                          _lag(3, "vm", 1.0, 0.022, True, "forward", excess=excess)]}
     probe = {"per_slot_batch_size": 3, "work_seconds": 0.0054, "work_double_seconds": 0.0054,
              "load_seconds": 2.7e-5, "load_double_seconds": 3.7e-5}
-    solo = {"per_slot_batch_size": 3, "points": [{"threads": 1, "work_seconds": 0.00034, "work_double_seconds": 0.00035},
-                                                 {"threads": 2, "work_seconds": 0.00030, "work_double_seconds": 0.00031}]}
+    solo = {"per_slot_batch_size": 3,
+            "points": [{"threads": 1, "work_seconds": 0.00034, "work_double_seconds": 0.00035},
+                       {"threads": 2, "work_seconds": 0.00030, "work_double_seconds": 0.00031}]}
     profile = make_profile([fast, fast, fast, slow], stragglers=lags, threads_per_slot=1, cpu_cores=2,
                            global_batch_size=12, batch_scaling=probe, solo_probe=solo)
     assert Predictor(profile).model.contention == 1.0
