@@ -23,7 +23,8 @@ demo: $(STAMP)
 # Two pytest processes (pytest-xdist); whole files go to one process, so a module's shared reference runs
 # are trained once (--dist loadfile), in tests/conftest.py's order: files with the most multi-process tests
 # first, so that neither process ends working alone. Deadlines and the doctor's planted bottlenecks run here
-# too: their margins hold under this load (measured). The one speed comparison (marker `timing`) needs a quiet
+# too: their margins hold under this load (measured). More processes do not shorten it: the suite keeps both cores
+# busy (99% with four, 2026-12-02). The one speed comparison (marker `timing`) needs a quiet
 # machine and is left out: `DTRAIN_TIMING_TESTS=1 .venv/bin/python -m pytest -m timing` runs it alone.
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests bench examples
