@@ -49,11 +49,13 @@ class Straggler:
     phase_excess_seconds: float
     measured: bool
     fixed_speedup: float | None = None  # the step without the waiting (a chronic straggler's row only)
+    fixed_interval: tuple[float, float] | None = None  # its 80% interval, where the cost model priced it
 
     def to_json(self) -> dict[str, object]:
         out = asdict(self)
-        if self.fixed_speedup is None:
-            del out["fixed_speedup"]
+        for key in ("fixed_speedup", "fixed_interval"):
+            if out[key] is None:
+                del out[key]
         return out
 
 

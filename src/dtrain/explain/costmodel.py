@@ -316,7 +316,9 @@ class CostModel:
         gain = target.precision_gain if target.precision_curve is None else target.precision_curve.at(batch, threads)
         compute = f.work.seconds(batch, threads) * contention * self.factor * crowd / gain
         ratio = batch / f.per_slot_batch if f.per_slot_batch else 1.0
-        data = (f.data + self._data_growth(ratio, target.machine_slots or local)) / f.crowd * crowd
+        # Without the late rank, the mean over ranks' data wait less its share of it.
+        waited = max(0.0, f.data - min(self.late, f.late_data) / (f.slots - 1)) if target.late_gone else f.data
+        data = (waited + self._data_growth(ratio, target.machine_slots or local, waited)) / f.crowd * crowd
         if target.data_workers_step is not None:
             data = target.data_workers_step
         if target.precision_data is not None:
@@ -345,15 +347,15 @@ class CostModel:
         return {"data": data, "compute": compute, "fixed": fixed, "exchange": (exchange + compression) / aggregation,
                 "compression": compression / aggregation}
 
-    def _data_growth(self, ratio: float, local: int) -> float:
-        """Seconds the run's data wait grows by (shrinks, below 1) at ``ratio`` times its per-slot batch, on
-        ``local`` slots a machine. The probe loads alone in a tight loop, faster than the run, whose loads ran
+    def _data_growth(self, ratio: float, local: int, waited: float) -> float:
+        """Seconds the run's data wait (``waited``) grows by (shrinks, below 1) at ``ratio`` times its per-slot
+        batch, on ``local`` slots a machine. The probe loads alone in a tight loop, faster than the run, whose loads ran
         between steps (caches gone) beside the host's other slots. With as many local slots that slowdown stays
         and grows with the batch: the whole wait grows as the probe's load did. With fewer, an unmeasured share
         of it leaves with the slots: the wait grows by no more than the probe's load did. With loader processes
         only what they did not hide."""
         f = self.facts
-        relative = f.data * f.load_growth
+        relative = waited * f.load_growth
         if f.load_increment > 0 and local < f.local_slots:
             return (ratio - 1) * min(relative, f.load_increment)
         return (ratio - 1) * relative

@@ -183,11 +183,13 @@ def _verdict(row: FactorRow, scaling: Scaling, profile: ProfileRecord, rows: lis
     change = (row.key is not None and row.predicted_speedup is not None
               and not (fewer and (row.key, row.value) == ONE_SLOT))
     if top == "straggler":  # who, or that ranks take turns (then there is nothing to try)
-        fixed = row.advice.straggler.fixed_speedup if row.advice.straggler is not None else None
+        late = row.advice.straggler
+        fixed = late.fixed_speedup if late is not None else None
         finding, fallback = advice.split_fallback(row.why)
         lead += f": {finding}"
         if fixed:
-            lead += f"; fixing it: about {fixed:.1f}x samples/s"
+            between = f" ({late.fixed_interval[0]:.1f}-{late.fixed_interval[1]:.1f})" if late.fixed_interval else ""
+            lead += f"; fixing it: about {fixed:.1f}x samples/s{between}"
         if change:
             lead += f"; {row.key}: {row.value}: about {row.predicted_speedup:.1f}x"
         if fallback and not (fewer and f"{ONE_SLOT[0]}: {ONE_SLOT[1]}" in fallback):  # said once, below
