@@ -252,10 +252,12 @@ class CostModel:
         """What the run spent per step beyond its data, compute, fixed work and the late rank's exchange, which
         is pure exchange (it waits for no one): the others' wait for it. Without it, that wait was calibrated
         as exchange, and 4x fewer exchanges were predicted 1.64x where a planted straggler measured 1.06x."""
-        exposed = self.facts.late_exposed
-        if exposed is None or self.facts.slots < 2:
+        f = self.facts
+        if f.late_exposed is None or f.slots < 2:
             return 0.0
-        return max(0.0, self._measured_exchange() / self.facts.aggregation - exposed)
+        # As in any multi-slot run, the training's compute beyond the probe's is the exchange's (hooks, threads).
+        beyond = max(0.0, f.late_compute - self._parts(self.measured_target())["compute"])
+        return max(0.0, self._measured_exchange() / f.aggregation - f.late_exposed - beyond)
 
     def _measured_exchange(self) -> float:
         """Seconds per exchange the run spent beyond data, compute and fixed work."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from dtrain.explain.advice import probe_growth
+from dtrain.explain.advice import own_work, probe_growth
 from dtrain.explain.precision import batch_spread
 from dtrain.profiling.record import ALL_REDUCE, SERVER, SHARDED, BatchScaling, ProfileRecord
 
@@ -121,6 +121,7 @@ class Facts:
     # no one), and its data wait beyond the mean over ranks (the most of the others' wait for it that is loading).
     late_exposed: float | None = None
     late_data: float = 0.0
+    late_compute: float = 0.0  # with a late rank: the training's own forward + backward (advice.own_work)
     windows: tuple[float, ...] = ()  # mean step of successive windows of the run
     batch_spread: float = 0.0  # relative sd of the model's own timed steps' growth to twice the batch (0: none)
     # Each model's trainable tensors' gradient bytes in backward's order (empty: not recorded): DDP's buckets.
@@ -312,7 +313,8 @@ def _late(p: ProfileRecord) -> dict[str, float]:
     if rank is None or rank >= len(p.per_rank):
         return {}
     own = p.per_rank[rank].seconds_per_step
-    return {"late_exposed": own.comm_exposed, "late_data": max(0.0, own.data - _mean_phase(p, "data"))}
+    return {"late_exposed": own.comm_exposed, "late_data": max(0.0, own.data - _mean_phase(p, "data")),
+            "late_compute": own_work(p)[0]}
 
 
 def _mean_phase(p: ProfileRecord, phase: str) -> float:
