@@ -62,10 +62,6 @@ def test_planted_bottleneck_is_named(tmp_path, case):
         assert lags is not None and lags.chronic_rank == 1 and lags.per_rank[1].slow_phase == SLOW_PHASE[case]
         if case == "straggler-loader":  # a real fix exists: more loader workers, not fewer slots
             assert top["key"] == "data_loader.num_workers", top
-            # The early rank's wait is its exposed exchange, not its backward: DDP's busy time that bounds it was
-            # its first ten iterations' (a 2026-12-02 run: 4.2 ms of backward against the late rank's 0.4 ms).
-            early, late = (load_profile(tmp_path / "r" / "profile.json").per_rank[i].seconds_per_step for i in (0, 1))
-            assert early.backward < late.backward + 0.05 * lags.per_rank[1].lag_median_seconds, (early, late)
 
 
 @pytest.mark.slow

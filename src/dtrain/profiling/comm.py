@@ -28,7 +28,7 @@ class CommRecorder:
     gradient was computed (the point after which backward only waits for communication)."""
 
     __slots__ = ("_bytes_pending", "armed", "bytes", "clock", "completions", "grad_ready", "grad_ready_seen",
-                 "launches", "native", "sample_native", "settle")
+                 "launches", "native", "settle")
     enabled = True
 
     def __init__(self, clock: Clock | None = None) -> None:
@@ -43,10 +43,8 @@ class CommRecorder:
         self.grad_ready: Any = None
         self.grad_ready_seen = False
         self.armed = False
-        # With DDP's own timers: a callable returning their averages (busy seconds, bytes, buckets), and one the
-        # step timer calls where it resolves its steps, to keep DDP's latest sampled iteration (DDPTiming).
+        # With DDP's own timers: a callable returning their averages (busy seconds, bytes, buckets).
         self.native: Any = None
-        self.sample_native: Any = None
         # Called by the step timer after each timed step while set (DDPTiming: until DDP has said which
         # parameter's gradient is ready last); clears itself.
         self.settle: Any = None
@@ -57,7 +55,6 @@ class CommRecorder:
         if self.native is not None:
             held = self.native()
             self.native = lambda: held
-            self.sample_native = None
 
     # ---------------------------------------------------------------------------- exchanges
     def launch(self, nbytes: int) -> None:
@@ -196,9 +193,6 @@ class DDPTiming:
         self._ddps: list[Any] = []
         self._hooked: set[int] = set()  # ids of the parameters holding a last-gradient hook
         self._unsettled: list[Any] = []  # DDPs whose gradients' order is not known yet
-        # Per DDP (by id): its latest sampled iteration read, and the busy seconds of those past its first ten.
-        self._latest: dict[int, tuple[int, float]] = {}
-        self._later: dict[int, tuple[float, int]] = {}
         self._tries = 0
 
     def attach_grad_ready(self, ddp: Any, model: nn.Module) -> None:
@@ -224,7 +218,6 @@ class DDPTiming:
         # A rebuilt DDP (fusion auto-tune) replaces the old one: only live ones are read.
         self._ddps = [*[d for d in self._ddps if d.module is not model], ddp]
         self.recorder.native = self.stats
-        self.recorder.sample_native = self.sample
 
     def _hook(self, param: nn.Parameter) -> None:
         if id(param) not in self._hooked:  # the guess itself, or a rebuilt DDP around the same module: once
@@ -246,32 +239,14 @@ class DDPTiming:
         if not self._unsettled:
             self.recorder.settle = None
 
-    def sample(self) -> None:
-        """Keep each live DDP's latest sampled iteration's busy time, past its first ten (read where the step
-        timer resolves its steps, every ``FLUSH_EVERY`` steps at most: off the step's path)."""
-        for ddp in self._ddps:
-            data = ddp._get_ddp_logging_data()
-            iteration, busy = int(data.get("iteration") or 0), data.get("backward_comm_time")
-            if iteration > DDP_ALWAYS_SAMPLED and busy and self._latest.get(id(ddp), (0, 0.0))[0] != iteration:
-                self._latest[id(ddp)] = (iteration, busy / 1e9)
-                total, count = self._later.get(id(ddp), (0.0, 0))
-                self._later[id(ddp)] = (total + busy / 1e9, count + 1)
-
     def stats(self) -> dict[str, float] | None:
-        """DDP's averages over its sampled iterations (busy seconds, bytes, buckets), and ``busy_later``: the busy
-        time of those past its first ten (:meth:`sample`; the average where none was read), summed over the live
-        DDPs; None before any. DDP always samples its first ten iterations, and a rank waiting for a late peer
-        waited less in them (its own first steps were slow too): a planted straggler's early rank read 38 ms
-        busy on average against 42 ms waited, and later 43 ms."""
-        totals = {"busy": 0.0, "busy_later": 0.0, "bytes": 0.0, "buckets": 0.0}
+        """DDP's averages over its sampled iterations, summed over the live DDPs; None before any."""
+        totals = {"busy": 0.0, "bytes": 0.0, "buckets": 0.0}
         for ddp in self._ddps:
             data = ddp._get_ddp_logging_data()
             if not data.get("avg_backward_comm_time"):
                 return None  # no sampled iteration yet
-            average = data["avg_backward_comm_time"] / 1e9
-            total, count = self._later.get(id(ddp), (0.0, 0))
-            totals["busy"] += average
-            totals["busy_later"] += total / count if count else average
+            totals["busy"] += data["avg_backward_comm_time"] / 1e9
             sizes = [int(x) for x in str(data.get("rebuilt_bucket_sizes") or data.get("bucket_sizes", "")).split(",")
                      if x.strip()]
             totals["bytes"] += float(sum(sizes))
@@ -281,8 +256,6 @@ class DDPTiming:
 
 # Timed steps to wait for DDP's gradient order before keeping the first-parameter guess.
 SETTLE_TRIES = 50
-# DDP's reducer times its first ten iterations whatever the sample rate.
-DDP_ALWAYS_SAMPLED = 10
 
 
 def reducer_parameters(ddp: Any) -> list[nn.Parameter]:

@@ -231,8 +231,6 @@ class StepTimer:
     # ------------------------------------------------------------------------------ resolving
     def flush(self) -> None:
         """Resolve every pending step into the totals (on CUDA: one synchronization, here only)."""
-        if self.recorder.sample_native is not None:
-            self.recorder.sample_native()
         if not self._steps:
             return
         clock = self.clock
@@ -324,14 +322,10 @@ class StepTimer:
         native = self.recorder.native() if self.recorder.native is not None else None
         if native is not None:
             # Busy time, bytes and buckets from DDP's own timers; exposed time (after the last gradient)
-            # from this run's stamps, bounded by the busy time (the rest is DDP's bookkeeping: backward). Busy is
-            # the larger of DDP's average and that of its iterations past its first ten, each sampled on other
-            # steps than the profile's: the first alone moved a waiting rank's wait into its backward, the
-            # second alone bounds a normal run's exposed time by its noise.
-            busy = max(native["busy"], native.get("busy_later", 0.0))
-            exposed = min(out["comm_exposed"], busy)
+            # from this run's stamps, bounded by the busy time (the rest is DDP's bookkeeping: backward).
+            exposed = min(out["comm_exposed"], native["busy"])
             out.update(backward=out["backward"] + out["comm_exposed"] - exposed, comm_exposed=exposed,
-                       comm_busy=busy, comm_bytes=native["bytes"], comm_buckets=native["buckets"])
+                       comm_busy=native["busy"], comm_bytes=native["bytes"], comm_buckets=native["buckets"])
         return out
 
     def take_window(self) -> dict[str, float]:
