@@ -294,12 +294,21 @@ def own_work(profile: ProfileRecord) -> tuple[float, float]:
     backward), and the same runs without a slow rank 0.2-0.6 ms."""
     phases = ("forward", "backward", "optimizer", "other")
     least = {p: min(r.seconds_per_step.of(p) for r in profile.per_rank) for p in phases}
-    lags = profile.stragglers
-    late = lags.chronic_rank if lags is not None else None
-    if lags is not None and late is not None and late < len(profile.per_rank) and late < len(lags.per_rank):
-        own, excess = profile.per_rank[late].seconds_per_step, lags.per_rank[late].excess_seconds
+    late = chronic_rank(profile)
+    if late is not None and profile.stragglers is not None:
+        own, excess = profile.per_rank[late].seconds_per_step, profile.stragglers.per_rank[late].excess_seconds
         least = {p: max(0.0, min(least[p], own.of(p) - getattr(excess, p))) for p in phases}
     return least["forward"] + least["backward"], least["optimizer"] + least["other"]
+
+
+def chronic_rank(profile: ProfileRecord) -> int | None:
+    """The rank measured chronically last at the exchange (``stragglers.chronic_rank``), None where none was
+    (ranks that take turns are noise, not a rank to wait for) or the record does not hold it."""
+    lags = profile.stragglers
+    late = lags.chronic_rank if lags is not None else None
+    if lags is None or late is None or late >= min(len(profile.per_rank), len(lags.per_rank)):
+        return None
+    return late
 
 
 def loader_inputs(profile: ProfileRecord) -> tuple[float, float, float]:

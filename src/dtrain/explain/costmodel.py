@@ -319,7 +319,8 @@ class CostModel:
         compute = f.work.seconds(batch, threads) * contention * self.factor * crowd / gain
         ratio = batch / f.per_slot_batch if f.per_slot_batch else 1.0
         # Without the late rank, the mean over ranks' data wait less its share of it.
-        waited = max(0.0, f.data - min(self.late, f.late_data) / (f.slots - 1)) if target.late_gone else f.data
+        gone = target.late_gone and self.late > 0  # a late rank measured: a run of two slots or more
+        waited = max(0.0, f.data - min(self.late, f.late_data) / (f.slots - 1)) if gone else f.data
         data = (waited + self._data_growth(ratio, target.machine_slots or local, waited)) / f.crowd * crowd
         if target.data_workers_step is not None:
             data = target.data_workers_step

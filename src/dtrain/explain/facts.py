@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields, replace
 
-from dtrain.explain.advice import own_work, probe_growth
+from dtrain.explain.advice import chronic_rank, own_work, probe_growth
 from dtrain.explain.precision import batch_spread
 from dtrain.profiling.record import ALL_REDUCE, SERVER, SHARDED, BatchScaling, ProfileRecord
 
@@ -300,7 +300,7 @@ def _concurrent_work(p: ProfileRecord) -> float | None:
     probed or where a rank was chronically late: its own slowness is then in that mean, not the slots' contention
     (a planted straggler's 20 ms read as 16x contention on 4 slots, which priced their compute at 10.9 ms a step
     where each rank's forward and backward took 0.7 ms)."""
-    if p.batch_scaling is None or (p.stragglers is not None and p.stragglers.chronic_rank is not None):
+    if p.batch_scaling is None or chronic_rank(p) is not None:
         return None
     return p.batch_scaling.work_seconds
 
@@ -308,9 +308,8 @@ def _concurrent_work(p: ProfileRecord) -> float | None:
 def _late(p: ProfileRecord) -> dict[str, float]:
     """A chronically late rank's ``late_exposed`` and ``late_data`` (:class:`Facts`); none where none was
     measured (ranks that take turns are noise, not a rank to wait for)."""
-    lags = p.stragglers
-    rank = lags.chronic_rank if lags is not None else None
-    if rank is None or rank >= len(p.per_rank):
+    rank = chronic_rank(p)
+    if rank is None:
         return {}
     own = p.per_rank[rank].seconds_per_step
     return {"late_exposed": own.comm_exposed, "late_data": max(0.0, own.data - _mean_phase(p, "data")),
