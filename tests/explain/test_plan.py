@@ -84,6 +84,25 @@ def test_a_multi_slot_run_reproduces_itself_and_its_options_move_the_way_they_sh
     assert model.predict(Target(2, compression="powersgd")).parts["compression"] == pytest.approx(5e-4 + 2 * hook)
 
 
+def test_a_powersgd_runs_two_all_reduces_a_step_are_one_bucket():
+    """PowerSGD sends its P and its Q matrices in two all-reduces per bucket, and the run counts all-reduces. The
+    model's gradients fit one bucket at any threshold: a threshold that still makes one bucket changes nothing,
+    and dropping compression sends the whole gradients in one message instead of two small ones (a 2-slot run of
+    digits with PowerSGD was priced as two buckets of two, and every change from it 1.4x too fast)."""
+    powersgd = _profile(gradient_compression="powersgd", gradient_bytes=[[500_000, 500_000]],
+                        comm={"busy_seconds_per_step": 0.004, "exposed_seconds_per_step": 0.004,
+                              "buckets_per_step": 2, "latency_seconds": 0.0003, "bytes_per_step": 2e4,
+                              "algbw_bytes_per_second": 1e9, "busbw_bytes_per_second": 1e9})
+    model = CostModel.from_profile(powersgd)
+    assert model.facts.buckets == pytest.approx(1.0)
+    own = model.predict(model.measured_target())
+    assert own.step == pytest.approx(model.facts.step, rel=1e-6)
+    assert model.predict(Target(2, bucket_mb=1.0)).step == pytest.approx(own.step, rel=1e-9)
+    plain = model.predict(Target(2, compression="none"))
+    assert own.step - plain.step == pytest.approx(
+        own.parts["compression"] + 2 * model._allreduce(1e4, Target(2)) - model._allreduce(1e6, Target(2)), rel=1e-6)
+
+
 def test_on_fewer_local_slots_a_cpu_runs_host_work_sheds_the_slots_contention():
     """Two local slots slowed each other's model steps by 1.5x: without a probe of its own, their optimizer steps
     are taken to have contended as much, so one slot alone does them 1.5x faster (at the same per-slot batch).

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 
 from dtrain.explain import fitted
 from dtrain.explain import spread as spread_of
-from dtrain.explain.facts import Facts, Work, linear_contention
+from dtrain.explain.facts import POWERSGD_MESSAGES, Facts, Work, linear_contention
 from dtrain.explain.modelsources import Source, between_source, describe_work, link_words
 from dtrain.explain.network import (
     TREE_BANDWIDTH,
@@ -376,7 +376,7 @@ class CostModel:
             nbytes /= 2
             math_seconds = costs.fp16_seconds if costs is not None else 0.0
         elif compression == "powersgd" and costs is not None:
-            nbytes, math_seconds, collectives = costs.powersgd_bytes, costs.powersgd_seconds, 2
+            nbytes, math_seconds, collectives = costs.powersgd_bytes, costs.powersgd_seconds, POWERSGD_MESSAGES
         sizes = self.buckets(nbytes, target.one_bucket, target.bucket_mb)
         if compression == "powersgd" and costs is not None:
             # The probe times the hook's matmuls and QR; the hook's own Python and allocations run per bucket

@@ -9,6 +9,9 @@ from dtrain.explain.advice import chronic_rank, own_work, probe_growth
 from dtrain.explain.precision import batch_spread
 from dtrain.profiling.record import ALL_REDUCE, SERVER, SHARDED, BatchScaling, ProfileRecord
 
+# All-reduces PowerSGD sends per DDP bucket (dtrain.sync.powersgd: its P matrices, then its Q matrices).
+POWERSGD_MESSAGES = 2
+
 
 @dataclass(frozen=True, slots=True)
 class Work:
@@ -88,7 +91,7 @@ class Facts:
     aggregation: int
     compression: str
     fusion_mb: float | None
-    buckets: float  # per exchange, as measured (0: not measured)
+    buckets: float  # DDP's buckets per exchange, as measured (0: not measured)
     data: float  # seconds per step, means over ranks
     compute: float  # forward + backward
     backward_share: float  # of compute
@@ -145,7 +148,7 @@ class Facts:
             per_slot_batch=p.per_slot_batch_size, global_batch=p.global_batch_size, parameters=p.parameters,
             aggregation=p.aggregation_frequency or 1, compression=p.gradient_compression,
             fusion_mb=p.tensor_fusion_threshold_mb,
-            buckets=p.comm.buckets_per_step * (p.aggregation_frequency or 1) if p.slots > 1 else 0.0,
+            buckets=_buckets(p),
             data=_mean_phase(p, "data"), compute=compute,
             backward_share=_mean_phase(p, "backward") / compute if compute > 0 else 0.5,
             fixed=_mean_phase(p, "optimizer") + _mean_phase(p, "other"), step=p.seconds_per_step.step.mean,
@@ -314,6 +317,15 @@ def _late(p: ProfileRecord) -> dict[str, float]:
     own = p.per_rank[rank].seconds_per_step
     return {"late_exposed": own.comm_exposed, "late_data": max(0.0, own.data - _mean_phase(p, "data")),
             "late_compute": own_work(p)[0]}
+
+
+def _buckets(p: ProfileRecord) -> float:
+    """DDP's buckets per exchange, from the all-reduces the run counted per step: PowerSGD sends two a bucket
+    (its P and Q matrices; its vector-only buckets, and every bucket before its start iteration, one)."""
+    if p.slots <= 1:
+        return 0.0
+    messages = p.comm.buckets_per_step * (p.aggregation_frequency or 1)
+    return messages / POWERSGD_MESSAGES if p.gradient_compression == "powersgd" else messages
 
 
 def _mean_phase(p: ProfileRecord, phase: str) -> float:

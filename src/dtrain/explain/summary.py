@@ -50,7 +50,7 @@ def time_cost_table(profile: ProfileRecord) -> str:
                    else f"{1e3 * comm.exposed_seconds_per_step:.3f} ms")
         text += (
             f"communication: {comm.bytes_per_step / 1e6:.3f} MB all-reduced per step in "
-            f"{comm.buckets_per_step:.0f} bucket(s), busy {1e3 * comm.busy_seconds_per_step:.3f} ms "
+            f"{comm.buckets_per_step:.0f} all-reduce(s), busy {1e3 * comm.busy_seconds_per_step:.3f} ms "
             f"(exposed {exposed}), "
             f"{comm.algbw_bytes_per_second / 1e9:.3f} GB/s algbw, "
             f"{comm.busbw_bytes_per_second / 1e9:.3f} GB/s busbw, "
