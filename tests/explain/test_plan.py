@@ -103,6 +103,17 @@ def test_a_powersgd_runs_two_all_reduces_a_step_are_one_bucket():
         own.parts["compression"] + 2 * model._allreduce(1e4, Target(2)) - model._allreduce(1e6, Target(2)), rel=1e-6)
 
 
+def test_only_a_loads_cpu_share_slows_down_on_more_slots_than_cores():
+    """Four slots on two cores take turns on them: a load that spends its time on the CPU takes twice as long,
+    one that mostly waits (a disk, a network, a decoder elsewhere) does not. A 2-slot run whose loader slept 98% of
+    each batch was priced 0.81x at 4 slots; it measured 1.41x (each slot loads half the batch)."""
+    busy = CostModel.from_profile(_profile(data_load_cpu_share=1.0)).predict(Target(4)).parts["data"]
+    waiting = CostModel.from_profile(_profile(data_load_cpu_share=0.02)).predict(Target(4)).parts["data"]
+    assert waiting == pytest.approx(busy / 2 * (0.02 * 2 + 0.98), rel=1e-9)
+    unknown = CostModel.from_profile(_profile()).predict(Target(4)).parts["data"]
+    assert unknown == pytest.approx(busy, rel=1e-9)  # not probed: a load is taken to need a core
+
+
 def test_on_fewer_local_slots_a_cpu_runs_host_work_sheds_the_slots_contention():
     """Two local slots slowed each other's model steps by 1.5x: without a probe of its own, their optimizer steps
     are taken to have contended as much, so one slot alone does them 1.5x faster (at the same per-slot batch).

@@ -13,7 +13,8 @@ all ask :class:`CostModel`. It starts from one measured run (its ``profile.json`
   the run. More threads than cores share them. Another precision divides it by the gain its model steps
   were timed at, at the target's per-slot batch and threads (:class:`~dtrain.explain.precision.GainCurve`).
 * **data** as measured, plus what the probe's own load of a batch grew by at twice the batch (the run's wait
-  also holds per-batch costs that do not grow; loader processes hide part of it: then in proportion).
+  also holds per-batch costs that do not grow; loader processes hide part of it: then in proportion). On more
+  processes than cores only the share the probe spent on the CPU slows down; the rest waited (disk, network).
 * **fixed** (optimizer, bookkeeping) as measured, scaled on a CPU by the probe's optimizer steps (alone at
   each thread count, and on every rank at once: an optimizer streams memory, so threads and neighbours
   change it otherwise than matmuls); without that probe, by the model steps' contention. Slots that share
@@ -130,8 +131,7 @@ class CostModel:
     # Seconds per exchange held as the run measured it, not priced from a link: a parameter server's push, the
     # servers' step and the pull (dtrain.explain.exchange says which changes leave it alone).
     held_exchange: float = 0.0
-    # Seconds per step every rank waits for a chronically late rank (calibrated: :meth:`_late_wait`); none on one
-    # slot, and fewer exchanges do not shorten it. Its loading share grows with the per-slot batch.
+    # Seconds per step every rank waits for a chronically late rank (:meth:`_late_wait`); none on one slot.
     late: float = 0.0
 
     # ------------------------------------------------------------------------------ building
@@ -321,7 +321,8 @@ class CostModel:
         # Without the late rank, the mean over ranks' data wait less its share of it.
         gone = target.late_gone and self.late > 0  # a late rank measured: a run of two slots or more
         waited = max(0.0, f.data - min(self.late, f.late_data) / (f.slots - 1)) if gone else f.data
-        data = (waited + self._data_growth(ratio, target.machine_slots or local, waited)) / f.crowd * crowd
+        data = waited + self._data_growth(ratio, target.machine_slots or local, waited)
+        data *= f.data_cpu_share * crowd / f.crowd + 1 - f.data_cpu_share  # a load's waiting takes no core
         if target.data_workers_step is not None:
             data = target.data_workers_step
         if target.precision_data is not None:

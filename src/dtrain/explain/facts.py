@@ -105,6 +105,9 @@ class Facts:
     # probed): what a bigger batch adds to loading, where the run's data wait also holds per-batch costs (the
     # loader's iterator and sampler) that do not grow with it.
     load_increment: float = 0.0
+    # The share of loading the probe spent on the CPU (the rest waited: disk, network, sleep); 1: not probed.
+    # Only that share slows down where more processes than cores take turns.
+    data_cpu_share: float = 1.0
     # One optimizer step of the first rank alone, by thread count, and of every rank at once at the run's
     # threads (empty, 0: not probed): the fixed part's own thread scaling and contention (memory traffic).
     optimizer_solo: tuple[tuple[int, float], ...] = ()
@@ -156,6 +159,7 @@ class Facts:
             batch_growth_probed=bool(p.solo_probe and p.solo_probe.points) or p.batch_scaling is not None,
             concurrent_work=_concurrent_work(p),
             load_growth=probe_growth(p.batch_scaling)[1], load_increment=_load_increment(p),
+            data_cpu_share=p.data_load_cpu_share if p.data_load_cpu_share is not None else 1.0,
             link_points=tuple((c.bytes, c.seconds) for c in p.comm_probe.points) if p.comm_probe else (),
             link_world=p.comm_probe.world if p.comm_probe else 0,
             compression_costs=(CompressionFacts(costs.fp16_seconds, costs.powersgd_seconds, costs.powersgd_bytes)
