@@ -10,6 +10,7 @@ from helpers import cli_in_process
 from profiles import make_profile, write
 
 from dtrain.errors import UserError
+from dtrain.profiling import commprobe
 from dtrain.profiling.phases import PHASES
 from dtrain.profiling.record import (
     SCHEMA_VERSION,
@@ -61,6 +62,9 @@ def test_a_real_run_records_what_the_cost_model_needs_and_reproduces_itself(refe
     if slots > 1:
         sizes = [p.bytes for p in record.comm_probe.points]
         assert min(sizes) <= 4096 and max(sizes) >= 8 * 2**20 and all(p.seconds > 0 for p in record.comm_probe.points)
+        # And in fp16, as the 16-bit compressions send it: Gloo sums those at a rate of its own.
+        half = record.comm_probe.half_points
+        assert [p.bytes for p in half] == list(commprobe.HALF_SIZES) and all(p.seconds > 0 for p in half)
         model = CostModel.from_profile(record)
         assert model.predict(model.measured_target()).step == pytest.approx(record.seconds_per_step.step.mean)
 

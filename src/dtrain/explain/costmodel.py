@@ -25,9 +25,10 @@ all ask :class:`CostModel`. It starts from one measured run (its ``profile.json`
   ``dtrain plan --probe`` in local processes, or a given link; plus what an exchange costs inside training beyond
   that (waking up, waiting for the slowest peer: the step's jitter grows with the expected maximum of ``N`` ranks),
   calibrated so the run reproduces its own step (an exchange faster than the fitted link scales the whole exchange
-  down, never by a negative cost). fp16 halves the bytes and adds the measured cast; PowerSGD sends the measured
-  low-rank bytes, in two collectives per bucket, and adds its measured matmuls and QR and its hook's own host time
-  per collective. A given link's rate counts frames on the wire: on CPU (Gloo over TCP) payload gets a fitted share
+  down, never by a negative cost). fp16 halves the bytes, sent at the rate the run's ranks timed fp16 all-reduces at
+  (Gloo sums them on the CPU, slower per byte), and adds the measured cast; PowerSGD sends the measured low-rank
+  bytes, in two collectives per bucket, and adds its measured matmuls and QR and its hook's own host time per
+  collective. A given link's rate counts frames on the wire: on CPU (Gloo over TCP) payload gets a fitted share
   of it. A shaped link (a token bucket) paces each message by its bucket; more slots than a host's cores wait, at
   every ring step, for a peer the scheduler has put aside. A parameter server's exchange (workers push, the servers
   step, workers pull) is no ring: it is held per update as the run measured it (:mod:`dtrain.explain.exchange` says
@@ -62,7 +63,7 @@ from dtrain.explain.network import (
     shaped_seconds,
     tree_latency_steps,
 )
-from dtrain.explain.target import Target
+from dtrain.explain.target import Prediction, Target
 from dtrain.profiling import buckets as ddp_buckets
 from dtrain.profiling.commprobe import LinkFit, fit
 from dtrain.profiling.record import ProfileRecord
@@ -83,31 +84,6 @@ GROWTH_NOT_PROBED = "compute and loading at another batch (not timed after the r
 MIN_EXCHANGE_SCALE = 0.05
 NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers",
                 "sharded_to_replica", "sharded_scaled", spread_of.LATE_GONE)
-
-
-@dataclass(frozen=True, slots=True)
-class Prediction:
-    """Seconds per step by part, the step, and its 80% interval; samples/s the same way."""
-
-    target: Target
-    parts: dict[str, float]
-    step: float
-    low: float
-    high: float
-    global_batch: int
-    widest: str = ""  # the input whose uncertainty widens the interval most
-
-    @property
-    def samples_per_second(self) -> float:
-        return self.global_batch / self.step
-
-    @property
-    def samples_per_second_low(self) -> float:
-        return self.global_batch / self.high
-
-    @property
-    def samples_per_second_high(self) -> float:
-        return self.global_batch / self.low
 
 
 @dataclass
@@ -133,6 +109,8 @@ class CostModel:
     held_exchange: float = 0.0
     # Seconds per step every rank waits for a chronically late rank (:meth:`_late_wait`); none on one slot.
     late: float = 0.0
+    # The run's ranks' fp16 all-reduces, for the 16-bit compressions (None: not probed; fp32's rate for their bytes).
+    half_link: RingLink | None = None
 
     # ------------------------------------------------------------------------------ building
     @classmethod
@@ -183,6 +161,11 @@ class CostModel:
             return model._held()
         if link is not None:
             sources.append(Source("link among local slots", link_words(link, residual), found_source))
+        if f.half_link_points and link is not None:
+            half = fit(list(f.half_link_points))
+            model.half_link = RingLink.from_fit(half, f.link_world)
+            sources.append(Source("fp16 all-reduces among local slots", link_words(model.half_link, half.residual),
+                                  found_source))
         model.late = model._late_wait()
         if f.slots > 1 and found_source in ("measured", "none"):  # no link: the whole exchange is overhead
             model.overhead, model.exchange_scale = model._calibrated_exchange()
@@ -384,7 +367,9 @@ class CostModel:
             # and collective on the autograd thread, and on shared cores they take turns with the others.
             math_seconds += fitted.load().terms["powersgd_hook_seconds"] * len(sizes) * collectives * crowd
         descheduled = self._descheduled(target)
-        times = [sum(crowd * self._allreduce(size / collectives, target) + descheduled for _ in range(collectives))
+        half = compression in ("fp16", "bf16")
+        times = [sum(crowd * self._allreduce(size / collectives, target, half=half) + descheduled
+                     for _ in range(collectives))
                  for size in sizes]
         wire = sum(times)
         overlap = f.overlap if f.overlap is not None else f.device == "cuda"
@@ -400,11 +385,11 @@ class CostModel:
         waiting = (self.overhead + jitter * self.exchange_scale) * crowd / f.crowd
         return max(0.0, wire * self.exchange_scale + waiting), math_seconds
 
-    def _allreduce(self, nbytes: float, target: Target, tree: bool = True) -> float:
+    def _allreduce(self, nbytes: float, target: Target, tree: bool = True, half: bool = False) -> float:
         """Seconds of one all-reduce of ``nbytes``: the ring (or NCCL's tree, where faster) through the slower
-        link, and each step's latency."""
+        link, and each step's latency; ``half``: of 16-bit floats, at the rate they were measured at."""
         n, nodes = target.slots, target.nodes
-        link = self.link or RingLink(0.0, float("inf"))
+        link = (self.half_link if half else None) or self.link or RingLink(0.0, float("inf"))
         wire, between_latency = ring(n) * nbytes / link.busbw, 0.0
         between = self.between_hosts if nodes > 1 else None
         if between is not None:

@@ -114,6 +114,7 @@ class Facts:
     optimizer_concurrent: float = 0.0
     link_points: tuple[tuple[float, float], ...] = ()
     link_world: int = 0
+    half_link_points: tuple[tuple[float, float], ...] = ()  # the same ranks' fp16 all-reduces (bytes as sent)
     compression_costs: CompressionFacts | None = None
     train_latency: float = 0.0  # a one-float all-reduce after the run, seconds
     train_algbw: float = 0.0  # bytes per second the run's own exchanges achieved (0: not measured)
@@ -162,6 +163,7 @@ class Facts:
             data_cpu_share=p.data_load_cpu_share if p.data_load_cpu_share is not None else 1.0,
             link_points=tuple((c.bytes, c.seconds) for c in p.comm_probe.points) if p.comm_probe else (),
             link_world=p.comm_probe.world if p.comm_probe else 0,
+            half_link_points=tuple((c.bytes, c.seconds) for c in p.comm_probe.half_points) if p.comm_probe else (),
             compression_costs=(CompressionFacts(costs.fp16_seconds, costs.powersgd_seconds, costs.powersgd_bytes)
                                if costs is not None else None),
             train_latency=p.comm.latency_seconds, train_algbw=p.comm.algbw_bytes_per_second,
@@ -214,6 +216,7 @@ class Facts:
         return replace(built, sharded=ShardedFacts(**sharded) if isinstance(sharded, dict) else None,  # type: ignore[arg-type]
                        compression_costs=CompressionFacts(**costs) if isinstance(costs, dict) else None,
                        link_points=tuple(tuple(p) for p in built.link_points),  # type: ignore[misc]
+                       half_link_points=tuple(tuple(p) for p in built.half_link_points),  # type: ignore[misc]
                        windows=tuple(built.windows),
                        optimizer_solo=tuple((int(t), float(s)) for t, s in built.optimizer_solo),
                        gradient_bytes=tuple(tuple(int(b) for b in model) for model in built.gradient_bytes))

@@ -1,4 +1,5 @@
-"""A configuration the cost model (:mod:`dtrain.explain.costmodel`) prices: the run's own, or a change of it."""
+"""A configuration the cost model (:mod:`dtrain.explain.costmodel`) prices (the run's own, or a change of it), and
+its price."""
 
 from __future__ import annotations
 
@@ -31,3 +32,28 @@ class Target:
     # namespaces of one machine (scripts/testhosts.py) share it: their slots slow each other as local ones do.
     machine_slots: int | None = None
     late_gone: bool = False  # the chronically late rank left the run (one slot fewer without it): no one waits
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """Seconds per step by part, the step, and its 80% interval; samples/s the same way."""
+
+    target: Target
+    parts: dict[str, float]
+    step: float
+    low: float
+    high: float
+    global_batch: int
+    widest: str = ""  # the input whose uncertainty widens the interval most
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.global_batch / self.step
+
+    @property
+    def samples_per_second_low(self) -> float:
+        return self.global_batch / self.high
+
+    @property
+    def samples_per_second_high(self) -> float:
+        return self.global_batch / self.low

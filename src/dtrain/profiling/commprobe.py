@@ -34,6 +34,10 @@ from dtrain.profiling.buckets import gradient_bytes, layout
 # From a few KB (latency-bound) to tens of MB (bandwidth-bound), and the gradients' own size in between.
 SIZES = (4 * 2**10, 64 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
 REPEATS = 11
+# fp16 all-reduces (as the fp16 and bf16 compression hooks send them): Gloo sums 16-bit floats element by element
+# on the CPU, so on a fast link half the bytes take about as long as all of them (2026-12-02, digits-sized to 8 MB).
+HALF_SIZES = (64 * 2**10, 2**20, 8 * 2**20)
+HALF_REPEATS = 5
 PROBE_FILE = "comm_probe.json"
 # Fresh processes a local probe gets before it gives up: one that dies (a native thread's abort) is rare.
 PROBE_ATTEMPTS = 2
@@ -81,16 +85,18 @@ def fit(points: list[tuple[float, float]]) -> LinkFit:
     return LinkFit(a, 1.0 / b, residual)
 
 
-def measure(group: Any = None, sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS) -> list[tuple[float, float]]:
+def measure(group: Any = None, sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS,
+            dtype: torch.dtype = torch.float32) -> list[tuple[float, float]]:
     """``(bytes, median seconds)`` per size, on every rank of ``group`` (collective: all ranks call it)."""
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend(group) == "nccl" else None)
-    buffer = torch.zeros(max(sizes) // 4, device=device)
+    width = torch.finfo(dtype).bits // 8
+    buffer = torch.zeros(max(sizes) // width, device=device, dtype=dtype)
     for _ in range(3):  # the backend's threads wake up from the run (or the start)
         dist.all_reduce(buffer[:1024], group=group)
     out = []
     for nbytes in sizes:
-        view = buffer[: nbytes // 4]
+        view = buffer[: nbytes // width]
         dist.all_reduce(view, group=group)  # warm-up: the size's first message sets up its buffers
         times = []
         for _ in range(repeats):
@@ -104,11 +110,11 @@ def measure(group: Any = None, sizes: tuple[int, ...] = SIZES, repeats: int = RE
     return out
 
 
-def end_of_run(group: Any) -> list[tuple[float, float]]:
-    """The probe at the end of a multi-slot run (empty on one slot)."""
+def end_of_run(group: Any) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The probe at the end of a multi-slot run: fp32 points, then fp16 ones (both empty on one slot)."""
     if not ddist.is_distributed(group):
-        return []
-    return measure(group)
+        return [], []
+    return measure(group), measure(group, HALF_SIZES, HALF_REPEATS, torch.float16)
 
 
 # ------------------------------------------------------------------ local processes (dtrain plan --probe)

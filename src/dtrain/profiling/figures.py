@@ -120,6 +120,7 @@ class EndFigures:
     model_steps: ModelSteps | None = None
     gradient_bytes: list[list[int]] | None = None
     probe_seconds: float | None = None  # the probes' wall time on this rank (None: not probed)
+    half_points: list[tuple[float, float]] | None = None  # the probe's fp16 all-reduces (bytes as sent)
 
 
 def build_profile(figures: EndFigures, head: RunHead) -> ProfileRecord:
@@ -156,7 +157,8 @@ def build_profile(figures: EndFigures, head: RunHead) -> ProfileRecord:
     lags = (stragglers.section(per_rank, hosts, spread.step.mean)
             if slots > 1 and "lag_median" in per_rank[0] else None)
     probe = (CommProbe(world=slots, backend=head.backend,
-                       points=[CommPoint(bytes=b, seconds=s) for b, s in figures.comm_points])
+                       points=[CommPoint(bytes=b, seconds=s) for b, s in figures.comm_points],
+                       half_points=[CommPoint(bytes=b, seconds=s) for b, s in figures.half_points or ()])
              if figures.comm_points else None)
     run = {name: getattr(head, name) for name in RunHead.model_fields}
     return ProfileRecord(**run, phases=list(PHASES), seconds_per_step=spread, per_rank=ranks, comm=comm,
@@ -237,6 +239,7 @@ def collect_rank_figures(facts: RunFacts) -> EndFigures:
     memory = {"peak_memory_bytes": peak_memory_bytes(facts.device),
               "state_bytes": state_bytes(facts.models, facts.optimizers)}
     points: list[tuple[float, float]] = []
+    half: list[tuple[float, float]] = []
     steps: ModelSteps | None = None
     started, probed_for = time.perf_counter(), None
     if facts.probe is not None and timer.enabled and facts.probes:
@@ -246,13 +249,13 @@ def collect_rank_figures(facts: RunFacts) -> EndFigures:
         if steps is not None:  # this rank's loop, beside this rank's probe: the doctor weighs one against the other
             steps = steps.model_copy(update={"loop_data_host_seconds": timer.per_step()["data_host"]})
         if not facts.strategy.has_server_ranks:
-            points = commprobe.end_of_run(group)
+            points, half = commprobe.end_of_run(group)
         probed_for = time.perf_counter() - started
     if facts.probe is not None and timer.enabled:  # MFU's count, with the probes off too
         memory["step_flops"] = count_step_flops(facts)
     per_rank = gather_rank_stats(timer, memory, group)
     return EndFigures(per_rank, latency_probe(group=group), all_hostnames(), points, steps,
-                      gradient_bytes(facts.models), probed_for)
+                      gradient_bytes(facts.models), probed_for, half)
 
 
 

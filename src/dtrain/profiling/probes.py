@@ -181,8 +181,9 @@ def _model_steps(facts: RunFacts, hooks: ProbeHooks, batches: dict[int, object])
 
 def compression_cost(models: Sequence[nn.Module], rank: int, repeats: int = 3) -> dict[str, float]:
     """Seconds per exchange of compressing the gradients, on this rank's threads, as the hooks do it:
-    fp16 (cast down and back) and PowerSGD (per matrix: two matmuls, a QR and the reconstruction), and the
-    bytes PowerSGD sends. Not free: on a fast link or a small model they can cost more than they save."""
+    fp16 (cast down and back into the bucket) and PowerSGD (per matrix: two matmuls, a QR and the
+    reconstruction), and the bytes PowerSGD sends. Not free: on a fast link or a small model they can cost
+    more than they save."""
     params = [p for m in models for p in m.parameters() if p.requires_grad]
     if not params:
         return {}
@@ -190,7 +191,7 @@ def compression_cost(models: Sequence[nn.Module], rank: int, repeats: int = 3) -
     fp16 = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        flat.to(torch.float16).to(torch.float32)
+        flat.copy_(flat.to(torch.float16).to(torch.float32))  # as the hook: cast, cast back, into the bucket
         _sync(flat.device)
         fp16 = min(fp16, time.perf_counter() - start)
     shapes = [(p.shape[0], p.numel() // p.shape[0]) for p in params if p.dim() >= 2]

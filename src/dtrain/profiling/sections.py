@@ -211,6 +211,8 @@ class CommProbe(Section):
     world: int
     backend: str
     points: list[CommPoint]
+    # fp16 all-reduces (bytes as sent), as the 16-bit compression hooks send them (empty: older profiles).
+    half_points: list[CommPoint] = []
 
 
 class CompressionCost(Section):
