@@ -201,3 +201,22 @@ def test_parse_mttf():
 def test_bad_inputs_name_the_field(over):
     with pytest.raises(UserError, match=next(iter(over))):
         _inputs(**over)
+
+
+def test_the_doctor_says_what_mttf_gives_with_advice_and_without(tmp_path):
+    """``doctor --mttf`` printed nothing where the period was already right, and its advice read as a Python dict."""
+    from helpers import cli_in_process
+    from profiles import make_profile, write
+
+    from dtrain.explain.diagnosis import config_text
+
+    (tmp_path / "config.yaml").write_text("name: x\nmax_length:\n  batches: 100000\nmin_checkpoint_period:\n"
+                                          "  batches: 2000\n")
+    write(tmp_path, make_profile([{"forward": 0.01, "backward": 0.02, "comm_exposed": 0.01}] * 2))
+    kept = cli_in_process("doctor", str(tmp_path), "--mttf", "1e6", "--price", "3")
+    line = next(ln for ln in kept.stdout.splitlines() if ln.startswith("checkpoints:"))
+    assert "keep min_checkpoint_period {batches: 2000}" in line and "goodput" in line and "$" in line, line
+    advised = cli_in_process("doctor", str(tmp_path), "--mttf", "0.02")
+    line = next(ln for ln in advised.stdout.splitlines() if ln.startswith("checkpoints:"))
+    assert line.startswith("checkpoints: min_checkpoint_period: {batches: ") and "1 node sees" in line, line
+    assert config_text({"batches": 5}) == "{batches: 5}" and config_text(None) == "null"

@@ -16,6 +16,15 @@ ConfigValue = int | float | str | bool | None
 Json = dict[str, object]
 
 
+def config_text(value: object) -> str:
+    """A config value as YAML writes it on one line: ``{batches: 59}``, ``null``, ``true``."""
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {config_text(v)}" for k, v in value.items()) + "}"
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return str(value)
+
+
 def slot_words(slots: int, workers_only: bool) -> str:
     """'2 slot(s)'; '1 worker slot(s) (servers apart)' where only the workers count (a parameter server)."""
     return f"{slots} {'worker slot(s) (servers apart)' if workers_only else 'slot(s)'}"
@@ -31,7 +40,7 @@ class Change:
 
     @property
     def action(self) -> str:
-        return f"{self.key}: {self.value}"
+        return f"{self.key}: {config_text(self.value)}"
 
     def to_json(self) -> Json:
         return {"key": self.key, "value": self.value, "predicted_speedup": self.predicted_speedup}
@@ -56,7 +65,7 @@ class Advice:
 
     @property
     def action(self) -> str:
-        return f"{self.key}: {self.value}"
+        return f"{self.key}: {config_text(self.value)}"
 
 
 @dataclass(slots=True)
@@ -113,7 +122,7 @@ class Recommendation:
 
     @property
     def action(self) -> str:
-        return f"{self.key}: {self.value}"
+        return f"{self.key}: {config_text(self.value)}"
 
     def to_json(self) -> Json:
         out: Json = {"factor": self.factor, "key": self.key, "value": self.value,

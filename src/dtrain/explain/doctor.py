@@ -48,6 +48,7 @@ from dtrain.explain.exchange import Unpriced
 from dtrain.explain.factors import registry
 from dtrain.explain.factors.base import ONE_SLOT, Context, build_context, gains
 from dtrain.explain.facts import exchange_kind
+from dtrain.explain.goodput import duration
 from dtrain.explain.predictor import Predictor
 from dtrain.explain.render import ratio
 from dtrain.profiling.record import SERVER, ProfileRecord
@@ -253,11 +254,29 @@ def render(diagnosis: Diagnosis) -> str:
                     if (f.key or f.factor == "straggler" or f.advice.declined) and f.share >= MIN_SHARE)
     checkpoints = next((r for r in diagnosis.recommendations if r.factor == "checkpoints"), None)
     extra = (f"checkpoints: {checkpoints.action} (predicted {checkpoints.predicted_speedup:.2f}x less time to "
-             f"finish): {checkpoints.why}\n") if checkpoints else ""
+             f"finish): {checkpoints.why}\n") if checkpoints else _finish_text(diagnosis)
     tries = "".join(f"try {t.change}: {_try_text(t)}\n" for t in diagnosis.tries)
     lines = "".join(f"{line}\n" for line in diagnosis.efficiency.lines)
     return (as_text(table) + f"verdict: {diagnosis.verdict}\n" + extra + (f"why:\n{notes}" if notes else "")
             + tries + lines)
+
+
+def _finish_text(diagnosis: Diagnosis) -> str:
+    """``--mttf`` without advice: why the checkpoint period stays, and the finish it gives."""
+    if not diagnosis.finish_asked:
+        return ""
+    found = diagnosis.finish
+    if not found or not found.get("configured"):
+        return ("checkpoints: no advice: the run's length is not known (max_length in batches or epochs, and the "
+                "run's summary.json)\n")
+    conf = found["configured"]
+    period = conf["period_batches"]
+    kept = f"min_checkpoint_period {{batches: {period}}}" if period else "a checkpoint only at the end"
+    cost = f", ${conf['cost']:,.4g} in all" if conf.get("cost") is not None else ""
+    return (f"checkpoints: keep {kept}: no period finishes 2% sooner (Young/Daly: every "
+            f"{found.get('daly_period_batches') or 0:,} batches at a failure every {found['system_mttf_hours']:g} h); "
+            f"to finish {duration(conf['seconds'])}, {conf['failures']:.2g} failures expected, goodput "
+            f"{100 * conf['goodput']:.1f}%{cost}\n")
 
 
 def _predicted(f: FactorRow) -> str:

@@ -249,7 +249,7 @@ def _why(inputs: GoodputInputs, configured: Outcome, optimal: Outcome) -> str:
     if conf_n is None or conf_n >= inputs.total_batches:
         problem = "checkpointing only at the end means a failure throws away all the work done so far"
     elif optimal.period_batches is None or conf_n < optimal.period_batches:
-        problem = (f"writing a {_duration(inputs.checkpoint_seconds)} checkpoint every {_batches(conf_n)} spends more "
+        problem = (f"writing a {duration(inputs.checkpoint_seconds)} checkpoint every {_batches(conf_n)} spends more "
                    "time on checkpoints than it saves in redone work")
     else:
         problem = f"checkpointing every {_batches(conf_n)} redoes too much work after each failure"
@@ -257,13 +257,14 @@ def _why(inputs: GoodputInputs, configured: Outcome, optimal: Outcome) -> str:
         fix = "checkpointing only at the end"
     else:
         fix = (f"every {_batches(optimal.period_batches)} "
-               f"({_duration(optimal.period_batches * inputs.step_seconds)} of training)")
+               f"({duration(optimal.period_batches * inputs.step_seconds)} of training)")
     money = ""
     if configured.cost is not None and optimal.cost is not None:
         money = f", {_money(configured.cost)} -> {_money(optimal.cost)}"
-    return (f"with a node failing every {inputs.mttf_hours:g} h on average, {nodes} see a failure about every "
-            f"{_duration(m_hours * SECONDS_PER_HOUR)}, and {problem}; {fix} finishes in about "
-            f"{_duration(optimal.seconds)} instead of {_duration(configured.seconds)} "
+    return (f"with a node failing every {inputs.mttf_hours:g} h on average, {nodes} "
+            f"{'sees' if inputs.nodes == 1 else 'see'} a failure about every "
+            f"{duration(m_hours * SECONDS_PER_HOUR)}, and {problem}; {fix} finishes in about "
+            f"{duration(optimal.seconds)} instead of {duration(configured.seconds)} "
             f"({optimal.failures:.1f} expected failures{money})")
 
 
@@ -305,7 +306,8 @@ def _batches(n: int) -> str:
     return "batch" if n == 1 else f"{n} batches"
 
 
-def _duration(seconds: float) -> str:
+def duration(seconds: float) -> str:
+    """Seconds in words: s, min, h or days."""
     if not math.isfinite(seconds):
         return "forever"
     if seconds < 120:
