@@ -222,9 +222,10 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
     # taken as its ratio to the probe's step with the run's own loader processes, times the run's step.
     own = profile.data_crowded_own_step_seconds
     scale = step / own if own else 1.0
-    timed = dict(enumerate(profile.data_crowded_step_seconds or [], start=1))
+    # 0: a count the probe had no time for (it times the most processes first).
+    timed = {w: seconds for w, seconds in enumerate(profile.data_crowded_step_seconds or [], start=1) if seconds > 0}
     crowded = {w: seconds * scale for w, seconds in timed.items()}
-    most = max(crowded, default=0)
+    most, fewest = max(crowded, default=0), min(crowded, default=0)
 
     def crowding(workers: int) -> float:
         """The timed step over the formula's: how much the cores' sharing added (at least nothing)."""
@@ -234,8 +235,10 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
         if workers in crowded:  # timed beside the training's own work: the cores' sharing is in it
             return crowded[workers]
         if most and workers > most:  # more crowded still, as the last counts timed grew it (or as crowded)
-            growth = crowding(most) - crowding(most - 1) if most > 1 else 0.0
+            growth = crowding(most) - crowding(most - 1) if most - 1 in crowded else 0.0
             return modelled(workers) * (crowding(most) + max(0.0, growth) * (workers - most))
+        if fewest and workers < fewest:  # fewer processes crowd less: none at none, as timed at the fewest
+            return modelled(workers) * (1 + (crowding(fewest) - 1) * workers / fewest)
         return modelled(workers)
 
     limit = MAX_ADVISED_WORKERS

@@ -216,15 +216,15 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
 
 
 def _crowded(per_rank: list[dict[str, float]]) -> list[float] | None:
-    """The crowded loader probe's steps with 1, 2, ... loader processes (means over ranks), as far as every
-    rank timed them (none without the step with the run's own, their scale)."""
-    steps: list[float] = []
+    """The crowded loader probe's steps with 1, 2, ... loader processes (means over ranks; 0 for a count not every
+    rank timed: the probe times the most first, as far as its budget goes), up to the most every rank timed (none
+    without the step with the run's own, their scale)."""
     if not all(r.get("probe_crowd_own", 0.0) > 0 for r in per_rank):
         return None
-    for w in range(1, MAX_WORKERS + 1):
-        if not all(r.get(f"probe_crowd{w}", 0.0) > 0 for r in per_rank):
-            break
-        steps.append(sum(r[f"probe_crowd{w}"] for r in per_rank) / len(per_rank))
+    steps = [sum(r[f"probe_crowd{w}"] for r in per_rank) / len(per_rank)
+             if all(r.get(f"probe_crowd{w}", 0.0) > 0 for r in per_rank) else 0.0 for w in range(1, MAX_WORKERS + 1)]
+    while steps and steps[-1] == 0.0:
+        steps.pop()
     return steps or None
 
 

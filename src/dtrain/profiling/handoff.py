@@ -120,37 +120,59 @@ class CrowdedSteps:
 
 def crowded_steps(loader: DataLoader[object], per_slot: int, pace: Pace, own: int, group: object,
                   step: Callable[[object | None], object]) -> CrowdedSteps | None:
-    """Mean seconds of a step (the run's samples/s is a mean too) with W loader processes per slot, for W = 1 up
-    to what hides the load on every rank (:meth:`Pace.needed`), and with the run's own ``own`` (0: loaded in
-    place) timed first and last, the same way: the probe's steps may run faster or slower than the run's (the
-    run's timers, the cores' state after it), so the doctor takes their ratios to ``own``. None where not even
-    ``own`` could be timed within the budget.
+    """Mean seconds of a step (the run's samples/s is a mean too) with W loader processes per slot, for W from what
+    hides the load on every rank (:meth:`Pace.needed`) down to 1, as far as the budget goes, and with the run's
+    own ``own`` (0: loaded in place) timed first and last, the same way: the probe's steps may run faster or
+    slower than the run's (the run's timers, the cores' state after it), so the doctor takes their ratios to
+    ``own``. None where not even ``own`` could be timed within the budget.
 
     Each step takes a batch and gives it to ``step``: the training's work on it (None where this rank's loader
     failed). A collective over ``group``: every rank calls it and takes the same number of steps; a rank whose
     loader fails keeps stepping (its peers' exchange waits for it), and then no rank reports a figure for that
     count."""
     workers = -ddist.least_over_ranks(-pace.needed(), group)
-    counts = [w for w in range(1, workers + 1) if w != own]
+    # The most processes first: the formula holds where few processes crowd the cores, and misses most where many
+    # do, which is where the advice looks; a slow load through one process may not fit the budget at all.
+    counts = [w for w in range(workers, 0, -1) if w != own]
     feeding = Feeding.of(loader)
-    share = CROWDED_BUDGET_SECONDS / (len(counts) + 2)  # each count's, the reference's twice
+    shares = _shares(pace, feeding, own, counts)
     timed: dict[int, float] = {}
     spent = 0.0
-    opening = _timed_count(loader, per_slot, own, pace, share, feeding, group, step)
+    opening = _timed_count(loader, per_slot, own, pace, shares[own], feeding, group, step)
     if opening is None:
         return None
     for count in counts:
         # A count whose fewest steps do not fit in its share of what is left ends the probe.
         start = time.perf_counter()
-        seconds = _timed_count(loader, per_slot, count, pace, min(share, CROWDED_BUDGET_SECONDS - 2 * share - spent),
-                               feeding, group, step)
+        left = CROWDED_BUDGET_SECONDS - 2 * shares[own] - spent
+        seconds = _timed_count(loader, per_slot, count, pace, min(shares.get(count, 0.0), left), feeding, group, step)
         spent += time.perf_counter() - start
         if seconds is None:
             break
         timed[count] = seconds
-    closing = _timed_count(loader, per_slot, own, pace, share, feeding, group, step)
+    closing = _timed_count(loader, per_slot, own, pace, shares[own], feeding, group, step)
     mean = (opening + closing) / 2 if closing is not None else opening
     return CrowdedSteps(mean, {**timed, own: mean} if own else timed)
+
+
+def _shares(pace: Pace, feeding: Feeding, own: int, counts: list[int]) -> dict[int, float]:
+    """Seconds of the budget for each count (``own``'s twice: timed first and last), in proportion to what its
+    fewest steps take at the pace idle cores would give: a slow load through one process takes many times what
+    it takes through eight, and equal shares left no count of a slow loader timed (its own steps, each batch
+    loaded in place, did not fit either). Where even the fewest steps of every count do not fit, the counts in
+    ``counts``' order that do (the reference first)."""
+    def least(workers: int) -> float:  # and the first batch, the processes' start (a half: int() rounds down)
+        return (MIN_CROWDED_STEPS + feeding.warmup(workers) + 0.5) * pace.step(workers) + pace.through * (workers > 0)
+
+    kept, total = [], 2 * least(own)
+    for count in counts:
+        if total + least(count) > CROWDED_BUDGET_SECONDS:
+            break
+        kept.append(count)
+        total += least(count)
+    # Time to spare goes to more steps of each, up to twice the fewest: the counts after them still get theirs.
+    slack = min(2.0, CROWDED_BUDGET_SECONDS / total) if total > 0 else 1.0
+    return {w: least(w) * slack for w in [own, *kept]}
 
 
 def _timed_count(loader: DataLoader[object], per_slot: int, workers: int, pace: Pace, share: float,
