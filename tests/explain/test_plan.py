@@ -208,6 +208,11 @@ def test_a_one_slot_run_on_shared_cores_prices_communication_from_a_probe_and_ne
         assert by[(n, "base")]["parts_seconds"]["exchange"] >= 0.0003 + 1e6 / 1e9  # the probed link, at least
     sources = {i["name"]: i["source"] for i in doc["inputs"]}
     assert sources["link among local slots"] == "probed"
+    assert "fp16 all-reduces among local slots" not in sources  # a probe file from before it timed them
+    half = [(b, 3e-4 + 2 * b / 1e9) for b, _ in LINK_POINTS]
+    commprobe.save(replace(probe, half_points=half), run / commprobe.PROBE_FILE)
+    doc = plan(run, [1, 2], log=lambda line: None).to_json()
+    assert {i["name"]: i["source"] for i in doc["inputs"]}["fp16 all-reduces among local slots"] == "probed"
     assert sources["exchange cost in training beyond the link"] == "probed"
     # Each of 2 slots gets 1 of the 2 cores: the 1-thread probe, not the run's 2 threads, sets its compute.
     two = by[(2, "base")]["parts_seconds"]["compute"]

@@ -14,6 +14,9 @@ def test_two_local_processes_measure_a_link_and_a_training_exchange(tmp_path):
     assert 20 < probe.steps <= commprobe.MOST_STEPS and probe.steps % 20 == 0
     assert [b for b, _ in probe.points] == [float(b) for b in commprobe.SIZES]
     assert all(s > 0 for _, s in probe.points)
+    # And fp16 all-reduces, for the 16-bit compressions (Gloo sums those at a rate of its own).
+    assert [b for b, _ in probe.half_points] == [float(b) for b in commprobe.HALF_SIZES]
+    assert all(s > 0 for _, s in probe.half_points)
     link = commprobe.fit(probe.points)
     assert link.rate > 0 and link.latency >= 0
     assert probe.compute_seconds > 0 and probe.exchange_seconds >= 0

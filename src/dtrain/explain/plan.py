@@ -20,6 +20,7 @@ from dtrain.explain import precision
 from dtrain.explain.costmodel import CostModel, Link, Prediction, Target
 from dtrain.explain.doctor import unobserved_note
 from dtrain.explain.exchange import SLOTS, unpriced
+from dtrain.explain.facts import Facts
 from dtrain.explain.finish import finish, run_costs
 from dtrain.explain.plandoc import Input, Measured, PlanDocument, PlanRow, RunCostsFacts
 from dtrain.explain.predictor import target_at
@@ -177,7 +178,11 @@ def build_model(run_dir: Path, link: Link | None = None, probe: bool = False,
     found = None if measured_link and not probe else local_probe(run_dir, profile, probe, log)
     if found is None:
         return profile, CostModel.from_profile(profile, between_hosts=link)
-    return profile, CostModel.from_profile(profile, found.points, found.world, found.overhead(), between_hosts=link)
+    # The probe's fp16 all-reduces, for the 16-bit compressions (a multi-slot run's own, where it timed them).
+    facts = Facts.of_profile(profile)
+    if found.half_points and not facts.half_link_points:
+        facts = replace(facts, half_link_points=tuple(found.half_points), link_world=found.world)
+    return profile, CostModel.from_facts(facts, found.points, found.world, found.overhead(), between_hosts=link)
 
 
 # Said wherever hosts are priced on the link a one-host run measured (``--link measured``): that link is the

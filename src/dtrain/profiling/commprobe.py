@@ -20,7 +20,7 @@ import socket
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -133,7 +133,7 @@ def _worker(rank: int, world: int, port: int, threads: int, parameters: int, cap
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        points = measure()
+        points, half = measure(), measure(None, HALF_SIZES, HALF_REPEATS, torch.float16)
         # Exchanges as training makes them: DDP on a stand-in of the model's size, steps with and without
         # gradient sync in alternating blocks; the difference of their means is what an exchange costs a step
         # (hooks, buckets, waking up, waiting for the peer) beside the all-reduces themselves.
@@ -163,7 +163,8 @@ def _worker(rank: int, world: int, port: int, threads: int, parameters: int, cap
         run_pairs(_more_pairs(pairs, time.perf_counter() - start, budget))
         if rank == 0:
             synced, alone = statistics.mean(seconds[True]), statistics.mean(seconds[False])
-            Path(out).write_text(json.dumps({"points": points, "exchange_seconds": max(0.0, synced - alone),
+            Path(out).write_text(json.dumps({"points": points, "half_points": half,
+                                             "exchange_seconds": max(0.0, synced - alone),
                                              "compute_seconds": alone,
                                              "steps": len(seconds[True]) + len(seconds[False])}))
         dist.barrier()  # rank 0 serves the store: it leaves once every rank is done with it
@@ -199,6 +200,7 @@ class LocalProbe:
     compute_seconds: float
     exchange_seconds: float
     steps: int = 0  # the stand-in's DDP steps timed, half with gradient sync (0: a file from before it was kept)
+    half_points: list[tuple[float, float]] = field(default_factory=list)  # fp16 all-reduces (empty: older files)
 
     def overhead(self) -> float:
         """What an exchange in training costs beyond back-to-back all-reduces of its buckets."""
@@ -224,7 +226,7 @@ def probe_local(world: int, threads: int, parameters: int, cap_mb: float | None,
             continue
         return LocalProbe(world, threads, [(float(b), float(s)) for b, s in result["points"]], buckets,
                           float(result["compute_seconds"]), float(result["exchange_seconds"]),
-                          int(result.get("steps", 0)))
+                          int(result.get("steps", 0)), _points(result.get("half_points", [])))
     raise ProbeFailed(f"the local all-reduce probe of {world} processes failed {len(failures)} times ("
                       f"{'; '.join(failures)}); run it again, or give the link with --link RATE,LATENCY")
 
@@ -271,7 +273,8 @@ def save(probe: LocalProbe, path: Path) -> None:
     path.write_text(json.dumps({"world": probe.world, "threads": probe.threads, "host": socket.gethostname(),
                                 "points": probe.points, "buckets": probe.buckets,
                                 "compute_seconds": probe.compute_seconds,
-                                "exchange_seconds": probe.exchange_seconds, "steps": probe.steps}, indent=2))
+                                "exchange_seconds": probe.exchange_seconds, "steps": probe.steps,
+                                "half_points": probe.half_points}, indent=2))
 
 
 def load(path: Path) -> LocalProbe | None:
@@ -280,6 +283,10 @@ def load(path: Path) -> LocalProbe | None:
         d = json.loads(path.read_text())
         return LocalProbe(int(d["world"]), int(d["threads"]), [(float(b), float(s)) for b, s in d["points"]],
                           [float(b) for b in d["buckets"]], float(d["compute_seconds"]), float(d["exchange_seconds"]),
-                          int(d.get("steps", 0)))
+                          int(d.get("steps", 0)), _points(d.get("half_points", [])))
     except (OSError, ValueError, KeyError, TypeError):
         return None
+
+
+def _points(pairs: list[list[float]]) -> list[tuple[float, float]]:
+    return [(float(b), float(s)) for b, s in pairs]
