@@ -194,8 +194,9 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
     mostly wait (disk, network) need no core and hide up to W batches of waiting, and a batch that loads
     faster in place than it is handed over is slower through any loader process. Without the handoff probe
     (older profiles), ``T`` is the in-place load and ``R`` nothing. A run that has loader processes is also
-    offered none (``W = 0``: ``step - data + load``, each batch loaded in place), where the handoff was probed;
-    what its loaders took from the training's own phases on shared cores is not priced, so that gain is low.
+    offered none (``W = 0``, each batch loaded in place), where the handoff was probed: timed the same way after
+    the run (``data_crowded_none_step_seconds``: without its loaders the training's own phases have the cores to
+    themselves), else ``step - data + load``, which keeps what the loaders took from those phases: low.
     """
     current = profile.data_loader_workers
     load = profile.data_load_seconds_per_batch or data
@@ -226,6 +227,9 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
     timed = {w: seconds for w, seconds in enumerate(profile.data_crowded_step_seconds or [], start=1) if seconds > 0}
     crowded = {w: seconds * scale for w, seconds in timed.items()}
     most, fewest = max(crowded, default=0), min(crowded, default=0)
+    none = profile.data_crowded_none_step_seconds if own and current else None  # the run's step with none
+    if none:
+        crowded[0], timed[0] = none * scale, none
 
     def crowding(workers: int) -> float:
         """The timed step over the formula's: how much the cores' sharing added (at least nothing)."""
@@ -235,7 +239,7 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
         if workers in crowded:  # timed beside the training's own work: the cores' sharing is in it
             return crowded[workers]
         if most and workers > most:  # more crowded still, as the last counts timed grew it (or as crowded)
-            growth = crowding(most) - crowding(most - 1) if most - 1 in crowded else 0.0
+            growth = crowding(most) - crowding(most - 1) if most > 1 and most - 1 in crowded else 0.0
             return modelled(workers) * (crowding(most) + max(0.0, growth) * (workers - most))
         if fewest and workers < fewest:  # fewer processes crowd less: none at none, as timed at the fewest
             return modelled(workers) * (1 + (crowding(fewest) - 1) * workers / fewest)
@@ -250,7 +254,7 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
         if workers == current:
             return step
         if workers == 0:  # the training process loads each batch itself: nothing hides it, nothing to hand over
-            return rest + load
+            return crowded[0] if 0 in crowded else rest + load
         if current == 0 and handoff is not None:  # the handoff is new: it can make the step slower
             return predicted(workers)
         # Fewer processes than the run had can only be slower, more can only be faster.
@@ -280,8 +284,9 @@ def loader_plan(profile: ProfileRecord, data: float, step: float, cpu_work: floa
         probed += (f"; beyond the {most} loader process(es) per slot timed beside the training's work, the cores "
                    f"crowded on as the counts timed crowded them")
     if workers == 0:
+        after = "" if 0 in crowded else f"after the {1e3 * rest:.2f} ms rest of the step, "
         return LoaderPlan(0, new_step, f"{probed}; with no loader process each slot loads its batch in place, "
-                          f"after the {1e3 * rest:.2f} ms rest of the step, on {where}")
+                          f"{after}on {where}", timed=0 in crowded)
     return LoaderPlan(workers, new_step, f"{probed}; {workers} loader process(es) per slot overlap it with the "
                       f"{1e3 * rest:.2f} ms rest of the step, on {where}",
                       timed=workers in crowded and workers != current)

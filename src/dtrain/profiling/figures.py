@@ -212,7 +212,9 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
             "data_handoff_seconds_per_batch": loaded("probe_handoff") if loaded("probe_handoff") > 0 else None,
             "data_handoff_cpu_seconds_per_batch": loaded("probe_handoff_cpu") if loaded("probe_handoff") > 0 else None,
             "data_crowded_step_seconds": crowded,
-            "data_crowded_own_step_seconds": mean("probe_crowd_own") if crowded else None}
+            "data_crowded_own_step_seconds": mean("probe_crowd_own") if crowded else None,
+            "data_crowded_none_step_seconds": (mean("probe_crowd0") if crowded and all(
+                r.get("probe_crowd0", 0.0) > 0 for r in per_rank) else None)}
 
 
 def _crowded(per_rank: list[dict[str, float]]) -> list[float] | None:

@@ -115,7 +115,7 @@ class CrowdedSteps:
     last, the mean of both), ``steps`` with W = 1, 2, ... (``own`` among them where it is one)."""
 
     own: float
-    steps: dict[int, float]
+    steps: dict[int, float]  # 0: each batch loaded in place (timed where the run had loader processes)
 
 
 def crowded_steps(loader: DataLoader[object], per_slot: int, pace: Pace, own: int, group: object,
@@ -133,7 +133,9 @@ def crowded_steps(loader: DataLoader[object], per_slot: int, pace: Pace, own: in
     workers = -ddist.least_over_ranks(-pace.needed(), group)
     # The most processes first: the formula holds where few processes crowd the cores, and misses most where many
     # do, which is where the advice looks; a slow load through one process may not fit the budget at all.
-    counts = [w for w in range(workers, 0, -1) if w != own]
+    # A run with loader processes is timed without them too (last): loaders of small batches can take more of
+    # the shared cores than they hide.
+    counts = [w for w in range(workers, 0, -1) if w != own] + ([0] if own else [])
     feeding = Feeding.of(loader)
     shares = _shares(pace, feeding, own, counts)
     timed: dict[int, float] = {}

@@ -56,7 +56,7 @@ from dtrain.profiling.shardprobe import fits_unsharded, sharded_exchange
 SOLO_THREADS = 3
 # Strategies whose training steps the crowded loader probe can run as the run did.
 STEPS_ALONE = ("ddp", "single_device")
-CROWDED_FIELDS = ("probe_crowd_own", *(f"probe_crowd{w}" for w in range(1, MAX_WORKERS + 1)))
+CROWDED_FIELDS = ("probe_crowd_own", *(f"probe_crowd{w}" for w in range(MAX_WORKERS + 1)))
 SOLO_FIELDS = tuple(f"probe_solo{i}_{what}" for i in range(SOLO_THREADS)
                     for what in ("threads", "work", "double", "optimizer"))
 PROBE_FIELDS = ("probe_work", "probe_work_double", "probe_optimizer", "probe_load", "probe_load_double",
@@ -296,7 +296,8 @@ def _load_figures(loader: DataLoader[object], per_slot: int) -> dict[str, float]
 
 
 def _crowded_figures(facts: RunFacts, hooks: ProbeHooks, batch: object, loads: dict[str, float]) -> dict[str, float]:
-    """``probe_crowd{W}``: the step with W loader processes per slot, timed beside the training's own work
+    """``probe_crowd{W}``: the step with W loader processes per slot (0: none, where the run had some), timed beside
+    the training's own work
     (:func:`dtrain.profiling.handoff.crowded_steps`): the trial's own training steps, exchange and optimizer step
     included, as the run aggregated them (the weights are put back after); ``probe_crowd_own``: the step timed
     the same way with the run's own loader processes. One slot or DDP only: a strategy

@@ -85,7 +85,7 @@ class ProfileRecord(Section):
          "data_load_cpu_share", "solo_probe", "comm_probe", "compression_cost", "step_jitter_seconds",
          "step_window_seconds", "unobserved_phases", "membership_changes", "model_steps", "first_steps",
          "flops", "gradient_bytes", "data_handoff_seconds_per_batch", "data_handoff_cpu_seconds_per_batch", "exchange",
-         "sharded_exchange"})
+         "sharded_exchange", "data_crowded_none_step_seconds"})
 
     schema_version: int = SCHEMA_VERSION
     # What the run was (also summary.json's head: dtrain.profiling.runsummary.RunHead).
@@ -146,6 +146,8 @@ class ProfileRecord(Section):
     data_crowded_step_seconds: list[float] | None = None
     # The same probe's step with the run's own loader processes (data_loader_workers): the others' scale
     data_crowded_own_step_seconds: float | None = None
+    # The same probe's step with no loader process (each batch loaded in place), where the run had some
+    data_crowded_none_step_seconds: float | None = None
     solo_probe: SoloProbe | None = None
     comm_probe: CommProbe | None = None
     compression_cost: CompressionCost | None = None
