@@ -112,7 +112,8 @@ class Pace:
 @dataclass(frozen=True, slots=True)
 class CrowdedSteps:
     """The crowded probe's mean steps: ``own`` with the run's own loader processes per slot (timed first and
-    last, the mean of both), ``steps`` with W = 1, 2, ... (``own`` among them where it is one)."""
+    last, the mean of both), ``steps`` with W = 1, 2, ... as far as timed (``own`` among them where it is one),
+    and 0 where the run had loader processes."""
 
     own: float
     steps: dict[int, float]  # 0: each batch loaded in place (timed where the run had loader processes)
@@ -124,7 +125,8 @@ def crowded_steps(loader: DataLoader[object], per_slot: int, pace: Pace, own: in
     hides the load on every rank (:meth:`Pace.needed`) down to 1, as far as the budget goes, and with the run's
     own ``own`` (0: loaded in place) timed first and last, the same way: the probe's steps may run faster or
     slower than the run's (the run's timers, the cores' state after it), so the doctor takes their ratios to
-    ``own``. None where not even ``own`` could be timed within the budget.
+    ``own``. A run with loader processes is also timed with none (W = 0), after the others. None where not even
+    ``own`` could be timed within the budget.
 
     Each step takes a batch and gives it to ``step``: the training's work on it (None where this rank's loader
     failed). A collective over ``group``: every rank calls it and takes the same number of steps; a rank whose
