@@ -386,6 +386,27 @@ def test_waiting_for_a_late_rank_is_no_exchange_and_its_loading_grows_with_the_b
     assert Predictor(_straggler_profile(False)).model.late == 0.0
 
 
+def test_one_slot_of_a_run_with_a_late_rank_leaves_that_rank_out():
+    """The planted loading straggler, 2 slots (2026-12-02): one slot was priced from the mean over ranks' loading,
+    half of it the late rank's, at 1.11x; the slot kept (the first) loads fast, and measured 178.6x (its optimizer
+    and loading also run hot there: the run's, after each wait, took 7x the probe's). Fewer slots now leave the
+    late rank out, and the verdict says so."""
+    from dtrain.explain.doctor import diagnose
+    from dtrain.explain.predictor import Predictor, target_at
+
+    profile = _loading_straggler()
+    predictor = Predictor(profile)
+    model = predictor.model
+    one = predictor.predict(target_at(model, 1, 1))
+    assert one.prediction.target.late_gone
+    assert one.value > 5 * predictor.predict(target_at(model, 1, 1, late_gone=False)).value
+    # The data wait of the slot kept: the fast rank's, at twice its batch; none of the late rank's 41 ms.
+    assert one.prediction.parts["data"] < 0.002, one.prediction.parts
+    assert not target_at(model, 2, 1).late_gone  # the run's own slots: the wait stays
+    verdict = diagnose(profile).verdict
+    assert "resources.slots_per_trial: 1 (about" in verdict and "leaving rank 1 out" in verdict, verdict
+
+
 def test_a_chronic_loading_straggler_is_priced_as_the_loader_plans_whole_step():
     """The planted loading straggler on the 2-core VM (2026-12-02: one rank sleeps 10 ms a record, 4 a batch):
     the fast rank's exposed exchange holds its wait for the slow one. Priced as a data wait added to the run's

@@ -207,11 +207,14 @@ def _verdict(row: FactorRow, scaling: Scaling, profile: ProfileRecord, rows: lis
     if fewer:
         one = scaling.estimated_one_slot_speedup or 0.0
         late = row.advice.straggler if top == "straggler" else None
-        waiting = f"waiting for rank {late.rank}, " if late is not None and late.chronic else ""
+        chronic = late if late is not None and late.chronic else None
+        waiting = f"waiting for rank {chronic.rank}, " if chronic else ""
+        # Where the cost model measured its wait (its fix priced with an interval), one slot leaves the rank out.
+        left_out = f", leaving rank {chronic.rank} out" if chronic and chronic.fixed_interval is not None else ""
         slower = (f"{profile.slots} slots are SLOWER than 1 would be here (estimated "
                   f"{scaling.estimated_speedup_vs_one_slot or 0.0:.2f}x of one slot): {waiting}communication and "
                   f"{_cpus(profile)} cost more than they buy; use resources.slots_per_trial: 1 (about {one:.2f}x "
-                  "samples/s) or make each step bigger")
+                  f"samples/s{left_out}) or make each step bigger")
         # The best change first, as the recommendations rank them: a loading straggler's fix can gain more than
         # dropping to one slot.
         if change and row.predicted_speedup is not None and row.predicted_speedup > one:

@@ -24,11 +24,14 @@ TargetValue = int | float | str | bool | GainCurve | None
 def target_at(model: CostModel, slots: int | None = None, nodes: int | None = None,
               **changes: TargetValue) -> Target:
     """The run's target with ``changes``; on another slot or node count the threads follow the launcher's
-    rule (as a new run there would get them), on the run's own they stay as measured."""
+    rule (as a new run there would get them), on the run's own they stay as measured. Fewer slots than a run
+    with a chronically late rank leave that rank out (the slot to give up first), unless ``late_gone`` says."""
     here = model.measured_target()
     slots = here.slots if slots is None else slots
     nodes = here.nodes if nodes is None else nodes
     threads = here.threads if (slots, nodes) == (here.slots, here.nodes) else None
+    if "late_gone" not in changes and model.late > 0 and slots < here.slots:
+        changes["late_gone"] = True
     return replace(here, slots=slots, nodes=nodes, threads=threads, **changes)
 
 
