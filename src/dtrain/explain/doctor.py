@@ -41,6 +41,7 @@ from dtrain.explain.diagnosis import (
     Recommendation,
     Scaling,
     TryResult,
+    config_text,
     slot_words,
 )
 from dtrain.explain.efficiency import Efficiency
@@ -274,7 +275,7 @@ def _finish_text(diagnosis: Diagnosis) -> str:
                 "run's summary.json)\n")
     conf = found["configured"]
     period = conf["period_batches"]
-    kept = f"min_checkpoint_period {{batches: {period}}}" if period else "a checkpoint only at the end"
+    kept = f"min_checkpoint_period {config_text({'batches': period})}" if period else "a checkpoint only at the end"
     cost = f", ${conf['cost']:,.4g} in all" if conf.get("cost") is not None else ""
     return (f"checkpoints: keep {kept}: no period finishes 2% sooner (Young/Daly: every "
             f"{found.get('daly_period_batches') or 0:,} batches at a failure every {found['system_mttf_hours']:g} h); "

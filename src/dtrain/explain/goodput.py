@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dtrain.errors import UserError
+from dtrain.explain.diagnosis import config_text
 
 SECONDS_PER_HOUR = 3600.0
 # A predicted saving below this share of the run's time is within the model's own error: no advice.
@@ -235,7 +236,7 @@ def _advice(inputs: GoodputInputs, configured: Outcome, optimal: Outcome) -> dic
     if configured.cost is not None and optimal.cost is not None:
         money = configured.cost - optimal.cost if math.isfinite(configured.cost) else math.inf
     return {"key": "min_checkpoint_period", "value": value,
-            "action": f"min_checkpoint_period: {_yaml(value)}",
+            "action": f"min_checkpoint_period: {config_text(value)}",
             "predicted_speedup": t_conf / t_opt,
             "predicted_time_saving_seconds": t_conf - t_opt, "predicted_time_saving_fraction": saving,
             "predicted_cost_saving": money, "why": _why(inputs, configured, optimal)}
@@ -296,10 +297,6 @@ def _positive(text: str) -> float | None:
 def _require(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
         raise UserError(f"{name}={value!r}: {rule}")
-
-
-def _yaml(value: dict[str, int] | None) -> str:
-    return "null" if value is None else f"{{batches: {value['batches']}}}"
 
 
 def _batches(n: int) -> str:

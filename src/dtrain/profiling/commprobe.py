@@ -110,11 +110,16 @@ def measure(group: Any = None, sizes: tuple[int, ...] = SIZES, repeats: int = RE
     return out
 
 
+def measure_half(group: Any = None) -> list[tuple[float, float]]:
+    """:func:`measure` of fp16 all-reduces at :data:`HALF_SIZES` (bytes as sent)."""
+    return measure(group, HALF_SIZES, HALF_REPEATS, torch.float16)
+
+
 def end_of_run(group: Any) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
     """The probe at the end of a multi-slot run: fp32 points, then fp16 ones (both empty on one slot)."""
     if not ddist.is_distributed(group):
         return [], []
-    return measure(group), measure(group, HALF_SIZES, HALF_REPEATS, torch.float16)
+    return measure(group), measure_half(group)
 
 
 # ------------------------------------------------------------------ local processes (dtrain plan --probe)
@@ -133,7 +138,7 @@ def _worker(rank: int, world: int, port: int, threads: int, parameters: int, cap
     store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     try:
-        points, half = measure(), measure(None, HALF_SIZES, HALF_REPEATS, torch.float16)
+        points, half = measure(), measure_half()
         # Exchanges as training makes them: DDP on a stand-in of the model's size, steps with and without
         # gradient sync in alternating blocks; the difference of their means is what an exchange costs a step
         # (hooks, buckets, waking up, waiting for the peer) beside the all-reduces themselves.
@@ -224,7 +229,7 @@ def probe_local(world: int, threads: int, parameters: int, cap_mb: float | None,
         except ProbeDied as exc:  # another pair of fresh processes, once (a hang is not tried again)
             failures.append(str(exc))
             continue
-        return LocalProbe(world, threads, [(float(b), float(s)) for b, s in result["points"]], buckets,
+        return LocalProbe(world, threads, _points(result["points"]), buckets,
                           float(result["compute_seconds"]), float(result["exchange_seconds"]),
                           int(result.get("steps", 0)), _points(result.get("half_points", [])))
     raise ProbeFailed(f"the local all-reduce probe of {world} processes failed {len(failures)} times ("
@@ -281,7 +286,7 @@ def load(path: Path) -> LocalProbe | None:
     """A saved local probe, or None when there is none or it cannot be read (it is then probed again)."""
     try:
         d = json.loads(path.read_text())
-        return LocalProbe(int(d["world"]), int(d["threads"]), [(float(b), float(s)) for b, s in d["points"]],
+        return LocalProbe(int(d["world"]), int(d["threads"]), _points(d["points"]),
                           [float(b) for b in d["buckets"]], float(d["compute_seconds"]), float(d["exchange_seconds"]),
                           int(d.get("steps", 0)), _points(d.get("half_points", [])))
     except (OSError, ValueError, KeyError, TypeError):
@@ -289,4 +294,5 @@ def load(path: Path) -> LocalProbe | None:
 
 
 def _points(pairs: list[list[float]]) -> list[tuple[float, float]]:
+    """``(bytes, seconds)`` pairs as JSON gave them back."""
     return [(float(b), float(s)) for b, s in pairs]

@@ -213,21 +213,26 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
             "data_handoff_cpu_seconds_per_batch": loaded("probe_handoff_cpu") if loaded("probe_handoff") > 0 else None,
             "data_crowded_step_seconds": crowded,
             "data_crowded_own_step_seconds": mean("probe_crowd_own") if crowded else None,
-            "data_crowded_none_step_seconds": (mean("probe_crowd0") if crowded and all(
-                r.get("probe_crowd0", 0.0) > 0 for r in per_rank) else None)}
+            "data_crowded_none_step_seconds": _timed_by_all(per_rank, "probe_crowd0") if crowded else None}
 
 
 def _crowded(per_rank: list[dict[str, float]]) -> list[float] | None:
     """The crowded loader probe's steps with 1, 2, ... loader processes (means over ranks; 0 for a count not every
     rank timed: the probe times the most first, as far as its budget goes), up to the most every rank timed (none
     without the step with the run's own, their scale)."""
-    if not all(r.get("probe_crowd_own", 0.0) > 0 for r in per_rank):
+    if _timed_by_all(per_rank, "probe_crowd_own") is None:
         return None
-    steps = [sum(r[f"probe_crowd{w}"] for r in per_rank) / len(per_rank)
-             if all(r.get(f"probe_crowd{w}", 0.0) > 0 for r in per_rank) else 0.0 for w in range(1, MAX_WORKERS + 1)]
+    steps = [_timed_by_all(per_rank, f"probe_crowd{w}") or 0.0 for w in range(1, MAX_WORKERS + 1)]
     while steps and steps[-1] == 0.0:
         steps.pop()
     return steps or None
+
+
+def _timed_by_all(per_rank: list[dict[str, float]], key: str) -> float | None:
+    """The mean over ranks of a crowded probe's step, None unless every rank timed it."""
+    if not all(r.get(key, 0.0) > 0 for r in per_rank):
+        return None
+    return sum(r[key] for r in per_rank) / len(per_rank)
 
 
 def collect_rank_figures(facts: RunFacts) -> EndFigures:
