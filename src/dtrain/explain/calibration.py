@@ -169,13 +169,16 @@ def model_to_json(built: CostModel, target: Target) -> dict[str, object]:
 def model_from_json(data: dict[str, object]) -> CostModel:
     """The inverse of :func:`model_to_json` (the model, without its list of sources)."""
     link, between = data["link"], data["between_hosts"]
-    return CostModel(Facts.from_json(data["facts"]),  # type: ignore[arg-type]
-                     RingLink(*link) if isinstance(link, list) else None, str(data["link_source"]),
-                     float(data["link_residual"]), Link(**between) if isinstance(between, dict) else None,  # type: ignore[arg-type]
-                     float(data["overhead"]), str(data["overhead_source"]), float(data["factor"]),  # type: ignore[arg-type]
-                     float(data["contention"]),  # type: ignore[arg-type]
-                     exchange_scale=float(data.get("exchange_scale", 1.0)),  # type: ignore[arg-type]
-                     held_exchange=float(data.get("held_exchange", 0.0)))  # type: ignore[arg-type]
+    model = CostModel(Facts.from_json(data["facts"]),  # type: ignore[arg-type]
+                      RingLink(*link) if isinstance(link, list) else None, str(data["link_source"]),
+                      float(data["link_residual"]), Link(**between) if isinstance(between, dict) else None,  # type: ignore[arg-type]
+                      float(data["overhead"]), str(data["overhead_source"]), float(data["factor"]),  # type: ignore[arg-type]
+                      float(data["contention"]),  # type: ignore[arg-type]
+                      exchange_scale=float(data.get("exchange_scale", 1.0)),  # type: ignore[arg-type]
+                      held_exchange=float(data.get("held_exchange", 0.0)))  # type: ignore[arg-type]
+    if not model.facts.holds_exchange:  # as CostModel.from_facts: a held exchange uses neither
+        model.derive_from_facts()
+    return model
 
 
 def evaluate(rows: list[Row]) -> list[Outcome]:

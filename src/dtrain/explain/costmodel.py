@@ -161,12 +161,10 @@ class CostModel:
             return model._held()
         if link is not None:
             sources.append(Source("link among local slots", link_words(link, residual), found_source))
-        if f.half_link_points and link is not None:
-            half = fit(list(f.half_link_points))
-            model.half_link = RingLink.from_fit(half, f.link_world)
+        half = model.derive_from_facts()
+        if model.half_link is not None and half is not None:
             sources.append(Source("fp16 all-reduces among local slots", link_words(model.half_link, half.residual),
                                   found_source))
-        model.late = model._late_wait()
         if f.slots > 1 and found_source in ("measured", "none"):  # no link: the whole exchange is overhead
             model.overhead, model.exchange_scale = model._calibrated_exchange()
             model.overhead_source = "measured"
@@ -183,6 +181,18 @@ class CostModel:
         if between_hosts is not None:
             sources.append(between_source(between_hosts, f))
         return model
+
+    def derive_from_facts(self) -> LinkFit | None:
+        """Set what follows from the facts and the link alone: the fp16 link (its fit returned, None where the
+        run probed none) and the late rank's wait. :meth:`from_facts` calls it, and so does a model rebuilt from
+        its stored parts (:func:`dtrain.explain.calibration.model_from_json`), which must predict alike."""
+        f = self.facts
+        half = None
+        if f.half_link_points and self.link is not None:
+            half = fit(list(f.half_link_points))
+            self.half_link = RingLink.from_fit(half, f.link_world)
+        self.late = self._late_wait()
+        return half
 
     def _held(self) -> CostModel:
         """This model with the run's exchange held as measured per update, not priced from a link: a parameter
