@@ -58,3 +58,11 @@ def test_a_probe_that_hangs_is_not_tried_again(monkeypatch):
     with pytest.raises(commprobe.ProbeFailed, match="took over 120 s"):
         commprobe.probe_local(2, 1, 100, 64.0)
     assert len(attempts) == 1
+
+
+def test_a_slow_spell_over_most_repeats_of_a_size_does_not_set_its_figure():
+    """A size's figure is the lower quartile of its repeats: on a shared VM a spell of slow all-reduces (a peer off
+    its core) spanned most of a size's repeats, and the median read 0.3 ms in one probe and 3.8 ms in the next."""
+    fast, slow = [0.0003 + i * 1e-6 for i in range(4)], [0.0035] * 7
+    assert commprobe.lower_quartile(slow + fast) == pytest.approx(0.000302)  # the third fastest of 11
+    assert commprobe.lower_quartile([5.0, 1.0, 4.0, 2.0, 3.0]) == 2.0  # of 5 (the fp16 sizes): the second

@@ -199,7 +199,7 @@ class SoloProbe(Section):
 
 
 class CommPoint(Section):
-    """One all-reduce size of :class:`CommProbe`: bytes and median seconds."""
+    """One all-reduce size of :class:`CommProbe`: bytes and seconds (the lower quartile of its repeats)."""
 
     bytes: float
     seconds: float
