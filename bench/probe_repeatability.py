@@ -4,10 +4,11 @@
 
 The end-of-run link probe (``dtrain.profiling.commprobe.measure``) times each size ``REPEATS`` times, one
 all-reduce after a barrier, and keeps one figure per size. Each probe here is a fresh group of ``--world``
-local Gloo ranks (as a run's end or ``dtrain plan --probe`` starts them) timing the same loop with every repeat
-kept; the probes run one after another. Reported per size and statistic (median, lower quartile as the probe
-keeps it, least): the figure of each probe and the largest over the smallest. A statistic whose figure moves
-by several times between probes moves the fitted latency and rate with it, and every prediction they price.
+local Gloo ranks (as a run's end or ``dtrain plan --probe`` starts them) running the probe's own loop
+(``commprobe.repeat_times``) with every repeat kept; the probes run one after another. Reported per size and
+statistic (median, lower quartile as the probe keeps it, least): the figure of each probe and the largest over
+the smallest. A statistic whose figure moves by several times between probes moves the fitted latency and rate
+with it, and every prediction they price.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import os
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -32,21 +34,9 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    buffer = torch.zeros(max(commprobe.SIZES) // 4)
-    for _ in range(3):  # as the probe: the backend's threads wake up first
-        dist.all_reduce(buffer[:1024])
-    times: dict[int, list[float]] = {}
-    for nbytes in commprobe.SIZES:
-        view = buffer[: nbytes // 4]
-        dist.all_reduce(view)
-        times[nbytes] = []
-        for _ in range(commprobe.REPEATS):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(view)
-            times[nbytes].append(time.perf_counter() - start)
+    times = commprobe.repeat_times()  # the probe's own loop, every repeat kept
     if rank == 0:
-        Path(out).write_text(json.dumps(times))
+        Path(out).write_text(json.dumps(dict(times)))
     dist.destroy_process_group()
 
 
@@ -58,11 +48,11 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="every repeat of every probe")
     args = parser.parse_args()
     probes = []
-    for i in range(args.probes):
-        out = Path(f"/tmp/dtrain-probe-repeatability-{os.getpid()}-{i}.json")
-        mp.spawn(_rank, args=(args.world, args.port + i, str(out)), nprocs=args.world)
-        probes.append({int(n): t for n, t in json.loads(out.read_text()).items()})
-        out.unlink()
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.probes):
+            out = Path(tmp) / f"probe{i}.json"
+            mp.spawn(_rank, args=(args.world, args.port + i, str(out)), nprocs=args.world)
+            probes.append({int(n): t for n, t in json.loads(out.read_text()).items()})
     print(f"{args.probes} probes of {args.world} ranks, {commprobe.REPEATS} repeats a size, "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     for name, stat in STATISTICS.items():

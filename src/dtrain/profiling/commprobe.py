@@ -40,11 +40,10 @@ REPEATS = 11
 HALF_SIZES = (64 * 2**10, 2**20, 8 * 2**20)
 HALF_REPEATS = 5
 # The share of a size's repeats faster than the time that counts. On a shared VM a slow spell (a peer off its
-# core) can span most of a size's back-to-back repeats: over 8 probes of 2 fresh ranks (2-core VM, 2026-12-02,
-# bench/probe_repeatability.py) the median of 4 KB read 0.30-3.78 ms and of 64 KB 0.43-3.45 ms, the lower
-# quartile 0.27-0.60 ms and 0.37-0.66 ms; the least time moved as much as the quartile at 8 MB and more above.
-# The link's shape (latency against rate) is what the fit needs; the spells a training's exchanges meet are in
-# the exchange cost calibrated on the run itself (dtrain.explain.costmodel).
+# core) can span most of a size's back-to-back repeats, and a median then reads it in one probe and not the next
+# (several times apart at the small sizes); the least time is no steadier at the large ones (docs/benchmarks.md,
+# "The link probe's repeatability"). The link's shape (latency against rate) is what the fit needs; the spells a
+# training's exchanges meet are in the exchange cost calibrated on the run itself (dtrain.explain.costmodel).
 QUANTILE = 0.25
 PROBE_FILE = "comm_probe.json"
 # Fresh processes a local probe gets before it gives up: one that dies (a native thread's abort) is rare.
@@ -97,6 +96,12 @@ def measure(group: Any = None, sizes: tuple[int, ...] = SIZES, repeats: int = RE
             dtype: torch.dtype = torch.float32) -> list[tuple[float, float]]:
     """``(bytes, seconds)`` per size, the lower quartile of ``repeats``, on every rank of ``group`` (collective:
     all ranks call it)."""
+    return [(float(nbytes), lower_quartile(times)) for nbytes, times in repeat_times(group, sizes, repeats, dtype)]
+
+
+def repeat_times(group: Any = None, sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS,
+                 dtype: torch.dtype = torch.float32) -> list[tuple[int, list[float]]]:
+    """Every repeat's seconds per size, each all-reduce after a barrier (collective: all ranks call it)."""
     device = (torch.device("cuda", torch.cuda.current_device())
               if dist.get_backend(group) == "nccl" else None)
     width = torch.finfo(dtype).bits // 8
@@ -115,7 +120,7 @@ def measure(group: Any = None, sizes: tuple[int, ...] = SIZES, repeats: int = RE
             if device is not None:
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
-        out.append((float(nbytes), lower_quartile(times)))
+        out.append((nbytes, times))
     return out
 
 
