@@ -1,5 +1,6 @@
-"""The README is exact: its commands parse with the real CLI, its config keys exist in the schema with the
-defaults it states. Docs that drift from the code fail here, not in a new user's terminal."""
+"""The README and docs/*.md are exact: their commands parse with the real CLI, the config keys they name exist
+in the schema with the defaults they state. Docs that drift from the code fail here, not in a new user's
+terminal."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 import shlex
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,25 +22,43 @@ from dtrain.cli import build_parser
 from dtrain.config.schema import ExperimentConfig
 
 README = (ROOT / "README.md").read_text()
-# Placeholders the README uses in commands, and real values that stand for them.
+# Every page a user reads: the README first, then docs/ by name.
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# The config keys' table, with their defaults.
+CONFIG_PAGE = ROOT / "docs" / "config.md"
+# Pages whose YAML is Determined's own (keys dtrain reads and translates, or names and ignores): not the schema's.
+DETERMINED_YAML = {"from-determined-config.md"}
+# Placeholders the docs use in commands, and real values that stand for them.
 PLACEHOLDERS = {"CONFIG": "examples/digits/experiment.yaml", "RUN_DIR": "runs/r", "SEARCH_DIR": "runs/s",
-                "DIR": "runs/d", "N": "2", "ID": "job-1", "IMAGE": "registry/dtrain:1", "KEY": "seed",
-                "VALUE": "1", "ARGS": ""}
+                "DIR": "runs/d", "RUN": "runs/r", "N": "2", "ID": "job-1", "IMAGE": "registry/dtrain:1",
+                "KEY": "seed", "VALUE": "1", "ARGS": ""}
 _PLACEHOLDER = re.compile(r"\b(" + "|".join(PLACEHOLDERS) + r")\b")
+# Where a shell line stops being dtrain's arguments: a redirection, a pipe, the next command.
+_SHELL_END = re.compile(r"\s(?:>|\||&&|;)\s.*$")
+
+
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
 
 
 def _code_blocks(text: str) -> list[tuple[str, str]]:
     return re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
 
 
-def _shell_commands() -> list[str]:
-    """Every line of a README code block that starts with `dtrain ` or `make `, comments cut."""
+def _shell_commands(text: str = README) -> list[str]:
+    """Every line of a code block that starts with `dtrain ` or `make `, continuations joined, comments and what
+    follows a redirection, a pipe or `&&` cut."""
     lines = []
-    for _, body in _code_blocks(README):
-        for line in body.splitlines():
+    for _, body in _code_blocks(text):
+        for line in body.replace("\\\n", " ").splitlines():
             if line.startswith(("dtrain ", "make ")):
-                lines.append(re.sub(r"\s+#.*$", "", line).strip())
+                lines.append(_SHELL_END.sub("", re.sub(r"\s+#.*$", "", line)).strip())
     return lines
+
+
+def _page_commands(prefix: str) -> list[Any]:
+    return [pytest.param(page, c, id=f"{page.name}: {c[:60]}") for page in PAGES
+            for c in _shell_commands(page.read_text()) if c.startswith(prefix)]
 
 
 def _argv(command: str) -> list[str]:
@@ -63,46 +83,49 @@ def test_the_readme_has_commands_to_check():
     assert {"run", "report", "doctor", "bench", "compare", "search"} <= {c.split()[1] for c in commands}
 
 
-@pytest.mark.parametrize("command", [c for c in _shell_commands() if c.startswith("dtrain ")])
-def test_every_dtrain_command_in_the_readme_parses(command):
+@pytest.mark.parametrize(("page", "command"), _page_commands("dtrain "))
+def test_every_dtrain_command_in_the_docs_parses(page, command):
     args = _parse(_argv(command)[1:])
     config = getattr(args, "config", None)
-    if config is not None and not _PLACEHOLDER.search(command.split("#")[0]):
-        assert (ROOT / config).is_file(), f"{command}: {config} does not exist"
+    # A bare file name is the page's own example (a user's experiment.yaml); a path is this repository's.
+    if config is not None and "/" in config and not _PLACEHOLDER.search(command.split("#")[0]):
+        assert (ROOT / config).is_file(), f"{_name(page)}: {command}: {config} does not exist"
 
 
-@pytest.mark.parametrize("command", [c for c in _shell_commands() if c.startswith("make ")])
-def test_every_make_command_in_the_readme_is_a_target(command):
+@pytest.mark.parametrize(("page", "command"), _page_commands("make "))
+def test_every_make_command_in_the_docs_is_a_target(page, command):
     makefile = (ROOT / "Makefile").read_text()
     for word in _argv(command)[1:]:
         if "=" in word:  # a variable, e.g. SLOTS=1
             assert re.search(rf"^{re.escape(word.split('=')[0])} \??=", makefile, re.M), command
         else:
-            assert re.search(rf"^{re.escape(word)}:", makefile, re.M), f"{command}: no target {word!r}"
+            assert re.search(rf"^{re.escape(word)}:", makefile, re.M), f"{_name(page)}: {command}: no target {word!r}"
 
 
-def test_inline_dtrain_mentions_name_real_commands_and_options():
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_inline_dtrain_mentions_name_real_commands_and_options(page):
     """`dtrain CMD --flag ...` in running text: the command exists and every --flag belongs to it."""
     parser = build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
     top = {s for a in parser._actions for s in a.option_strings}
     checked = 0
-    for span in re.findall(r"`(dtrain [^`]+)`", README):
+    for span in re.findall(r"`(dtrain [^`]+)`", page.read_text()):
         words = [w for w in span.split()[1:] if w != "..."]
         while words and words[0] in top:
             words.pop(0)
         if not words:
             continue
-        assert words[0] in sub.choices, f"`{span}`: no command {words[0]!r}"
+        assert words[0] in sub.choices, f"{_name(page)}: `{span}`: no command {words[0]!r}"
         options = {s for a in sub.choices[words[0]]._actions for s in a.option_strings}
         if words[0] == "launch":  # what follows the script belongs to the script
             words = words[: next((i for i, w in enumerate(words) if w.endswith(".py")), len(words))]
         for word in words[1:]:
             flag = word.strip("[]").split("=")[0]
             if flag.startswith("--"):
-                assert flag in options, f"`{span}`: dtrain {words[0]} has no {flag}"
+                assert flag in options, f"{_name(page)}: `{span}`: dtrain {words[0]} has no {flag}"
         checked += 1
-    assert checked >= 5
+    if page.name == "README.md":
+        assert checked >= 5
 
 
 # ------------------------------------------------------------------------------------------ config keys
@@ -122,7 +145,7 @@ def _field(path: str) -> Any:
     field = None
     for part in path.split("."):
         assert model is not None, f"{path}: {part!r} is below a value, not a section"
-        assert part in model.model_fields, f"README key {path}: {model.__name__} has no field {part!r}"
+        assert part in model.model_fields, f"docs key {path}: {model.__name__} has no field {part!r}"
         field = model.model_fields[part]
         model = _model_of(field.annotation)
     return field
@@ -141,7 +164,8 @@ def _keys(cell: str) -> list[str]:
 
 
 def _key_table() -> list[tuple[list[str], str]]:
-    section = README[README.index("### Config keys"):]
+    text = CONFIG_PAGE.read_text()
+    section = text[text.index("## Config keys"):]
     rows = []
     for line in section.splitlines()[1:]:
         if rows and not line.startswith("|"):
@@ -172,15 +196,15 @@ def test_every_key_in_the_readme_table_is_in_the_schema_with_its_default():
             continue  # a default explained in words
         for key, field, stated in zip(keys, fields, defaults, strict=True):
             if field.is_required():
-                assert stated == "required", f"{key}: README says default {stated!r}, the schema requires it"
+                assert stated == "required", f"{key}: config.md says default {stated!r}, the schema requires it"
                 continue
             actual = field.get_default(call_default_factory=True)
             if actual is None:
-                assert stated in ("none", "auto"), f"{key}: README says {stated!r}, the schema's default is None"
+                assert stated in ("none", "auto"), f"{key}: config.md says {stated!r}, the schema's default is None"
             elif isinstance(actual, BaseModel) or actual == {}:
                 continue  # a whole section (its keys have their own rows)
             else:
-                assert stated == actual, f"{key}: README says default {stated!r}, the schema has {actual!r}"
+                assert stated == actual, f"{key}: config.md says default {stated!r}, the schema has {actual!r}"
             checked += 1
     assert checked >= 30
 
@@ -191,8 +215,9 @@ def test_the_key_table_covers_every_section_of_the_schema():
     assert set(ExperimentConfig.model_fields) - named == {"code_dir", "searcher"}
 
 
-def test_yaml_examples_use_real_keys():
-    for lang, body in _code_blocks(README):
+@pytest.mark.parametrize("page", [p for p in PAGES if p.name not in DETERMINED_YAML], ids=lambda p: p.name)
+def test_yaml_examples_use_real_keys(page):
+    for lang, body in _code_blocks(page.read_text()):
         if lang != "yaml":
             continue
         doc = yaml.safe_load(body)
