@@ -1,9 +1,13 @@
-"""Clusters: the PyTorchJob manifest, the sbatch script (run for real with stand-in srun/scontrol on
-test hosts), and reading the ranks and addresses torchrun, Slurm and a PyTorchJob give."""
+"""Clusters: the TrainJob and PyTorchJob manifests (checked with Kubeflow's own API models), the TrainJob
+pods' command run under the environment Kubeflow Trainer gives them, the sbatch script (run for real with
+stand-in srun/scontrol on test hosts), and reading the ranks and addresses torchrun, Slurm and a PyTorchJob
+give."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -20,62 +24,38 @@ from dtrain.launcher import runs
 sys.path.insert(0, str(ROOT / "scripts"))
 import testhosts
 
-# The parts of the PyTorchJob CRD's openAPIV3Schema (kubeflow/training-operator,
-# manifests/base/crds/kubeflow.org_pytorchjobs.yaml, plus what the API server requires of every object)
-# that a manifest must satisfy: required fields, types, enums.
-_CONTAINER = {"type": "object", "required": ["name"], "properties": {
-    "name": {"type": "string"}, "image": {"type": "string"}, "command": {"type": "array", "items": {"type": "string"}},
-    "workingDir": {"type": "string"},
-    "ports": {"type": "array", "items": {"type": "object", "required": ["containerPort"], "properties": {
-        "name": {"type": "string"}, "containerPort": {"type": "integer"}, "protocol": {"type": "string"}}}},
-    "env": {"type": "array", "items": {"type": "object", "required": ["name"],
-                                       "properties": {"name": {"type": "string"}, "value": {"type": "string"}}}},
-    "resources": {"type": "object", "properties": {"limits": {"type": "object"}, "requests": {"type": "object"}}},
-    "volumeMounts": {"type": "array", "items": {"type": "object", "required": ["mountPath", "name"]}},
-}}
-_REPLICA = {"type": "object", "properties": {
-    "replicas": {"type": "integer"},
-    "restartPolicy": {"type": "string", "enum": ["Always", "OnFailure", "Never", "ExitCode"]},
-    "template": {"type": "object", "properties": {"spec": {"type": "object", "required": ["containers"], "properties": {
-        "containers": {"type": "array", "items": _CONTAINER},
-        "volumes": {"type": "array", "items": {"type": "object", "required": ["name"]}}}}}},
-}}
-PYTORCHJOB_SCHEMA = {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"], "properties": {
-    "apiVersion": {"type": "string", "enum": ["kubeflow.org/v1"]},
-    "kind": {"type": "string", "enum": ["PyTorchJob"]},
-    "metadata": {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}},
-    "spec": {"type": "object", "required": ["pytorchReplicaSpecs"], "properties": {
-        "nprocPerNode": {"type": "string"},
-        "elasticPolicy": {"type": "object", "properties": {
-            "rdzvBackend": {"type": "string", "enum": ["c10d", "etcd", "etcd-v2"]}, "rdzvPort": {"type": "integer"},
-            "minReplicas": {"type": "integer"}, "maxReplicas": {"type": "integer"},
-            "maxRestarts": {"type": "integer"}, "nProcPerNode": {"type": "integer"}}},
-        "pytorchReplicaSpecs": {"type": "object", "additionalProperties": _REPLICA},
-        "runPolicy": {"type": "object", "properties": {"cleanPodPolicy": {"type": "string",
-                                                                          "enum": ["All", "Running", "None"]}}},
-    }},
-}}
-_TYPES = {"object": dict, "array": list, "string": str, "integer": int}
+# What the TrainJob CRD requires of metadata.name (kubeflow/trainer, trainjob_types.go's XValidation rules).
+TRAINJOB_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# What the Trainer's webhook requires of a runtime patch's manager (validation.IsDomainPrefixedPath).
+DOMAIN_PREFIXED_PATH = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/[\w.~/-]+$")
 
 
-def _validate(value, schema, path="$"):
-    """A small JSON-schema subset: type, required, properties, additionalProperties, items, enum."""
-    expected = _TYPES[schema["type"]]
-    assert isinstance(value, expected) and not (expected is int and isinstance(value, bool)), \
-        f"{path}: expected {schema['type']}, got {value!r}"
-    if "enum" in schema:
-        assert value in schema["enum"], f"{path}: {value!r} not in {schema['enum']}"
-    for key in schema.get("required", []):
-        assert key in value, f"{path}: required field {key!r} is missing"
-    for key, sub in schema.get("properties", {}).items():
-        if isinstance(value, dict) and key in value:
-            _validate(value[key], sub, f"{path}.{key}")
-    if "additionalProperties" in schema:
-        for key, item in value.items():
-            _validate(item, schema["additionalProperties"], f"{path}.{key}")
-    if "items" in schema:
-        for i, item in enumerate(value):
-            _validate(item, schema["items"], f"{path}[{i}]")
+def trainjob_model(job: dict):
+    """The manifest through Kubeflow Trainer's API models (kubeflow-trainer-api, generated from the
+    TrainJob's OpenAPI spec; pydantic, strict types, required fields). The models drop a key they do not
+    know, so the way back to a dict must give the manifest itself: a misspelt or unknown field, or a value
+    of another type, shows as a difference."""
+    from kubeflow_trainer_api.models import TrainerV1alpha1TrainJob
+
+    model = TrainerV1alpha1TrainJob.from_dict(job)
+    assert model.to_dict() == job
+    return model
+
+
+def pytorchjob_model(job: dict):
+    """The manifest through the v1 training operator's API models (kubeflow-training's
+    ``kubeflow.training.models``, with the Kubernetes client's for the pod template), deserialized as the
+    SDK deserializes the API server's answer: required fields checked; as above, the way back must give
+    the manifest (the deserializer drops unknown keys and converts types, e.g. "1" to 1)."""
+    from kubeflow.training import ApiClient
+
+    class Response:  # what ApiClient.deserialize reads: the body of an HTTP answer
+        data = json.dumps(job)
+
+    client = ApiClient()
+    model = client.deserialize(Response(), "KubeflowOrgV1PyTorchJob")
+    assert client.sanitize_for_serialization(model) == job
+    return model
 
 
 def _manifest(tmp_path, *args, **overrides):
@@ -85,35 +65,176 @@ def _manifest(tmp_path, *args, **overrides):
     return yaml.safe_load(result.stdout)
 
 
-def test_k8s_manifest_master_and_workers(tmp_path):
+def test_k8s_writes_a_trainjob_by_default(tmp_path):
     job = _manifest(tmp_path, "--image", "registry.example/dtrain:1", "--nnodes", "2", "--pvc", "runs-rwx",
                     "--set", "hyperparameters.lr=0.1", **{"resources.slots_per_trial": 4})
-    _validate(job, PYTORCHJOB_SCHEMA)
-    replicas = job["spec"]["pytorchReplicaSpecs"]
-    assert replicas["Master"]["replicas"] == 1 and replicas["Worker"]["replicas"] == 1
-    assert job["spec"]["nprocPerNode"] == "2"  # 4 slots over 2 nodes
+    model = trainjob_model(job)
+    assert (model.api_version, model.kind, model.metadata.name) == ("trainer.kubeflow.org/v1alpha1", "TrainJob", "tiny")
+    ref = model.spec.runtime_ref
+    assert (ref.name, ref.kind, ref.api_group) == ("torch-distributed", "ClusterTrainingRuntime",
+                                                   "trainer.kubeflow.org")
+    trainer = model.spec.trainer
+    assert trainer.image == "registry.example/dtrain:1"
+    # 4 slots over 2 nodes: PET_NPROC_PER_NODE must be dtrain's slots per node, which it checks.
+    assert (trainer.num_nodes, trainer.num_proc_per_node) == (2, 2)
+    assert trainer.resources_per_node.to_dict() == {"requests": {"cpu": "2"}}  # CPU slots: no GPUs asked for
+    # The torch plugin owns the PET_* variables: the webhook refuses a TrainJob that sets them.
+    assert not [env.name for env in trainer.env if env.name.startswith("PET_")]
+    assert trainer.command[:2] == ["sh", "-c"] and len(trainer.command) == 3
+    # Volumes go through a runtime patch of the torch-distributed runtime's "node" job and container.
+    [patch] = model.spec.runtime_patches
+    assert DOMAIN_PREFIXED_PATH.match(patch.manager), patch.manager
+    [node_job] = patch.training_runtime_spec.template.spec.replicated_jobs
+    pod = node_job.template.spec.template.spec
+    [container] = pod.containers
+    assert node_job.name == container.name == "node"
+    assert {(m.name, m.mount_path) for m in container.volume_mounts} == {("dshm", "/dev/shm"),
+                                                                        ("runs", "/workspace/runs")}
+    volumes = {v.name: v for v in pod.volumes}
+    assert volumes["runs"].persistent_volume_claim.claim_name == "runs-rwx"
+    assert volumes["dshm"].empty_dir.medium == "Memory"
+
+
+def test_k8s_trainjob_with_gpus_and_no_shared_directory(tmp_path):
+    cfg = tiny_config(tmp_path, **{"resources.slots_per_trial": 8, "backend": "nccl"})
+    result = cli_in_process("k8s", str(cfg), "--image", "img", "--nnodes", "4", "--runtime", "torch-cuda")
+    assert result.code == 0, result.stderr
+    assert "# NOTE: no --pvc given" in result.stdout  # multi-node runs need one: said in the file
+    model = trainjob_model(yaml.safe_load(result.stdout))
+    assert model.spec.runtime_ref.name == "torch-cuda"
+    trainer = model.spec.trainer
+    assert (trainer.num_nodes, trainer.num_proc_per_node) == (4, 2)
+    assert trainer.resources_per_node.to_dict() == {"limits": {"nvidia.com/gpu": "2"}}
+    [node_job] = model.spec.runtime_patches[0].training_runtime_spec.template.spec.replicated_jobs
+    assert [v.name for v in node_job.template.spec.template.spec.volumes] == ["dshm"]
+
+
+def _kubelet_expand(text: str, env: dict[str, str]) -> str:
+    """What the kubelet makes of a container's command (the Container API's documented rule): ``$(VAR)``
+    becomes VAR's value where the container has it, ``$$`` becomes ``$``, anything else stays."""
+    def one(match: re.Match) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, text)
+
+
+def test_trainjob_pods_give_dtrain_the_node_arguments_from_trainer(tmp_path):
+    """The pods' command, expanded by the kubelet and run by sh under the variables the torch-distributed
+    runtime gives the third pod: the dtrain it starts is the container's main process (exec), in the
+    working directory, with a --set value unchanged, and its node arguments make the rendezvous the
+    TrainJob means (static, node rank 2 of 3, the master at node 0's host name and port)."""
+    from dtrain.cli import build_parser
+    from dtrain.launcher.runplan import NodeArgs
+
+    odd = "hyperparameters.note=it's \"$HOME\" $(PET_NODE_RANK) $$ `id`; x"
+    job = _manifest(tmp_path, "--image", "i", "--nnodes", "3", "--workdir", str(tmp_path), "--set", odd,
+                    **{"resources.slots_per_trial": 6})
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "dtrain").write_text(f"#!{sys.executable}\nimport json, os, sys\n"
+                                    "json.dump({'argv': sys.argv[1:], 'cwd': os.getcwd(), 'pid': os.getpid()}, "
+                                    "open(os.environ['RECORD'], 'w'))\n")
+    (bin_dir / "dtrain").chmod(0o755)
+    # What the runtime's torch plugin gives each pod, from the TrainJob (kubeflow/trainer, plugins/torch):
+    # PET_NODE_RANK is the pod's Job completion index; the master is node 0's host name in the JobSet.
+    trainer, name = job["spec"]["trainer"], job["metadata"]["name"]
+    pod_env = {"PET_NNODES": str(trainer["numNodes"]), "PET_NODE_RANK": "2",
+               "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]), "PET_MASTER_ADDR": f"{name}-node-0-0.{name}",
+               "PET_MASTER_PORT": "29500"}
+    env = {**pod_env, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": "/home/nobody",
+           "RECORD": str(tmp_path / "record.json")}
+    argv = [_kubelet_expand(part, env) for part in trainer["command"]]
+    proc = subprocess.Popen(argv, env=env, cwd="/")
+    assert proc.wait(timeout=30) == 0
+    record = json.loads((tmp_path / "record.json").read_text())
+    assert record["pid"] == proc.pid and record["cwd"] == str(tmp_path)
+    args = build_parser().parse_args(record["argv"])
+    assert (args.command, str(args.config), args.overrides) == ("run", "experiment.yaml", [odd])
+    pod = read_cluster_env(pod_env)
+    config = load_config(tmp_path / "experiment.yaml", args.overrides)
+    rdzv = runs._rendezvous(runs._rendezvous_args(NodeArgs.from_args(args), pod), config, pod)
+    assert (rdzv.backend, rdzv.node_rank, rdzv.host, rdzv.port, rdzv.min_nodes, rdzv.max_nodes) == (
+        "static", 2, "tiny-node-0-0.tiny", 29500, 3, 3)
+
+
+def test_k8s_refuses_an_elastic_trainjob_and_a_runtime_for_a_pytorchjob(tmp_path):
+    cfg = str(tiny_config(tmp_path, **{"resources.slots_per_trial": 6}))
+    for args in (["--nnodes", "1:3"], ["--nnodes", "2", "--api", "pytorchjob", "--runtime", "torch-cuda"]):
+        result = cli_in_process("k8s", cfg, "--image", "i", *args)
+        assert result.code == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert "use --api pytorchjob for an elastic range" in cli_in_process(
+        "k8s", cfg, "--image", "i", "--nnodes", "1:3").stderr
+
+
+def test_k8s_names_are_dns_labels_that_start_with_a_letter(tmp_path):
+    for name, expected in (("2-Layer.Net", "dtrain-2-layer-net"), ("__", "dtrain"), ("ok_name", "ok-name")):
+        job = _manifest(tmp_path, "--image", "i", "--nnodes", "1", name=name)
+        assert job["metadata"]["name"] == expected and TRAINJOB_NAME.match(expected)
+    long = _manifest(tmp_path, "--image", "i", "--nnodes", "1", name="x" * 80)["metadata"]["name"]
+    assert len(f"{long}-node-0-0") <= 63  # the pods' host names (JobSet: NAME-node-0-INDEX)
+
+
+def test_k8s_pytorchjob_master_and_workers(tmp_path):
+    job = _manifest(tmp_path, "--api", "pytorchjob", "--image", "registry.example/dtrain:1", "--nnodes", "2",
+                    "--pvc", "runs-rwx", "--set", "hyperparameters.lr=0.1", **{"resources.slots_per_trial": 4})
+    model = pytorchjob_model(job)
+    assert (model.api_version, model.kind) == ("kubeflow.org/v1", "PyTorchJob")
+    replicas = model.spec.pytorch_replica_specs
+    assert replicas["Master"].replicas == 1 and replicas["Worker"].replicas == 1
+    assert model.spec.nproc_per_node == "2"  # 4 slots over 2 nodes
+    assert model.spec.elastic_policy is None and model.spec.run_policy.clean_pod_policy == "None"
     for spec in replicas.values():
-        [container] = spec["template"]["spec"]["containers"]
+        assert spec.restart_policy == "OnFailure"
+        [container] = spec.template.spec.containers
         # The operator finds the master's port by these names and sets MASTER_ADDR/PORT, PET_NODE_RANK.
-        assert container["name"] == "pytorch" and container["image"] == "registry.example/dtrain:1"
-        assert {"name": "pytorchjob-port", "containerPort": 29500, "protocol": "TCP"} in container["ports"]
-        assert container["command"] == ["dtrain", "run", "experiment.yaml", "--nnodes", "2",
-                                        "--set", "hyperparameters.lr=0.1"]
-        assert container["resources"] == {"requests": {"cpu": "2"}}  # CPU slots: no GPUs asked for
-        assert {"name": "runs", "mountPath": "/workspace/runs"} in container["volumeMounts"]
-    assert "elasticPolicy" not in job["spec"]
+        assert container.name == "pytorch" and container.image == "registry.example/dtrain:1"
+        [port] = container.ports
+        assert (port.name, port.container_port, port.protocol) == ("pytorchjob-port", 29500, "TCP")
+        assert container.command == ["dtrain", "run", "experiment.yaml", "--nnodes", "2",
+                                     "--set", "hyperparameters.lr=0.1"]
+        assert container.resources.requests == {"cpu": "2"} and not container.resources.limits
+        assert ("runs", "/workspace/runs") in {(m.name, m.mount_path) for m in container.volume_mounts}
 
 
-def test_k8s_manifest_elastic_with_gpus(tmp_path):
-    job = _manifest(tmp_path, "--image", "img", "--nnodes", "1:3", **{"resources.slots_per_trial": 6,
-                                                                       "backend": "nccl"})
-    _validate(job, PYTORCHJOB_SCHEMA)
+def test_k8s_pytorchjob_elastic_with_gpus(tmp_path):
+    job = _manifest(tmp_path, "--api", "pytorchjob", "--image", "img", "--nnodes", "1:3",
+                    **{"resources.slots_per_trial": 6, "backend": "nccl"})
+    pytorchjob_model(job)
     assert job["spec"]["elasticPolicy"] == {"rdzvBackend": "c10d", "rdzvPort": 29500, "minReplicas": 1,
                                             "maxReplicas": 3, "maxRestarts": 0, "nProcPerNode": 2}
     assert list(job["spec"]["pytorchReplicaSpecs"]) == ["Worker"]
     [container] = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
-    assert container["resources"] == {"limits": {"nvidia.com/gpu": 2}}
+    assert container["resources"] == {"limits": {"nvidia.com/gpu": "2"}}
     assert container["command"][3:] == ["--nnodes", "1:3", "--rdzv-backend", "c10d", "--rdzv-id", "tiny"]
+
+
+@pytest.mark.parametrize("kind", ["trainjob", "pytorchjob"])
+def test_the_api_models_refuse_a_broken_manifest(tmp_path, kind):
+    """The checks above have teeth: a misspelt field, a number given as a string, a required field
+    missing each fail them."""
+    job = _manifest(tmp_path, "--api", kind, "--image", "i", "--nnodes", "2")
+    check = trainjob_model if kind == "trainjob" else pytorchjob_model
+    check(job)
+    # (where, new value; None: removed): an unknown field, a number as a string, a required field missing.
+    if kind == "trainjob":
+        breakages = [(("spec", "trainer", "numNode"), 2), (("spec", "trainer", "numNodes"), "2"),
+                     (("spec", "runtimeRef", "name"), None)]
+    else:
+        master = ("spec", "pytorchReplicaSpecs", "Master")
+        breakages = [(("spec", "nprocPerNodes"), "1"), ((*master, "replicas"), "1"),
+                     ((*master, "template", "spec", "containers", 0, "name"), None)]
+    for (*path, key), value in breakages:
+        broken = json.loads(json.dumps(job))
+        parent = broken
+        for part in path:
+            parent = parent[part]
+        if value is None:
+            del parent[key]
+        else:
+            parent[key] = value
+        with pytest.raises((AssertionError, ValueError)):
+            check(broken)
 
 
 def test_k8s_and_slurm_refuse_slots_that_do_not_divide(tmp_path):
