@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from dtrain import dist as ddist
 from dtrain.profiling.buckets import gradient_bytes, layout
+from dtrain.profiling.probeguard import ProbeGuard
 
 # From a few KB (latency-bound) to tens of MB (bandwidth-bound), and the gradients' own size in between.
 SIZES = (4 * 2**10, 64 * 2**10, 2**20, 8 * 2**20, 32 * 2**20)
@@ -93,19 +94,28 @@ def fit(points: list[tuple[float, float]]) -> LinkFit:
 
 
 def measure(group: Any = None, sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS,
-            dtype: torch.dtype = torch.float32) -> list[tuple[float, float]]:
+            dtype: torch.dtype = torch.float32, buffer: torch.Tensor | None = None) -> list[tuple[float, float]]:
     """``(bytes, seconds)`` per size, the lower quartile of ``repeats``, on every rank of ``group`` (collective:
     all ranks call it)."""
-    return [(float(nbytes), lower_quartile(times)) for nbytes, times in repeat_times(group, sizes, repeats, dtype)]
+    return [(float(nbytes), lower_quartile(times))
+            for nbytes, times in repeat_times(group, sizes, repeats, dtype, buffer)]
+
+
+def probe_buffer(group: Any = None, sizes: tuple[int, ...] = SIZES, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The buffer the probe all-reduces views of: the largest size, on the backend's device."""
+    device = (torch.device("cuda", torch.cuda.current_device())
+              if dist.get_backend(group) == "nccl" else None)
+    return torch.zeros(max(sizes) // (torch.finfo(dtype).bits // 8), device=device, dtype=dtype)
 
 
 def repeat_times(group: Any = None, sizes: tuple[int, ...] = SIZES, repeats: int = REPEATS,
-                 dtype: torch.dtype = torch.float32) -> list[tuple[int, list[float]]]:
-    """Every repeat's seconds per size, each all-reduce after a barrier (collective: all ranks call it)."""
-    device = (torch.device("cuda", torch.cuda.current_device())
-              if dist.get_backend(group) == "nccl" else None)
+                 dtype: torch.dtype = torch.float32,
+                 buffer: torch.Tensor | None = None) -> list[tuple[int, list[float]]]:
+    """Every repeat's seconds per size, each all-reduce after a barrier (collective: all ranks call it), in
+    ``buffer`` where given (:func:`probe_buffer`)."""
+    buffer = probe_buffer(group, sizes, dtype) if buffer is None else buffer
+    device = buffer.device if buffer.device.type == "cuda" else None
     width = torch.finfo(dtype).bits // 8
-    buffer = torch.zeros(max(sizes) // width, device=device, dtype=dtype)
     for _ in range(3):  # the backend's threads wake up from the run (or the start)
         dist.all_reduce(buffer[:1024], group=group)
     out = []
@@ -129,16 +139,21 @@ def lower_quartile(times: list[float]) -> float:
     return sorted(times)[int(len(times) * QUANTILE)]
 
 
-def measure_half(group: Any = None) -> list[tuple[float, float]]:
+def measure_half(group: Any = None, buffer: torch.Tensor | None = None) -> list[tuple[float, float]]:
     """:func:`measure` of fp16 all-reduces at :data:`HALF_SIZES` (bytes as sent)."""
-    return measure(group, HALF_SIZES, HALF_REPEATS, torch.float16)
+    return measure(group, HALF_SIZES, HALF_REPEATS, torch.float16, buffer)
 
 
-def end_of_run(group: Any) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """The probe at the end of a multi-slot run: fp32 points, then fp16 ones (both empty on one slot)."""
+def end_of_run(group: Any, guard: ProbeGuard) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """The probe at the end of a multi-slot run: fp32 points, then fp16 ones (both empty on one slot, or where
+    ``guard`` skipped it). Its buffers are made first, a stage of their own: a rank that cannot make them (out of
+    memory) skips the probe with every other rank, rather than leave them in its all-reduces."""
     if not ddist.is_distributed(group):
         return [], []
-    return measure(group), measure_half(group)
+    # The all-reduces themselves: the same sizes on every rank, and nothing rank-local between them to fail.
+    return guard.run_collective(
+        "comm_probe", lambda: (probe_buffer(group), probe_buffer(group, HALF_SIZES, torch.float16)),
+        lambda buffers: (measure(group, buffer=buffers[0]), measure_half(group, buffers[1])), ([], []))
 
 
 # ------------------------------------------------------------------ local processes (dtrain plan --probe)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -17,7 +18,8 @@ from dtrain.profiling.buckets import gradient_bytes
 from dtrain.profiling.device import cpu_cores, device_facts
 from dtrain.profiling.flops import count_step_flops, mfu_section
 from dtrain.profiling.handoff import MAX_WORKERS
-from dtrain.profiling.probes import PROBE_FIELDS, SOLO_THREADS, batch_probe
+from dtrain.profiling.probeguard import ProbeGuard, time_budget
+from dtrain.profiling.probes import PROBE_FIELDS, SOLO_THREADS, batch_probe, no_buffer_broadcast
 from dtrain.profiling.record import (
     BatchScaling,
     Comm,
@@ -28,6 +30,7 @@ from dtrain.profiling.record import (
     ModelSteps,
     PhaseSeconds,
     PhaseSpread,
+    ProbeSkip,
     ProfileRecord,
     RankFigures,
     ShardedExchange,
@@ -39,6 +42,8 @@ from dtrain.profiling.runfacts import RunFacts
 from dtrain.profiling.runsummary import RunHead
 from dtrain.profiling.timer import COMM_FIELDS, PHASES, StepTimer
 from dtrain.profiling.warmup import first_steps_of
+
+log = logging.getLogger(__name__)
 
 RANK_FIELDS = (*PHASES, "step", "step_std", *COMM_FIELDS, "peak_memory_bytes", "state_bytes", *PROBE_FIELDS,
                "step_flops")
@@ -121,6 +126,7 @@ class EndFigures:
     gradient_bytes: list[list[int]] | None = None
     probe_seconds: float | None = None  # the probes' wall time on this rank (None: not probed)
     half_points: list[tuple[float, float]] | None = None  # the probe's fp16 all-reduces (bytes as sent)
+    probes_skipped: list[ProbeSkip] | None = None  # what every rank skipped, and why (None: not probed)
 
 
 def build_profile(figures: EndFigures, head: RunHead) -> ProfileRecord:
@@ -165,7 +171,7 @@ def build_profile(figures: EndFigures, head: RunHead) -> ProfileRecord:
                          stragglers=lags, comm_probe=probe,
                          step_jitter_seconds=sum(r.get("step_std", 0.0) for r in per_rank) / slots,
                          model_steps=figures.model_steps, gradient_bytes=figures.gradient_bytes,
-                         probe_seconds=figures.probe_seconds,
+                         probe_seconds=figures.probe_seconds, probes_skipped=figures.probes_skipped,
                          **_probe_figures(per_rank, head.per_slot_batch_size))
 
 
@@ -182,7 +188,7 @@ def _probe_figures(per_rank: list[dict[str, float]], per_slot: int) -> dict[str,
         return loading.get(field, 0.0)
 
     batch_scaling: BatchScaling | None = None
-    if mean("probe_work") > 0:
+    if mean("probe_work") > 0 and mean("probe_work_double") > 0:  # (twice the batch not tried on a full GPU)
         batch_scaling = BatchScaling(
             per_slot_batch_size=per_slot, work_seconds=mean("probe_work"),
             work_double_seconds=mean("probe_work_double"), load_seconds=loaded("probe_load"),
@@ -249,20 +255,29 @@ def collect_rank_figures(facts: RunFacts) -> EndFigures:
     half: list[tuple[float, float]] = []
     steps: ModelSteps | None = None
     started, probed_for = time.perf_counter(), None
+    skipped: list[ProbeSkip] | None = None
     if facts.probe is not None and timer.enabled and facts.probes:
-        probed = batch_probe(facts)
+        # Every probe a stage every rank agrees on (dtrain.profiling.probeguard), within the probes' time budget.
+        guard = ProbeGuard(facts.strategy.dp_group, time_budget(facts.train_seconds))
+        guard.start()
+        probed = batch_probe(facts, guard)
         memory.update(probed.figures)
         steps = probed.model_steps
         if steps is not None:  # this rank's loop, beside this rank's probe: the doctor weighs one against the other
             steps = steps.model_copy(update={"loop_data_host_seconds": timer.per_step()["data_host"]})
         if not facts.strategy.has_server_ranks:
-            points, half = commprobe.end_of_run(group)
+            points, half = commprobe.end_of_run(group, guard)
         probed_for = time.perf_counter() - started
+        skipped = guard.skipped
+        if skipped and facts.is_chief:
+            log.warning("end-of-run probes skipped (the run and its outputs are whole; the doctor prices fewer "
+                        "changes): %s", "; ".join(f"{s.probe}: {s.reason}" for s in skipped))
     if facts.probe is not None and timer.enabled:  # MFU's count, with the probes off too
-        memory["step_flops"] = count_step_flops(facts)
+        with no_buffer_broadcast(facts.models):  # its forward on this rank alone: no collective inside
+            memory["step_flops"] = count_step_flops(facts)
     per_rank = gather_rank_stats(timer, memory, group)
     return EndFigures(per_rank, latency_probe(group=group), all_hostnames(), points, steps,
-                      gradient_bytes(facts.models), probed_for, half)
+                      gradient_bytes(facts.models), probed_for, half, skipped)
 
 
 

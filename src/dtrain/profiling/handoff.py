@@ -129,9 +129,9 @@ def crowded_steps(loader: DataLoader[object], per_slot: int, pace: Pace, own: in
     ``own`` could be timed within the budget.
 
     Each step takes a batch and gives it to ``step``: the training's work on it (None where this rank's loader
-    failed). A collective over ``group``: every rank calls it and takes the same number of steps; a rank whose
-    loader fails keeps stepping (its peers' exchange waits for it), and then no rank reports a figure for that
-    count."""
+    failed; ``step`` returns False where the batch it was given failed, and trained on one of its own). A
+    collective over ``group``: every rank calls it and takes the same number of steps; a rank whose loader fails
+    keeps stepping (its peers' exchange waits for it), and then no rank reports a figure for that count."""
     workers = -ddist.least_over_ranks(-pace.needed(), group)
     # The most processes first: the formula holds where few processes crowd the cores, and misses most where many
     # do, which is where the advice looks; a slow load through one process may not fit the budget at all.
@@ -242,7 +242,10 @@ def _crowded(loader: DataLoader[object], per_slot: int, workers: int, timed: int
             except Exception as exc:
                 log.info("crowded loader probe stopped: %s", exc)
                 batches = None
-        step(batch)  # whatever happened above: the other ranks' steps meet this one's
+        # Whatever happened above, the other ranks' steps meet this one's; a taken batch that failed in the step
+        # ends this count's figure on this rank as a failed loader does (the step ran on the caller's own batch).
+        if step(batch) is False and batches is not None:
+            batches = None
         now = time.perf_counter()
         walls.append(now - last)
         last = now

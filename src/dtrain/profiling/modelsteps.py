@@ -264,10 +264,10 @@ def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], devic
 def _time_block(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
                 settings: dict[str, Setting], failed: dict[str, str], times: dict[str, list[float]],
                 scalers: dict[str, torch.amp.GradScaler], steps: int, share: float,
-                host_times: dict[str, list[float]]) -> int:
+                host_times: dict[str, list[float]], budget_seconds: float = BUDGET_SECONDS) -> int:
     """Warm-up, then timed rounds of ``settings`` (interleaved), this block's ``share`` of the probe's target and
-    budget: how many rounds were timed."""
-    target, budget = TARGET_SECONDS * share, BUDGET_SECONDS * share
+    budget (``budget_seconds``): how many rounds were timed."""
+    target, budget = TARGET_SECONDS * share, budget_seconds * share
     chain, queued, last = 1, _chain(device), {}
     warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers, last=last)
     if queued > 1:  # the first round paid for new kernels: the next one sizes the timed rounds
@@ -286,11 +286,14 @@ def _time_block(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], 
 def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                      device: torch.device, batch: object, double: object, per_slot: int,
                      steps: int = STEPS_TIMED, keep_state: bool = True,
-                     other_threads: Sequence[int] = ()) -> ModelSteps:
+                     other_threads: Sequence[int] = (), budget: float = BUDGET_SECONDS,
+                     double_skipped: str | None = None) -> ModelSteps:
     """The model's steps timed as the module's docstring says; run on one rank with gradient exchange
     off. ``other_threads``: thread counts besides the present one to time every setting at too (a CPU's).
     Never raises for a setting that fails: it is skipped with its reason. ``keep_state`` False: the
-    caller restores the models, optimizers and random generators itself (:func:`restored`)."""
+    caller restores the models, optimizers and random generators itself (:func:`restored`). ``budget``: seconds
+    the timed rounds may take (the end-of-run probes' budget left bounds it); ``double_skipped``: why twice the
+    batch is not tried (``double`` is then not run: a GPU without room for it)."""
     start = time.perf_counter()
     run = hooks.precision.name
     names, skipped = precisions_for(device)
@@ -305,7 +308,9 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
     settings.update(shapes)
     times: dict[str, list[float]] = {key: [] for key in settings}
     host_times: dict[str, list[float]] = {key: [] for key in settings}
-    failed: dict[str, str] = {}
+    # Twice the batch not tried: every setting of it is skipped, with the caller's reason.
+    failed: dict[str, str] = ({key: double_skipped for key, (_, data, _) in settings.items() if data is double}
+                              if double_skipped is not None else {})
     # 16-mixed steps through a loss scaler of its own here, one per setting (a 16-mixed run's scaler is left
     # as it was; its twice-the-batch setting gets one too).
     scalers = {key: loss_scaler(device) for key, (name, _, _) in settings.items() if name == "16-mixed"}
@@ -318,7 +323,7 @@ def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers:
             block = {key: setting for key, setting in settings.items() if setting[2] == threads}
             with _threads(threads):
                 timed = _time_block(hooks, optimizers, device, block, failed, times, scalers, steps,
-                                    1 / len(blocks), host_times)
+                                    1 / len(blocks), host_times, budget)
             rounds = timed if threads is None else rounds
     skipped.update({k: v for k, v in failed.items() if k != "double" and k not in shapes})
     best = {key: statistics.median(seconds) if seconds else float("inf") for key, seconds in times.items()}

@@ -40,8 +40,12 @@ from dtrain.profiling.sections import (
     ModelSteps,
     PhaseSeconds,
     PhaseSpread,
+    ProbeSkip,
     RankFigures,
     RankLag,
+    ScriptLoader,
+    ScriptModel,
+    ScriptRun,
     Section,
     ShardedExchange,
     SoloProbe,
@@ -66,8 +70,9 @@ __all__ = [
     "ALL_REDUCE", "FILE_NAME", "MODEL_STEPS_VERSION", "SCHEMA_VERSION", "SERVER", "SHARDED", "AllreduceProbe",
     "BatchScaling", "ByPhase", "Comm",
     "CommPoint", "CommProbe", "CompressionCost", "DeviceFacts", "FirstSteps", "Flops", "LrHyperparameter",
-    "MatmulTflops", "MembershipChange", "ModelSteps", "PhaseSeconds", "PhaseSpread", "ProfileError",
-    "ProfileRecord", "RankFigures", "RankLag", "Section", "ShardedExchange", "SoloProbe", "Spread", "Stragglers",
+    "MatmulTflops", "MembershipChange", "ModelSteps", "PhaseSeconds", "PhaseSpread", "ProbeSkip", "ProfileError",
+    "ProfileRecord", "RankFigures", "RankLag", "ScriptLoader", "ScriptModel", "ScriptRun", "Section",
+    "ShardedExchange", "SoloProbe", "Spread", "Stragglers",
     "WorkPoint", "WorkSeconds", "load_profile", "load_run_profile", "write_profile",
 ]
 
@@ -85,7 +90,8 @@ class ProfileRecord(Section):
          "data_load_cpu_share", "solo_probe", "comm_probe", "compression_cost", "step_jitter_seconds",
          "step_window_seconds", "unobserved_phases", "membership_changes", "model_steps", "first_steps",
          "flops", "gradient_bytes", "data_handoff_seconds_per_batch", "data_handoff_cpu_seconds_per_batch", "exchange",
-         "sharded_exchange", "data_crowded_none_step_seconds"})
+         "sharded_exchange", "data_crowded_none_step_seconds", "probes_skipped",
+         "script"})
 
     schema_version: int = SCHEMA_VERSION
     # What the run was (also summary.json's head: dtrain.profiling.runsummary.RunHead).
@@ -164,6 +170,10 @@ class ProfileRecord(Section):
     gradient_bytes: list[list[int]] | None = None
     # The end-of-run probes' wall time on the first rank: what they added to the run (None: not probed).
     probe_seconds: float | None = None
+    # A user's own script profiled from outside (dtrain launch SCRIPT): what ran and what could not be seen.
+    script: ScriptRun | None = None
+    # The end-of-run probes every rank skipped, and why ([]: none; None: not probed, and files before 2026-12-07).
+    probes_skipped: list[ProbeSkip] | None = None
 
     @field_validator("phases")
     @classmethod
@@ -238,7 +248,8 @@ def load_run_profile(run_dir: Path) -> ProfileRecord:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ProfileError(f"{run_dir} is not a directory; pass a run directory made by 'dtrain run'")
-    if not (run_dir / "config.yaml").is_file():
+    # A script's run (dtrain launch SCRIPT) has no config.yaml: its profile.json says what ran.
+    if not (run_dir / "config.yaml").is_file() and not (run_dir / FILE_NAME).is_file():
         raise ProfileError(f"{run_dir} is not a dtrain run (no config.yaml); pass a run directory made by "
                            "'dtrain run'")
     path = run_dir / FILE_NAME

@@ -254,6 +254,13 @@ class ShapeTime(Section):
     relative_spread: float | None = None
 
 
+class ProbeSkip(Section):
+    """An entry of ``probes_skipped``: an end-of-run probe every rank skipped, and why (dtrain.profiling.probeguard)."""
+
+    probe: str
+    reason: str
+
+
 class ModelSteps(Section):
     """``model_steps``: the model's own training steps (forward, backward and optimizer step on the run's
     data shape) timed on the first rank at the end of the run (:mod:`dtrain.profiling.modelsteps`), under each
@@ -344,3 +351,57 @@ class Flops(Section):
     peak: str
     mfu_per_slot: list[float]
     mfu: float
+
+
+class ScriptModel(Section):
+    """``script.models[i]``: one DDP model a script built, as it built it (what a change from outside moves)."""
+
+    parameters: int
+    # bucket_cap_mb as the script passed it (None: DDP's default, a 1 MiB first bucket then 25 MiB).
+    bucket_cap_mb: float | None
+    bucket_bytes_cap: int
+    # DDP's comm hook by name (its logging data's), None without one: a script's own hook is named, not replaced.
+    comm_hook: str | None
+    find_unused_parameters: bool
+    static_graph: bool
+    gradient_as_bucket_view: bool
+    broadcast_buffers: bool
+
+
+class ScriptLoader(Section):
+    """``script.loader``: the DataLoader the steps drew their batches from (the one iterated with gradients on)."""
+
+    batch_size: int | None
+    num_workers: int
+    pin_memory: bool
+    persistent_workers: bool
+    prefetch_factor: int | None
+    # Iterators started on it during the run (an epoch each): with workers and not persistent, each start
+    # started its worker processes again.
+    iterators: int
+
+
+class ScriptRun(Section):
+    """``script``: a user's own script profiled from outside (``dtrain launch``, ``-m dtrain.profile``,
+    ``DTRAIN_PROFILE``): what ran, where, how it exchanged and what could not be seen (one line each)."""
+
+    OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"loader", "host_syncs_per_step"})
+
+    launcher: str  # "dtrain launch", "python -m dtrain.profile" or "DTRAIN_PROFILE"
+    command: list[str]  # the script's path and arguments, as given
+    cwd: str
+    script: str  # absolute path
+    script_sha256: str
+    world_size: int
+    ranks_reported: list[int]  # the ranks whose figures made it into the record
+    complete: bool  # every rank reported after a normal end (False: a crash or a missing rank; partial figures)
+    models: list[ScriptModel]
+    loader: ScriptLoader | None = None
+    # Per optimizer step: backward passes (micro-batches), and those that exchanged gradients (all-reduced).
+    micro_batches_per_step: float
+    exchanges_per_step: float
+    no_sync: bool  # some backward ran under DDP's no_sync (accumulation without an exchange)
+    grad_scaler: bool  # steps went through a GradScaler (a step it skipped still counts)
+    optimizers: list[str]
+    host_syncs_per_step: float | None = None  # not measured (None)
+    unseen: list[str]  # what could not be seen, one line each

@@ -20,8 +20,8 @@ advice of DDP rests on.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from torch.distributed import ProcessGroup
 
 from dtrain import dist as ddist
 from dtrain.profiling.clock import synchronized_now
+from dtrain.profiling.probeguard import available_host_bytes
 
 FIELDS = ("probe_sharded_step", "probe_sharded_local", "probe_sharded_collectives", "probe_sharded_bytes")
 # Share of the free memory the gathered parameters and their gradients may take.
@@ -46,14 +47,7 @@ def _fsdp_modules(models: Sequence[nn.Module]) -> list[nn.Module]:
 def _free_bytes(device: torch.device) -> float:
     if device.type == "cuda":
         return float(torch.cuda.mem_get_info(device)[0])
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+    return available_host_bytes()
 
 
 def _replica_bytes(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]) -> float:
@@ -71,8 +65,19 @@ def fits_unsharded(models: Sequence[nn.Module], optimizers: Sequence[torch.optim
     free for each of the host's ``local_ranks`` ranks, on every rank (a collective: every rank calls it). A
     probe that holds a sharded model's parameters or gradients unsharded runs only where it does: one rank out
     of memory alone would leave the others waiting in the probe's next collective."""
+    try:  # this rank's part, before the agreement: a rank that cannot tell says no, and every rank skips
+        fits = fits_here(models, optimizers, device, local_ranks)
+    except Exception as exc:
+        log.info("sharded probe: memory not known: %s", exc)
+        fits = False
+    return _agreed(fits, group)
+
+
+def fits_here(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
+              local_ranks: int) -> bool:
+    """:func:`fits_unsharded` on this rank alone (no collective)."""
     free = MEMORY_SHARE * _free_bytes(device) / (max(1, local_ranks) if device.type == "cpu" else 1)
-    return _agreed(_replica_bytes(models, optimizers) <= free, group)
+    return _replica_bytes(models, optimizers) <= free
 
 
 def _agreed(ok: bool, group: ProcessGroup | None) -> bool:
@@ -101,20 +106,36 @@ def _clear_grads(models: Sequence[nn.Module]) -> None:
             p.grad = None
 
 
-def sharded_exchange(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
-                     train: Callable[[], object], device: torch.device, group: ProcessGroup | None,
-                     repeats: int, local_ranks: int) -> dict[str, float]:
+@dataclass(frozen=True)
+class Units:
+    """This rank's part of the probe before its collectives (:func:`sharded_units`): the FSDP units, the roots'
+    ids, the models, and whether DDP's footprint fits here."""
+
+    modules: list[nn.Module]
+    roots: set[int]
+    models: tuple[nn.Module, ...]
+    fits: bool
+
+
+def sharded_units(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
+                  local_ranks: int) -> Units:
+    """The probe's rank-local preparation (no collective): the FSDP units and whether DDP's footprint would fit
+    beside the host's ``local_ranks`` ranks (:func:`fits_here`)."""
+    modules = _fsdp_modules(models)
+    return Units(modules, {id(m) for m in models if m in modules}, tuple(models),
+                 bool(modules) and fits_here(models, optimizers, device, local_ranks))
+
+
+def sharded_exchange(units: Units, train: Callable[[], object], device: torch.device, group: ProcessGroup | None,
+                     repeats: int) -> dict[str, float]:
     """``probe_sharded_step`` and ``probe_sharded_local`` (least seconds of forward and backward with FSDP's
     collectives, and with the parameters held gathered); empty where the models are not sharded, DDP's
-    footprint would not fit beside the host's ``local_ranks`` ranks, or a round failed on some rank. Collective:
+    footprint would not fit on some rank (:func:`sharded_units`), or a round failed on some rank. Collective:
     every rank calls it with the same ``repeats``. Gradients are cleared; FSDP's settings and sharded
     parameters are put back."""
-    modules = _fsdp_modules(models)
-    if not modules or not ddist.is_distributed(group):
+    modules, roots, models = units.modules, units.roots, units.models
+    if not modules or not ddist.is_distributed(group) or not _agreed(units.fits, group):
         return {}
-    if not fits_unsharded(models, optimizers, device, group, local_ranks):
-        return {}
-    roots = {id(m) for m in models if m in modules}
     least = {True: float("inf"), False: float("inf")}
     for round_ in range(repeats + 1):  # the first round warms both up
         seconds = _round(modules, roots, models, train, device)
