@@ -25,6 +25,8 @@ LEVELS: dict[str, int] = {
     "dtrain.explain": 7,
     "dtrain.search": 8,
     "dtrain.cli": 9,
+    # python -m dtrain.profile: a command line beside cli (its imports are function-level, for the .pth file).
+    "dtrain.profile": 9,
 }
 
 

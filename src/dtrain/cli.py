@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import time
@@ -134,10 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     cluster.add_parsers(sub, _positive_int)  # dtrain k8s / dtrain slurm
 
     launch = sub.add_parser("launch", help="run your own training script on N slots (like torchrun)")
-    launch.add_argument("--slots", type=_slot_count, required=True)
+    launch.add_argument("--slots", type=_slot_count, required=True, help="slots of the whole job (with --nnodes: "
+                        "split evenly across the nodes)")
     launch.add_argument("--max-restarts", type=int, default=0)
-    launch.add_argument("script", help="Python script that calls dtrain.init()")
+    launch.add_argument("--run-dir", type=Path, default=None, help="where the script's profile goes (default: a new "
+                        "directory under runs/, printed); dtrain doctor and dtrain report read it")
+    launch.add_argument("script", help="Python training script, unchanged (torch DDP, Lightning, Accelerate, "
+                        "or one that calls dtrain.init())")
     launch.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    _add_node_args(launch, "--slots", "elastic: a node that joins or leaves restarts every worker, as under "
+                   "torchrun, so the script must resume from its own checkpoint")
     _global_flags_anywhere(sub)
     return parser
 
@@ -150,10 +157,10 @@ def _global_flags_anywhere(sub: argparse._SubParsersAction) -> None:
             command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=DEBUG_HELP)
 
 
-def _add_node_args(parser: argparse.ArgumentParser) -> None:
+def _add_node_args(parser: argparse.ArgumentParser, slots: str = "slots_per_trial", elastic: str = "elastic") -> None:
     nodes = parser.add_argument_group("several machines (run the same command on every node)")
-    nodes.add_argument("--nnodes", metavar="N|MIN:MAX", help="number of nodes; slots_per_trial is split across them "
-                       "(MIN:MAX: elastic, with --rdzv-backend c10d)")
+    nodes.add_argument("--nnodes", metavar="N|MIN:MAX", help=f"number of nodes; {slots} is split across them "
+                       f"(MIN:MAX: {elastic}; with --rdzv-backend c10d)")
     nodes.add_argument("--node-rank", type=int, metavar="R", help="this node's rank, 0 to N-1 (static rendezvous)")
     nodes.add_argument("--master", metavar="HOST:PORT", help="rendezvous address, hosted by node 0 (static) or the "
                        "node owning HOST (c10d)")
@@ -460,21 +467,65 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from dtrain.launcher.agent import LaunchOptions, launch
+    from dtrain.launcher.runplan import NodeArgs, script_nodes
 
     script = Path(args.script)
     if not script.is_file():
         raise UserError(f"script {str(script)!r} does not exist; pass the path of a Python training script")
     if not 0 <= args.max_restarts <= 100:  # the same bound as the config's max_restarts
         raise UserError(f"--max-restarts must be from 0 to 100, got {args.max_restarts}")
+    # Several machines: checked, then met, before any worker starts (--slots is the job's total).
+    nodes, per_node = script_nodes(NodeArgs.from_args(args), script, args.args, args.slots, args.max_restarts)
+    from dtrain.launcher.agent import LaunchOptions, launch
+
+    run_dir = _script_run_dir(args.run_dir, script)
+    started = time.perf_counter()
     # Through dtrain.engine.script_main: the script's exceptions are reported, its workers die with this process.
     failure = launch(["-u", "-m", "dtrain.engine.script_main", str(script), *args.args],
-                     LaunchOptions(slots=args.slots, max_restarts=args.max_restarts, debug=args.debug))
+                     LaunchOptions(slots=per_node, max_restarts=args.max_restarts, debug=args.debug, nodes=nodes))
+    _script_profiled(run_dir, script, args.args, time.perf_counter() - started, failed=failure is not None)
     if failure is not None:
         print(f"{PROG}: error: {failure.headline()}", file=sys.stderr)
         # The script's own exit code where it chose one (sys.exit(2) stays 2), else 1.
         return failure.exit_code if failure.exit_code > 0 else 1
     return 0
+
+
+def _script_run_dir(given: Path | None, script: Path) -> Path:
+    """The run directory a launched script is profiled into (its workers read ``DTRAIN_PROFILE``); a new one
+    under runs/ unless given, printed."""
+    from dtrain.engine import scriptprof
+
+    run_dir = given if given is not None else Path("runs") / f"{script.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"--run-dir {str(run_dir)!r} is a file; pass a directory")
+    (run_dir / scriptprof.RANKS).mkdir(parents=True, exist_ok=True)
+    for stale in (run_dir / scriptprof.RANKS).glob("rank-*.json"):  # an earlier launch's figures are not this one's
+        stale.unlink()
+    if given is None:
+        print(f"{PROG}: profiling {script} into {run_dir}", file=sys.stderr)
+    os.environ[scriptprof.ENV] = str(run_dir.resolve())
+    return run_dir
+
+
+def _script_profiled(run_dir: Path, script: Path, script_args: list[str], seconds: float, failed: bool) -> None:
+    """After the job: the ranks' files merged where rank 0 could not (a crash), the summary and report.html (on
+    the node that ran rank 0; the other nodes' ranks sent theirs to it)."""
+    from dtrain.engine import scriptprof
+    from dtrain.explain.report import write_report
+    from dtrain.explain.summary import print_run_summary
+
+    os.environ.pop(scriptprof.ENV, None)
+    if not (run_dir / scriptprof.RANKS / "rank-0.json").is_file():
+        return
+    info = {"launcher": "dtrain launch", "command": [str(script), *script_args], "cwd": os.getcwd(),
+            "script": str(script.resolve())}
+    if scriptprof.merge_rank_files(run_dir, info):
+        if failed:  # what the ranks measured before the failure
+            print(f"{PROG}: partial profile (the job failed) in {run_dir}; report {write_report(run_dir)}",
+                  file=sys.stderr)
+        else:
+            print_run_summary(run_dir, seconds)  # the time table, the doctor's verdict and report.html
 
 
 if __name__ == "__main__":

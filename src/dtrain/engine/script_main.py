@@ -5,6 +5,10 @@ first on ``sys.path``), with what dtrain's own workers have around them: the wor
 launcher (:func:`dtrain.engine.watchdog.die_with_launcher`), publishes where it is (the context marks its
 phases), and an exception leaves an error report, so that the launcher's one line names the real
 exception and the line of the script that raised it rather than "exited with code 1".
+
+Where ``DTRAIN_PROFILE`` names a run directory (``dtrain launch`` sets it; ``python -m dtrain.profile`` too), the
+script is profiled (:mod:`dtrain.engine.scriptprof`): its hooks go in before the script runs, and a crash still
+leaves this rank's figures.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import traceback
 from pathlib import Path
 from types import TracebackType
 
-from dtrain.engine import watchdog
+from dtrain.engine import scriptprof, watchdog
 from dtrain.engine.failures import SECONDARY, write_report
 
 
@@ -47,11 +51,14 @@ def _print(exc: BaseException, script: Path) -> None:
     traceback.print_exception(type(exc), exc, tb or exc.__traceback__)
 
 
-def main(argv: list[str]) -> None:
+def main(argv: list[str], launcher: str = "dtrain launch") -> None:
     watchdog.die_with_launcher()
     if not argv:
         raise SystemExit("usage: python -m dtrain.engine.script_main SCRIPT [ARGS...]")
     script = Path(argv[0]).resolve()
+    profile_dir = os.environ.get(scriptprof.ENV)
+    if profile_dir:
+        scriptprof.start(Path(profile_dir), list(argv), launcher)
     reports = watchdog.status_dir_from_env()
     rank, master = _env()
     # The script owns its signals; only the status thread runs.
@@ -64,6 +71,7 @@ def main(argv: list[str]) -> None:
         raise
     except BaseException as exc:
         _print(exc, script)
+        scriptprof.finish("crash")  # this rank's figures so far, for the launcher to merge
         if reports is not None:
             watchdog.publish_now()
             write_report(reports, rank, exc, user_error=False, exit_code=1, where=_in_script(exc, script))

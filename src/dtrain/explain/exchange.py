@@ -100,12 +100,15 @@ SHARDED_ALONE = ("on one slot dtrain trains the model unsharded, without FSDP's 
 NOT_PROBED = ("the run turned its end-of-run probes off (profiling.probes: false): they time what a change moves "
               "(the model's step at other batch sizes, threads and precisions, the loader, the all-reduce at other "
               "sizes); run with profiling.probes: true, the default, to price it")
+# A script's run (dtrain launch SCRIPT): dtrain does not own its step, so nothing was probed at its end.
+SCRIPT_NOT_PROBED = ("the run is a script's (dtrain does not own its step, so no end-of-run probe timed what a "
+                     "change moves): measure it with --verify")
 
 
 def unpriced(profile: ProfileRecord) -> Unpriced | None:
     """What the cost model cannot price for this run (None: every change it knows)."""
     if not profile.probes:
-        return Unpriced(NOT_PROBED, None)
+        return Unpriced(NOT_PROBED if profile.script is None else SCRIPT_NOT_PROBED, None)
     found = kind(profile)
     if found == PRICED:
         return None

@@ -1,0 +1,118 @@
+"""A plain torch DDP training script, as written for torchrun: no dtrain import.
+
+    torchrun --nproc-per-node 2 examples/scripts/ddp_plain.py --steps 20
+    dtrain launch --slots 2 --run-dir runs/plain examples/scripts/ddp_plain.py --steps 20
+    dtrain doctor runs/plain
+
+Synthetic data on the CPU over Gloo (one process without a launcher). The options plant what the doctor should
+find (a slow loader, a late rank, many small gradient tensors) and the shapes a profiler must handle
+(accumulation with ``no_sync``, validation between steps, a crash, no ``destroy_process_group``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
+
+
+class SlowDataset(Dataset):
+    """Each sample takes ``delay`` seconds to load: a loader that cannot keep up."""
+
+    def __init__(self, base: TensorDataset, delay: float) -> None:
+        self.base, self.delay = base, delay
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        time.sleep(self.delay)
+        return self.base[index]
+
+
+def model_for(args: argparse.Namespace) -> nn.Module:
+    if args.many_tensors:  # many small layers: many small gradient tensors
+        return nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh()) for _ in range(40)], nn.Linear(32, 10))
+    return nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20, help="optimizer steps")
+    parser.add_argument("--batch", type=int, default=32, help="per-process batch")
+    parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per optimizer step")
+    parser.add_argument("--no-sync", action="store_true", help="accumulate under DDP's no_sync")
+    parser.add_argument("--slow-loader", type=float, default=0.0, help="seconds per sample to load")
+    parser.add_argument("--late-rank", type=int, default=-1, help="this rank sleeps before each forward")
+    parser.add_argument("--late-seconds", type=float, default=0.02)
+    parser.add_argument("--many-tensors", action="store_true")
+    parser.add_argument("--validate-every", type=int, default=0, help="a validation pass every N steps")
+    parser.add_argument("--crash-at", type=int, default=-1, help="rank 1 raises at this step")
+    parser.add_argument("--keep-group", action="store_true", help="never call destroy_process_group")
+    parser.add_argument("--save", default="", help="rank 0 saves the model's state dict here")
+    args = parser.parse_args()
+
+    launched = "RANK" in os.environ
+    if launched:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if launched else 0
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(2048, 32, generator=torch.Generator().manual_seed(1)),
+                         torch.randint(0, 10, (2048,), generator=torch.Generator().manual_seed(2)))
+    dataset: Dataset = SlowDataset(data, args.slow_loader) if args.slow_loader > 0 else data
+    sampler = DistributedSampler(dataset, shuffle=True, seed=3) if launched else None
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, shuffle=False)
+    model = model_for(args)
+    ddp = DistributedDataParallel(model) if launched else model
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    loss_fn = nn.CrossEntropyLoss()
+
+    step, epoch = 0, 0
+    while step < args.steps:
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        batches = iter(loader)
+        while step < args.steps:
+            micro = []
+            for _ in range(args.accumulate):
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                micro.append(batch)
+            if len(micro) < args.accumulate:
+                break
+            for i, (x, y) in enumerate(micro):
+                if rank == args.late_rank:
+                    time.sleep(args.late_seconds)
+                last = i == len(micro) - 1
+                syncing = contextlib.nullcontext() if last or not args.no_sync or not launched else ddp.no_sync()
+                with syncing:
+                    loss = loss_fn(ddp(x), y) / args.accumulate
+                    loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            step += 1
+            if rank == 1 and step == args.crash_at:
+                raise RuntimeError(f"planted failure at step {step}")
+            if args.validate_every and step % args.validate_every == 0:
+                with torch.no_grad():
+                    for j, (x, y) in enumerate(loader):
+                        loss_fn(ddp(x), y)
+                        if j == 3:
+                            break
+        epoch += 1
+    if rank == 0 and args.save:
+        torch.save(model.state_dict(), args.save)
+    if launched and not args.keep_group:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
