@@ -100,7 +100,7 @@ def test_a_powersgd_runs_two_all_reduces_a_step_are_one_bucket():
     assert model.predict(Target(2, bucket_mb=1.0)).step == pytest.approx(own.step, rel=1e-9)
     plain = model.predict(Target(2, compression="none"))
     assert own.step - plain.step == pytest.approx(
-        own.parts["compression"] + 2 * model._allreduce(1e4, Target(2)) - model._allreduce(1e6, Target(2)), rel=1e-6)
+        own.parts["compression"] + 2 * model.allreduce(1e4, Target(2)) - model.allreduce(1e6, Target(2)), rel=1e-6)
 
 
 def test_sixteen_bit_compression_sends_at_the_rate_its_all_reduces_were_measured_at():

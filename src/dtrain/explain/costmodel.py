@@ -52,7 +52,7 @@ from dataclasses import dataclass, field, replace
 
 from dtrain.explain import fitted
 from dtrain.explain import spread as spread_of
-from dtrain.explain.facts import POWERSGD_MESSAGES, Facts, Work, linear_contention
+from dtrain.explain.facts import Facts, Work, linear_contention
 from dtrain.explain.modelsources import Source, between_source, describe_work, link_words
 from dtrain.explain.network import (
     TREE_BANDWIDTH,
@@ -64,6 +64,9 @@ from dtrain.explain.network import (
     tree_latency_steps,
 )
 from dtrain.explain.target import Prediction, Target
+from dtrain.explain.terms import registry as term_registry
+from dtrain.explain.terms import shared_host
+from dtrain.explain.terms.base import At, Shape, TermValue, sd_of
 from dtrain.profiling import buckets as ddp_buckets
 from dtrain.profiling.commprobe import LinkFit, fit
 from dtrain.profiling.record import ProfileRecord
@@ -82,6 +85,9 @@ GROWTH_NOT_PROBED = "compute and loading at another batch (not timed after the r
 # A run's exchanges may beat the model's (its exchange is scaled down to match): at most this far (a run whose
 # exchange cost nothing measurable says nothing about what it would cost elsewhere).
 MIN_EXCHANGE_SCALE = 0.05
+# The exchange term's name, and the parts that are a term's sub-figures rather than terms (not added to the step).
+EXCHANGE = "exchange"
+DETAILS = ("compression", "step")
 NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers",
                 "sharded_to_replica", "sharded_scaled", spread_of.LATE_GONE)
 
@@ -111,6 +117,9 @@ class CostModel:
     late: float = 0.0
     # The run's ranks' fp16 all-reduces, for the 16-bit compressions (None: not probed; fp32's rate for their bytes).
     half_link: RingLink | None = None
+    # The optional set of a crowded, shared host's effects (dtrain.explain.terms.shared_host): on by default, as
+    # the held-out rows were measured on such a host; off, the model of a host with a core per thread.
+    shared_host: bool = True
 
     # ------------------------------------------------------------------------------ building
     @classmethod
@@ -197,7 +206,7 @@ class CostModel:
     def _held(self) -> CostModel:
         """This model with the run's exchange held as measured per update, not priced from a link: a parameter
         server's whatever its link; a sharded run's FSDP collectives, priced at other slots and hosts from them
-        (:meth:`_sharded_collectives`). The held exchange is all the run spent beyond its compute, data and
+        (:meth:`sharded_collectives`). The held exchange is all the run spent beyond its compute, data and
         fixed work."""
         self.held_exchange = max(0.0, self._measured_exchange())
         self.overhead_source = "measured"
@@ -257,7 +266,7 @@ class CostModel:
         f = self.facts
         parts = replace(self, overhead=0.0, exchange_scale=1.0, between_hosts=None,
                         held_exchange=0.0)._parts(self.measured_target())
-        return (f.step - parts["data"] - parts["compute"] - parts["fixed"]) * f.aggregation
+        return (f.step - self.step_of(parts, but=(EXCHANGE,))) * f.aggregation
 
     def _model_exchange(self, scale: float) -> float:
         """Seconds per exchange the model gives the run itself with no calibrated overhead and ``scale``, on the
@@ -273,7 +282,8 @@ class CostModel:
         threads = target.threads if target.threads is not None else max(1, cores // local)
         return local, threads
 
-    def _contention(self, local: int) -> float:
+    def contention_at(self, local: int) -> float:
+        """How much ``local`` slots on one machine slow each other's compute (linear in the other slots)."""
         # Not measured with one local slot: assumed none, with its uncertainty in the interval.
         return linear_contention(self.contention, local, self.facts.local_slots)
 
@@ -301,101 +311,19 @@ class CostModel:
         return [nbytes / count] * count
 
     def _parts(self, target: Target) -> dict[str, float]:
-        f = self.facts
-        local, threads = self.local_threads(target)
-        cores = target.cores or f.cores
-        crowd = max(1.0, local * threads / cores) if f.device == "cpu" else 1.0
-        gbs = target.global_batch or f.global_batch
-        batch = gbs / target.slots
-        contention = self._contention(target.machine_slots or local)
-        gain = target.precision_gain if target.precision_curve is None else target.precision_curve.at(batch, threads)
-        compute = f.work.seconds(batch, threads) * contention * self.factor * crowd / gain
-        ratio = batch / f.per_slot_batch if f.per_slot_batch else 1.0
-        # Without the late rank, the mean over ranks' data wait less its share of it.
-        gone = target.late_gone and self.late > 0  # a late rank measured: a run of two slots or more
-        waited = max(0.0, f.data - min(self.late, f.late_data) / (f.slots - 1)) if gone else f.data
-        data = waited + self._data_growth(ratio, target.machine_slots or local, waited)
-        data *= f.data_cpu_share * crowd / f.crowd + 1 - f.data_cpu_share  # a load's waiting takes no core
-        if target.data_workers_step is not None:
-            data = target.data_workers_step
-        if target.precision_data is not None:
-            data = max(data, target.precision_data)
-        # The run's host work ran beside its other local slots: on a CPU, by the optimizer's own probe where it
-        # ran (its thread scaling and contention differ from the matmuls'), else as the model steps contended.
-        fixed_scale = f.optimizer_scale(threads, target.machine_slots or local) if f.device == "cpu" else 1.0
-        if fixed_scale is None:
-            fixed_scale = contention / self._contention(f.local_slots)
-        fixed = f.fixed / f.crowd * crowd * fixed_scale
-        if target.slots > 1 and self.late > 0 and not target.late_gone:  # all wait; its loading grows with the batch
-            loading = min(self.late, f.late_data)
-            fixed += self.late - loading + loading * ratio
-        exchange = compression = 0.0
-        if f.sharded is not None:
-            # FSDP's collectives wait far more than they compute: on a crowded host other slots run meanwhile (digits
-            # on 2 cores, 2.1x and 3.2x the 2-slot run's collectives at 3 and 4 slots, where the ring's steps give
-            # 2x and 3x and taking turns 3x and 6x: docs/benchmarks.md). Each slot steps its shard of the parameters.
-            exchange = self._sharded_collectives(target)
-            fixed += f.sharded.optimizer / f.crowd * crowd * fixed_scale * (f.slots / target.slots - 1)
-        elif f.holds_exchange:  # on a crowded host its processes take turns on the cores too
-            exchange = self.held_exchange * crowd / f.crowd
-        elif target.slots > 1:
-            exchange, compression = self._exchange(target, crowd, compute)
-        aggregation = target.aggregation or f.aggregation
-        return {"data": data, "compute": compute, "fixed": fixed, "exchange": (exchange + compression) / aggregation,
-                "compression": compression / aggregation}
+        """Seconds per step of each registered term (:mod:`dtrain.explain.terms`) at ``target``, in their
+        evaluation order, and the exchange's compression math (a share of its seconds, not a term)."""
+        at = At(self, target, Shape.of(self, target))
+        for term in term_registry.terms():
+            at.parts[term.name] = term.seconds(at)
+        return {**at.parts, **at.detail}
 
-    def _data_growth(self, ratio: float, local: int, waited: float) -> float:
-        """Seconds the run's data wait (``waited``) grows by (shrinks, below 1) at ``ratio`` times its per-slot
-        batch, on ``local`` slots a machine. The probe loads alone in a tight loop, faster than the run, whose loads ran
-        between steps (caches gone) beside the host's other slots. With as many local slots that slowdown stays
-        and grows with the batch: the whole wait grows as the probe's load did. With fewer, an unmeasured share
-        of it leaves with the slots: the wait grows by no more than the probe's load did. With loader processes
-        only what they did not hide."""
-        f = self.facts
-        relative = waited * f.load_growth
-        if f.load_increment > 0 and local < f.local_slots:
-            return (ratio - 1) * min(relative, f.load_increment)
-        return (ratio - 1) * relative
+    @staticmethod
+    def step_of(parts: dict[str, float], but: tuple[str, ...] = ()) -> float:
+        """The step: the terms' seconds added up (``but``: less those named)."""
+        return sum(seconds for name, seconds in parts.items() if name not in DETAILS and name not in but)
 
-    def _exchange(self, target: Target, crowd: float, compute: float) -> tuple[float, float]:
-        """(seconds of one gradient exchange on the wire and waiting, seconds of compression math)."""
-        f = self.facts
-        backward = compute * f.backward_share
-        n = target.slots
-        nbytes = f.gradient_total
-        compression = target.compression if target.compression is not None else f.compression
-        math_seconds, collectives = 0.0, 1
-        costs = f.compression_costs
-        if compression in ("fp16", "bf16"):
-            nbytes /= 2
-            math_seconds = costs.fp16_seconds if costs is not None else 0.0
-        elif compression == "powersgd" and costs is not None:
-            nbytes, math_seconds, collectives = costs.powersgd_bytes, costs.powersgd_seconds, POWERSGD_MESSAGES
-        sizes = self.buckets(nbytes, target.one_bucket, target.bucket_mb)
-        if compression == "powersgd" and costs is not None:
-            # The probe times the hook's matmuls and QR; the hook's own Python and allocations run per bucket
-            # and collective on the autograd thread, and on shared cores they take turns with the others.
-            math_seconds += fitted.load().terms["powersgd_hook_seconds"] * len(sizes) * collectives * crowd
-        descheduled = self._descheduled(target)
-        half = compression in ("fp16", "bf16")
-        times = [sum(crowd * self._allreduce(size / collectives, target, half=half) + descheduled
-                     for _ in range(collectives))
-                 for size in sizes]
-        wire = sum(times)
-        overlap = f.overlap if f.overlap is not None else f.device == "cuda"
-        if overlap and collectives == 1:
-            # DDP launches each bucket as backward fills it: all but the last hide behind the rest of backward.
-            wire = max(times[-1], wire - backward)
-        # Waking up and waiting for the slowest of n ranks: the run's step jitter, the expected maximum of n.
-        # (The calibrated overhead is what remains beyond this at the run's own slot count.)
-        # On paper no jitter was measured: one GPU's spread relative to its compute, fitted to published rows.
-        spread = f.jitter + (fitted.load().terms["paper_jitter"] * compute if f.batch_given else 0.0)
-        jitter = spread * expected_max(n)
-        # More processes than cores: every exchange also waits for peers to get a core back, in proportion.
-        waiting = (self.overhead + jitter * self.exchange_scale) * crowd / f.crowd
-        return max(0.0, wire * self.exchange_scale + waiting), math_seconds
-
-    def _allreduce(self, nbytes: float, target: Target, tree: bool = True, half: bool = False) -> float:
+    def allreduce(self, nbytes: float, target: Target, tree: bool = True, half: bool = False) -> float:
         """Seconds of one all-reduce of ``nbytes``: the ring (or NCCL's tree, where faster) through the slower
         link, and each step's latency; ``half``: of 16-bit floats, at the rate they were measured at."""
         n, nodes = target.slots, target.nodes
@@ -407,7 +335,7 @@ class CostModel:
             # A given rate counts frames on the wire; Gloo's TCP payload gets a share of it (headers, and the
             # peer's acknowledgements sharing the sender's link).
             payload = terms["tcp_goodput"] if self.facts.device == "cpu" else 1.0
-            paced = 2 * (n - 1) * shaped_seconds(nbytes / n / payload, between, terms["shaper_tick_seconds"])
+            paced = 2 * (n - 1) * shaped_seconds(nbytes / n / payload, between, shared_host.shaper_tick(self))
             if self.facts.hosts > 1:
                 # The run's ring crossed its hosts: the given link replaces the measured one between them (its
                 # latency where longer than the measured ring step's, which holds the old link's and the software's).
@@ -422,7 +350,7 @@ class CostModel:
             seconds = min(seconds, tree)
         return seconds
 
-    def _sharded_collectives(self, target: Target) -> float:
+    def sharded_collectives(self, target: Target) -> float:
         """FSDP's collectives per step at ``target``: the run's, beyond what the ring's latencies and bytes on its
         link account for (FSDP's copies, Gloo's or NCCL's own work, waiting for peers), per ring step as the run
         measured it, plus the ring's latencies and bytes at ``target`` (each all-gather or reduce-scatter is half
@@ -442,19 +370,8 @@ class CostModel:
     def _sharded_ring(self, target: Target, collectives: int, nbytes: float) -> float:
         """FSDP's ``collectives`` moving ``nbytes`` in all by the ring alone (NCCL's all-gather and reduce-scatter
         run no tree)."""
-        latency = self._allreduce(0.0, target, tree=False)
-        return (collectives * latency + self._allreduce(nbytes, target, tree=False) - latency) / 2
-
-    def _descheduled(self, target: Target) -> float:
-        """Seconds one collective waits for peers off their cores: a ring step needs its peer running, and with
-        more processes than a host's cores, (local - cores) / local of them wait half a scheduler slice on
-        average, at each of the 2(n-1) steps (beyond the cores' shared time, which the crowd factor prices)."""
-        n = target.slots
-        local = max(1, math.ceil(n / target.nodes))
-        cores = target.cores or self.facts.cores
-        if self.facts.device != "cpu" or local <= cores:
-            return 0.0
-        return 2 * (n - 1) * (local - cores) / local * fitted.load().terms["scheduler_slice_seconds"] / 2
+        latency = self.allreduce(0.0, target, tree=False)
+        return (collectives * latency + self.allreduce(nbytes, target, tree=False) - latency) / 2
 
     def predict(self, target: Target, interval: bool = True) -> Prediction:
         """Seconds per step of ``target``, by part, with its 80% interval (never faster than linear scaling
@@ -475,13 +392,13 @@ class CostModel:
 
     def _predict(self, target: Target, interval: bool) -> Prediction:
         parts = self._parts(target)
-        step = parts["data"] + parts["compute"] + parts["fixed"] + parts["exchange"]
+        step = self.step_of(parts)
         linear = 0.0
         if target.slots > 1:
             # Never beyond linear: N slots do at most N times what one slot with a host's cores does (a probe's
             # noise between thread counts must not read as superlinear scaling).
             one = self._parts(replace(target, slots=1, nodes=1, threads=None, machine_slots=None))
-            linear = (one["data"] + one["compute"] + one["fixed"]) / target.slots
+            linear = self.step_of(one, but=(EXCHANGE,)) / target.slots
             step = max(step, linear)
         gbs = target.global_batch or self.facts.global_batch
         if not interval:
@@ -493,3 +410,18 @@ class CostModel:
         widest = max(sigmas, key=lambda k: sigmas[k]) if sigmas else ""
         low = max(step * math.exp(-spread), linear)
         return Prediction(target, {**parts, "step": step}, step, low, step * math.exp(spread), gbs, widest)
+
+    def explain(self, target: Target) -> list[TermValue]:
+        """Each term's seconds at the run and at ``target`` (as :meth:`predict` gives them), one standard deviation
+        of the target's from the interval's sources that are the term's, and its inputs with their sources."""
+        here = self.measured_target()
+        run, there = self.predict(here, interval=False).parts, self.predict(target).parts
+        sigmas = spread_of.uncertainties(self, target, there, self.step_of(there))
+        at = At(self, target, Shape.of(self, target))
+        out = []
+        for term in term_registry.terms():
+            at.parts[term.name] = term.seconds(at)  # the inputs of a term may read an earlier one's
+            inputs = tuple(term.inputs(at))
+            out.append(TermValue(term.name, run.get(term.name, 0.0), there.get(term.name, 0.0), sd_of(term, sigmas),
+                                 inputs))
+        return out
