@@ -14,12 +14,15 @@ TIMEOUT = {"resources.collective_timeout_seconds": 30}
 SHORT = {"max_length.batches": 8, "hyperparameters.train_size": 64, "hyperparameters.val_size": 0}
 
 
-def _run(tmp_path, **hparams):
-    config = tiny_config(tmp_path, entrypoint="probefault:ProbeFaultTrial", **PROBED, **TIMEOUT, **SHORT,
+def _run(tmp_path, ok=True, probed=True, **hparams):
+    config = tiny_config(tmp_path, entrypoint="probefault:ProbeFaultTrial", **(PROBED if probed else {}), **TIMEOUT,
+                         **SHORT,
                          **{f"hyperparameters.{k}": v for k, v in hparams.items()})
     (tmp_path / "probefault.py").write_text((TRIALS / "probefault.py").read_text())
     run_dir = tmp_path / "run"
     result = train(config, run_dir, ok=False)
+    if not ok:
+        return run_dir, result
     assert result.code == 0, result.stderr
     assert "--resume" not in result.stdout + result.stderr
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
@@ -70,3 +73,12 @@ def test_a_batch_that_fails_inside_the_crowded_probes_exchange_costs_only_that_f
     assert profile.data_crowded_step_seconds is None
     assert profile.batch_scaling is not None and profile.model_steps is not None
     assert profile.comm_probe is not None and profile.comm_probe.points
+
+
+def test_a_run_that_fails_after_its_last_checkpoint_is_not_told_to_resume(tmp_path):
+    # What is left to fail at the end (the end-of-run gather, probes or not) fails the run, but its training had
+    # finished: --resume would refuse it, so the error does not advise it.
+    run_dir, result = _run(tmp_path, ok=False, probed=False, faults={"gather": 1})
+    assert result.code == 1 and "worker rank 1 failed" in result.stderr
+    assert "--resume" not in result.stderr and "its training had finished" in result.stderr
+    assert (run_dir / "checkpoints" / "8").is_dir()

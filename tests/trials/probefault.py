@@ -46,13 +46,15 @@ def _raising(stage: str, rank: int, me: int, original: Any) -> Any:
 
 
 def _plant(faults: dict[str, int], me: int) -> None:
-    from dtrain.profiling import commprobe, probes
+    from dtrain.profiling import commprobe, figures, probes
 
     # Each stage's own work, as batch_probe calls it (by its module's global name).
     targets = {"data_loading": (probes, "_load_and_handoff"), "batch_scaling": (probes, "_time_work"),
                "solo_probe": (probes, "_solo"), "model_steps": (probes, "_model_steps"),
                "data_crowded": (probes, "_crowd_pace"), "comm_probe": (commprobe, "probe_buffer"),
-               "batch_probe": (probes, "restored"), "double_batch": (probes, "double_batch_room")}
+               "batch_probe": (probes, "restored"), "double_batch": (probes, "double_batch_room"),
+               # Not a probe: the end-of-run gather after them, which fails the run (no guard there).
+               "gather": (figures, "gather_rank_stats")}
     for stage, rank in faults.items():
         if stage == "restore":
             _plant_restore(rank, me)

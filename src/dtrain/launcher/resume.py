@@ -162,7 +162,24 @@ def resume_advice(plan: RunPlan) -> str:
         return (f"no checkpoint was written, so there is nothing to resume: fix the cause, then start again with "
                 f"{resume_command(plan)} (the run's settings, from batch 0) or a new 'dtrain run CONFIG --run-dir "
                 f"{plan.run_dir}' (the directory is free for it)")
+    if _finished_training(plan):  # a failure after the last step (its end-of-run figures): --resume would refuse
+        return ("its training had finished (its last checkpoint is at max_length), so there is nothing to resume; "
+                "what failed came after it, at the end of the run")
     return f"resume with: {resume_command(plan)}"
+
+
+def _finished_training(plan: RunPlan) -> bool:
+    """Whether the run's latest checkpoint is at ``max_length`` (named by its batch count)."""
+    found = checkpoint.latest(plan.run_dir / plan.config.checkpoint_storage.path)
+    if found is None or not found.name.isdigit():
+        return False
+    try:
+        check_not_finished(plan.run_dir, plan.config, int(found.name), checkpoint.read_extra(found))
+    except AlreadyFinished:
+        return True
+    except CheckpointError:  # a damaged checkpoint: --resume says so itself
+        return False
+    return False
 
 
 def stop_line(plan: RunPlan, stop: Stopped, started: float) -> str | None:
