@@ -88,7 +88,7 @@ def test_every_dtrain_command_in_the_docs_parses(page, command):
     args = _parse(_argv(command)[1:])
     config = getattr(args, "config", None)
     # A bare file name is the page's own example (a user's experiment.yaml); a path is this repository's.
-    if config is not None and "/" in config and not _PLACEHOLDER.search(command.split("#")[0]):
+    if config is not None and "/" in str(config) and not _PLACEHOLDER.search(command.split("#")[0]):
         assert (ROOT / config).is_file(), f"{_name(page)}: {command}: {config} does not exist"
 
 
