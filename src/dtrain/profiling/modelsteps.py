@@ -264,10 +264,11 @@ def _round(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], devic
 def _time_block(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], device: torch.device,
                 settings: dict[str, Setting], failed: dict[str, str], times: dict[str, list[float]],
                 scalers: dict[str, torch.amp.GradScaler], steps: int, share: float,
-                host_times: dict[str, list[float]], budget_seconds: float = BUDGET_SECONDS) -> int:
+                host_times: dict[str, list[float]], budget_seconds: float | None = None) -> int:
     """Warm-up, then timed rounds of ``settings`` (interleaved), this block's ``share`` of the probe's target and
-    budget (``budget_seconds``): how many rounds were timed."""
-    target, budget = TARGET_SECONDS * share, budget_seconds * share
+    budget (``budget_seconds``, else :data:`BUDGET_SECONDS`): how many rounds were timed."""
+    target = TARGET_SECONDS * share
+    budget = (BUDGET_SECONDS if budget_seconds is None else budget_seconds) * share
     chain, queued, last = 1, _chain(device), {}
     warm_up = _round(hooks, optimizers, device, settings, failed, times, False, scalers, last=last)
     if queued > 1:  # the first round paid for new kernels: the next one sizes the timed rounds
@@ -286,14 +287,14 @@ def _time_block(hooks: ProbeHooks, optimizers: Sequence[torch.optim.Optimizer], 
 def time_model_steps(hooks: ProbeHooks, models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer],
                      device: torch.device, batch: object, double: object, per_slot: int,
                      steps: int = STEPS_TIMED, keep_state: bool = True,
-                     other_threads: Sequence[int] = (), budget: float = BUDGET_SECONDS,
+                     other_threads: Sequence[int] = (), budget: float | None = None,
                      double_skipped: str | None = None) -> ModelSteps:
     """The model's steps timed as the module's docstring says; run on one rank with gradient exchange
     off. ``other_threads``: thread counts besides the present one to time every setting at too (a CPU's).
     Never raises for a setting that fails: it is skipped with its reason. ``keep_state`` False: the
     caller restores the models, optimizers and random generators itself (:func:`restored`). ``budget``: seconds
-    the timed rounds may take (the end-of-run probes' budget left bounds it); ``double_skipped``: why twice the
-    batch is not tried (``double`` is then not run: a GPU without room for it)."""
+    the timed rounds may take (else :data:`BUDGET_SECONDS`; the end-of-run probes' budget left bounds it);
+    ``double_skipped``: why twice the batch is not tried (``double`` is then not run: a GPU without room for it)."""
     start = time.perf_counter()
     run = hooks.precision.name
     names, skipped = precisions_for(device)

@@ -45,6 +45,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from dtrain import dist as ddist
+from dtrain.profiling import modelsteps
 from dtrain.profiling.device import cpu_cores
 from dtrain.profiling.handoff import (
     CROWDED_BUDGET_SECONDS,
@@ -55,7 +56,6 @@ from dtrain.profiling.handoff import (
     handoff_figures,
     on_host,
 )
-from dtrain.profiling.modelsteps import BUDGET_SECONDS as MODEL_STEPS_BUDGET
 from dtrain.profiling.modelsteps import restored, time_model_steps
 from dtrain.profiling.probeguard import ProbeGuard, describe, double_batch_room, state_refusal
 from dtrain.profiling.record import SHARDED, ModelSteps
@@ -181,7 +181,7 @@ def _model_steps(facts: RunFacts, hooks: ProbeHooks, batches: dict[int, object],
     others = thread_counts(facts.threads_per_slot, cpu_cores())[1:] if facts.device.type == "cpu" else []
     return time_model_steps(hooks, facts.models, facts.optimizers, facts.device, batches[1], batches.get(2),
                             facts.per_slot_batch_size, keep_state=False,  # batch_probe restores it
-                            other_threads=others, budget=min(MODEL_STEPS_BUDGET, budget),
+                            other_threads=others, budget=min(modelsteps.BUDGET_SECONDS, budget),
                             double_skipped=double_skipped)
 
 
