@@ -30,7 +30,7 @@ REPRODUCED = ("bart", "txl", "horovod:inception3")
 # container, makes the published 4.28x for 4x the GPUs superlinear).
 LINK_POINTS = [(float(b), 3e-4 + b / 1e9) for b in commprobe.SIZES]
 # Measured rows beyond the 20% goal in some repeat of 2026-11-27 02:27-03:10 UTC, with the most each may miss by
-# held out (docs/benchmarks.md says why): 2 test hosts over unthrottled veth, predicted high from either source,
+# held out (docs/plan-accuracy.md says why): 2 test hosts over unthrottled veth, predicted high from either source,
 # because the model is given no link between the hosts (`--link measured`: the source host's loopback).
 KNOWN_MISSES = {
     "2 hosts x 1 slot, unthrottled veth (from the 1-slot run)": 0.25,
@@ -43,7 +43,7 @@ KNOWN_MISSES = {
 REPEAT_MEAN_LIMIT = 0.10
 # Repeats that missed the goals, with what they reached (mean error, worst row): these may not get worse.
 # Repeat 5 (2026-11-27 14:31-14:47 UTC) ran in a slow, unsteady hour: its source runs' steps were 30-40% longer
-# than in repeats 1-4 and one row's rounds spread 2.09-2.88; its rows missed both ways (docs/benchmarks.md).
+# than in repeats 1-4 and one row's rounds spread 2.09-2.88; its rows missed both ways (docs/plan-accuracy.md).
 KNOWN_MISSED_REPEATS = {5: (0.115, 0.45)}
 
 
@@ -79,7 +79,7 @@ def test_held_out_80_percent_intervals_cover_70_to_90_percent_and_errors_stay_sm
 
 def test_each_repeat_of_the_bench_meets_the_goals_held_out(held_out):
     """Issue 45: mean error <= 10% and no row beyond 20%, in each of 3 repeats of bench/plan_accuracy.py. The
-    rows that miss are named (docs/benchmarks.md says why), so that any other row beyond 20%, or these getting
+    rows that miss are named (docs/plan-accuracy.md says why), so that any other row beyond 20%, or these getting
     worse, fails here."""
     repeats = sorted({o.row.repeat for o in held_out if o.row.repeat})
     assert len(repeats) >= 3
@@ -99,7 +99,7 @@ def test_each_repeat_of_the_bench_meets_the_goals_held_out(held_out):
 
 # Each repeat on the other host, and what it reached (repeat 8 missed the goals; repeat 9, with the model-step probe
 # that times each precision at the shape a change gives a slot, met the mean and still has 5 rows beyond 20%: the
-# throttled links and one 10x row, docs/benchmarks.md): a change may not make either worse.
+# throttled links and one 10x row, docs/plan-accuracy.md): a change may not make either worse.
 # Repeat 10 (2026-12-02, about 2x slower host): one reference run of the 1-slot digits source ran 1.6x as fast as
 # the others, lowering two of three rounds of every row from that source (mean 17.7%, worst +49.3%, 69% covered).
 # Repeat 11 (2026-12-02 14:49-15:13 UTC): the sources' reference runs moved up to 1.64x within the session; 25 of 32
@@ -111,7 +111,7 @@ OTHER_HOST = {8: (0.12, 0.41, 0.70), 9: (0.09, 0.31, 0.84), 10: (0.18, 0.50, 0.6
 def test_a_repeat_on_another_host_is_predicted_by_constants_fitted_without_it(repeat):
     """bench/data/plan_rows.json's 'other_host': repeats on an AMD EPYC without bf16 units, never fitted. The
     constants fitted on the Intel host's repeats missed the goals there in repeat 8 (mean 11.6%, worst +40.8%, 72%
-    covered); docs/benchmarks.md says which rows and why."""
+    covered); docs/plan-accuracy.md says which rows and why."""
     document = json.loads(ROWS.read_text())
     kept = [r for r in document["other_host"] if r["repeat"] == repeat]
     rows = calibration.rows_from_json({"published": [], "measured": kept})

@@ -193,7 +193,7 @@ class EventFile:
 
     Why not ``SummaryWriter.add_scalar``: every call hands one event to the event writer's thread, which
     wakes, takes the GIL from the training loop and computes a pure-Python CRC, scalar by scalar
-    (docs/benchmarks.md, "The step loop alone"). Written here, with TensorBoard's own
+    (docs/benchmarks.md, "What the Trial's extra cost is made of"). Written here, with TensorBoard's own
     record framing and protos, a report costs one serialization and one CRC in line, and is flushed at
     once (visible to a live TensorBoard, and kept if the run dies).
     """
