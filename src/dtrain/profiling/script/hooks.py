@@ -82,6 +82,9 @@ class ScriptProfiler:
         self.ddps: list[Any] = []  # weak references to each DDP model built
         self.ddp_caps: list[float | None] = []  # bucket_cap_mb as each was given (None: DDP's default)
         self.optimizers: list[Any] = []  # weak references, in order of their first step
+        self.optimizer_names: list[str] = []
+        self.lr: float | None = None  # the first optimizer's first group's, at its first step
+        self.parameters = 0  # the first optimizer's, at its first step (DDP's models, where built, say more)
         self.loader = LoaderFacts()
         self._train_iter: Any = None  # the iterator the last training batch came from (a weak reference)
         self.evaluating = False
@@ -191,7 +194,7 @@ class ScriptProfiler:
         if not self.backwards_in_step:  # a step without a backward (a second optimizer): not a step of its own
             return
         if optimizer is not None and not any(ref() is optimizer for ref in self.optimizers):
-            self.optimizers.append(weakref.ref(optimizer))
+            self._new_optimizer(optimizer)
         timer.exchanging = self.exchanges_in_step > 0
         timer.end_step()
         now = time.perf_counter()
@@ -208,6 +211,16 @@ class ScriptProfiler:
         timer.start_step()
 
     # ------------------------------------------------------------------------------------ facts
+    def _new_optimizer(self, optimizer: Any) -> None:
+        """Its name and learning rate now: a script's optimizer may be gone by the end (its main() returned)."""
+        self.optimizers.append(weakref.ref(optimizer))
+        self.optimizer_names.append(type(optimizer).__name__)
+        lr = optimizer.param_groups[0].get("lr") if optimizer.param_groups else None
+        if self.lr is None and isinstance(lr, (int, float)) and not isinstance(lr, bool):
+            self.lr = float(lr)
+        if not self.parameters:
+            self.parameters = sum(p.numel() for g in optimizer.param_groups for p in g["params"])
+
     def live_ddps(self) -> list[tuple[Any, float | None]]:
         return [(ref(), cap) for ref, cap in zip(self.ddps, self.ddp_caps, strict=True) if ref() is not None]
 

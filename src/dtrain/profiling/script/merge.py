@@ -82,6 +82,9 @@ def rank_payload(prof: ScriptProfiler, rank: int, world: int, wall_seconds: floa
     lag: list[float] = []
     if timer is not None:
         timer.flush()  # the pending steps' figures (profiled_weight among them)
+        last = timer.take_window()  # the steps since the last TensorBoard window
+        if last and prof.phase_windows is not None:
+            prof.phase_windows.append((timer.steps, last))
     if timer is not None and timer.profiled_weight > 0:
         timer.recorder.hold_native()
         per_step = timer.per_step()
@@ -103,8 +106,8 @@ def rank_payload(prof: ScriptProfiler, rank: int, world: int, wall_seconds: floa
         "figures": {f: float(figures.get(f, 0.0)) for f in RANK_FIELDS}, "lag": lag,
         "device": device.type, "backend": dist.get_backend() if dist.is_initialized() else "none",
         "threads": torch.get_num_threads(),
-        "optimizers": [type(o).__name__ for o in optimizers], "lr": _lr(optimizers),
-        "parameters": sum(p.numel() for p in params),
+        "optimizers": list(prof.optimizer_names), "lr": prof.lr if prof.lr is not None else _lr(optimizers),
+        "parameters": sum(p.numel() for p in params) or prof.parameters,
         "models": [_ddp_facts(d, cap) for d, cap in ddps],
         "gradient_bytes": [[p.numel() * p.element_size() for p in reversed(list(m.parameters())) if p.requires_grad]
                            for m in models],
