@@ -123,3 +123,12 @@ def test_a_hand_edit_is_caught_and_rewritten(tables, rendered, tmp_path):
     assert restored == page.read_text()
     with pytest.raises(ValueError, match="no block"):
         tables.current("published rows", "no markers here")
+
+
+@pytest.mark.parametrize("page", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)
+def test_every_relative_link_names_a_file_that_exists(page):
+    """Moving a topic between pages must not leave a link behind."""
+    for target in re.findall(r"\]\(([^)\s#]+)(?:#[^)]*)?\)", page.read_text()):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        assert (page.parent / target).exists(), f"{page.relative_to(ROOT)}: link to {target} names no file"
