@@ -127,7 +127,8 @@ def restored(models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optim
              device: torch.device) -> Iterator[None]:
     """Put the models' parameters and buffers, the optimizers' state and every random generator back as
     they were, whatever ran inside; gradients are cleared. The copies are kept in host memory: a model that
-    fills its GPU has no room for a second copy there."""
+    fills its GPU has no room for a second copy there (the end-of-run probes save them only within a host memory
+    budget: :func:`dtrain.profiling.probeguard.state_refusal`)."""
     weights = [_host_copy(m.state_dict()) for m in models]
     states = [_host_copy(opt.state_dict()) for opt in optimizers]
     cpu_rng, py_rng, np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()

@@ -264,13 +264,15 @@ def batch_probe(facts: RunFacts, guard: ProbeGuard, repeats: int | None = None) 
         return True
 
     try:
-        if not guard.run("batch_probe", save, False):
-            return ProbeResult(zeros)
-        out, steps = _probes(facts, hooks, guard, repeats)
-        return ProbeResult({**zeros, **out}, steps)
+        out, steps = _probes(facts, hooks, guard, repeats) if guard.run("batch_probe", save, False) else ({}, None)
+    except BaseException:  # not a probe's failure (a stage catches those): this rank's state put back, and on
+        with contextlib.suppress(Exception):
+            saved.close()
+        raise
     finally:
-        guard.run("restore", saved.close, None)  # the state put back on every rank, or said where not
         timer.exchanging = True
+    guard.run("restore", saved.close, None)  # the state put back on every rank, or said where not
+    return ProbeResult({**zeros, **out}, steps)
 
 
 def _probes(facts: RunFacts, hooks: ProbeHooks, guard: ProbeGuard,
