@@ -298,16 +298,21 @@ def read_cluster_env(environ: Mapping[str, str] | None = None) -> ClusterEnv | N
 
 
 def _pytorchjob_env(env: Mapping[str, str]) -> ClusterEnv:
-    # The Kubeflow training operator sets PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE, MASTER_ADDR/PORT
-    # (static), or PET_RDZV_ENDPOINT/BACKEND/ID with PET_NNODES=MIN:MAX (elasticPolicy).
+    # The Kubeflow training operator (v1 PyTorchJob) sets PET_NNODES, PET_NODE_RANK, PET_NPROC_PER_NODE,
+    # MASTER_ADDR/PORT (static), or PET_RDZV_ENDPOINT/BACKEND/ID with PET_NNODES=MIN:MAX (elasticPolicy).
+    # Kubeflow Trainer v2 (TrainJob) sets PET_MASTER_ADDR/PORT instead of MASTER_ADDR/PORT.
     nproc = env.get("PET_NPROC_PER_NODE", "")
     common = {"nnodes": env["PET_NNODES"], "nproc_per_node": int(nproc) if nproc.isdigit() else None}
     if env.get("PET_RDZV_ENDPOINT"):
         return ClusterEnv("PyTorchJob", "node", endpoint=env["PET_RDZV_ENDPOINT"],
                           rdzv_backend=env.get("PET_RDZV_BACKEND", "c10d"), rdzv_id=env.get("PET_RDZV_ID"), **common)
     rank = env.get("PET_NODE_RANK", env.get("RANK", "0"))
-    endpoint = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}" if "MASTER_ADDR" in env and "MASTER_PORT" in env else None
-    return ClusterEnv("PyTorchJob", "node", node_rank=int(rank), endpoint=endpoint, **common)
+    kind, endpoint = "PyTorchJob", None
+    if "MASTER_ADDR" in env and "MASTER_PORT" in env:
+        endpoint = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}"
+    elif "PET_MASTER_ADDR" in env and "PET_MASTER_PORT" in env:
+        kind, endpoint = "TrainJob", f"{env['PET_MASTER_ADDR']}:{env['PET_MASTER_PORT']}"
+    return ClusterEnv(kind, "node", node_rank=int(rank), endpoint=endpoint, **common)
 
 
 def slurm_master_port(env: Mapping[str, str]) -> int:

@@ -346,6 +346,10 @@ def test_torchrun_slurm_and_pytorchjob_environments():
                             "WORLD_SIZE": "12", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"})
     assert (pod.source, pod.role, pod.nnodes, pod.node_rank, pod.endpoint, pod.nproc_per_node) == (
         "PyTorchJob", "node", "3", 2, "job-master-0:23456", 4)
+    # A TrainJob pod (Kubeflow Trainer v2): the master comes as PET_MASTER_ADDR/PORT, with no MASTER_*.
+    trainjob = read_cluster_env({"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "1",
+                                 "PET_MASTER_ADDR": "job-node-0-0.job", "PET_MASTER_PORT": "29400"})
+    assert (trainjob.source, trainjob.node_rank, trainjob.endpoint) == ("TrainJob", 1, "job-node-0-0.job:29400")
     elastic = read_cluster_env({"PET_NNODES": "1:4", "PET_RDZV_ENDPOINT": "job-worker-0:29500",
                                 "PET_RDZV_BACKEND": "c10d", "PET_NPROC_PER_NODE": "1"})
     assert (elastic.rdzv_backend, elastic.endpoint, elastic.node_rank) == ("c10d", "job-worker-0:29500", None)
