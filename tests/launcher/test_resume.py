@@ -128,7 +128,7 @@ def test_a_job_that_stopped_cleanly_says_so_without_an_error(tmp_path, monkeypat
 
 def test_a_finished_run_counted_in_epochs_is_advised_in_epochs_and_the_advice_works(tmp_path):
     """The config gives epochs: advice in batches would be refused ("give exactly one of 'batches' or
-    'epochs'"), as would the README's example followed literally."""
+    'epochs'"), as would docs/config.md's example followed literally."""
     import torch
 
     from dtrain.engine import checkpoint

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict
 
 # Upper bounds: far above any real run, low enough that no value can exhaust the machine, overflow a
-# timedelta or a 64-bit seed, or make a loop run for ever (see the README, "How input is validated").
+# timedelta or a 64-bit seed, or make a loop run for ever (see docs/security.md, "How input is validated").
 MAX_SLOTS = 4096
 MAX_LOADER_WORKERS = 256
 MAX_TIMEOUT_SECONDS = 7 * 24 * 3600.0

@@ -82,8 +82,8 @@ def _save(obj: Any, path: Path) -> None:
 
 
 def _on_cpu(obj: Any) -> Any:
-    """``obj`` with every tensor on the CPU: a file holding ``cuda:N`` tensors does not load (as the README's
-    ``torch.load(model.pt)`` does) on a machine without that GPU. Loading puts them back: ``load_state_dict``
+    """``obj`` with every tensor on the CPU: a file holding ``cuda:N`` tensors does not load (as docs/config.md's
+    ``checkpoints/<batches>/model.pt`` does) on a machine without that GPU. Loading puts them back: ``load_state_dict``
     copies into the model's parameters, and optimizers cast their state to each parameter's device."""
     if isinstance(obj, torch.Tensor):
         # A DTensor (FSDP's per-rank optimizer state) keeps its device: its mesh names it, and it loads

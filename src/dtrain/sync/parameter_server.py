@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 PUSH, PULL = 1, 2
 # Momentum from which asynchrony's own (about 1 - 1/workers, Mitliagkas et al. 2016) is worth a warning: the
-# demo's 0.9 did not converge with 2 async workers, 0.5 did (README, "async").
+# demo's 0.9 did not converge with 2 async workers, 0.5 did (docs/strategies.md, "async").
 MOMENTUM_WARNING = 0.5
 
 log = logging.getLogger(__name__)
