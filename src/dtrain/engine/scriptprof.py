@@ -29,12 +29,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from dtrain.profiling.record import FILE_NAME as PROFILE_FILE
-from dtrain.profiling.record import write_profile
-from dtrain.profiling.runsummary import FILE_NAME as SUMMARY_FILE
-from dtrain.profiling.runsummary import write_summary
+# The records' modules are imported at the end only: every process of a DTRAIN_PROFILE job loads this one when it
+# imports torch (loader workers, launchers), and most of them never train.
 from dtrain.profiling.script import hooks
-from dtrain.profiling.script.merge import build_records, rank_payload
 
 ENV = "DTRAIN_PROFILE"
 RANKS = "ranks"
@@ -141,6 +138,8 @@ def finish(reason: str) -> None:
     if prof.timer is None and not prof.ddps:  # this process trained nothing (a launcher, a loader worker)
         return
     try:
+        from dtrain.profiling.script.merge import rank_payload
+
         rank, world = _rank_world()
         payload = rank_payload(prof, rank, world, time.perf_counter() - current.began)
         _write_json(current.run_dir / RANKS / f"rank-{rank}.json", payload)
@@ -196,6 +195,12 @@ def write_records(run_dir: Path, info: dict[str, Any], gathered: dict[int, dict[
                   complete: bool) -> bool:
     """``profile.json``, ``summary.json``, ``script.json`` and TensorBoard scalars from the ranks' payloads
     (``gathered``, and rank files beside them for ranks not gathered); True where a profile was written."""
+    from dtrain.profiling.record import FILE_NAME as PROFILE_FILE
+    from dtrain.profiling.record import write_profile
+    from dtrain.profiling.runsummary import FILE_NAME as SUMMARY_FILE
+    from dtrain.profiling.runsummary import write_summary
+    from dtrain.profiling.script.merge import build_records
+
     payloads = {**_rank_files(run_dir), **gathered}
     if 0 not in payloads:
         payloads = dict(sorted(payloads.items()))
@@ -231,6 +236,8 @@ def _tensorboard(run_dir: Path, payload: dict[str, Any]) -> None:
 def merge_rank_files(run_dir: Path, info: dict[str, Any]) -> bool:
     """After the job (``dtrain launch``): rebuild the records from every rank's file where rank 0's record is
     missing or lacks a rank that left a file (a crash, a rank that was late). True where a profile exists."""
+    from dtrain.profiling.record import FILE_NAME as PROFILE_FILE
+
     files = _rank_files(run_dir)
     if not files:
         return (run_dir / PROFILE_FILE).is_file()
