@@ -26,9 +26,10 @@ demo: $(STAMP)
 # too: their margins hold under this load (measured). More processes do not shorten it: the suite keeps both cores
 # busy (99% with four, 2026-12-02). The one speed comparison (marker `timing`) needs a quiet
 # machine and is left out: `DTRAIN_TIMING_TESTS=1 .venv/bin/python -m pytest -m timing` runs it alone.
+# At the end: the ten slowest tests, then seconds per file and any test over 30 s (tests/conftest.py).
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests bench examples
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not timing"
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not timing" --durations=10
 
 test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

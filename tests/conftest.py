@@ -93,3 +93,30 @@ def cuda_only_where_marked_gpu(request, monkeypatch):
     pytest_configure on: :mod:`cuda_visibility`). Fixtures of other scopes still see none."""
     if request.node.get_closest_marker("gpu") is not None:
         cuda_visibility.reveal(monkeypatch)
+
+
+# Tests slower than this are named at the end of the run: each should be split or made cheaper.
+SLOW_TEST_SECONDS = 30.0
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Seconds per test file (setup, call and teardown summed; with pytest-xdist, each file's own process's
+    time) for the slowest files, and every test over SLOW_TEST_SECONDS: where the suite's time goes."""
+    per_file: dict[str, float] = {}
+    per_test: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for report in reports:
+            if getattr(report, "when", None) not in ("setup", "call", "teardown"):
+                continue
+            name = report.nodeid.split("::")[0]
+            per_file[name] = per_file.get(name, 0.0) + report.duration
+            per_test[report.nodeid] = per_test.get(report.nodeid, 0.0) + report.duration
+    if not per_file:
+        return
+    slowest = sorted(per_file.items(), key=lambda kv: -kv[1])[:15]
+    terminalreporter.write_sep("=", f"seconds per test file (slowest {len(slowest)} of {len(per_file)})")
+    for name, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:7.1f}s  {name}")
+    over = sorted(((s, n) for n, s in per_test.items() if s > SLOW_TEST_SECONDS), reverse=True)
+    for seconds, name in over:
+        terminalreporter.write_line(f"over {SLOW_TEST_SECONDS:.0f}s: {seconds:.1f}s  {name}")
