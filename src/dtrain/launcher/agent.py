@@ -34,7 +34,7 @@ from dtrain.engine.failures import Failure, read_reports
 from dtrain.launcher import cpu, forkstart, membership
 from dtrain.launcher.culprit import read_statuses, root_cause
 from dtrain.launcher.elastic import ElasticSetup, JobStopped, Left, launch_elastic
-from dtrain.launcher.join import JoinError, NodeLaunch
+from dtrain.launcher.join import JoinError, NodeLaunch, leave_last
 from dtrain.launcher.supervise import Stopped, Supervisor
 
 
@@ -154,7 +154,12 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
                         if elastic:
                             launch_elastic(config, entrypoint, argv, _setup(options, status_dir, supervisor, in_world))
                         else:
-                            elastic_launch(config, entrypoint)(*argv)
+                            with _worker_store_per_world(nodes):
+                                try:
+                                    elastic_launch(config, entrypoint)(*argv)
+                                finally:
+                                    if nodes is not None:
+                                        leave_last(nodes)
                 except ChildFailedError as exc:
                     if supervisor.signum is None:
                         return _root_cause(exc, status_dir, options.slots if nodes is None else None)
@@ -191,6 +196,10 @@ def _finished_since(run_dir: Path | None, since: float) -> bool:
 
 def _is_elastic(options: LaunchOptions) -> bool:
     """Whether nodes may come and go while the job runs: a c10d node range, dtrain's own workers."""
+    # dtrain's elastic agent asks every rank to stop at one batch with a checkpoint (SIGUSR1, answered by the
+    # engine's stop vote) before a membership change, and the new world resumes from it. A user's script
+    # (dtrain launch: no clean_stop, no run directory) honours neither, so its node range stays with torch's
+    # own agent: a change restarts every worker, and the script resumes from whatever it saved, as under torchrun.
     nodes = options.nodes
     return (nodes is not None and nodes.rdzv_backend == "c10d" and nodes.min_nodes < nodes.max_nodes
             and options.clean_stop and options.run_dir is not None)
@@ -203,6 +212,27 @@ def _setup(options: LaunchOptions, status_dir: Path, supervisor: Supervisor, in_
                         node=nodes.log_name, min_nodes=nodes.min_nodes, is_host=nodes.is_host, late=nodes.late,
                         grace_seconds=options.grace_seconds, signalled=lambda: supervisor.signalled_at,
                         endpoint=nodes.rdzv_endpoint, in_world=in_world)
+
+
+@contextlib.contextmanager
+def _worker_store_per_world(nodes: NodeLaunch | None) -> Iterator[None]:
+    """Within, for a node range under torch's own agent (a script's elastic job): each world's first worker
+    serves its own store, as in dtrain's elastic agent. With the agent's shared store, torch publishes the
+    store's address in its first round only, so a node that joins later waits for it in vain and the job
+    fails after a minute (tests/launcher/test_launch_nodes.py met it)."""
+    key = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+    if nodes is None or nodes.rdzv_backend != "c10d" or nodes.min_nodes == nodes.max_nodes:
+        yield
+        return
+    previous = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = previous
 
 
 @contextlib.contextmanager

@@ -51,6 +51,8 @@ from dtrain.launcher.rendezvous import (
 log = logging.getLogger("dtrain")
 # On the store itself (no job's prefix): the rendezvous id of the job formed there.
 RUNNING_JOB = "dtrain-join-running"
+# Under the job's prefix: how many nodes' agents are done (:func:`leave_last`).
+DONE = "done"
 
 
 # ------------------------------------------------------------------------------------ the protocol
@@ -78,10 +80,12 @@ class _Node:
 
 def join(rdzv: Rendezvous, config_dict: Mapping[str, Any], slots_per_node: int, iface_setting: str | None,
          host_prepare: Callable[[], dict], node_check: Callable[[dict], None],
-         host_abort: Callable[[], None] = lambda: None) -> tuple[NodeLaunch, dict]:
+         host_abort: Callable[[], None] = lambda: None, what: str = "experiment config",
+         fix: str = "start every node with the same config file and --set/--slots options") -> tuple[NodeLaunch, dict]:
     """Meet the other nodes before torch's rendezvous; return how to launch and the host's run plan.
 
-    ``config_dict`` must be the same on every node (compared by digest). On the node hosting the
+    ``config_dict`` must be the same on every node (compared by digest; ``what`` it is and how to ``fix`` a
+    difference, for the message: a ``dtrain run`` config, a ``dtrain launch`` script). On the node hosting the
     store, ``host_prepare()`` makes the run directory once every node has joined and returns the plan
     (run dir, resume point) every node uses; elsewhere ``node_check(plan)`` verifies it (shared
     storage). ``host_abort()`` undoes ``host_prepare`` if a later check fails. Raises JoinError.
@@ -98,7 +102,7 @@ def join(rdzv: Rendezvous, config_dict: Mapping[str, Any], slots_per_node: int, 
         config=dict(config_dict), digest=config_digest(config_dict))
     key = _announce(store, rdzv, report)
     if node.is_host:
-        decision = _host_decide(store, node, report, key, deadline, host_prepare)
+        decision = _host_decide(store, node, report, key, deadline, host_prepare, (what, fix))
         server.set(RUNNING_JOB, rdzv.rdzv_id)
     else:
         running = server.get(RUNNING_JOB).decode() if server.check([RUNNING_JOB]) else rdzv.rdzv_id
@@ -115,7 +119,7 @@ def join(rdzv: Rendezvous, config_dict: Mapping[str, Any], slots_per_node: int, 
         if not decision.ok:
             raise JoinError(decision.message)
         if key not in decision.names:  # a running job: nobody checked this node's config against it
-            _check_late(store, decision, report)
+            _check_late(store, decision, report, (what, fix))
 
     # Settle this node's interface and check it reaches the host's address on that network.
     ifname = decision.names.get(key) or ("lo" if node.loopback else _late_interface(decision, report, node.label))
@@ -127,7 +131,9 @@ def join(rdzv: Rendezvous, config_dict: Mapping[str, Any], slots_per_node: int, 
         _host_go(store, rdzv, decision, key, host_abort)
     else:
         _node_confirm(store, node, decision, key, ifname, local_ip, node_check)
-    return _node_launch(node, decision, key, ifname, local_ip, server), decision.plan
+    launch = _node_launch(node, decision, key, ifname, local_ip, server)
+    print(f"dtrain: {launch.label}: network interface {launch.ifname} ({launch.interface_reason})", flush=True)
+    return launch, decision.plan
 
 
 def _this_node(rdzv: Rendezvous) -> _Node:
@@ -264,14 +270,14 @@ def _missing_message(rdzv: Rendezvous, reports: dict[str, NodeReport], expected:
 
 
 def _host_decide(store: Any, node: _Node, mine: NodeReport, key: str, deadline: float,
-                 host_prepare: Callable[[], dict]) -> Decision:
+                 host_prepare: Callable[[], dict], subject: tuple[str, str]) -> Decision:
     """On the store host: wait for every node, check them, choose the interface, make the run plan."""
     rdzv = node.rdzv
     reports, message = _gather_reports(store, rdzv, mine, key, deadline)
     keys = sorted(reports, key=int)
     ordered = [reports[k] for k in keys]
     choice = None
-    message = message or _check_reports(ordered, mine)
+    message = message or _check_reports(ordered, mine, subject)
     if message is None:
         try:
             choice = _choose_names(ordered, node.loopback)
@@ -304,12 +310,12 @@ def _refuse(store: Any, message: str, readers: int, raise_as: Exception | None =
     raise JoinError(message)
 
 
-def _check_reports(reports: list[NodeReport], mine: NodeReport) -> str | None:
+def _check_reports(reports: list[NodeReport], mine: NodeReport, subject: tuple[str, str]) -> str | None:
+    what, fix = subject
     for other in reports:
         if other.digest != mine.digest:
             diff = first_difference(mine.config, other.config)
-            return (f"{other.label} has a different experiment config than {mine.label} ({diff}); start every "
-                    "node with the same config file and --set/--slots options")
+            return f"{other.label} has a different {what} than {mine.label} ({diff}); {fix}"
         if other.slots != mine.slots:
             return (f"{other.label} would run {other.slots} slot(s) but {mine.label} {mine.slots}; start every node "
                     "with the same --nnodes and --slots")
@@ -386,10 +392,30 @@ def _node_launch(node: _Node, decision: Decision, key: str, ifname: str, local_i
         late=key not in decision.names)
 
 
-def _check_late(store: Any, decision: Decision, mine: NodeReport) -> None:
+def leave_last(nodes: NodeLaunch, seconds: float = 5.0) -> None:
+    """After a c10d job under torch's own agent: every node's agent closes the rendezvous on its way out, in the
+    store that the host's process serves. The other nodes say they are done; the host waits for them
+    (``seconds`` at most: a node that left earlier never says so), so that no node's close meets a store
+    already gone, which makes torch print a C++ stack trace there after a job that succeeded."""
+    if nodes.rdzv_backend != "c10d" or nodes.store is None:
+        return
+    store = tdist.PrefixStore(f"dtrain-join/{nodes.run_id}", nodes.store)
+    try:
+        if not nodes.is_host:
+            store.add(DONE, 1)
+            return
+        others = int(store.add(Keys.ARRIVALS, 0)) - 1
+        deadline = time.monotonic() + seconds
+        while int(store.add(DONE, 0)) < others and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except (RuntimeError, OSError):  # the host is gone already: nothing left to wait for
+        return
+
+
+def _check_late(store: Any, decision: Decision, mine: NodeReport, subject: tuple[str, str]) -> None:
     """A node arriving after the decision (c10d scale-up) joins only a job of the same config and slots."""
     first = min(decision.names, key=int)
-    message = _check_reports([get_message(store.get(Keys.node(first)), NodeReport)], mine)
+    message = _check_reports([get_message(store.get(Keys.node(first)), NodeReport)], mine, subject)
     if message is not None:
         raise JoinError(f"{mine.label} cannot join the running job {decision.run_id!r}: {message}")
 

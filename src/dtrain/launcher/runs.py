@@ -45,7 +45,7 @@ from dtrain.launcher import membership, netif, preflight
 from dtrain.launcher.agent import LaunchOptions, launch
 from dtrain.launcher.forkstart import DTRAIN_WORKER, WorkerModule
 from dtrain.launcher.join import join
-from dtrain.launcher.rendezvous import JoinError, Rendezvous, parse_endpoint, parse_nnodes
+from dtrain.launcher.rendezvous import JoinError, Rendezvous
 from dtrain.launcher.resume import RUN_CONFIG, announce_changes, resume_checkpoint
 from dtrain.launcher.resume import config_path as resume_config_path
 from dtrain.launcher.runlock import RunLock, lock_run_dir
@@ -196,46 +196,23 @@ def _rendezvous_args(nodes: NodeArgs, cluster: ClusterEnv | None) -> NodeArgs | 
 
 
 def _rendezvous(args: NodeArgs, config: ExperimentConfig, cluster: ClusterEnv | None) -> Rendezvous | None:
-    """Validate the multi-node options; None when they amount to a single node."""
+    """Validate the multi-node options (:meth:`NodeArgs.rendezvous`, shared with ``dtrain launch``), then what
+    a config adds; None when they amount to a single node."""
     source = "command line" if cluster is None or cluster.role != "node" else cluster.source
-    backend = args.rdzv_backend or "static"
-    if backend not in ("static", "c10d"):
-        raise UserError(f"--rdzv-backend {backend!r}: expected 'static' (node ranks given) or 'c10d' (elastic)")
-    low, high = parse_nnodes(args.nnodes or "1")
-    if backend == "static" and low != high:
-        raise UserError(f"--nnodes {args.nnodes}: an elastic range needs --rdzv-backend c10d; with static "
-                        "rendezvous give a fixed node count")
-    if high == 1 and backend == "static":
-        if args.node_rank not in (None, 0):
-            raise UserError(f"--node-rank {args.node_rank} is out of range for --nnodes 1 (valid: 0)")
-        return None
-    if args.master is None:
-        raise UserError(f"--nnodes {args.nnodes} needs --master HOST:PORT, the address of the node hosting the "
-                        "rendezvous (node 0), the same on every node")
-    host, port = parse_endpoint(args.master)
-    node_rank = args.node_rank
-    if backend == "static":
-        if node_rank is None:
-            raise UserError(f"--nnodes {high} with static rendezvous needs --node-rank (0 to {high - 1}) on every "
-                            "node, or use --rdzv-backend c10d to have ranks assigned")
-        if not 0 <= node_rank < high:
-            raise UserError(f"--node-rank {node_rank} is out of range for --nnodes {high}: valid node ranks are 0 "
-                            f"to {high - 1}")
-    else:
-        node_rank = None
     slots = config.resources.slots_per_trial
-    if slots % high:
-        raise UserError(f"resources.slots_per_trial {slots} does not divide across {high} nodes (--nnodes "
-                        f"{args.nnodes}): every node runs the same number of slots; use a multiple of {high} "
-                        f"(e.g. --slots {high * max(1, slots // high)}) or a node count that divides {slots}")
-    if cluster is not None and cluster.role == "node" and cluster.nproc_per_node not in (None, slots // high):
+    rdzv = args.rendezvous(slots, "resources.slots_per_trial", default_id=f"dtrain-{config.name}",
+                           join_timeout=config.resources.join_timeout_seconds,
+                           last_call=config.resources.rendezvous_last_call_seconds, source=source)
+    if rdzv is None:
+        return None
+    per_node = slots // rdzv.max_nodes
+    if cluster is not None and cluster.role == "node" and cluster.nproc_per_node not in (None, per_node):
         raise UserError(f"{cluster.source} gives {cluster.nproc_per_node} process(es) per node but "
-                        f"resources.slots_per_trial {slots} over {high} nodes means {slots // high}; make them agree")
-    if backend == "c10d" and low < high:
-        _check_elastic_batch(config, low, high, slots // high, str(args.nnodes))
-    rdzv_id = args.rdzv_id or f"dtrain-{config.name}"
-    return Rendezvous(backend, host, port, low, high, node_rank, rdzv_id, config.resources.join_timeout_seconds,
-                      source, config.resources.rendezvous_last_call_seconds)
+                        f"resources.slots_per_trial {slots} over {rdzv.max_nodes} nodes means {per_node}; make them "
+                        "agree")
+    if rdzv.backend == "c10d" and rdzv.min_nodes < rdzv.max_nodes:
+        _check_elastic_batch(config, rdzv.min_nodes, rdzv.max_nodes, per_node, str(args.nnodes))
+    return rdzv
 
 
 def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | None, resume: Path | None) -> RunPlan:
@@ -283,7 +260,6 @@ def _prepare_nodes(config: ExperimentConfig, rdzv: Rendezvous, run_dir: Path | N
     nodes, plan = join(rdzv, shared, per_node, config.resources.network_interface, host_prepare, node_check,
                        host_abort)
     target = Path(plan["run_dir"])
-    print(f"dtrain: {nodes.label}: network interface {nodes.ifname} ({nodes.interface_reason})", flush=True)
     resume_point = Path(plan["resume_from"]) if plan.get("resume_from") else None
     return RunPlan(config, target, resume_point, nodes=nodes, chief=nodes.is_host, lock=locks[0] if locks else None)
 
