@@ -107,6 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "data_loader.num_workers; sync.strategy=ddp from an fsdp run; repeatable)")
     doctor.add_argument("--link", help="--try: the link between nodes, RATE[,LATENCY][,BURST] as for dtrain plan "
                         "(replaces the measured one for a run across hosts)")
+    doctor.add_argument("--explain", action="store_true", help="print the cost model's terms (seconds at the run and, "
+                        "with --try, at each change) and each input with where it came from")
 
     plan = sub.add_parser("plan", help="predict other slot/node counts and the doctor's options from one run")
     plan.add_argument("run_dir", type=Path, nargs="?", help="a run directory made by 'dtrain run' (or --what-if)")
@@ -125,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
                       "failures and restarts, with the checkpoint period that minimizes it (Young/Daly)")
     plan.add_argument("--price", help="price per slot-hour (e.g. 2.50): the cost to finish each configuration")
     plan.add_argument("--json", action="store_true", help="machine-readable output")
+    plan.add_argument("--explain", action="store_true", help="print each row's cost-model terms (seconds at the run "
+                      "and at the row) and each input with where it came from")
 
     report = sub.add_parser("report", help="(re)build a run's report.html and print its time table")
     report.add_argument("run_dir", type=Path, help="a run directory made by 'dtrain run'")
@@ -431,6 +435,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     else:
         print(time_cost_table(profile), end="")
         print(render(diagnosis), end="")
+        if args.explain:
+            from dtrain.explain.trying import explain_doctor
+
+            print(explain_doctor(predictor, diagnosis), end="")
         print(membership_view.doctor_note(args.run_dir), end="")  # an elastic run: which world the figures are
     return 0
 
@@ -463,6 +471,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plot(doc, png)
     doc.png, doc.png_set = (str(png) if png is not None else None), True
     print(json.dumps(doc.to_json(), indent=2) if args.json else render(doc) + f"chart: {png}")
+    if args.explain and not args.json:
+        from dtrain.explain.plandoc import explain_plan
+
+        print(explain_plan(doc), end="")
     return 0
 
 
@@ -483,7 +495,8 @@ def cmd_launch(args: argparse.Namespace) -> int:
     # Through dtrain.engine.script_main: the script's exceptions are reported, its workers die with this process.
     failure = launch(["-u", "-m", "dtrain.engine.script_main", str(script), *args.args],
                      LaunchOptions(slots=per_node, max_restarts=args.max_restarts, debug=args.debug, nodes=nodes))
-    _script_profiled(run_dir, script, args.args, time.perf_counter() - started, failed=failure is not None)
+    if getattr(args, "node_rank", None) in (None, 0):  # the node that ran rank 0 (the others sent their figures)
+        _script_profiled(run_dir, script, args.args, time.perf_counter() - started, failed=failure is not None)
     if failure is not None:
         print(f"{PROG}: error: {failure.headline()}", file=sys.stderr)
         # The script's own exit code where it chose one (sys.exit(2) stays 2), else 1.
@@ -509,15 +522,13 @@ def _script_run_dir(given: Path | None, script: Path) -> Path:
 
 
 def _script_profiled(run_dir: Path, script: Path, script_args: list[str], seconds: float, failed: bool) -> None:
-    """After the job: the ranks' files merged where rank 0 could not (a crash), the summary and report.html (on
-    the node that ran rank 0; the other nodes' ranks sent theirs to it)."""
+    """After the job: the ranks' files merged where rank 0 could not (a crash; a rank the agent stopped leaves
+    none), the summary and report.html."""
     from dtrain.engine import scriptprof
     from dtrain.explain.report import write_report
     from dtrain.explain.summary import print_run_summary
 
     os.environ.pop(scriptprof.ENV, None)
-    if not (run_dir / scriptprof.RANKS / "rank-0.json").is_file():
-        return
     info = {"launcher": "dtrain launch", "command": [str(script), *script_args], "cwd": os.getcwd(),
             "script": str(script.resolve())}
     if scriptprof.merge_rank_files(run_dir, info):

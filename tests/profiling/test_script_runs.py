@@ -73,6 +73,7 @@ def test_plain_ddp_trains_as_under_torchrun_and_is_profiled(tmp_path: Path) -> N
     assert script.micro_batches_per_step == 1 and script.exchanges_per_step == 1 and not script.no_sync
     # DDP's own bucket sizes: every gradient byte once per step.
     assert record.comm.bytes_per_step == PLAIN_GRADIENT_BYTES and record.comm.busy_seconds_per_step > 0
+    assert record.comm.latency_seconds > 0  # probed at the script's destroy_process_group(), every rank there
     assert record.gradient_bytes is not None and sum(record.gradient_bytes[0]) == PLAIN_GRADIENT_BYTES
     assert record.validation_seconds > 0  # the validation passes, left out of the steps
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))

@@ -39,6 +39,9 @@ SCRIPT_FILE = "script.json"
 # How long rank 0 waits at the end for the other ranks' figures (a rank that died sends none).
 GATHER_SECONDS = 30.0
 _KEY = "dtrain_profile/rank"
+# At the script's destroy_process_group(): how long rank 0 waits for every rank before the latency probe.
+ARRIVAL_SECONDS = 5.0
+_HERE, _GO = "dtrain_profile/here", "dtrain_profile/probe"
 log = logging.getLogger("dtrain")
 
 
@@ -142,6 +145,8 @@ def finish(reason: str) -> None:
 
         rank, world = _rank_world()
         payload = rank_payload(prof, rank, world, time.perf_counter() - current.began)
+        if reason == "destroy" and world > 1:
+            payload["latency_seconds"] = _latency_when_all_here(rank, world)
         _write_json(current.run_dir / RANKS / f"rank-{rank}.json", payload)
         gathered = {rank: payload}
         if reason != "crash" and world > 1 and dist.is_initialized():
@@ -150,6 +155,31 @@ def finish(reason: str) -> None:
             write_records(current.run_dir, current.info(), gathered, complete=reason != "crash")
     except Exception as exc:
         log.warning("dtrain: the profile could not be written (%s: %s)", type(exc).__name__, exc)
+
+
+def _latency_when_all_here(rank: int, world: int) -> float:
+    """The one-float all-reduce's latency (what the doctor prices each exchange's messages by), probed only where
+    every rank has reached its ``destroy_process_group()``: rank 0 waits for them through the store at most
+    :data:`ARRIVAL_SECONDS` and decides for all (a rank that never comes cannot leave the others in a
+    collective); 0 where not probed."""
+    from dtrain.profiling.figures import latency_probe
+
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{_HERE}{rank}", "1")
+    if rank == 0:
+        try:
+            store.wait([f"{_HERE}{r}" for r in range(1, world)], timedelta(seconds=ARRIVAL_SECONDS))
+            go = "1"
+        except Exception:  # someone is not here: no collective
+            go = "0"
+        store.set(_GO, go)
+    else:
+        try:
+            store.wait([_GO], timedelta(seconds=3 * ARRIVAL_SECONDS))
+            go = store.get(_GO).decode()
+        except Exception:
+            go = "0"
+    return latency_probe() if go == "1" else 0.0
 
 
 def _through_store(payload: dict[str, Any], rank: int, world: int) -> dict[int, dict[str, Any]]:

@@ -203,12 +203,13 @@ def build_records(payloads: list[dict[str, Any]], info: dict[str, Any],
     samples_per_second = gbs / steady if steady > 0 else 0.0
     all_steps = gbs * first["span_steps"] / first["train_seconds"] if first["train_seconds"] > 0 else 0.0
     head = _head(first, world, samples_per_second, all_steps)
-    figures = EndFigures(per_rank=per_rank, latency_seconds=0.0, hosts=[p["host"] for p in usable], comm_points=[],
+    # The one-float all-reduce's latency, probed where every rank reached destroy_process_group() (else 0).
+    figures = EndFigures(per_rank=per_rank, latency_seconds=float(first.get("latency_seconds", 0.0)),
+                         hosts=[p["host"] for p in usable], comm_points=[],
                          gradient_bytes=first["gradient_bytes"] or None)
+    # Its slots are the job's (the head's); its per-rank rows, the ranks that reported.
     record = build_profile(figures, head).model_copy(update={"script": script})
-    if len(usable) < world:  # the record's slots are the job's; its per-rank rows, the ranks that reported
-        record = record.model_copy(update={"slots": world})
-    breakdown = {name: value for name, value in record.per_rank[0].seconds_per_step.items()}
+    breakdown = dict(record.per_rank[0].seconds_per_step.items())
     summary = RunSummary.of(head, batches=int(first["steps"]), epochs=float((loader or {}).get("iterators", 0)),
                             step_breakdown_seconds=breakdown, validation={}, nonfinite_skipped_steps=0)
     return record, summary, script
