@@ -88,9 +88,16 @@ def test_help_says_what_slots_and_an_elastic_range_mean():
 # ------------------------------------------------------------------------------------------ test hosts
 
 
-def _launch(out: Path, *node_args: str, script_args: tuple[str, ...] = ()) -> list[str]:
-    return [sys.executable, "-m", "dtrain.cli", "launch", "--slots", "2", *node_args, str(SCRIPT), "--out", str(out),
-            *script_args]
+def _launch(out: Path, node: int, *node_args: str, script_args: tuple[str, ...] = ()) -> list[str]:
+    """``dtrain launch`` of the script on 2 slots in all; each node profiles into a run directory of its own
+    (``--run-dir``, beside ``out``: never under the repository's runs/)."""
+    return [sys.executable, "-m", "dtrain.cli", "launch", "--slots", "2", "--run-dir", str(out.parent / f"run{node}"),
+            *node_args, str(SCRIPT), "--out", str(out), *script_args]
+
+
+def _start(hosts: testhosts.TestHosts, i: int, argv: list[str]) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return hosts.popen(i, argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_all(hosts: testhosts.TestHosts, procs: list[subprocess.Popen], deadline: float) -> list:
@@ -104,11 +111,6 @@ def _wait_all(hosts: testhosts.TestHosts, procs: list[subprocess.Popen], deadlin
         hosts.destroy()  # kills every process group and everything left inside the namespaces
         raise AssertionError("the nodes did not finish in time") from None
     return results
-
-
-def _start(hosts: testhosts.TestHosts, i: int, argv: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return hosts.popen(i, argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def _records(out: Path, world: int) -> list[dict]:
@@ -140,7 +142,7 @@ def test_two_hosts_one_slot_each_meet_in_one_world(tmp_path, two_hosts):
     out = tmp_path / "out"
     out.mkdir()
     master = f"{two_hosts.hostname(0)}:29500"
-    procs = [_start(two_hosts, i, _launch(out, "--nnodes", "2", "--node-rank", str(i), "--master", master))
+    procs = [_start(two_hosts, i, _launch(out, i, "--nnodes", "2", "--node-rank", str(i), "--master", master))
              for i in range(2)]
     results = _wait_all(two_hosts, procs, time.monotonic() + 90)
     for code, _, err in results:
@@ -159,8 +161,8 @@ def test_nodes_running_other_script_arguments_are_refused_on_both(tmp_path, two_
     out.mkdir()
     master = f"{two_hosts.hostname(0)}:29500"
     node_args = ["--nnodes", "2", "--master", master, "--node-rank"]
-    procs = [_start(two_hosts, 0, _launch(out, *node_args, "0")),
-             _start(two_hosts, 1, _launch(out, *node_args, "1", script_args=("--wait", "5")))]
+    procs = [_start(two_hosts, 0, _launch(out, 0, *node_args, "0")),
+             _start(two_hosts, 1, _launch(out, 1, *node_args, "1", script_args=("--wait", "5")))]
     results = _wait_all(two_hosts, procs, time.monotonic() + 60)
     for code, _, err in results:
         lines = err.strip().splitlines()
@@ -168,6 +170,7 @@ def test_nodes_running_other_script_arguments_are_refused_on_both(tmp_path, two_
         assert "has a different script than" in lines[0] and "args: [" in lines[0], lines[0]
         assert "start every node with the same script (the same file), arguments, --slots" in lines[0]
     assert list(out.iterdir()) == []  # refused before any worker started
+    assert not (tmp_path / "run0").exists() and not (tmp_path / "run1").exists()  # and before any run directory
 
 
 @pytest.mark.slow
@@ -177,17 +180,17 @@ def test_elastic_range_restarts_the_script_when_a_node_joins(tmp_path, two_hosts
     restarts every worker and the script runs again in a world of 2 (no dtrain checkpoint in between)."""
     out = tmp_path / "out"
     out.mkdir()
-    argv = _launch(out, "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-id", "job9", "--master",
-                   f"{two_hosts.hosts[0].address}:29400", script_args=("--want-world", "2"))
+    node_args = ("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-id", "job9", "--master",
+                 f"{two_hosts.hosts[0].address}:29400")
     deadline = time.monotonic() + 90
-    first = _start(two_hosts, 0, argv)
+    first = _start(two_hosts, 0, _launch(out, 0, *node_args, script_args=("--want-world", "2")))
     while not (out / "waiting-rank0.json").exists():  # node 0's script runs, alone
         if first.poll() is not None or time.monotonic() > deadline:
             two_hosts.destroy()
             raise AssertionError(f"node 0's script never started alone: {first.communicate()}")
         time.sleep(0.1)
     assert json.loads((out / "waiting-rank0.json").read_text()) == {"rank": 0, "world_size": 1}
-    second = _start(two_hosts, 1, argv)
+    second = _start(two_hosts, 1, _launch(out, 1, *node_args, script_args=("--want-world", "2")))
     results = _wait_all(two_hosts, [first, second], deadline)
     assert [code for code, _, _ in results] == [0, 0], results
     # No node closes the rendezvous after the host's store went away (torch's C++ trace, after a success).
