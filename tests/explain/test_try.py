@@ -13,6 +13,7 @@ KNOBS = ["precision=bf16-mixed", "hyperparameters.global_batch_size=32", "resour
          "resources.slots_per_trial=4", "nodes=2", "optimizations.aggregation_frequency=4",
          "optimizations.gradient_compression=fp16", "optimizations.gradient_compression=powersgd",
          "optimizations.tensor_fusion_threshold=1000", "data_loader.num_workers=2", "seed=4"]
+SOURCES = {"measured", "probed", "given", "assumed", "fitted"}
 
 
 @pytest.fixture(scope="module")
@@ -59,25 +60,46 @@ def test_every_knob_is_predicted_with_its_interval_or_a_reason(run, tried):
     else:
         assert (bf16["gain"] < 1) == (found.gain < 1) and "measured" in bf16["inputs"]["precision"], bf16
     assert tries["seed=4"]["gain"] is None and "does not price it" in tries["seed=4"]["reason"]
-    # The link between hosts was given: two nodes of the run's two slots each.
-    assert tries["nodes=2"]["gain"] is not None and "200mbit" in tries["nodes=2"]["inputs"]["link between hosts"]
+    # The link between hosts was given: two nodes of the run's two slots each (priced; its interval may be wider
+    # than +/-25%, then without a point figure).
+    assert tries["nodes=2"]["high"] is not None and "200mbit" in tries["nodes=2"]["inputs"]["link between hosts"]
     assert tries["optimizations.tensor_fusion_threshold=1000"]["inputs"]["buckets"].startswith("one")
     # Another thread count and more slots than cores: 4 slots on this run's host cannot beat 1.
-    assert tries["resources.slots_per_trial=4"]["gain"] < tries["resources.slots_per_trial=1"]["gain"]
+    assert tries["resources.slots_per_trial=4"]["high"] < tries["resources.slots_per_trial=1"]["low"]
+    # Each priced try carries the model's terms at the run and at the change, each input with its source; the
+    # run's terms add up to the step the factor table shows.
+    for t in tries.values():
+        if t["low"] is None:
+            assert t["terms"] == [], t
+            continue
+        names = [term["name"] for term in t["terms"]]
+        assert names[:5] == ["compute", "data", "fixed", "exchange", "late_rank"], names
+        assert sum(term["run_seconds"] for term in t["terms"]) == pytest.approx(doc["step_seconds"], rel=1e-6)
+        assert all(i["source"] in SOURCES for term in t["terms"] for i in term["inputs"]), t["terms"]
+    # An interval wider than +/-25% gives no point figure: it says so, keeps the interval and names --verify.
+    for t in tries.values():
+        if t["low"] is not None and t["gain"] is None:
+            assert "to within +/-25%" in t["reason"] and f"--try {t['try']} --verify" in t["reason"], t
+            assert t["high"] > 1.25 * t["low"] and t["samples_per_second"] is None
 
 
 def test_a_try_and_the_doctor_table_give_one_figure(tried):
     doc, tries = tried
     assert tries["resources.slots_per_trial=1"]["gain"] == pytest.approx(doc["scaling"]["estimated_one_slot_speedup"],
                                                                         rel=1e-12)
-    stated = {}
+    stated, intervals = {}, {}
     for f in doc["factors"]:
         for change in (f, f.get("alternative")):
             if change and change["key"] is not None:
                 stated[f"{change['key']}={change['value']}"] = change["predicted_speedup"]
+        if f["key"] is not None and "predicted_interval" in f:
+            intervals[f"{f['key']}={f['value']}"] = f["predicted_interval"]
     shared = [k for k in stated if k in tries]
     assert "optimizations.aggregation_frequency=4" in shared and "hyperparameters.global_batch_size=32" in shared
     for knob in shared:
+        if tries[knob]["gain"] is None:  # wider than +/-25%: the table's interval is the try's
+            assert [tries[knob]["low"], tries[knob]["high"]] == pytest.approx(intervals[knob], rel=1e-12), knob
+            continue
         assert tries[knob]["gain"] == pytest.approx(stated[knob], rel=1e-12), knob
 
 

@@ -66,7 +66,7 @@ from dtrain.explain.network import (
 from dtrain.explain.target import Prediction, Target
 from dtrain.explain.terms import registry as term_registry
 from dtrain.explain.terms import shared_host
-from dtrain.explain.terms.base import At, Shape, TermValue, sd_of
+from dtrain.explain.terms.base import At, Input, Shape, TermValue, sd_of
 from dtrain.profiling import buckets as ddp_buckets
 from dtrain.profiling.commprobe import LinkFit, fit
 from dtrain.profiling.record import ProfileRecord
@@ -88,6 +88,8 @@ MIN_EXCHANGE_SCALE = 0.05
 # The exchange term's name, and the parts that are a term's sub-figures rather than terms (not added to the step).
 EXCHANGE = "exchange"
 DETAILS = ("compression", "step")
+# CostModel.explain's row for a step held at linear scaling from one slot (CostModel.predict).
+LINEAR = "held at linear scaling"
 NOT_MEASURED = ("link_given", "link_between_hosts", "compute_given", "inter_given", "loader_workers",
                 "sharded_to_replica", "sharded_scaled", spread_of.LATE_GONE)
 
@@ -424,4 +426,8 @@ class CostModel:
             inputs = tuple(term.inputs(at))
             out.append(TermValue(term.name, run.get(term.name, 0.0), there.get(term.name, 0.0), sd_of(term, sigmas),
                                  inputs))
+        held = [max(0.0, parts["step"] - self.step_of(parts)) for parts in (run, there)]
+        if max(held) > 1e-12 * there["step"]:  # a step held at linear scaling: by how much
+            out.append(TermValue(LINEAR, held[0], held[1], 0.0, (Input(
+                "no more samples/s than the slots times one slot's", "a bound", "assumed"),)))
         return out

@@ -177,11 +177,14 @@ class TryResult:
     high: float | None
     inputs: dict[str, str]  # what the prediction changed in the cost model's target, and where inputs came from
     reason: str | None = None  # why no figure ("cannot predict X because ...")
+    # Each term of the cost model at the run and at the change (dtrain.explain.terms.base.TermValue.to_json):
+    # its seconds, one standard deviation, its inputs with their sources; empty where nothing was priced.
+    terms: list[Json] = field(default_factory=list)
 
     def to_json(self) -> Json:
         return {"try": self.change, "key": self.key, "value": self.value,
                 "samples_per_second": self.samples_per_second, "gain": self.gain, "low": self.low,
-                "high": self.high, "inputs": self.inputs, "reason": self.reason}
+                "high": self.high, "inputs": self.inputs, "reason": self.reason, "terms": self.terms}
 
 
 @dataclass(slots=True)

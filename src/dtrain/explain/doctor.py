@@ -50,7 +50,7 @@ from dtrain.explain.factors import registry
 from dtrain.explain.factors.base import ONE_SLOT, Context, build_context, gains
 from dtrain.explain.facts import exchange_kind
 from dtrain.explain.goodput import duration
-from dtrain.explain.predictor import Predictor
+from dtrain.explain.predictor import Predictor, too_wide
 from dtrain.explain.render import ratio
 from dtrain.profiling.record import SERVER, ProfileRecord
 
@@ -105,6 +105,9 @@ def diagnose(profile: ProfileRecord, predictor: Predictor | None = None) -> Diag
         _worth_it(found)
         seconds = factor.seconds(ctx)
         rows.append(FactorRow(factor.name, seconds / ctx.step, seconds, found))
+    for name, seconds in ctx.others.items():  # a cost-model term no factor splits: its own row (explain/terms/)
+        rows.append(FactorRow(name, seconds / ctx.step, seconds, Advice(
+            None, None, f"the cost model's {name} term at the run (dtrain doctor --explain lists its inputs)", None)))
     rows.sort(key=lambda r: r.seconds_per_step, reverse=True)  # stable: the registry's order breaks ties
     recommendations = _recommendations(rows, ctx)
     for row in rows:
@@ -288,6 +291,8 @@ def _predicted(f: FactorRow) -> str:
         text = f"{ratio(f.predicted_speedup)}x"
         if f.predicted_interval is not None:
             low, high = f.predicted_interval
+            if too_wide(f.predicted_speedup, low, high):  # no point figure: --verify measures it (issue 73)
+                return f"{ratio(low)}-{ratio(high)}x, wide: --verify"
             text += f" ({ratio(low)}-{ratio(high)})"
         return text
     if f.key is not None and f.advice.bound is not None:

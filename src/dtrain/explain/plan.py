@@ -22,8 +22,8 @@ from dtrain.explain.doctor import unobserved_note
 from dtrain.explain.exchange import SLOTS, unpriced
 from dtrain.explain.facts import Facts
 from dtrain.explain.finish import finish, run_costs
-from dtrain.explain.plandoc import Input, Measured, PlanDocument, PlanRow, RunCostsFacts
-from dtrain.explain.predictor import target_at
+from dtrain.explain.plandoc import Input, Measured, PlanDocument, PlanRow, RunCostsFacts, explained
+from dtrain.explain.predictor import target_at, too_wide, wide_reason
 from dtrain.explain.render import ratio
 from dtrain.profiling import commprobe
 from dtrain.profiling.record import ProfileRecord, load_run_profile
@@ -219,6 +219,13 @@ def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | Non
         row.seconds_to_finish = pred.step * total if total else None
         # Over the model's own figure for the run as it was: the doctor's gain for the same change.
         row.gain = pred.samples_per_second / mine.samples_per_second
+        row.terms = explained(model, case.target)
+        base_sps = mine.samples_per_second
+        if too_wide(row.gain, pred.samples_per_second_low / base_sps, pred.samples_per_second_high / base_sps):
+            row.reason = wide_reason(f"{case.target.slots} slot(s) on {case.target.nodes} node(s), {case.label}",
+                                     pred.samples_per_second_low / base_sps, pred.samples_per_second_high / base_sps,
+                                     pred.widest)
+            row.gain = None
         row.finish = finish(costs, pred.step, case.target.slots, case.target.nodes, mttf_hours, price)
         if row.finish is not None:
             row.seconds_to_finish = row.finish["configured"]["seconds"]
@@ -264,7 +271,8 @@ def render(doc: PlanDocument) -> str:
         table.add_column(col, justify="left" if col in ("change", "widest input") else "right")
     for p in doc.predictions:
         done = p.seconds_to_finish
-        cells = [str(p.slots), str(p.nodes), p.change, f"{p.samples_per_second:,.0f}",
+        # An interval wider than +/-25% gets no point figure: the row says so, and --verify measures it.
+        cells = [str(p.slots), str(p.nodes), p.change, "wide" if p.reason else f"{p.samples_per_second:,.0f}",
                  f"{p.low:,.0f}-{p.high:,.0f}", f"{100 * p.efficiency:.0f}%" if p.efficiency is not None else "-",
                  f"{1e3 * p.seconds_per_step:.2f}",
                  (p.widest_input or "-").split(" (")[0] if doc.what_if
@@ -275,6 +283,9 @@ def render(doc: PlanDocument) -> str:
         table.add_row(*cells)
     inputs = "".join(f"  {i.name}: {i.value} [{i.source}]\n" for i in doc.inputs)
     text = as_text(table, width=160) + f"inputs:\n{inputs}"
+    wide = [p for p in doc.predictions if p.reason]
+    if wide:
+        text += f"wide: {len(wide)} row(s) whose 80% interval is wider than +/-25%, e.g. {wide[0].reason}\n"
     costs = doc.costs
     if costs is not None and costs.mttf_hours_per_node is not None:
         text += (f"  to finish: {doc.total_batches} batches, one checkpoint {costs.checkpoint_seconds:.2f} s, a "

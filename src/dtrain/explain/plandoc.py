@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dtrain.explain.costmodel import Prediction, Target
+from dtrain.explain.costmodel import CostModel, Prediction, Target
+from dtrain.explain.terms.base import MEASURED, PROBED, TermValue
+from dtrain.explain.terms.base import Input as TermInput
 
 # JSON as the standard library writes it (the goodput model's document for a row).
 Json = dict[str, object]
@@ -34,6 +36,8 @@ class PlanRow:
     finish: Json | None = None
     widest_input: str | None = None  # on paper: the input that widens the interval most
     extra: Json = field(default_factory=dict)  # figures a newer paper document adds, kept as they are
+    terms: list[Json] = field(default_factory=list)  # each term at the run and here (a run's plan: explained())
+    reason: str | None = None  # a run's plan: why no gain (an 80% interval wider than +/-25%: --verify measures it)
 
     @classmethod
     def of(cls, target: Target, option: str, change: str, pred: Prediction, one: Prediction | None) -> PlanRow:
@@ -50,9 +54,13 @@ class PlanRow:
                      "seconds_per_step_low": self.seconds_per_step_low,
                      "seconds_per_step_high": self.seconds_per_step_high, "parts_seconds": self.parts_seconds,
                      "seconds_to_finish": self.seconds_to_finish}
-        if self.gain is not None:
+        if self.gain is not None or self.reason is not None:
             out["gain"] = self.gain
+        if self.reason is not None:
+            out["reason"] = self.reason
         out["finish"] = self.finish
+        if self.terms:
+            out["terms"] = self.terms
         if self.widest_input is not None:
             out["widest_input"] = self.widest_input
         return {**out, **self.extra}
@@ -140,7 +148,7 @@ class PlanDocument:
 
 
 def _row(row: Json) -> PlanRow:
-    names = set(PlanRow.__dataclass_fields__) - {"extra"}
+    names = set(PlanRow.__dataclass_fields__) - {"extra", "terms", "reason"}
     return PlanRow(**{k: v for k, v in row.items() if k in names},
                    extra={k: v for k, v in row.items() if k not in names})
 
@@ -155,3 +163,59 @@ def _items(value: object) -> list[object]:
 
 def _text(value: object) -> str | None:
     return None if value is None else str(value)
+
+
+# The row of a change that removes seconds the terms do not see (the loader plan's whole step: advice.loader_priced).
+OUTSIDE = "outside the terms"
+
+
+def explained(model: CostModel, target: Target, less_step: float = 0.0) -> list[dict[str, object]]:
+    """``target``'s terms at the run and at the change (:meth:`CostModel.explain`), as ``--json`` writes them;
+    with ``less_step``, one more row that takes those seconds off the step."""
+    rows = model.explain(target)
+    if less_step > 0:
+        rows.append(TermValue(OUTSIDE, 0.0, -less_step, 0.0, (TermInput(
+            "the loader plan's step below the terms' rest (its steps timed after the run, or its formula)",
+            f"{1e3 * less_step:.3f} ms", PROBED),)))
+    return [row.to_json() for row in rows]
+
+
+def explain_text(terms: list[Json], known: set[tuple[str, str, str]] | None = None, change: bool = True) -> str:
+    """``--explain``: each term's seconds at the run and at the change (one standard deviation beside it), and
+    each input with where it came from (measured, probed, given, assumed, fitted); ``known``: inputs already
+    printed (term, name, value), left out; ``change`` False: the run alone."""
+    lines = []
+    for term in terms:
+        run, there, sd = (float(str(term[k])) for k in ("run_seconds", "target_seconds", "sd_seconds"))
+        spread = f" +/- {1e3 * sd:.3f}" if sd > 0 else ""
+        lines.append(f"  {term['name']}: {1e3 * run:.3f} ms at the run"
+                     + (f", {1e3 * there:.3f}{spread} ms at the change" if change else ""))
+        items = term["inputs"] if isinstance(term["inputs"], list) else []
+        for i in items:
+            if known is None or (str(term["name"]), i["name"], i["value"]) not in known:
+                lines.append(f"    {i['name']}: {i['value']} [{i['source']}]")
+    run_step = sum(float(str(t["run_seconds"])) for t in terms)
+    step = sum(float(str(t["target_seconds"])) for t in terms)
+    lines.append(f"  step (the terms added up): {1e3 * run_step:.3f} ms at the run"
+                 + (f", {1e3 * step:.3f} ms at the change" if change else ""))
+    return "\n".join(lines) + "\n"
+
+
+def inputs_of(terms: list[Json]) -> set[tuple[str, str, str]]:
+    """Every (term, input, value) of ``terms``: what a later row need not print again."""
+    return {(str(t["name"]), i["name"], i["value"]) for t in terms
+            for i in (t["inputs"] if isinstance(t["inputs"], list) else [])}
+
+
+def explain_plan(doc: PlanDocument) -> str:
+    """``dtrain plan --explain``: each row's terms at the run and at the row; inputs the first row (the run as
+    measured, where listed) printed already are not repeated."""
+    text, known = f"explained: each row's terms ({MEASURED} on the run, {PROBED} after it, given, assumed)\n", None
+    for row in doc.predictions:
+        if not row.terms:
+            continue
+        text += f"{row.slots} slot(s) on {row.nodes} node(s), {row.change}:\n" + explain_text(row.terms, known)
+        if row.reason:
+            text += f"  {row.reason}\n"
+        known = inputs_of(row.terms) | (known or set())
+    return text

@@ -17,6 +17,24 @@ from dtrain.explain.exchange import Unpriced, unpriced
 from dtrain.explain.precision import GainCurve
 from dtrain.profiling.record import ProfileRecord
 
+# Beyond this far from its point on either side, an 80% interval says the model cannot price the change: the
+# answer gives the interval and points to --verify, which measures it, instead of a point figure (issue 73).
+WIDE = 1.25
+
+
+def too_wide(value: float, low: float, high: float) -> bool:
+    """Whether the 80% interval ``low``-``high`` around ``value`` is wider than +/-25% (:data:`WIDE`)."""
+    slack = 1e-9  # an interval capped at exactly +/-25% (every input measured here) is not wider
+    return value > 0 and (high > value * WIDE * (1 + slack) or low * WIDE * (1 + slack) < value)
+
+
+def wide_reason(change: str, low: float, high: float, widest: str, item: str = "KEY=VALUE") -> str:
+    """Why a change gets no point figure: its interval, the input that widens it most, and what measures it
+    (``item``: the change as ``--try`` spells it)."""
+    return (f"cannot predict {change} to within +/-25%: its 80% interval is {low:.3g}x-{high:.3g}x samples/s"
+            + (f" (widest: {widest})" if widest else "") + f"; dtrain doctor RUN --try {item} --verify measures it")
+
+
 # One change's fields on a Target (precision_gain, compression, ...), as dataclasses.replace takes them.
 TargetValue = int | float | str | bool | GainCurve | None
 

@@ -20,10 +20,11 @@ from dtrain.config.schema import ExperimentConfig, load_config
 from dtrain.errors import ConfigError, UserError
 from dtrain.explain import advice, precision, sharded
 from dtrain.explain.costmodel import GROWTH_NOT_PROBED, Link, Target
-from dtrain.explain.diagnosis import ConfigValue, TryResult
+from dtrain.explain.diagnosis import ConfigValue, Diagnosis, TryResult
 from dtrain.explain.exchange import SLOTS
 from dtrain.explain.plan import LOOPBACK_BETWEEN_HOSTS, as_ran, build_model, parse_link
-from dtrain.explain.predictor import Predictor, TargetValue, target_at
+from dtrain.explain.plandoc import explain_text, explained
+from dtrain.explain.predictor import Predictor, TargetValue, target_at, too_wide, wide_reason
 from dtrain.profiling.record import ProfileRecord
 
 # Each key the cost model prices, and how to read its value from a validated config.
@@ -83,10 +84,16 @@ class Tries:
         # A given link that replaces the one the run's hosts measured: the gain is over the run as it ran.
         over = predictor.base.samples_per_second / as_ran(self.profile, predictor.model).samples_per_second
         gain, low, high = found.value * over, found.low * over, found.high * over
+        terms = explained(predictor.model, priced.target, priced.less_step)
         why = priced.why
         if found.prediction.widest == GROWTH_NOT_PROBED:
             why = "; ".join(filter(None, [why, GROWTH_NOTE]))
-        return TryResult(item, key, value, gain * self.profile.samples_per_second, gain, low, high, inputs, why)
+        if too_wide(gain, low, high):  # no point figure: the interval, and what measures it
+            wide = wide_reason(f"{key}: {value}", low, high, found.prediction.widest, item)
+            return TryResult(item, key, value, None, None, low, high, inputs, "; ".join(filter(None, [wide, why])),
+                             terms)
+        return TryResult(item, key, value, gain * self.profile.samples_per_second, gain, low, high, inputs, why,
+                         terms)
 
     def _strategy(self, item: str, name: str) -> TryResult:
         """DDP instead of a sharded run's FSDP, as the doctor prices it (:mod:`dtrain.explain.sharded`); any
@@ -270,3 +277,15 @@ def predict_all(run_dir: Path, profile: ProfileRecord, predictor: Predictor, ite
     between = link if link is not None and link.bytes_per_second is not None else None
     tries = Tries(run_dir, profile, predictor, lambda: Predictor(profile, build_model(run_dir, between)[1]), link)
     return [tries.predict(item) for item in items]
+
+
+def explain_doctor(predictor: Predictor, diagnosis: Diagnosis) -> str:
+    """``dtrain doctor --explain``: the run's step as the cost model's terms (they add up to the step the factor
+    table shows: the model is calibrated to the run), then each ``--try``'s terms at the run and at the change."""
+    run = explained(predictor.model, predictor.here)
+    text = (f"explained: the run's step ({1e3 * diagnosis.step_seconds:.3f} ms) as the cost model's terms, each "
+            "input with where it came from\n" + explain_text(run, change=False))
+    for t in diagnosis.tries:
+        reason = f"  {t.reason}\n" if t.reason and (t.gain is None or not t.terms) else ""
+        text += f"try {t.change}:\n" + (explain_text(t.terms) if t.terms else "") + reason
+    return text

@@ -3,14 +3,17 @@ what it is (:class:`Factor`: its seconds of the step and its advice)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from dtrain.explain import advice, precision, sharded
 from dtrain.explain.diagnosis import Advice, Scaling
 from dtrain.explain.predictor import Predictor, target_at
+from dtrain.explain.terms import registry as term_registry
 from dtrain.profiling.record import ProfileRecord
 
+# The cost model's terms the built-in factors split into their rows (explain/terms/); any other term is its own row.
+FACTORED_TERMS = ("compute", "data", "fixed", "exchange", "late_rank")
 MIN_GAIN = advice.MIN_GAIN  # a change predicted to gain no more than this is not advised
 AGGREGATION_TO_TRY = 4
 # The change two models can propose (the straggler's fallback on two slots, and the scaling estimate).
@@ -24,7 +27,7 @@ class Context:
     profile: ProfileRecord
     predictor: Predictor
     step: float  # mean over ranks
-    data: float  # the wait every rank has (one rank's slower loader is that rank straggling)
+    data: float  # the mean wait for a batch over ranks: the cost model's data term at the run
     compute: float  # forward + backward, each the least over ranks (advice.own_work)
     fixed: float  # optimizer + other, each the least over ranks
     exposed: float  # exposed all-reduce of the rank the others wait for
@@ -33,6 +36,9 @@ class Context:
     loader: advice.LoaderPlan  # one loader plan for the data and straggler factors
     lower_precision: precision.PrecisionEstimate | None
     scaling: Scaling
+    # Seconds at the run of the cost model's terms that no built-in factor splits (a term added in its own file):
+    # each is a row of the table, out of what the straggler row would otherwise hold.
+    others: dict[str, float] = field(default_factory=dict)
 
     @property
     def slots(self) -> int:
@@ -55,7 +61,7 @@ class Context:
     @property
     def straggler(self) -> float:
         """Time ranks spend waiting for the slowest: what the other parts leave of the step."""
-        return max(0.0, self.step - self.data - self.compute - self.fixed - self.exposed)
+        return max(0.0, self.step - self.data - self.compute - self.fixed - self.exposed - sum(self.others.values()))
 
     @property
     def precision_saved(self) -> float:
@@ -95,7 +101,11 @@ def build_context(profile: ProfileRecord, predictor: Predictor) -> Context:
     estimate, each made once for every factor that needs it."""
     ranks = [r.seconds_per_step for r in profile.per_rank]
     step = sum(r.step for r in ranks) / len(ranks)
-    data = min(r.data for r in ranks)
+    # The data wait is the cost model's data term at the run, the mean over ranks: the table and the predictions
+    # split the step one way. (The least over ranks left a slower loader's excess to the straggler row while the
+    # model priced it as data; the mean is what the model's held-out rows were fitted with, and a chronically late
+    # rank's wait for its batch is the late_rank term's beyond it.)
+    data = predictor.base.parts["data"]
     work = [r.data + r.forward + r.backward + r.optimizer + r.other for r in ranks]
     late = advice.straggler(profile, work)
     # The rank the others wait for: the one that arrives last at the collectives (measured), else the one
@@ -111,8 +121,14 @@ def build_context(profile: ProfileRecord, predictor: Predictor) -> Context:
     inside = sharded.split(profile, compute)
     if inside is not None:  # FSDP: its collectives ran inside forward and backward; the probe took them out
         compute, exposed, per_message = inside.compute, inside.collectives, 0.0
+    others = {name: seconds for name, seconds in predictor.base.parts.items()
+              if name in term_registry.names() and name not in FACTORED_TERMS}
+    # The model's calibration takes another term's seconds at the run out of the exchange it could not explain
+    # otherwise; the table too: out of the straggler's remainder first, then the exposed exchange.
+    rest = max(0.0, step - data - compute - fixed - exposed)
+    exposed = max(0.0, exposed - max(0.0, sum(others.values()) - rest))
     return Context(profile, predictor, step, data, compute, fixed, exposed, per_message, late,
-                   loader, precision.best(profile), scaling(profile, predictor))
+                   loader, precision.best(profile), scaling(profile, predictor), others)
 
 
 def batch_growth(predictor: Predictor) -> float:

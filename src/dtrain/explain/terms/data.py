@@ -8,7 +8,7 @@ least what it waited there."""
 from __future__ import annotations
 
 from dtrain.explain.terms import registry, shared_host
-from dtrain.explain.terms.base import MEASURED, PROBED, At, Input, Term, ms
+from dtrain.explain.terms.base import ASSUMED, MEASURED, PROBED, At, Input, Term, ms
 
 
 @registry.register
@@ -33,11 +33,14 @@ class Data(Term):
     def inputs(self, at: At) -> list[Input]:
         f, target = at.facts, at.target
         out = [Input("data wait (mean over ranks)", ms(f.data), MEASURED),
-               Input("share of a load that grows with the batch", f"{f.load_growth:.2f}", PROBED),
-               Input("share of a load spent on the CPU", f"{f.data_cpu_share:.2f}", PROBED)]
+               Input("share of a load that grows with the batch", f"{f.load_growth:.2f}",
+                     PROBED if f.batch_growth_probed else ASSUMED),
+               # 1 is also what an unprobed share reads as (all of it on the CPU: the crowd's worst case)
+               Input("share of a load spent on the CPU", f"{f.data_cpu_share:.2f}",
+                     PROBED if f.data_cpu_share < 1.0 else ASSUMED)]
         if target.data_workers_step is not None:
             out.append(Input("data wait with the loader plan's processes", ms(target.data_workers_step),
-                             PROBED if target.data_workers_timed else "assumed"))
+                             PROBED if target.data_workers_timed else ASSUMED))
         if target.precision_data is not None:
             out.append(Input("least data wait in the other precision", ms(target.precision_data), PROBED))
         return out
