@@ -1,48 +1,14 @@
 """The one cost model: what a step costs on another slot count, node count, batch, thread count or option.
 
-``dtrain plan``, the doctor's predicted gains, ``--verify``'s predicted column and ``dtrain bench``'s estimate
-all ask :class:`CostModel`. It starts from one measured run (its ``profile.json``) and prices a step as
-
-    step = data + compute + fixed + exchange / aggregation
-
-* **compute** (forward + backward) per slot at per-slot batch ``b`` and ``t`` threads: ``a_t + c_t b`` from
-  the end-of-run solo probe (the first rank alone at the run's thread count, one and every core, at the
-  per-slot batch and twice it); thread counts in between follow Amdahl's ``s + p / t``. Times how much
-  slots on one host slow each other down (memory bandwidth: the same probe on every rank at once, over
-  the solo one) and how much a training step costs over the probe (hooks, autocast): both measured on
-  the run. More threads than cores share them. Another precision divides it by the gain its model steps
-  were timed at, at the target's per-slot batch and threads (:class:`~dtrain.explain.precision.GainCurve`).
-* **data** as measured, plus what the probe's own load of a batch grew by at twice the batch (the run's wait
-  also holds per-batch costs that do not grow; loader processes hide part of it: then in proportion). On more
-  processes than cores only the share the probe spent on the CPU slows down; the rest waited (disk, network).
-* **fixed** (optimizer, bookkeeping) as measured, scaled on a CPU by the probe's optimizer steps (alone at
-  each thread count, and on every rank at once: an optimizer streams memory, so threads and neighbours
-  change it otherwise than matmuls); without that probe, by the model steps' contention. Slots that share
-  one machine's memory contend though on other hosts (``Target.machine_slots``: test hosts in namespaces).
-* **exchange**: per bucket ``latency + bytes / rate`` of a ring all-reduce (``2(N-1)`` steps, ``2(N-1)/N`` of the
-  bytes through each link; across nodes on GPUs, NCCL's tree where it is faster: :mod:`.network`), fitted to
-  all-reduces of several sizes (:mod:`dtrain.profiling.commprobe`) on the run's own ranks, or by
-  ``dtrain plan --probe`` in local processes, or a given link; plus what an exchange costs inside training beyond
-  that (waking up, waiting for the slowest peer: the step's jitter grows with the expected maximum of ``N`` ranks),
-  calibrated so the run reproduces its own step (an exchange faster than the fitted link scales the whole exchange
-  down, never by a negative cost). fp16 halves the bytes, sent at the rate the run's ranks timed fp16 all-reduces at
-  (Gloo sums them on the CPU, slower per byte), and adds the measured cast; PowerSGD sends the measured low-rank
-  bytes, in two collectives per bucket, and adds its measured matmuls and QR and its hook's own host time per
-  collective. A given link's rate counts frames on the wire: on CPU (Gloo over TCP) payload gets a fitted share
-  of it. A shaped link (a token bucket) paces each message by its bucket; more slots than a host's cores wait, at
-  every ring step, for a peer the scheduler has put aside. A parameter server's exchange (workers push, the servers
-  step, workers pull) is no ring: it is held per update as the run measured it (:mod:`dtrain.explain.exchange` says
-  which changes that leaves priced).
-* **waiting for a chronically late rank** (measured by the straggler sampler): what the step holds beyond the late
-  rank's own exchange, every step whatever the aggregation; its loading share grows with the per-slot batch.
-
-Every input is recorded with where it came from (measured, probed, given, assumed), and every prediction carries an
-80% interval from the run's own step-to-step drift, the measured spread of the timed model steps a precision or
-batch change rests on, and the uncertainty of each input: those uncertainties and the terms' constants are fitted
-to stored held-out rows (:mod:`dtrain.explain.fitted`). The interval never reaches beyond linear scaling, and where
-every input was measured on this host it is at most +/-25% of its point. Where the run's model was not timed at
-twice its batch, a prediction at another per-slot batch is halfway between all of its compute and loading growing
-with the batch and none, and its interval spans both.
+``dtrain plan``, the doctor's predicted gains, ``--try``, ``--verify``'s predicted column and ``dtrain bench``'s
+estimate all ask :class:`CostModel`. Built from one measured run (its ``profile.json``, or :class:`Facts` on
+paper), it prices a :class:`Target` as the sum of the registered terms (:mod:`dtrain.explain.terms`: compute,
+data, fixed, exchange, late_rank; one file each, with its inputs and their sources), the exchange calibrated so
+the run reproduces its own step. Every prediction carries an 80% interval (:mod:`dtrain.explain.spread`, its
+uncertainties fitted to stored held-out rows: :mod:`dtrain.explain.fitted`), never reaching beyond linear
+scaling, at most +/-25% of its point where every input was measured on this host. Where the run's model was not
+timed at twice its batch, a prediction at another per-slot batch is halfway between all of its compute and loading
+growing with the batch and none, and its interval spans both. docs/prediction.md explains the whole model.
 """
 
 from __future__ import annotations
