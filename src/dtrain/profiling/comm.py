@@ -195,18 +195,21 @@ class DDPTiming:
         self._unsettled: list[Any] = []  # DDPs whose gradients' order is not known yet
         self._tries = 0
 
-    def attach_grad_ready(self, ddp: Any, model: nn.Module) -> None:
+    def attach_grad_ready(self, ddp: Any, model: nn.Module, guess: bool = True) -> None:
         """Only the last-gradient stamp, for a DDP whose comm hook reports its own buckets (compression):
         on CUDA the stamp is what splits backward from the wait for communication, since host times around
-        the hook's asynchronous collectives say nothing of when they ran."""
+        the hook's asynchronous collectives say nothing of when they ran. ``guess=False``: no hook on the first
+        parameter meanwhile, only the one DDP names (one hook per model: a script's run, whose first steps
+        are warm-up)."""
         first = next((p for p in model.parameters() if p.requires_grad), None)
         if first is not None:
-            self._hook(first)
+            if guess:
+                self._hook(first)
             self._unsettled.append(ddp)
             self.recorder.settle = self._settle
 
-    def attach(self, ddp: Any, model: nn.Module) -> None:
-        self.attach_grad_ready(ddp, model)
+    def attach(self, ddp: Any, model: nn.Module, guess: bool = True) -> None:
+        self.attach_grad_ready(ddp, model, guess)
         if self.native:
             try:
                 ddp._set_ddp_runtime_logging_sample_rate(NATIVE_SAMPLE_RATE)

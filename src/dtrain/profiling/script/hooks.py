@@ -13,7 +13,7 @@ script runs (:func:`install`):
   step under way is dropped and timing starts again at the next training batch (validation is not a step);
 * ``DistributedDataParallel.__init__``: each DDP model, timed by DDP's own sampled timers
   (:class:`dtrain.profiling.comm.DDPTiming`: busy seconds, bucket bytes; the last-gradient stamp that splits
-  backward from the exposed wait, a hook on one or two parameters per model);
+  backward from the exposed wait, one autograd hook per model, on the parameter DDP names ready last);
 * ``torch.distributed.destroy_process_group`` is the session's (:mod:`dtrain.engine.scriptprof`).
 
 DDP samples iterations by count (its reducer's ``num_iterations_``, the first ten then every tenth), and counts
@@ -126,7 +126,8 @@ class ScriptProfiler:
         timer = self._ensure_timer(param.device if param is not None else torch.device("cpu"))
         if self.ddp_timing is None:
             self.ddp_timing = DDPTiming(timer.recorder, native=True)
-        self.ddp_timing.attach(ddp, ddp.module)
+        # One autograd hook per model, on the parameter DDP names ready last (from its second iteration).
+        self.ddp_timing.attach(ddp, ddp.module, guess=False)
         self.ddps.append(weakref.ref(ddp))
         self.ddp_caps.append(cap_mb)
 
