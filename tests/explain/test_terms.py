@@ -135,3 +135,12 @@ def test_a_crowded_hosts_effects_are_one_optional_set():
     off.shared_host = False
     for target in (Target(1), Target(4), Target(2, aggregation=4)):
         assert gpu.predict(target).step == off.predict(target).step
+
+
+def test_on_paper_each_row_explains_itself_and_nothing_reads_as_measured():
+    spec = "params=330M,compute=441ms@256,gpus-per-node=8,intra=2400gbit:2us,inter=1600gbit:5us"
+    result = cli_in_process("plan", "--what-if", spec, "--slots", "1,64", "--json")
+    assert result.code == 0, result.stderr
+    for row in json.loads(result.stdout)["predictions"]:
+        assert sum(t["target_seconds"] for t in row["terms"]) == pytest.approx(row["seconds_per_step"], rel=1e-9)
+        assert {i["source"] for t in row["terms"] for i in t["inputs"]} <= {"given", "assumed", "fitted"}

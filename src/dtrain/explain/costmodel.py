@@ -390,6 +390,8 @@ class CostModel:
         for term in term_registry.terms():
             at.parts[term.name] = term.seconds(at)  # the inputs of a term may read an earlier one's
             inputs = tuple(term.inputs(at))
+            if self.facts.batch_given:  # on paper nothing ran: what a run would have measured was given
+                inputs = tuple(replace(i, source="given") if i.source in ("measured", "probed") else i for i in inputs)
             out.append(TermValue(term.name, run.get(term.name, 0.0), there.get(term.name, 0.0), sd_of(term, sigmas),
                                  inputs))
         held = [max(0.0, parts["step"] - self.step_of(parts)) for parts in (run, there)]

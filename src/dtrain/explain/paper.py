@@ -30,6 +30,7 @@ from dtrain.errors import UserError
 from dtrain.explain import fitted
 from dtrain.explain.costmodel import CostModel, Link, RingLink, Source, Target
 from dtrain.explain.facts import Facts, Work
+from dtrain.explain.plandoc import explained
 
 KEYS = ("params", "compute", "gpus-per-node", "intra", "inter", "global", "batch", "grad-bytes", "overhead",
         "overlap")
@@ -176,7 +177,8 @@ def plan_on_paper(text: str, slot_counts: list[int]) -> dict[str, Any]:
                      "efficiency": pred.samples_per_second / (n * one.samples_per_second),
                      "seconds_per_step": pred.step, "seconds_per_step_low": pred.low,
                      "seconds_per_step_high": pred.high, "parts_seconds": pred.parts, "seconds_to_finish": None,
-                     "finish": None, "widest_input": WIDEST.get(pred.widest, pred.widest)})
+                     "finish": None, "widest_input": WIDEST.get(pred.widest, pred.widest),
+                     "terms": explained(built, target(spec, n))})
         widest = WIDEST.get(pred.widest, pred.widest)
     if widest:
         built.sources.append(Source("widens the interval most (at the most GPUs)", widest, "fitted"))

@@ -148,7 +148,7 @@ class PlanDocument:
 
 
 def _row(row: Json) -> PlanRow:
-    names = set(PlanRow.__dataclass_fields__) - {"extra", "terms", "reason"}
+    names = set(PlanRow.__dataclass_fields__) - {"extra"}
     return PlanRow(**{k: v for k, v in row.items() if k in names},
                    extra={k: v for k, v in row.items() if k not in names})
 

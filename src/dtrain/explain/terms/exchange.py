@@ -59,8 +59,8 @@ class Exchange(Term):
             out.append(Input("link between hosts", model.between_hosts.label, GIVEN))
         out += [Input("exchange cost in training beyond the link", ms(model.overhead),
                       {"none": ASSUMED}.get(model.overhead_source, model.overhead_source)),
-                Input("step jitter (waiting for the slowest of N)", ms(f.jitter), MEASURED if not f.batch_given
-                      else FITTED),
+                Input("step jitter (waiting for the slowest of N)", ms(_spread(at)), FITTED if f.batch_given
+                      else MEASURED),
                 Input("the run's exchange over the fitted link's", f"{model.exchange_scale:.2f}x", MEASURED)]
         aggregation = target.aggregation or f.aggregation
         if aggregation != 1:
@@ -106,9 +106,14 @@ def _ring(at: At) -> tuple[float, float]:
         wire = max(times[-1], wire - compute * f.backward_share)
     # Waking up and waiting for the slowest of n ranks: the run's step jitter, the expected maximum of n.
     # (The calibrated overhead is what remains beyond this at the run's own slot count.)
-    # On paper no jitter was measured: one GPU's spread relative to its compute, fitted to published rows.
-    spread = f.jitter + (fitted.load().terms["paper_jitter"] * compute if f.batch_given else 0.0)
-    jitter = spread * expected_max(n)
+    jitter = _spread(at) * expected_max(n)
     # More processes than cores: every exchange also waits for peers to get a core back, in proportion.
     waiting = (model.overhead + jitter * model.exchange_scale) * crowd / shared_host.run_crowd(model)
     return max(0.0, wire * model.exchange_scale + waiting), math_seconds
+
+
+def _spread(at: At) -> float:
+    """One standard deviation of a step: the run's jitter; on paper, where none was measured, one GPU's spread
+    relative to its compute, fitted to published rows."""
+    f = at.facts
+    return f.jitter + (fitted.load().terms["paper_jitter"] * at.parts["compute"] if f.batch_given else 0.0)
