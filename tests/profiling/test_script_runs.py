@@ -2,7 +2,7 @@
 ``dtrain launch`` to the weights torchrun gives it; Lightning Fabric (launching itself, reached through
 ``DTRAIN_PROFILE``), the Lightning Trainer (``dtrain launch``) and Accelerate (``torchrun -m dtrain.profile``)
 are each profiled once; the doctor ranks the factors of each; a crash leaves a partial profile and the
-culprit's line; a script without DDP says what could not be seen."""
+culprit's line; an FSDP script (no DDP model) says what could not be seen."""
 
 from __future__ import annotations
 
@@ -131,13 +131,14 @@ def test_a_crash_names_the_rank_and_line_and_leaves_a_partial_profile(tmp_path: 
     assert 1 in record.script.ranks_reported and record.steps >= 5
 
 
-def test_a_script_without_ddp_says_what_could_not_be_seen(tmp_path: Path) -> None:
-    run_dir = tmp_path / "alone"
-    result = python_command("-m", "dtrain.profile", "--run-dir", str(run_dir), str(PLAIN), "--steps", "8",
-                            timeout=60)
+def test_fsdp_without_ddp_says_what_could_not_be_seen(tmp_path: Path) -> None:
+    run_dir = tmp_path / "fsdp"
+    result = cli_in_process("launch", "--slots", "2", "--run-dir", str(run_dir), str(SCRIPTS / "fsdp_synthetic.py"),
+                            "--steps", "8")
     assert result.code == 0, result.stderr
     record = load_run_profile(run_dir)
     assert record.script is not None and record.script.models == [] and record.script.unseen[0] == NO_DDP
-    assert record.slots == 1 and record.steps == 8 and record.comm.bytes_per_step == 0
-    script = json.loads((run_dir / "script.json").read_text())
-    assert script["unseen"] == record.script.unseen
+    assert record.slots == 2 and record.steps == 8 and record.unobserved_phases == ["comm_exposed"]
+    assert json.loads((run_dir / "script.json").read_text())["unseen"] == record.script.unseen
+    diagnosis = diagnose(record)  # the data wait and the rest, and the one line on what was not seen
+    assert not diagnosis.phases_observed and NO_DDP in diagnosis.verdict

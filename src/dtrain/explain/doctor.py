@@ -64,6 +64,8 @@ def unobserved_note(profile: ProfileRecord) -> str:
     missing = profile.unobserved_phases or []
     if not missing:
         return ""
+    if profile.script is not None and profile.script.unseen:  # a script's run: what could not be seen, as it says
+        return f"the step's {', '.join(missing)} was not observed: {profile.script.unseen[0]}"
     calls = [c for c, phase in (("self.context.backward(loss)", "forward"),
                                 ("self.context.step_optimizer(opt)", "optimizer")) if phase in missing]
     raw = [c for c, phase in (("loss.backward()", "forward"), ("opt.step()", "optimizer")) if phase in missing]
