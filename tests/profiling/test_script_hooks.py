@@ -218,3 +218,18 @@ def test_every_rank_names_the_same_default_run_directory() -> None:
     env = {"TORCHELASTIC_RUN_ID": "abc123", "RANK": "0"}
     assert default_run_dir("x/train.py", env) == default_run_dir("x/train.py", {**env, "RANK": "1"})
     assert default_run_dir("x/train.py", env) == Path("runs/train-abc123")
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    ([], "usage: python -m dtrain.profile"),
+    (["--run-dir"], "--run-dir needs a directory"),
+    (["nope.py"], "script 'nope.py' does not exist"),
+])
+def test_profile_module_bad_input_is_one_line(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from dtrain import profile
+
+    with pytest.raises(SystemExit) as exited:
+        profile.main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err

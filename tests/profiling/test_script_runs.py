@@ -86,6 +86,7 @@ def test_accelerate_under_torchrun_module(tmp_path: Path) -> None:
     assert result.code == 0, result.stderr
     record = _profiled(run_dir, 8, "python -m dtrain.profile")
     assert record.optimizer == "AdamW" and record.comm.bytes_per_step == 4 * (32 * 128 + 128 + 128 * 10 + 10)
+    assert record.per_slot_batch_size == 32 and record.global_batch_size == 64  # Accelerate's sharded sampler
 
 
 def test_lightning_trainer_under_dtrain_launch(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import dataloader as _dl
 
 from dtrain.profiling.comm import DDPTiming
-from dtrain.profiling.timer import StepTimer
+from dtrain.profiling.timer import FLUSH_EVERY, StepTimer
 
 log = logging.getLogger("dtrain")
 
@@ -177,7 +177,7 @@ class ScriptProfiler:
         timer.backward_begin()
 
     def backward_end(self) -> None:
-        self._bwd_depth -= 1
+        self._bwd_depth = max(0, self._bwd_depth - 1)  # an end without its begin (hooks put in mid-step)
         if self._bwd_depth == 0 and self.timer is not None:
             self.timer.backward_end()
 
@@ -187,7 +187,7 @@ class ScriptProfiler:
             self.timer.lap("other")
 
     def step_end(self, optimizer: Any) -> None:
-        self._opt_depth -= 1
+        self._opt_depth = max(0, self._opt_depth - 1)
         timer = self.timer
         if self._opt_depth or timer is None:
             return
@@ -229,8 +229,9 @@ class ScriptProfiler:
         return [opt for opt in (ref() for ref in self.optimizers) if opt is not None]
 
 
-# Steps per TensorBoard window of phase means, and the windows kept.
-WINDOW = 50
+# Steps per TensorBoard window of phase means (the timer's own flush period: on CUDA no extra synchronization),
+# and the windows kept.
+WINDOW = FLUSH_EVERY
 MAX_WINDOWS = 2000
 
 _ACTIVE: ScriptProfiler | None = None
