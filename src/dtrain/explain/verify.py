@@ -324,7 +324,8 @@ def _tried_row(t: TryResult, exp: Experiment, base: Experiment, profile: Profile
     error = held = None
     if t.gain is not None and measured:
         error = (t.gain - measured) / measured
-        held = t.low is not None and t.high is not None and t.low <= measured <= t.high
+    if measured and t.low is not None and t.high is not None:  # a wide interval without a point is held or not too
+        held = t.low <= measured <= t.high
     return {"try": t.change, "key": t.key, "value": t.value, "sets": exp.sets, "predicted_speedup": t.gain,
             "predicted_low": t.low, "predicted_high": t.high, "predicted_samples_per_second": t.samples_per_second,
             "reason": t.reason, "inputs": t.inputs, **figures, "error": error, "interval_held": held,
@@ -364,7 +365,9 @@ def render_tries(result: dict[str, Any]) -> str:
     notes: list[str] = []
     for r in result["tried"]:
         predicted = (f"{ratio(r['predicted_speedup'])}x ({ratio(r['predicted_low'])}-{ratio(r['predicted_high'])})"
-                     if r["predicted_speedup"] is not None else "no prediction")
+                     if r["predicted_speedup"] is not None else
+                     f"wide ({ratio(r['predicted_low'])}-{ratio(r['predicted_high'])})"
+                     if r["predicted_low"] is not None else "no prediction")
         span = r["speedup_range"]
         measured = ("-" if r["measured_speedup"] is None else f"{ratio(r['measured_speedup'])}x"
                     + (f" ({ratio(span[0])}-{ratio(span[1])})" if span and rounds > 1 else ""))
