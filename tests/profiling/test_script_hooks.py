@@ -233,3 +233,21 @@ def test_profile_module_bad_input_is_one_line(argv: list[str], says: str, capsys
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err
+
+
+def test_stop_after_steps_ends_the_script_after_that_step() -> None:
+    profiler = hooks.ScriptProfiler(warmup_steps=1, stop_after=4)
+    hooks.install(profiler)
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    done = 0
+    try:
+        with pytest.raises(hooks.StepsDone) as stopped:
+            for x, y in _loader():
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+                done += 1
+    finally:
+        hooks.uninstall()
+    assert stopped.value.code == 0 and done == 3  # the fourth step applied, then the script unwound
+    assert profiler.timer is not None and profiler.timer.steps == 4

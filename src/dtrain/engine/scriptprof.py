@@ -34,6 +34,8 @@ import torch.distributed as dist
 from dtrain.profiling.script import hooks
 
 ENV = "DTRAIN_PROFILE"
+# Stop the script after this many optimizer steps, every rank after the same one (measuring a change: --verify).
+STEPS_ENV = "DTRAIN_PROFILE_STEPS"
 RANKS = "ranks"
 SCRIPT_FILE = "script.json"
 # How long rank 0 waits at the end for the other ranks' figures (a rank that died sends none).
@@ -83,6 +85,8 @@ def start(run_dir: Path, command: list[str] | None = None, launcher: str = "DTRA
         if "RANK" in os.environ:  # a file of an earlier run in this directory must not pass for this one's
             (run_dir / RANKS / f"rank-{os.environ['RANK']}.json").unlink(missing_ok=True)
         session = Session(run_dir, list(command if command is not None else sys.argv), launcher)
+        steps = os.environ.get(STEPS_ENV, "")
+        session.profiler.stop_after = int(steps) if steps.isdigit() and int(steps) > 0 else None
         hooks.install(session.profiler)
         _wrap_destroy()
         atexit.register(_at_exit)

@@ -70,12 +70,20 @@ class LoaderFacts:
         self.iterators += 1
 
 
+class StepsDone(SystemExit):
+    """Raised from the optimizer's step hook once ``stop_after`` steps are done: the script unwinds and exits
+    with code 0 on every rank after the same step (``--verify``'s rounds of a script). A ``SystemExit``, so
+    that the hooks' own error guard lets it through."""
+
+
 class ScriptProfiler:
     """One process's view of a script's steps (see the module's doc). ``start_wall``: when the process began."""
 
-    def __init__(self, warmup_steps: int = 3) -> None:
+    def __init__(self, warmup_steps: int = 3, stop_after: int | None = None) -> None:
         self.on = True
         self.warmup_steps = warmup_steps
+        # Stop the script after this many optimizer steps (every rank after the same one: steps are synchronous).
+        self.stop_after = stop_after
         self.timer: StepTimer | None = None
         self.device: torch.device | None = None
         self.ddp_timing: DDPTiming | None = None
@@ -210,6 +218,8 @@ class ScriptProfiler:
             if window:
                 self.phase_windows.append((timer.steps, window))
         timer.start_step()
+        if self.stop_after is not None and timer.steps >= self.stop_after:
+            raise StepsDone(0)
 
     # ------------------------------------------------------------------------------------ facts
     def _new_optimizer(self, optimizer: Any) -> None:
