@@ -99,6 +99,7 @@ def cuda_only_where_marked_gpu(request, monkeypatch):
 SLOW_TEST_SECONDS = 30.0
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own summary (--durations): the last lines of the run
 def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     """Seconds per test file (setup, call and teardown summed; with pytest-xdist, each file's own process's
     time) for the slowest files, and every test over SLOW_TEST_SECONDS: where the suite's time goes."""
