@@ -8,24 +8,10 @@ The uncertainties themselves are fitted to stored held-out rows (:mod:`dtrain.ex
 from __future__ import annotations
 
 import math
-from typing import Protocol
 
 from dtrain.explain import fitted
-from dtrain.explain.facts import Facts
-from dtrain.explain.network import Link
 from dtrain.explain.target import Target
-
-
-class CostModel(Protocol):
-    """What this module reads of :class:`dtrain.explain.costmodel.CostModel` (which calls it: no import back)."""
-
-    facts: Facts
-    link_source: str
-    link_residual: float
-    between_hosts: Link | None
-    overhead_source: str
-
-    def local_threads(self, target: Target) -> tuple[int, int]: ...
+from dtrain.explain.terms.base import Model as CostModel
 
 
 def exposures(model: CostModel, target: Target, parts: dict[str, float], step: float) -> dict[str, float]:

@@ -31,6 +31,7 @@ class Model(Protocol):
     link: RingLink | None
     half_link: RingLink | None
     link_source: str
+    link_residual: float
     between_hosts: Link | None
     overhead: float
     overhead_source: str
