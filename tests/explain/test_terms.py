@@ -144,3 +144,20 @@ def test_on_paper_each_row_explains_itself_and_nothing_reads_as_measured():
     for row in json.loads(result.stdout)["predictions"]:
         assert sum(t["target_seconds"] for t in row["terms"]) == pytest.approx(row["seconds_per_step"], rel=1e-9)
         assert {i["source"] for t in row["terms"] for i in t["inputs"]} <= {"given", "assumed", "fitted"}
+
+
+def test_a_change_the_model_cannot_price_within_25_percent_is_given_as_its_interval_and_verify():
+    """More loader processes than the run timed: only their hand-over is probed (an assumed uncertainty of half
+    the step), so the doctor prints the interval without a point and points to --verify."""
+    from dtrain.explain.doctor import render
+
+    seconds = {"data": 0.0187, "forward": 0.001, "backward": 0.0006, "comm_exposed": 0.0021, "optimizer": 0.0004}
+    profile = make_profile([seconds, seconds], threads_per_slot=1, cpu_cores=2, data_loader_workers=0,
+                           data_load_seconds_per_batch=0.0179, data_load_cpu_share=0.06)
+    diagnosis = diagnose(profile)
+    row = diagnosis.factor("data_loading")
+    low, high = row.predicted_interval
+    assert row.key == "data_loader.num_workers" and high > 1.25 * row.predicted_speedup
+    text = render(diagnosis)
+    assert f"{low:.2f}-{high:.2f}x samples/s, wider than +/-25%: dtrain doctor --verify measures it" in text
+    assert "wide: --verify" in text and f"predicted about {row.predicted_speedup:.1f}x" not in text

@@ -201,6 +201,10 @@ def _verdict(row: FactorRow, scaling: Scaling, profile: ProfileRecord, rows: lis
             lead += f"; {row.key}: {row.value}: about {row.predicted_speedup:.1f}x"
         if fallback and not (fewer and f"{ONE_SLOT[0]}: {ONE_SLOT[1]}" in fallback):  # said once, below
             lead += f". {fallback}"
+    elif change and row.predicted_interval is not None and too_wide(row.predicted_speedup, *row.predicted_interval):
+        low, high = row.predicted_interval  # no point figure where the model cannot price it (issue 73)
+        lead += (f": try {row.key}: {row.value}, predicted {low:.2f}-{high:.2f}x samples/s, wider than +/-25%: "
+                 f"dtrain doctor --verify measures it")
     elif change:
         lead += f": try {row.key}: {row.value}, predicted about {row.predicted_speedup:.1f}x samples/s"
     # A change known only by its bound (a lower precision, where only matmul peaks were measured; a bigger batch
