@@ -40,10 +40,10 @@ RANKS = "ranks"
 SCRIPT_FILE = "script.json"
 # How long rank 0 waits at the end for the other ranks' figures (a rank that died sends none).
 GATHER_SECONDS = 30.0
-_KEY = "dtrain_profile/rank"
+_KEY = "rank"
 # At the script's destroy_process_group(): how long rank 0 waits for every rank before the latency probe.
 ARRIVAL_SECONDS = 5.0
-_HERE, _GO = "dtrain_profile/here", "dtrain_profile/probe"
+_HERE, _GO = "here", "probe"
 log = logging.getLogger("dtrain")
 
 
@@ -161,6 +161,12 @@ def finish(reason: str) -> None:
         log.warning("dtrain: the profile could not be written (%s: %s)", type(exc).__name__, exc)
 
 
+def _store() -> Any:
+    """The job's store, its keys under this attempt's prefix (a restarted job's agent keeps the last attempt's)."""
+    return dist.PrefixStore(f"dtrain_profile/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/",
+                            dist.distributed_c10d._get_default_store())
+
+
 def _latency_when_all_here(rank: int, world: int) -> float:
     """The one-float all-reduce's latency (what the doctor prices each exchange's messages by), probed only where
     every rank has reached its ``destroy_process_group()``: rank 0 waits for them through the store at most
@@ -168,7 +174,7 @@ def _latency_when_all_here(rank: int, world: int) -> float:
     collective); 0 where not probed."""
     from dtrain.profiling.figures import latency_probe
 
-    store = dist.distributed_c10d._get_default_store()
+    store = _store()
     store.set(f"{_HERE}{rank}", "1")
     if rank == 0:
         try:
@@ -189,7 +195,7 @@ def _latency_when_all_here(rank: int, world: int) -> float:
 def _through_store(payload: dict[str, Any], rank: int, world: int) -> dict[int, dict[str, Any]]:
     """Rank 0 receives the others' payloads through the job's store (at most GATHER_SECONDS in all); the others
     send theirs."""
-    store = dist.distributed_c10d._get_default_store()
+    store = _store()
     if rank != 0:
         store.set(f"{_KEY}{rank}", json.dumps(payload))
         return {}
