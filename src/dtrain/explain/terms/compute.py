@@ -22,12 +22,13 @@ class Compute(Term):
 
     def inputs(self, at: At) -> list[Input]:
         f, s = at.facts, at.shape
-        probed = f.work.probed(s.threads) or len(f.work.points) == 1
+        probed = f.work.probed(s.threads)
+        between = "no (probed)" if probed else "yes" if len(f.work.points) > 1 else "no: as at the threads probed"
         out = [Input("forward + backward alone by threads", describe_work(f.work),
                      GIVEN if f.batch_given else PROBED),
                Input("per-slot batch, threads", f"{s.batch:g}, {s.threads}",
                      MEASURED if (s.batch, s.threads) == (f.per_slot_batch, f.threads) else GIVEN),
-               Input("threads between those probed (Amdahl)", "no" if probed else "yes", PROBED if probed else ASSUMED),
+               Input("threads between those probed (Amdahl)", between, PROBED if probed else ASSUMED),
                Input("training step over the probe's", f"{at.model.factor:.3f}x", MEASURED),
                Input("contention of slots on one machine", f"{s.contention:.3f}x",
                      MEASURED if f.local_slots > 1 or s.machine_slots <= 1 else ASSUMED)]

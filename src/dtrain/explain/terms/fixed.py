@@ -24,10 +24,12 @@ class Fixed(Term):
 
     def inputs(self, at: At) -> list[Input]:
         f = at.facts
-        probed = f.device == "cpu" and f.optimizer_scale(at.shape.threads, at.shape.machine_slots) is not None
+        # On a GPU the host's work stays as measured; on a CPU the optimizer probe scales it, else the model
+        # steps' contention stands in for it.
+        probed = f.optimizer_scale(at.shape.threads, at.shape.machine_slots) is not None
+        source = MEASURED if f.device != "cpu" else PROBED if probed else ASSUMED
         return [Input("optimizer + other per step", ms(f.fixed), MEASURED),
-                Input("its scale at the target's threads and neighbours", f"{_scale(at):.3f}x",
-                      PROBED if probed or f.device != "cpu" else ASSUMED)]
+                Input("its scale at the target's threads and neighbours", f"{_scale(at):.3f}x", source)]
 
 
 def _scale(at: At) -> float:
