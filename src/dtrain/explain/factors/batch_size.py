@@ -26,6 +26,9 @@ class BatchSize(Factor):
 
     def advise(self, ctx: Context) -> Advice:
         profile, gbs = ctx.profile, ctx.global_batch
+        if gbs <= 0:  # a script whose batches came from no DataLoader dtrain saw: no batch to scale
+            return Advice(None, None, "the global batch is unknown (no DataLoader was seen), so a bigger one is not "
+                          "priced; dtrain doctor --verify measures one", None)
         factor, memory_note = room(ctx)
         if factor < 1.25:
             return Advice(None, None, f"a bigger batch would amortize fixed costs, but it does not fit{memory_note}",
