@@ -276,6 +276,12 @@ def _final_validation(run: _Run) -> str:
 
 
 def _config_section(run: _Run) -> str:
+    script = run.profile.script if run.profile is not None else None
+    if run.config_text is None and script is not None:  # a script's run (dtrain launch SCRIPT): what ran, and where
+        facts = [f"{script.launcher}: {' '.join(script.command)}", f"in {script.cwd}",
+                 f"sha256 {script.script_sha256}", *(f"not seen: {line}" for line in script.unseen)]
+        content = f"<pre>{_esc(chr(10).join(facts))}</pre>"
+        return f'<section id="config">\n<h2>Script</h2>\n{content}\n</section>'
     if run.config_text is None:
         content = _note("config.yaml is missing.")
     else:
