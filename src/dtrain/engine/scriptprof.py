@@ -41,6 +41,9 @@ SCRIPT_FILE = "script.json"
 # How long rank 0 waits at the end for the other ranks' figures (a rank that died sends none).
 GATHER_SECONDS = 30.0
 _KEY = "rank"
+# A rank file counts for this run where it was written after this run's first rank began, less this (the ranks
+# of one job start within it).
+STALE_SLACK_SECONDS = 60.0
 # At the script's destroy_process_group(): how long rank 0 waits for every rank before the latency probe.
 ARRIVAL_SECONDS = 5.0
 _HERE, _GO = "here", "probe"
@@ -241,9 +244,13 @@ def write_records(run_dir: Path, info: dict[str, Any], gathered: dict[int, dict[
     from dtrain.profiling.runsummary import write_summary
     from dtrain.profiling.script.merge import build_records
 
-    payloads = {**_rank_files(run_dir), **gathered}
-    if 0 not in payloads:
-        payloads = dict(sorted(payloads.items()))
+    files = _rank_files(run_dir)
+    if gathered:  # files of an earlier run in this directory (another world, or ended before this one began)
+        mine = gathered[min(gathered)]
+        began = mine.get("began_at", 0.0) - STALE_SLACK_SECONDS
+        files = {r: p for r, p in files.items()
+                 if p.get("world") == mine.get("world") and p.get("ended_at", 0.0) >= began}
+    payloads = dict(sorted({**files, **gathered}.items()))
     record, summary, script = build_records(list(payloads.values()), info, complete)
     _write_json(run_dir / SCRIPT_FILE, script.model_dump())
     if record is None or summary is None:

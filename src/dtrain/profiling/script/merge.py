@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +127,9 @@ def rank_payload(prof: ScriptProfiler, rank: int, world: int, wall_seconds: floa
         "micro_batches_per_step": prof.backwards / steps if steps else 0.0,
         "exchanges_per_step": exchanges, "no_sync": prof.no_sync, "grad_scaler": prof.grad_scaler,
         "disabled": not prof.on,
+        # Wall-clock times of this process's start and of this payload: a rank file of an earlier run in the same
+        # directory ended before this run's first rank began.
+        "began_at": time.time() - wall_seconds, "ended_at": time.time(),
     }
 
 
