@@ -74,15 +74,22 @@ def test_data_error_inside_workers_is_one_line(tmp_path):
 
 
 @pytest.mark.slow
-def test_launch_runs_your_own_loop_and_resumes(tmp_path):
+def test_launch_runs_your_own_loop_and_resumes(tmp_path, capfd):
+    # The launcher in this process (no interpreter of its own to start); the script's workers are new
+    # processes that write to this test's captured descriptors, read with capfd. One slot, then two: the
+    # checkpoint of one slot count is resumed on another, and only the second launch pays for two workers.
     script = ROOT / "examples" / "own_loop" / "train.py"
     ckpt = tmp_path / "ckpt"
-    result = dtrain_cli("launch", "--slots", "2", str(script), "--epochs", "2", "--checkpoint-dir", str(ckpt))
+    result = cli_in_process("launch", "--slots", "1", "--run-dir", str(tmp_path / "run1"), str(script),
+                            "--epochs", "1", "--checkpoint-dir", str(ckpt))
+    out = capfd.readouterr().out + result.stdout
     assert result.code == 0, result.stderr
-    assert "epoch 1: loss" in result.stdout and "on 2 slot(s)" in result.stdout
-    result = dtrain_cli("launch", "--slots", "2", str(script), "--epochs", "3", "--checkpoint-dir", str(ckpt))
+    assert "epoch 0: loss" in out and "on 1 slot(s)" in out, out
+    result = cli_in_process("launch", "--slots", "2", "--run-dir", str(tmp_path / "run2"), str(script),
+                            "--epochs", "2", "--checkpoint-dir", str(ckpt))
+    out = capfd.readouterr().out + result.stdout
     assert result.code == 0, result.stderr
-    assert "epoch 0:" not in result.stdout and "epoch 2: loss" in result.stdout
+    assert "epoch 0:" not in out and "epoch 1: loss" in out and "on 2 slot(s)" in out, out
     _assert_one_line_error(cli_in_process("launch", "--slots", "2", str(tmp_path / "nope.py")), "does not exist")
 
 
@@ -171,7 +178,7 @@ def test_quiet_run_ends_in_one_line_and_warns_once(tmp_path, report_page):
 def test_launch_passes_the_scripts_exit_code_through(tmp_path):
     script = tmp_path / "bad_args.py"
     script.write_text("import sys\nprint('usage: bad_args.py N', file=sys.stderr)\nsys.exit(2)\n")
-    result = dtrain_cli("launch", "--slots", "1", str(script))
+    result = cli_in_process("launch", "--slots", "1", "--run-dir", str(tmp_path / "run"), str(script))
     assert result.code == 2, (result.code, result.stderr)
     assert "code 2" in result.stderr
 
