@@ -180,18 +180,18 @@ def test_a_node_joins_then_one_leaves_and_the_run_matches_the_same_world_sizes(j
     job.start("a")
     job.wait("node a holds at batch 8", lambda: job.statuses().get(0, {}).get("batch") == HOLD_AT)
 
-    # A node of another job (another config) is refused, and the running job does not notice.
+    # A node of another job (another config) is refused, and the running job does not notice. So is a node
+    # that names another job at the same address (both started together: each is refused on its own).
     (tmp_path / "other").mkdir()
     other = _config(tmp_path / "other", **{"hyperparameters.lr": 0.1,
                                            "hyperparameters.hold_file": str(tmp_path / "hold")})
     job.start("stranger", cfg=other)
+    job.start("other-id", "--rdzv-id", "another-job")
     assert job.finish("stranger", timeout=90) == 2
     line = job.err("stranger").strip()
     assert line.startswith("dtrain: error: ") and "cannot join the running job 'dtrain-tiny'" in line, line
     assert "different experiment config" in line and "hyperparameters.lr: 0.1 vs None" in line, line
     assert len(line.splitlines()) == 1
-    # So is a node that names another job at the same address.
-    job.start("other-id", "--rdzv-id", "another-job")
     assert job.finish("other-id", timeout=90) == 2
     line = job.err("other-id").strip()
     assert line.startswith("dtrain: error: ") and "is 'dtrain-tiny', not 'another-job'" in line, line
