@@ -6,7 +6,7 @@ import difflib
 import re
 
 import pytest
-from helpers import ROOT, dtrain_cli, python_command
+from helpers import ROOT, cli_in_process, python_command
 
 TORCHRUN = ROOT / "examples" / "porting" / "torchrun_ddp.py"
 PORTED = ROOT / "examples" / "porting" / "dtrain_version.py"
@@ -28,13 +28,16 @@ def test_the_documented_diff_is_the_diff_of_the_files():
 
 
 @pytest.mark.slow
-def test_ported_script_runs_under_dtrain_launch_torchrun_and_python(tmp_path):
+def test_ported_script_runs_under_dtrain_launch_torchrun_and_python(tmp_path, capfd):
     snapshots = str(tmp_path / "snapshots")
     script = [str(PORTED), "--max-steps", "3", "--snapshot", snapshots]
-    launched = dtrain_cli("launch", "--slots", "2", *script, "--epochs", "1")
-    assert launched.code == 0, launched.stderr
-    assert "epoch 0: loss" in launched.stdout and "on 2 slot(s)" in launched.stdout
-    assert "seeded alike on all 2 rank(s)" in launched.stderr  # init says what it seeds
+    # dtrain's launcher in this process (the workers are new processes: what they print is read with capfd).
+    launched = cli_in_process("launch", "--slots", "2", "--run-dir", str(tmp_path / "run"), *script, "--epochs", "1")
+    workers = capfd.readouterr()
+    out, err = workers.out + launched.stdout, workers.err + launched.stderr
+    assert launched.code == 0, err
+    assert "epoch 0: loss" in out and "on 2 slot(s)" in out, out
+    assert "seeded alike on all 2 rank(s)" in err, err  # init says what it seeds
     torchrun = python_command("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *script,
                               "--epochs", "2")
     assert torchrun.code == 0, torchrun.stderr
