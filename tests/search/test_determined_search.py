@@ -11,7 +11,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from helpers import TRIALS, dtrain_cli, tiny_config
+from helpers import TRIALS, cli_in_process, tiny_config
 
 from dtrain.config import rungs as asha
 from dtrain.config.schema import Length, SearcherConfig
@@ -126,7 +126,7 @@ def test_a_determined_search_runs_its_brackets(tmp_path):
         "entrypoint": "python3 -m determined.launch.torch_distributed --trial determined_mlp:DetMLP"}
     (tmp_path / "s.yaml").write_text(yaml.safe_dump(config))
     out = tmp_path / "search"
-    result = dtrain_cli("search", str(tmp_path / "s.yaml"), "--slots", "2", "--out", str(out), timeout=180)
+    result = cli_in_process("search", str(tmp_path / "s.yaml"), "--slots", "2", "--out", str(out))
     assert result.code == 0, result.stdout + result.stderr
     # 3 trials at divisor 2 select at 2 rungs (Determined's rule): a promotion resumes a trial from its checkpoint.
     assert "mse at 4, 8 (2 trials) | 8 (1 trial) batches" in result.stdout

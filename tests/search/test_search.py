@@ -16,7 +16,7 @@ from pathlib import Path
 import optuna
 import pytest
 import yaml
-from helpers import ROOT, dtrain_cli, tiny_config
+from helpers import ROOT, cli_in_process, tiny_config
 
 from dtrain.cli import main
 from dtrain.config import rungs as asha
@@ -120,7 +120,7 @@ def test_grid_search_two_trials_at_once(tmp_path):
     cfg = search_config(tmp_path, {"name": "grid", "metric": "mse"}, max_length={"batches": 4},
                         **{"hyperparameters.lr": {"type": "double", "minval": 0.0, "maxval": 0.05, "count": 2}})
     out = tmp_path / "search"
-    result = dtrain_cli("search", str(cfg), "--slots", "2", "--out", str(out), timeout=120)
+    result = cli_in_process("search", str(cfg), "--slots", "2", "--out", str(out))  # the trials: processes
     assert result.code == 0, result.stdout + result.stderr
     assert "2 at a time on 2 slot(s)" in result.stdout and "best trial" in result.stdout
     trials = _trials(out)
@@ -199,7 +199,7 @@ def test_asha_search_stops_early_and_resumes_after_ctrl_c(tmp_path):
     before = (promoted / "metrics.jsonl").read_bytes()
     hold.unlink()
 
-    result = dtrain_cli("search", "--resume", str(out), timeout=120)
+    result = cli_in_process("search", "--resume", str(out))
     assert result.code == 0, result.stdout + result.stderr
     assert "1 finished trial(s) kept, 1 interrupted trial(s) continue" in result.stdout
     assert "trial 1 continues from its checkpoint to 4 batches" in result.stdout
