@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, cli_in_process, dtrain_cli, final_weights, tiny_config
+from helpers import ROOT, cli_in_process, final_weights, tiny_config
 
 # Every batch of rank 1 sleeps this long: the run lasts long enough to be signalled mid-training.
 SLOW = {"hyperparameters.sleep_rank": 1, "hyperparameters.sleep_seconds": 0.25}
@@ -287,15 +287,17 @@ def test_a_failed_run_gets_one_advice_and_a_finished_one_is_never_rewritten(tmp_
 
 
 @pytest.mark.slow
-def test_launch_names_the_scripts_exception_and_line_and_stops_cleanly(tmp_path):
+def test_launch_names_the_scripts_exception_and_line_and_stops_cleanly(tmp_path, capfd):
     script = tmp_path / "train.py"
     script.write_text("import time\nimport dtrain\n\nctx = dtrain.init()\nif ctx.rank == 1:\n"
                       "    raise ValueError('bad shard')\nctx.barrier()\n")
-    result = dtrain_cli("launch", "--slots", "2", str(script), timeout=90)
-    assert result.code == 1
+    # The launcher in this process; its workers are new processes, whose output capfd reads.
+    result = cli_in_process("launch", "--slots", "2", "--run-dir", str(tmp_path / "run"), str(script))
+    workers = capfd.readouterr().err
+    assert result.code == 1, workers + result.stderr
     assert result.stderr.splitlines()[-1] == (f"dtrain: error: worker rank 1 failed: ValueError: bad shard "
                                               f"(at {script}:6 in <module>)")
-    assert "Connection reset" not in result.stderr  # the peer's echo is not shown
+    assert "Connection reset" not in workers + result.stderr  # the peer's echo is not shown
 
 
 # ------------------------------------------------------------------- 7. resume on another slot count
