@@ -54,7 +54,7 @@ def _profiled(run_dir: Path, steps: int, launcher: str) -> ProfileRecord:
 def test_plain_ddp_trains_as_under_torchrun_and_is_profiled(tmp_path: Path) -> None:
     steps = 8
     # A planted straggler: rank 1 sleeps before each forward (the weights do not change).
-    args = [str(PLAIN), "--steps", str(steps), "--validate-every", "3", "--late-rank", "1", "--late-seconds", "0.03"]
+    args = [str(PLAIN), "--steps", str(steps), "--validate-every", "3", "--late-rank", "1", "--late-seconds", "0.08"]
     plain = python_command(*_torchrun(*args, "--save", str(tmp_path / "torchrun.pt")), timeout=120)
     assert plain.code == 0, plain.stderr
     run_dir = tmp_path / "run"
@@ -79,10 +79,12 @@ def test_plain_ddp_trains_as_under_torchrun_and_is_profiled(tmp_path: Path) -> N
     assert record.comm.latency_seconds > 0  # probed at the script's destroy_process_group(), every rank there
     assert record.gradient_bytes is not None and sum(record.gradient_bytes[0]) == PLAIN_GRADIENT_BYTES
     assert record.validation_seconds > 0  # the validation passes, left out of the steps
-    # The straggler named, as for a Trial: rank 1, slow in its forward.
+    # The straggler named, as for a Trial: rank 1, slow in its forward, a large share of the step.
     assert record.stragglers is not None and record.stragglers.chronic_rank == 1
     assert record.stragglers.per_rank[1].slow_phase == "forward"
-    assert diagnose(record).top_factor == "straggler"
+    diagnosis = diagnose(record)
+    straggler = diagnosis.factor("straggler")
+    assert straggler is not None and straggler.share > 0.2 and "rank 1" in straggler.why
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
