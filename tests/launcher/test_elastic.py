@@ -76,6 +76,14 @@ class Job:
         self.nodes[name] = proc
         return proc
 
+    def refused(self, *extra: str, cfg: Path | None = None) -> str:
+        """What a node started with the job's command (plus ``extra``) that must be refused prints, its exit code
+        2 asserted; its launcher runs in this process, as it never starts a worker."""
+        result = cli_in_process("run", str(cfg or self.cfg), "--run-dir", str(self.run_dir), "--quiet", "--nnodes",
+                                "1:2", "--rdzv-backend", "c10d", "--master", f"127.0.0.1:{self.port}", *extra)
+        assert result.code == 2, result.stderr
+        return result.stderr.strip()
+
     def err(self, name: str) -> str:
         return (self.tmp / f"{name}.err").read_text()
 
@@ -181,19 +189,16 @@ def test_a_node_joins_then_one_leaves_and_the_run_matches_the_same_world_sizes(j
     job.wait("node a holds at batch 8", lambda: job.statuses().get(0, {}).get("batch") == HOLD_AT)
 
     # A node of another job (another config) is refused, and the running job does not notice. So is a node
-    # that names another job at the same address (both started together: each is refused on its own).
+    # that names another job at the same address. Each is refused before it starts a worker: its launcher
+    # runs in this process (helpers.cli_in_process), with no interpreter of its own to start.
     (tmp_path / "other").mkdir()
     other = _config(tmp_path / "other", **{"hyperparameters.lr": 0.1,
                                            "hyperparameters.hold_file": str(tmp_path / "hold")})
-    job.start("stranger", cfg=other)
-    job.start("other-id", "--rdzv-id", "another-job")
-    assert job.finish("stranger", timeout=90) == 2
-    line = job.err("stranger").strip()
+    line = job.refused(cfg=other)
     assert line.startswith("dtrain: error: ") and "cannot join the running job 'dtrain-tiny'" in line, line
     assert "different experiment config" in line and "hyperparameters.lr: 0.1 vs None" in line, line
     assert len(line.splitlines()) == 1
-    assert job.finish("other-id", timeout=90) == 2
-    line = job.err("other-id").strip()
+    line = job.refused("--rdzv-id", "another-job")
     assert line.startswith("dtrain: error: ") and "is 'dtrain-tiny', not 'another-job'" in line, line
     assert "--rdzv-id dtrain-tiny" in line and len(line.splitlines()) == 1
 
