@@ -74,6 +74,13 @@ def test_the_runs_terms_add_up_to_the_step_the_factor_table_shows(slots, datas):
     data = next(t for t in terms if t.name == "data")
     assert diagnosis.factor("data_loading").seconds_per_step == pytest.approx(data.run_seconds)
     assert data.run_seconds == pytest.approx(sum(datas or [0.001]) / len(datas or [0.001]))
+    # compute, precision and batch_size split the compute and fixed terms; the exchange's rows and the straggler
+    # are what the exchange and late_rank terms hold (one split: shares and predictions agree).
+    rows = {f.factor: f.seconds_per_step for f in diagnosis.factors}
+    run = {t.name: t.run_seconds for t in terms}
+    assert rows["compute"] + rows["precision"] + rows["batch_size"] == pytest.approx(run["compute"] + run["fixed"])
+    assert rows["communication"] + rows["sync_frequency"] + rows["straggler"] == pytest.approx(
+        run["exchange"] + run["late_rank"], abs=1e-12)
     for term in terms:
         assert term.run_seconds == term.target_seconds and term.sd_seconds >= 0
         assert all(i.source in SOURCES for i in term.inputs), term

@@ -3,9 +3,9 @@
 Model. A synchronous step on every rank is its data wait + its compute + its exposed communication, and
 all ranks finish a step together. From ``profile.json`` the step is split into parts that add up to it:
 
-* ``data_loading``   mean data wait
-* ``compute``        forward + backward compute of the fastest rank (the work every slot must do)
-* ``batch_size``     per-step fixed costs (optimizer step, bookkeeping) of the fastest rank: they do
+* ``data_loading``   mean data wait (the cost model's data term at the run)
+* ``compute``        forward + backward: the cost model's compute term at the run (the work every slot must do)
+* ``batch_size``     per-step fixed costs (optimizer step, bookkeeping: the model's fixed term): they do
                      not grow with the batch, so a bigger batch amortizes them
 * ``communication``  exposed all-reduce time of the slowest rank (it waits least for peers), the part
                      that moves bytes (bandwidth-bound)

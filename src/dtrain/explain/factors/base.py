@@ -28,9 +28,11 @@ class Context:
     predictor: Predictor
     step: float  # mean over ranks
     data: float  # the mean wait for a batch over ranks: the cost model's data term at the run
-    compute: float  # forward + backward, each the least over ranks (advice.own_work)
-    fixed: float  # optimizer + other, each the least over ranks
-    exposed: float  # exposed all-reduce of the rank the others wait for
+    # forward + backward, and optimizer + other: the cost model's compute and fixed terms at the run (a sharded or
+    # parameter-server run's: each the least over ranks, advice.own_work, with FSDP's collectives out)
+    compute: float
+    fixed: float
+    exposed: float  # exposed all-reduce of the rank the others wait for, at most what the terms leave of the step
     per_message: float  # share of the exposed time paid per message (latency), not per byte
     late: advice.Straggler | None  # the rank the others wait for, None with one slot
     loader: advice.LoaderPlan  # one loader plan for the data and straggler factors
@@ -121,12 +123,17 @@ def build_context(profile: ProfileRecord, predictor: Predictor) -> Context:
     inside = sharded.split(profile, compute)
     if inside is not None:  # FSDP: its collectives ran inside forward and backward; the probe took them out
         compute, exposed, per_message = inside.compute, inside.collectives, 0.0
-    others = {name: seconds for name, seconds in predictor.base.parts.items()
+    parts = predictor.base.parts
+    if inside is None and not predictor.model.facts.holds_exchange:
+        # The table is the cost model's terms at the run: compute and fixed as the model prices them (the probe's
+        # work times the contention and crowding it measured), so a row's share and a change's prediction split
+        # the step one way. What a rank's measured phases held beyond them the model calibrated into the exchange.
+        compute, fixed = parts["compute"], parts["fixed"]
+    others = {name: seconds for name, seconds in parts.items()
               if name in term_registry.names() and name not in FACTORED_TERMS}
-    # The model's calibration takes another term's seconds at the run out of the exchange it could not explain
-    # otherwise; the table too: out of the straggler's remainder first, then the exposed exchange.
-    rest = max(0.0, step - data - compute - fixed - exposed)
-    exposed = max(0.0, exposed - max(0.0, sum(others.values()) - rest))
+    # The exchange and the waiting are what the other terms leave of the step (the model's exchange and late rank,
+    # calibrated so): the exposed all-reduce as measured where it fits, the straggler's remainder after it.
+    exposed = min(exposed, max(0.0, step - data - compute - fixed - sum(others.values())))
     return Context(profile, predictor, step, data, compute, fixed, exposed, per_message, late,
                    loader, precision.best(profile), scaling(profile, predictor), others)
 

@@ -1,4 +1,4 @@
-"""``compute``: forward + backward of the fastest rank, the work every slot must do (less what a lower
+"""``compute``: the cost model's compute term at the run, the work every slot must do (less what a lower
 precision was measured to save, which is the ``precision`` factor's, and what did not grow at twice the batch,
 which is ``batch_size``'s)."""
 
