@@ -49,7 +49,9 @@ class Exchange(Term):
             return [Input("exchange per update, held as measured", ms(model.held_exchange), MEASURED)]
         link = model.link
         source = {"none": ASSUMED}.get(model.link_source, model.link_source)
-        out = [Input("gradient bytes per exchange", f"{f.gradient_total / 1e6:.2f} MB", MEASURED),
+        nbytes = f.gradient_total
+        size = f"{nbytes / 1e6:.2f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.2f} kB"
+        out = [Input("gradient bytes per exchange", size, MEASURED),
                Input("buckets", str(len(model.buckets(f.gradient_total, target.one_bucket, target.bucket_mb))),
                      MEASURED if target.bucket_mb is None and not target.one_bucket else GIVEN)]
         if link is not None:
