@@ -5,6 +5,7 @@
     .venv/bin/python bench/overhead.py --models mlp-tiny --slots 1 --window 1000  # the fixed cost per step
     .venv/bin/python bench/overhead.py --trial-config '{"profiling": {"enabled": false}}'  # a Trial variant
     .venv/bin/python bench/overhead.py --models mlp-0.1m --rounds 10 --launches 12 --control  # resolve ~1%
+    .venv/bin/python bench/overhead.py --modes raw,script      # an unmodified script, profiled from outside
 
 Three ways to train the same model on the same data, each a job of ``--slots`` workers started by torch's
 elastic agent (``torch.distributed.run``), 1 CPU thread per worker (``OMP_NUM_THREADS=1``):
@@ -12,7 +13,10 @@ elastic agent (``torch.distributed.run``), 1 CPU thread per worker (``OMP_NUM_TH
 * ``raw``: a plain DDP loop (DistributedSampler, DataLoader, ``loss.backward()``, ``opt.step()``);
 * ``own``: the same loop through ``dtrain.init()`` (``ctx.setup``, ``ctx.loader``, ``ctx.backward``,
   ``ctx.step_optimizer``);
-* ``trial``: a ``PyTorchTrial`` run by dtrain's trainer, profiling on (the default), reports every 100 steps.
+* ``trial``: a ``PyTorchTrial`` run by dtrain's trainer, profiling on (the default), reports every 100 steps;
+* ``script`` (only where ``--modes`` names it): ``raw``'s loop unchanged, with dtrain's script profiler loaded
+  from outside (``DTRAIN_PROFILE``, as ``dtrain launch`` and ``-m dtrain.profile`` load it): what profiling a
+  user's own script costs it.
 
 The three jobs run at the same time but take turns: after ``--warmup`` steps each job trains in windows of
 ``--window`` steps, and a window only starts when the driver says it is that job's turn (the others wait
@@ -50,6 +54,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 MODES = ("raw", "own", "trial")
+SCRIPT = "script"
 # A second, independent raw DDP job (``--control``): its ratio to raw is the bench's own noise floor, i.e. how
 # far two identical jobs (fresh processes of the same code) land apart on this machine.
 CONTROL = "raw-again"
@@ -226,11 +231,14 @@ def run_trial_mode(args: argparse.Namespace) -> None:
 
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    {"raw": run_raw, CONTROL: run_raw, "own": run_own, "trial": run_trial_mode}[args.mode](args)
+    {"raw": run_raw, CONTROL: run_raw, SCRIPT: run_raw, "own": run_own, "trial": run_trial_mode}[args.mode](args)
 
 
 def modes_of(args: argparse.Namespace) -> tuple[str, ...]:
-    return (*MODES, CONTROL) if args.control else MODES
+    modes = tuple(args.modes.split(","))
+    if modes[0] != "raw" or not set(modes) <= {*MODES, SCRIPT}:
+        raise SystemExit(f"--modes starts with raw (the ratios' base) and names some of {', '.join((*MODES, SCRIPT))}")
+    return (*modes, CONTROL) if args.control else modes
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -238,6 +246,9 @@ def modes_of(args: argparse.Namespace) -> tuple[str, ...]:
 
 def start(mode: str, model: str, args: argparse.Namespace, turns: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DTRAIN_BENCH_TRIAL": "1", "PYTHONPATH": str(HERE)}
+    env.pop("DTRAIN_PROFILE", None)
+    if mode == SCRIPT:  # the installed .pth file loads the hooks in every rank, as under dtrain launch
+        env["DTRAIN_PROFILE"] = str(turns / "script-run")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.slots),
            str(Path(__file__)), "--worker", "--mode", mode, "--model", model, "--turns", str(turns),
            "--warmup", str(args.warmup), "--window", str(args.window), "--rounds", str(args.rounds),
@@ -353,7 +364,9 @@ def main() -> None:
                         help="fresh jobs per mode, one after another; the table gives medians over launches")
     parser.add_argument("--control", action="store_true",
                         help=f"also run a second raw DDP job ({CONTROL}): the ratio two identical jobs show")
-    parser.add_argument("--mode", choices=(*MODES, CONTROL), help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"modes compared, raw first: some of {', '.join((*MODES, SCRIPT))}")
+    parser.add_argument("--mode", choices=(*MODES, SCRIPT, CONTROL), help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--turns", help=argparse.SUPPRESS)
     args = parser.parse_args()
