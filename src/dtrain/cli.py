@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import time
@@ -479,64 +478,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
-    from dtrain.launcher.runplan import NodeArgs, script_nodes
+    from dtrain.launcher.runplan import NodeArgs
+    from dtrain.launcher.scriptrun import Reporting, launch_script
 
-    script = Path(args.script)
-    if not script.is_file():
-        raise UserError(f"script {str(script)!r} does not exist; pass the path of a Python training script")
-    if not 0 <= args.max_restarts <= 100:  # the same bound as the config's max_restarts
-        raise UserError(f"--max-restarts must be from 0 to 100, got {args.max_restarts}")
-    # Several machines: checked, then met, before any worker starts (--slots is the job's total).
-    nodes, per_node = script_nodes(NodeArgs.from_args(args), script, args.args, args.slots, args.max_restarts)
-    from dtrain.launcher.agent import LaunchOptions, launch
+    def summary(run_dir: Path, seconds: float) -> None:
+        from dtrain.explain.summary import print_run_summary
 
-    run_dir = _script_run_dir(args.run_dir, script)
-    started = time.perf_counter()
-    # Through dtrain.engine.script_main: the script's exceptions are reported, its workers die with this process.
-    failure = launch(["-u", "-m", "dtrain.engine.script_main", str(script), *args.args],
-                     LaunchOptions(slots=per_node, max_restarts=args.max_restarts, debug=args.debug, nodes=nodes))
-    if getattr(args, "node_rank", None) in (None, 0):  # the node that ran rank 0 (the others sent their figures)
-        _script_profiled(run_dir, script, args.args, time.perf_counter() - started, failed=failure is not None)
-    if failure is not None:
-        print(f"{PROG}: error: {failure.headline()}", file=sys.stderr)
-        # The script's own exit code where it chose one (sys.exit(2) stays 2), else 1.
-        return failure.exit_code if failure.exit_code > 0 else 1
-    return 0
+        print_run_summary(run_dir, seconds)
 
+    def report(run_dir: Path) -> Path:
+        from dtrain.explain.report import write_report
 
-def _script_run_dir(given: Path | None, script: Path) -> Path:
-    """The run directory a launched script is profiled into (its workers read ``DTRAIN_PROFILE``); a new one
-    under runs/ unless given, printed."""
-    from dtrain.engine import scriptprof
+        return write_report(run_dir)
 
-    run_dir = given if given is not None else Path("runs") / f"{script.stem}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"--run-dir {str(run_dir)!r} is a file; pass a directory")
-    (run_dir / scriptprof.RANKS).mkdir(parents=True, exist_ok=True)
-    for stale in (run_dir / scriptprof.RANKS).glob("rank-*.json"):  # an earlier launch's figures are not this one's
-        stale.unlink()
-    if given is None:
-        print(f"{PROG}: profiling {script} into {run_dir}", file=sys.stderr)
-    os.environ[scriptprof.ENV] = str(run_dir.resolve())
-    return run_dir
-
-
-def _script_profiled(run_dir: Path, script: Path, script_args: list[str], seconds: float, failed: bool) -> None:
-    """After the job: the ranks' files merged where rank 0 could not (a crash; a rank the agent stopped leaves
-    none), the summary and report.html."""
-    from dtrain.engine import scriptprof
-    from dtrain.explain.report import write_report
-    from dtrain.explain.summary import print_run_summary
-
-    os.environ.pop(scriptprof.ENV, None)
-    info = {"launcher": "dtrain launch", "command": [str(script), *script_args], "cwd": os.getcwd(),
-            "script": str(script.resolve())}
-    if scriptprof.merge_rank_files(run_dir, info):
-        if failed:  # what the ranks measured before the failure
-            print(f"{PROG}: partial profile (the job failed) in {run_dir}; report {write_report(run_dir)}",
-                  file=sys.stderr)
-        else:
-            print_run_summary(run_dir, seconds)  # the time table, the doctor's verdict and report.html
+    return launch_script(Path(args.script), args.args, args.slots, args.max_restarts, args.run_dir,
+                         NodeArgs.from_args(args), getattr(args, "node_rank", None), args.debug,
+                         Reporting(summary, report))
 
 
 if __name__ == "__main__":
