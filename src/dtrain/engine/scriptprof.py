@@ -90,6 +90,9 @@ def start(run_dir: Path, command: list[str] | None = None, launcher: str = "DTRA
         session = Session(run_dir, list(command if command is not None else sys.argv), launcher)
         steps = os.environ.get(STEPS_ENV, "")
         session.profiler.stop_after = int(steps) if steps.isdigit() and int(steps) > 0 else None
+        from dtrain.profiling.script import overrides
+
+        session.profiler.overrides = overrides.from_env()  # --verify's changes from outside, applied by the hooks
         hooks.install(session.profiler)
         _wrap_destroy()
         atexit.register(_at_exit)

@@ -356,6 +356,8 @@ class Flops(Section):
 class ScriptModel(Section):
     """``script.models[i]``: one DDP model a script built, as it built it (what a change from outside moves)."""
 
+    OMITTED_WHEN_NONE: ClassVar[frozenset[str]] = frozenset({"unused_parameter_bytes"})
+
     parameters: int
     # bucket_cap_mb as the script passed it (None: DDP's default, a 1 MiB first bucket then 25 MiB).
     bucket_cap_mb: float | None
@@ -366,6 +368,9 @@ class ScriptModel(Section):
     static_graph: bool
     gradient_as_bucket_view: bool
     broadcast_buffers: bool
+    # With find_unused_parameters: the bytes of parameters DDP's reducer found unused in its last sampled
+    # iteration (its logging data's unused_parameter_size; 0: the model used every one). Absent otherwise.
+    unused_parameter_bytes: int | None = None
 
 
 class ScriptLoader(Section):
@@ -379,6 +384,9 @@ class ScriptLoader(Section):
     # Iterators started on it during the run (an epoch each): with workers and not persistent, each start
     # started its worker processes again.
     iterators: int
+    # Seconds from the step before to the first batch of each epoch after the first (the iterator's start, its
+    # workers' start among it, and the first batch's wait).
+    first_batch_seconds: list[float] = []
 
 
 class ScriptRun(Section):
@@ -403,5 +411,9 @@ class ScriptRun(Section):
     no_sync: bool  # some backward ran under DDP's no_sync (accumulation without an exchange)
     grad_scaler: bool  # steps went through a GradScaler (a step it skipped still counts)
     optimizers: list[str]
-    host_syncs_per_step: float | None = None  # not measured (None)
+    host_syncs_per_step: float | None = None  # synchronizing CUDA calls per step (None: not counted, not CUDA)
     unseen: list[str]  # what could not be seen, one line each
+    # Where the script built its "loader", "optimizer" and "ddp" model, and called its first "backward": file:line.
+    sites: dict[str, str] = {}
+    # Changes made from outside for this run (dtrain doctor --verify's), as KEY=VALUE.
+    overrides: list[str] = []

@@ -14,7 +14,13 @@ script runs (:func:`install`):
 * ``DistributedDataParallel.__init__``: each DDP model, timed by DDP's own sampled timers
   (:class:`dtrain.profiling.comm.DDPTiming`: busy seconds, bucket bytes; the last-gradient stamp that splits
   backward from the exposed wait, one autograd hook per model, on the parameter DDP names ready last);
-* ``torch.distributed.destroy_process_group`` is the session's (:mod:`dtrain.engine.scriptprof`).
+* ``torch.distributed.destroy_process_group`` is the session's (:mod:`dtrain.engine.scriptprof`);
+* ``DataLoader.__init__`` and ``Optimizer.__init__``: where the script built them (its file and line, from the
+  stack, once each: the line a change only an edit makes is named by), and a change from outside applied
+  (:mod:`dtrain.profiling.script.overrides`: the loader's workers, pinning, persistence; DDP's buckets, static
+  graph and comm hook, the hook registered at the first backward where the script registered none);
+* on CUDA, ``torch.cuda.set_sync_debug_mode("warn")``: each synchronizing call (``.item()``, a copy to the CPU)
+  warns, and a warnings hook counts those warnings (and shows none of them) while the steps run.
 
 DDP samples iterations by count (its reducer's ``num_iterations_``, the first ten then every tenth), and counts
 only forwards that will exchange (``prepare_for_forward`` runs where ``require_backward_grad_sync`` holds): under
@@ -40,6 +46,8 @@ import torch
 from torch.utils.data import dataloader as _dl
 
 from dtrain.profiling.comm import DDPTiming
+from dtrain.profiling.script import outside
+from dtrain.profiling.script.overrides import Overrides
 from dtrain.profiling.timer import FLUSH_EVERY, StepTimer
 
 log = logging.getLogger("dtrain")
@@ -48,7 +56,8 @@ log = logging.getLogger("dtrain")
 class LoaderFacts:
     """The training loader as its iterators show it (read once per iterator: an epoch)."""
 
-    __slots__ = ("batch_size", "iterators", "num_workers", "persistent_workers", "pin_memory", "prefetch_factor")
+    __slots__ = ("batch_size", "first_batch_seconds", "iterators", "num_workers", "persistent_workers", "pin_memory",
+                 "prefetch_factor", "site")
 
     def __init__(self) -> None:
         self.batch_size: int | None = None
@@ -57,6 +66,9 @@ class LoaderFacts:
         self.persistent_workers = False
         self.prefetch_factor: int | None = None
         self.iterators = 0
+        # From the step before to the first batch of each epoch after the first (its iterator's start included).
+        self.first_batch_seconds: list[float] = []
+        self.site: str | None = None  # where the script built it (file:line)
 
     def saw(self, it: Any) -> None:
         sampler = getattr(it, "_index_sampler", None)
@@ -68,6 +80,7 @@ class LoaderFacts:
         factor = getattr(it, "_prefetch_factor", None)
         self.prefetch_factor = int(factor) if isinstance(factor, int) and self.num_workers else None
         self.iterators += 1
+        self.site = _LOADER_SITES.get(id(getattr(it, "_dataset", None)), self.site)
 
 
 class StepsDone(SystemExit):
@@ -79,8 +92,17 @@ class StepsDone(SystemExit):
 class ScriptProfiler:
     """One process's view of a script's steps (see the module's doc). ``start_wall``: when the process began."""
 
-    def __init__(self, warmup_steps: int = 3, stop_after: int | None = None) -> None:
+    def __init__(self, warmup_steps: int = 3, stop_after: int | None = None,
+                 overrides: Overrides | None = None) -> None:
         self.on = True
+        # Changes from outside (--try/--verify of a script): applied where the script builds loaders and models.
+        self.overrides = overrides
+        self.sites: dict[str, str] = {}  # "loader", "optimizer", "ddp", "backward" -> the script's file:line
+        self._pending_hooks: list[Any] = []  # DDP models the overrides' comm hook goes on at their first backward
+        self.host_syncs = 0  # synchronizing CUDA calls counted while the steps ran (CUDA only)
+        self.counting_syncs = False
+        self._first_fetch = False
+        self.refused: list[str] = []  # overrides that could not be applied, one line each
         self.warmup_steps = warmup_steps
         # Stop the script after this many optimizer steps (every rank after the same one: steps are synchronous).
         self.stop_after = stop_after
@@ -125,7 +147,15 @@ class ScriptProfiler:
             self.device = device
             self.timer = StepTimer(device, warmup_steps=self.warmup_steps)
             self.timer.start_step()
+            if device.type == "cuda":
+                self.counting_syncs = True
+                outside.count_host_syncs(self, cuda=True)
         return self.timer
+
+    def saw_sync(self) -> None:
+        """A synchronizing CUDA call: counted within the steps (not before the first, nor in evaluation)."""
+        if self.on and self.timer is not None and not self.evaluating:
+            self.host_syncs += 1
 
     # ------------------------------------------------------------------------------------ edges
     def add_ddp(self, ddp: Any, cap_mb: float | None) -> None:
@@ -138,6 +168,9 @@ class ScriptProfiler:
         self.ddp_timing.attach(ddp, ddp.module, guess=False)
         self.ddps.append(weakref.ref(ddp))
         self.ddp_caps.append(cap_mb)
+        hook = self.overrides.comm_hook if self.overrides is not None else None
+        if hook not in (None, "none"):
+            self._pending_hooks.append(weakref.ref(ddp))
 
     def before_next(self, it: Any) -> None:
         timer = self.timer
@@ -148,6 +181,7 @@ class ScriptProfiler:
         if self._train_iter is None or self._train_iter() is not it:
             self._train_iter = weakref.ref(it)
             self.loader.saw(it)
+            self._first_fetch = self.last_step_at is not None and len(self.loader.first_batch_seconds) < MAX_EPOCHS
         if timer is None:
             return
         if self.evaluating:  # back to training: time from here, the evaluation left out
@@ -163,6 +197,9 @@ class ScriptProfiler:
         if self._fetching:
             self._fetching = False
             self.timer.lap("data")  # type: ignore[union-attr]
+            if self._first_fetch and self.last_step_at is not None:
+                self._first_fetch = False
+                self.loader.first_batch_seconds.append(time.perf_counter() - self.last_step_at)
 
     def backward_begin(self, tensors: Any) -> None:
         self._bwd_depth += 1
@@ -173,6 +210,10 @@ class ScriptProfiler:
             device = tensors.device if isinstance(tensors, torch.Tensor) else torch.device("cpu")
             timer = self._ensure_timer(device)
         self.backwards_in_step += 1
+        if "backward" not in self.sites:
+            self.sites["backward"] = outside.script_site()
+        if self._pending_hooks:
+            self._add_comm_hooks()
         exchanging = False
         for ref in self.ddps:
             ddp = ref()
@@ -221,6 +262,29 @@ class ScriptProfiler:
         if self.stop_after is not None and timer.steps >= self.stop_after:
             raise StepsDone(0)
 
+    def _add_comm_hooks(self) -> None:
+        """The overrides' comm hook on each DDP model whose script registered none (a script's own hook is
+        named in the record, never replaced); before its first backward, where its reducer first needs one."""
+        pending, self._pending_hooks = self._pending_hooks, []
+        name = self.overrides.comm_hook if self.overrides is not None else None
+        for ref in pending:
+            ddp = ref()
+            if ddp is None or name is None:
+                continue
+            try:
+                registered = ddp._get_ddp_logging_data().get("comm_hook")
+            except (AttributeError, RuntimeError):
+                registered = None
+            if registered or getattr(ddp, "_comm_hooks", None):
+                log.warning("dtrain: the script registered its own DDP comm hook (%s): ddp.comm_hook=%s not applied",
+                            registered, name)
+                continue
+            try:
+                ddp.register_comm_hook(*outside.comm_hook(name))
+            except (TypeError, RuntimeError, ValueError) as exc:  # bf16 without CUDA and NCCL, say
+                self.refused.append(f"ddp.comm_hook={name} could not be registered ({exc})")
+                log.warning("dtrain: %s", self.refused[-1])
+
     # ------------------------------------------------------------------------------------ facts
     def _new_optimizer(self, optimizer: Any) -> None:
         """Its name and learning rate now: a script's optimizer may be gone by the end (its main() returned)."""
@@ -243,7 +307,10 @@ class ScriptProfiler:
 # and the windows kept.
 WINDOW = FLUSH_EVERY
 MAX_WINDOWS = 2000
-
+# Epochs whose first batch's wait is kept; DataLoaders whose construction site is remembered.
+MAX_EPOCHS = 100
+MAX_LOADER_SITES = 64
+_LOADER_SITES: dict[int, str] = {}  # id(dataset) -> where the script built the DataLoader over it
 _ACTIVE: ScriptProfiler | None = None
 _ORIGINALS: dict[str, Any] = {}
 
@@ -321,10 +388,34 @@ def _ddp_cap(args: tuple[Any, ...], kwargs: dict[str, Any]) -> float | None:
 
 
 def _patched_ddp_init(self: Any, *args: Any, **kwargs: Any) -> None:
-    _ORIGINALS["ddp_init"](self, *args, **kwargs)
     prof = _ACTIVE
+    over = prof.overrides if prof is not None and prof.on else None
+    changes = outside.ddp_changes(over) if over is not None else {}
+    if changes:  # a change from outside: what DDP is built with (the record says what ran)
+        args, kwargs = outside.with_overrides(_ORIGINALS["ddp_init"], args, kwargs, changes)
+    _ORIGINALS["ddp_init"](self, *args, **kwargs)
     if prof is not None and prof.on:
+        prof.sites.setdefault("ddp", outside.script_site())
         _guarded("DistributedDataParallel", lambda: prof.add_ddp(self, _ddp_cap(args, kwargs)))
+
+
+def _patched_loader_init(self: Any, *args: Any, **kwargs: Any) -> None:
+    prof = _ACTIVE
+    over = prof.overrides if prof is not None and prof.on else None
+    if over is not None:
+        changes = outside.loader_changes(_ORIGINALS["loader_init"], over, args, kwargs)
+        if changes:
+            args, kwargs = outside.with_overrides(_ORIGINALS["loader_init"], args, kwargs, changes)
+    _ORIGINALS["loader_init"](self, *args, **kwargs)
+    if prof is not None and prof.on and len(_LOADER_SITES) < MAX_LOADER_SITES:
+        _LOADER_SITES.setdefault(id(self.dataset), outside.script_site())
+
+
+def _patched_optimizer_init(self: Any, *args: Any, **kwargs: Any) -> None:
+    _ORIGINALS["optimizer_init"](self, *args, **kwargs)
+    prof = _ACTIVE
+    if prof is not None and prof.on and "optimizer" not in prof.sites:
+        prof.sites["optimizer"] = outside.script_site()
 
 
 def install(profiler: ScriptProfiler) -> None:
@@ -335,14 +426,21 @@ def install(profiler: ScriptProfiler) -> None:
     from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
     _ACTIVE = profiler
-    if _ORIGINALS:
+    tf32 = profiler.overrides.tf32 if profiler.overrides is not None else None
+    if tf32 is not None:  # a change from outside, before the script runs (the script may still set its own)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+    if "next" in _ORIGINALS:
         return
     _ORIGINALS.update(next=_dl._BaseDataLoaderIter.__next__, backward=torch.autograd.backward,
-                      scaler_step=GradScaler.step, ddp_init=DistributedDataParallel.__init__)
+                      scaler_step=GradScaler.step, ddp_init=DistributedDataParallel.__init__,
+                      loader_init=_dl.DataLoader.__init__, optimizer_init=torch.optim.Optimizer.__init__)
     _dl._BaseDataLoaderIter.__next__ = _patched_next  # type: ignore[method-assign]
     torch.autograd.backward = _patched_backward  # type: ignore[assignment]
     GradScaler.step = _patched_scaler_step  # type: ignore[method-assign]
     DistributedDataParallel.__init__ = _patched_ddp_init  # type: ignore[method-assign]
+    _dl.DataLoader.__init__ = _patched_loader_init  # type: ignore[method-assign]
+    torch.optim.Optimizer.__init__ = _patched_optimizer_init  # type: ignore[method-assign]
     _ORIGINALS["handles"] = (register_optimizer_step_pre_hook(_pre_hook), register_optimizer_step_post_hook(_post_hook))
 
 
@@ -350,6 +448,7 @@ def uninstall() -> None:
     """Take the hooks out (tests; the end of a run leaves them, inert, where the script may still call them)."""
     global _ACTIVE
     _ACTIVE = None
+    outside.stop_counting_syncs()
     if not _ORIGINALS:
         return
     from torch.amp import GradScaler
@@ -359,6 +458,8 @@ def uninstall() -> None:
     torch.autograd.backward = _ORIGINALS["backward"]
     GradScaler.step = _ORIGINALS["scaler_step"]  # type: ignore[method-assign]
     DistributedDataParallel.__init__ = _ORIGINALS["ddp_init"]  # type: ignore[method-assign]
+    _dl.DataLoader.__init__ = _ORIGINALS["loader_init"]  # type: ignore[method-assign]
+    torch.optim.Optimizer.__init__ = _ORIGINALS["optimizer_init"]  # type: ignore[method-assign]
     for handle in _ORIGINALS["handles"]:
         with contextlib.suppress(Exception):
             handle.remove()
@@ -369,3 +470,4 @@ def stop() -> None:
     """The run's figures are taken: the hooks stay in (the script may still hold them) but feed nothing."""
     global _ACTIVE
     _ACTIVE = None
+    outside.stop_counting_syncs()

@@ -34,8 +34,9 @@ from dtrain.profiling.script.hooks import ScriptProfiler
 ALWAYS_UNSEEN = (
     "end-of-run probes: dtrain does not own the script's step, so a change they would price is measured with "
     "dtrain doctor --verify",
-    "host synchronizations per step (.item(), a CPU copy of the loss) are not counted",
 )
+# Where they are counted (CUDA only: torch's sync debug mode), else one line.
+NO_SYNC_COUNT = "host synchronizations per step (.item(), a CPU copy of the loss) are counted on CUDA only"
 NO_DDP = ("no DistributedDataParallel model was built: gradient exchange (bytes, busy and exposed time) could not "
           "be seen; FSDP, an own all-reduce loop or one process are timed as data, forward, backward and optimizer")
 NO_LOADER = "no batch came from a torch DataLoader while training: the data wait is in 'other'"
@@ -51,12 +52,17 @@ def script_sha256(path: Path) -> str:
 
 def _ddp_facts(ddp: Any, cap_mb: float | None) -> dict[str, Any]:
     try:
-        hook = ddp._get_ddp_logging_data().get("comm_hook") or None
+        logged = ddp._get_ddp_logging_data()
     except (AttributeError, RuntimeError):
-        hook = None
+        logged = {}
+    hook = logged.get("comm_hook") or None
+    find_unused = bool(getattr(ddp, "find_unused_parameters", False))
+    # The bytes of parameters DDP's reducer found unused in its last sampled iteration (only where it searched).
+    unused = logged.get("unused_parameter_size") if find_unused else None
     return {"parameters": sum(p.numel() for p in ddp.module.parameters()), "bucket_cap_mb": cap_mb,
             "bucket_bytes_cap": int(getattr(ddp, "bucket_bytes_cap", 0)), "comm_hook": hook,
-            "find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", False)),
+            "find_unused_parameters": find_unused,
+            "unused_parameter_bytes": int(unused) if isinstance(unused, int) else None,
             "static_graph": bool(getattr(ddp, "static_graph", False)),
             "gradient_as_bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False)),
             "broadcast_buffers": bool(getattr(ddp, "broadcast_buffers", False))}
@@ -114,7 +120,8 @@ def rank_payload(prof: ScriptProfiler, rank: int, world: int, wall_seconds: floa
                            for m in models],
         "loader": ({"batch_size": loader.batch_size, "num_workers": loader.num_workers,
                     "pin_memory": loader.pin_memory, "persistent_workers": loader.persistent_workers,
-                    "prefetch_factor": loader.prefetch_factor, "iterators": loader.iterators}
+                    "prefetch_factor": loader.prefetch_factor, "iterators": loader.iterators,
+                    "first_batch_seconds": loader.first_batch_seconds}
                    if loader.iterators else None),
         "steps": steps, "profiled_steps": timer.profiled_weight if timer is not None else 0,
         "timed_steps": timer.timed_steps if timer is not None else 0,
@@ -127,6 +134,10 @@ def rank_payload(prof: ScriptProfiler, rank: int, world: int, wall_seconds: floa
         "micro_batches_per_step": prof.backwards / steps if steps else 0.0,
         "exchanges_per_step": exchanges, "no_sync": prof.no_sync, "grad_scaler": prof.grad_scaler,
         "disabled": not prof.on,
+        "sites": {**prof.sites, **({"loader": loader.site} if loader.site else {})},
+        "host_syncs_per_step": prof.host_syncs / steps if prof.counting_syncs and steps else None,
+        "overrides": prof.overrides.spelled() if prof.overrides is not None else [],
+        "refused": list(prof.refused),
         # Wall-clock times of this process's start and of this payload: a rank file of an earlier run in the same
         # directory ended before this run's first rank began.
         "began_at": time.time() - wall_seconds, "ended_at": time.time(),
@@ -174,6 +185,9 @@ def build_records(payloads: list[dict[str, Any]], info: dict[str, Any],
     first = payloads[0]
     world = int(first["world"])
     unseen = list(ALWAYS_UNSEEN)
+    if first.get("host_syncs_per_step") is None:
+        unseen.append(NO_SYNC_COUNT)
+    unseen += [f"not applied: {line}" for line in first.get("refused", [])]
     if not first["models"]:
         unseen.insert(0, NO_DDP)
     if first["loader"] is None:
@@ -193,7 +207,9 @@ def build_records(payloads: list[dict[str, Any]], info: dict[str, Any],
         loader=ScriptLoader(**loader) if loader is not None else None,
         micro_batches_per_step=float(first["micro_batches_per_step"]),
         exchanges_per_step=float(first["exchanges_per_step"]), no_sync=bool(first["no_sync"]),
-        grad_scaler=bool(first["grad_scaler"]), optimizers=list(first["optimizers"]), unseen=unseen)
+        grad_scaler=bool(first["grad_scaler"]), optimizers=list(first["optimizers"]), unseen=unseen,
+        host_syncs_per_step=first.get("host_syncs_per_step"), sites=dict(first.get("sites") or {}),
+        overrides=list(first.get("overrides") or []))
     usable = [p for p in payloads if p["profiled_steps"] > 0 and p["lag"]]
     if not usable or first not in usable:
         return None, None, script
