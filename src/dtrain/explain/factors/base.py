@@ -32,7 +32,7 @@ class Context:
     # parameter-server run's: each the least over ranks, advice.own_work, with FSDP's collectives out)
     compute: float
     fixed: float
-    exposed: float  # exposed all-reduce of the rank the others wait for, at most what the terms leave of the step
+    exposed: float  # the model's exchange and late rank at the run, less the ranks' measured waiting
     per_message: float  # share of the exposed time paid per message (latency), not per byte
     late: advice.Straggler | None  # the rank the others wait for, None with one slot
     loader: advice.LoaderPlan  # one loader plan for the data and straggler factors
@@ -124,16 +124,19 @@ def build_context(profile: ProfileRecord, predictor: Predictor) -> Context:
     if inside is not None:  # FSDP: its collectives ran inside forward and backward; the probe took them out
         compute, exposed, per_message = inside.compute, inside.collectives, 0.0
     parts = predictor.base.parts
+    waited = max(0.0, step - data - compute - fixed - exposed)  # the ranks' waiting beyond their measured phases
     if inside is None and not predictor.model.facts.holds_exchange:
         # The table is the cost model's terms at the run: compute and fixed as the model prices them (the probe's
         # work times the contention and crowding it measured), so a row's share and a change's prediction split
-        # the step one way. What a rank's measured phases held beyond them the model calibrated into the exchange.
+        # the step one way. What a rank's measured phases held beyond them (DDP's hooks, the backend's threads on
+        # the same cores) the model calibrated into the exchange: so does the table.
         compute, fixed = parts["compute"], parts["fixed"]
     others = {name: seconds for name, seconds in parts.items()
               if name in term_registry.names() and name not in FACTORED_TERMS}
-    # The exchange and the waiting are what the other terms leave of the step (the model's exchange and late rank,
-    # calibrated so): the exposed all-reduce as measured where it fits, the straggler's remainder after it.
-    exposed = min(exposed, max(0.0, step - data - compute - fixed - sum(others.values())))
+    # What the other terms leave of the step is the model's exchange and late rank (calibrated so): the straggler
+    # row is the ranks' measured waiting within it, the exchange's rows the rest.
+    exchanges = max(0.0, step - data - compute - fixed - sum(others.values()))
+    exposed = exchanges - min(waited, exchanges)
     return Context(profile, predictor, step, data, compute, fixed, exposed, per_message, late,
                    loader, precision.best(profile), scaling(profile, predictor), others)
 
