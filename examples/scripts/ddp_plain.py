@@ -6,7 +6,9 @@
 
 Synthetic data on the CPU over Gloo (one process without a launcher). The options plant what the doctor should
 find (a slow loader, a late rank, many small gradient tensors) and the shapes a profiler must handle
-(accumulation with ``no_sync``, validation between steps, a crash, no ``destroy_process_group``).
+(accumulation with ``no_sync``, validation between steps, a crash, no ``destroy_process_group``), and what only
+a script shows (accumulation that exchanges on every micro-batch, ``find_unused_parameters=True`` on a model that
+uses every parameter, a ``.item()`` every step, loader workers started again every epoch).
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ def main() -> None:
     parser.add_argument("--crash-at", type=int, default=-1, help="rank 1 raises at this step")
     parser.add_argument("--keep-group", action="store_true", help="never call destroy_process_group")
     parser.add_argument("--save", default="", help="rank 0 saves the model's state dict here")
+    parser.add_argument("--workers", type=int, default=0, help="DataLoader worker processes")
+    parser.add_argument("--persistent", action="store_true", help="keep the loader's workers between epochs")
+    parser.add_argument("--find-unused", action="store_true", help="DDP searches for unused parameters")
+    parser.add_argument("--item", action="store_true", help="read the loss on the host every step")
+    parser.add_argument("--samples", type=int, default=2048, help="samples in the data set (an epoch)")
     args = parser.parse_args()
 
     launched = "RANK" in os.environ
@@ -64,13 +71,14 @@ def main() -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if launched else 0
     torch.manual_seed(0)
-    data = TensorDataset(torch.randn(2048, 32, generator=torch.Generator().manual_seed(1)),
-                         torch.randint(0, 10, (2048,), generator=torch.Generator().manual_seed(2)))
+    data = TensorDataset(torch.randn(args.samples, 32, generator=torch.Generator().manual_seed(1)),
+                         torch.randint(0, 10, (args.samples,), generator=torch.Generator().manual_seed(2)))
     dataset: Dataset = SlowDataset(data, args.slow_loader) if args.slow_loader > 0 else data
     sampler = DistributedSampler(dataset, shuffle=True, seed=3) if launched else None
-    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, shuffle=False)
+    loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, shuffle=False, num_workers=args.workers,
+                        persistent_workers=args.persistent and args.workers > 0)
     model = model_for(args)
-    ddp = DistributedDataParallel(model) if launched else model
+    ddp = DistributedDataParallel(model, find_unused_parameters=args.find_unused) if launched else model
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
 
@@ -96,6 +104,8 @@ def main() -> None:
                 with syncing:
                     loss = loss_fn(ddp(x), y) / args.accumulate
                     loss.backward()
+            if args.item:
+                loss.item()
             optimizer.step()
             optimizer.zero_grad()
             step += 1

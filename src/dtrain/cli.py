@@ -61,8 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, help="output folder (default runs/bench-<name>-<timestamp>)")
     bench.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
-    compare = sub.add_parser("compare", help="the same trial under several sync strategies, side by side")
-    compare.add_argument("config", type=Path, help="experiment YAML")
+    compare = sub.add_parser("compare", help="a trial under several sync strategies, or two runs, side by side")
+    compare.add_argument("config", type=Path, nargs="+", metavar="CONFIG | RUN_A RUN_B", help="experiment YAML, "
+                         "or two run directories (e.g. a script before and after an edit)")
     compare.add_argument("--strategies", help="comma-separated sync strategies (default: every registered one)")
     compare.add_argument("--steps", type=_step_count, default=100, help="training steps per strategy")
     compare.add_argument("--slots", type=_slot_count, help="override resources.slots_per_trial")
@@ -247,13 +248,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "check":
         return cmd_check(args)
     if args.command == "compare":
-        from dtrain.explain.compare import compare, parse_strategies
-        from dtrain.launcher.runplan import NodeArgs
+        from dtrain.explain.compare import cmd_compare
 
-        overrides = [*args.overrides, *([f"resources.slots_per_trial={args.slots}"] if args.slots else [])]
-        compare(args.config, parse_strategies(args.strategies), args.steps, args.out, overrides,
-                NodeArgs.from_args(args), args.debug)
-        return 0
+        return cmd_compare(args)
     if args.command == "bench":
         from dtrain.explain.scaling import bench, parse_slots
 
@@ -390,12 +387,14 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     import json
 
-    from dtrain.explain import membership_view
+    from dtrain.explain import membership_view, scriptverify
     from dtrain.explain.doctor import diagnose, render
     from dtrain.explain.predictor import Predictor
     from dtrain.explain.summary import time_cost_table
     from dtrain.profiling.record import load_run_profile
 
+    if args.verify and scriptverify.is_script_run(args.run_dir):  # run again with changes made from outside
+        return scriptverify.cmd(args, lambda line: print(line, file=sys.stderr, flush=True))
     if args.tries and args.verify:
         from dtrain.explain.verify import render_tries, verify_tries
 

@@ -132,3 +132,84 @@ def compare(config: Path, strategies: list[str], steps: int, out: Path | None, o
     print(table, end="")
     print(f"dtrain compare: results in {out} (compare.json, compare.txt, compare.png)")
     return out
+
+
+# ------------------------------------------------------------------ dtrain compare RUN_A RUN_B: two runs, side by side
+def _run_row(run_dir: Path) -> dict[str, Any]:
+    """One run's figures for the side-by-side table (a Trial's or a script's run)."""
+    from dtrain.explain.doctor import diagnose
+    from dtrain.profiling.phases import PHASES
+    from dtrain.profiling.record import load_run_profile
+
+    p = load_run_profile(run_dir)
+    d = diagnose(p)
+    top = d.factor(d.top_factor) if d.top_factor else None
+    return {"run_dir": str(run_dir), "slots": p.slots, "global_batch_size": p.global_batch_size,
+            "samples_per_second": p.samples_per_second, "step_seconds": p.seconds_per_step.step.mean,
+            "phases": {ph: p.seconds_per_step.of(ph).mean for ph in PHASES},
+            "comm_bytes_per_step": p.comm.bytes_per_step if p.comm_measured else None,
+            "top_factor": top.factor if top else None, "top_share": top.share if top else None,
+            "script_sha256": p.script.script_sha256 if p.script is not None else None,
+            "findings": [f.name for f in d.script_findings]}
+
+
+def compare_runs(run_a: Path, run_b: Path) -> dict[str, Any]:
+    """Two run directories' figures, and B over A where a ratio means something."""
+    a, b = _run_row(run_a), _run_row(run_b)
+    speedup = b["samples_per_second"] / a["samples_per_second"] if a["samples_per_second"] else None
+    return {"a": a, "b": b, "speedup": speedup}
+
+
+def render_runs(result: dict[str, Any]) -> str:
+    """The side-by-side table: samples/s, the step and each phase, bytes all-reduced, the top factor."""
+    from rich.table import Table
+
+    a, b = result["a"], result["b"]
+    table = Table(title=f"dtrain compare: A {a['run_dir']}  vs  B {b['run_dir']}")
+    for col in ("", "A", "B", "B / A"):
+        table.add_column(col, justify="left" if not col else "right")
+
+    def row(name: str, x: float | None, y: float | None, fmt: str) -> None:
+        ratio = f"{y / x:.2f}x" if x and y is not None else "-"
+        table.add_row(name, format(x, fmt) if x is not None else "-", format(y, fmt) if y is not None else "-", ratio)
+
+    row("samples/s", a["samples_per_second"], b["samples_per_second"], ",.0f")
+    table.add_row("slots x global batch", f"{a['slots']} x {a['global_batch_size']}",
+                  f"{b['slots']} x {b['global_batch_size']}", "")
+    row("step ms", 1e3 * a["step_seconds"], 1e3 * b["step_seconds"], ".2f")
+    for phase in a["phases"]:
+        row(f"  {phase} ms", 1e3 * a["phases"][phase], 1e3 * b["phases"][phase], ".2f")
+    mb = [r["comm_bytes_per_step"] / 1e6 if r["comm_bytes_per_step"] is not None else None for r in (a, b)]
+    row("all-reduced MB/step", mb[0], mb[1], ".3f")
+    table.add_row("top factor", *(f"{r['top_factor']} ({100 * r['top_share']:.0f}%)" if r["top_factor"] else "-"
+                                  for r in (a, b)), "")
+    table.add_row("script findings", *(", ".join(r["findings"]) or "-" for r in (a, b)), "")
+    text = as_text(table, width=160)
+    if a["script_sha256"] and b["script_sha256"]:
+        same = a["script_sha256"] == b["script_sha256"]
+        text += "the same script\n" if same else "the script differs between the runs (sha256)\n"
+    return text
+
+
+def cmd_compare(args: Any) -> int:
+    """``dtrain compare CONFIG ...`` (strategies) or ``dtrain compare RUN_A RUN_B`` (two runs side by side)."""
+    paths: list[Path] = list(args.config)
+    if len(paths) == 2:
+        missing = [str(p) for p in paths if not p.is_dir()]
+        if missing:
+            raise UserError(f"dtrain compare RUN_A RUN_B: {missing[0]!r} is not a run directory; pass two directories "
+                            "made by dtrain run or dtrain launch")
+        result = compare_runs(paths[0], paths[1])
+        print(json.dumps(result, indent=2) if getattr(args, "json", False) else render_runs(result), end="")
+        return 0
+    if len(paths) != 1:
+        raise UserError(f"dtrain compare takes one experiment YAML, or two run directories (RUN_A RUN_B); got "
+                        f"{len(paths)} paths")
+    config = paths[0]
+    if config.is_dir():
+        raise UserError(f"config {str(config)!r} is a directory; pass the experiment YAML file itself, or two run "
+                        "directories to put side by side")
+    overrides = [*args.overrides, *([f"resources.slots_per_trial={args.slots}"] if args.slots else [])]
+    compare(config, parse_strategies(args.strategies), args.steps, args.out, overrides, NodeArgs.from_args(args),
+            args.debug)
+    return 0

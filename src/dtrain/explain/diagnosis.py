@@ -6,9 +6,13 @@ and ``--try``'s predictions. Nothing reads them by string key; :meth:`Diagnosis.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from dtrain.explain.advice import Straggler
 from dtrain.explain.efficiency import Efficiency
+
+if TYPE_CHECKING:
+    from dtrain.profiling.script.findings import Finding
 
 # A config value as the doctor proposes it (an int, a name, a bool).
 ConfigValue = int | float | str | bool | None
@@ -209,6 +213,9 @@ class Diagnosis:
     efficiency: Efficiency = field(default_factory=lambda: Efficiency(None, None, None, []))
     # Slots that train, where others do not (a parameter server's servers): the title says "worker slot(s)".
     workers_only: bool = False
+    # A script's run (dtrain.explain.scriptadvice): what only a script shows, and changes to try from outside.
+    script_findings: list[Finding] = field(default_factory=list)
+    script_tries: list[tuple[str, str]] = field(default_factory=list)
 
     def factor(self, name: str) -> FactorRow | None:
         """The row of factor ``name``, or None."""
@@ -228,4 +235,7 @@ class Diagnosis:
         if self.tries:
             out["tries"] = [t.to_json() for t in self.tries]
         out.update(self.efficiency.to_json())
+        if self.script_findings or self.script_tries:
+            out["script_findings"] = [f.to_json() for f in self.script_findings]
+            out["script_tries"] = [{"try": item, "why": why} for item, why in self.script_tries]
         return out

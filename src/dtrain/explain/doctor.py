@@ -32,7 +32,7 @@ is one :class:`~dtrain.explain.predictor.Predictor` call on the cost model ``dtr
 """
 from __future__ import annotations
 
-from dtrain.explain import advice
+from dtrain.explain import advice, scriptadvice
 from dtrain.explain.diagnosis import (
     Advice,
     Diagnosis,
@@ -89,8 +89,10 @@ def _unobserved_diagnosis(profile: ProfileRecord) -> Diagnosis:
             None, None, f"not split into phases ({', '.join(missing)} not observed)", None)),
     ]
     factors.sort(key=lambda f: f.seconds_per_step, reverse=True)
-    return Diagnosis(profile.slots, profile.samples_per_second, step, None, False, unobserved_note(profile), factors,
-                     [], Scaling(None, False), unobserved_phases=missing, efficiency=Efficiency.of(profile))
+    found = Diagnosis(profile.slots, profile.samples_per_second, step, None, False, unobserved_note(profile), factors,
+                      [], Scaling(None, False), unobserved_phases=missing, efficiency=Efficiency.of(profile))
+    scriptadvice.attach(found, profile)
+    return found
 
 
 def diagnose(profile: ProfileRecord, predictor: Predictor | None = None) -> Diagnosis:
@@ -121,9 +123,11 @@ def diagnose(profile: ProfileRecord, predictor: Predictor | None = None) -> Diag
     verdict = _verdict(top, ctx.scaling, profile, rows)
     if predictor.unpriced is not None:
         verdict += f"; {_unpriced_note(predictor.unpriced)}"
-    return Diagnosis(profile.slots, profile.samples_per_second, ctx.step, top.factor, True, verdict, rows,
-                     recommendations, ctx.scaling, efficiency=Efficiency.of(profile),
-                     workers_only=exchange_kind(profile) == SERVER)
+    found = Diagnosis(profile.slots, profile.samples_per_second, ctx.step, top.factor, True, verdict, rows,
+                      recommendations, ctx.scaling, efficiency=Efficiency.of(profile),
+                      workers_only=exchange_kind(profile) == SERVER)
+    scriptadvice.attach(found, profile)  # a script's run: what only a script shows, and what to try from outside
+    return found
 
 
 def _unpriced_note(found: Unpriced) -> str:
@@ -271,7 +275,7 @@ def render(diagnosis: Diagnosis) -> str:
     tries = "".join(f"try {t.change}: {_try_text(t)}\n" for t in diagnosis.tries)
     lines = "".join(f"{line}\n" for line in diagnosis.efficiency.lines)
     return (as_text(table) + f"verdict: {diagnosis.verdict}\n" + extra + (f"why:\n{notes}" if notes else "")
-            + tries + lines)
+            + scriptadvice.text(diagnosis) + tries + lines)
 
 
 def _finish_text(diagnosis: Diagnosis) -> str:

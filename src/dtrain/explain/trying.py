@@ -272,7 +272,12 @@ def _under_ddp(path: Path, change: str) -> ExperimentConfig | None:
 def predict_all(run_dir: Path, profile: ProfileRecord, predictor: Predictor, items: list[str],
                 link_text: str | None) -> list[TryResult]:
     """``--try``'s changes, each by the doctor's model, or by ``dtrain plan``'s where a link is needed (a local
-    probe for a one-slot run, ``--link`` between hosts), built once and only then."""
+    probe for a one-slot run, ``--link`` between hosts), built once and only then. A script's run takes the keys
+    of a change from outside (:mod:`dtrain.explain.scriptadvice`)."""
+    if profile.script is not None:
+        from dtrain.explain.scriptadvice import try_one
+
+        return [try_one(profile, item) for item in items]
     link = parse_link(link_text)
     between = link if link is not None and link.bytes_per_second is not None else None
     tries = Tries(run_dir, profile, predictor, lambda: Predictor(profile, build_model(run_dir, between)[1]), link)

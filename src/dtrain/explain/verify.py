@@ -176,8 +176,10 @@ def _local_processes(run_dir: Path, profile: ProfileRecord) -> int:
 
 
 def measure(session: Session, experiments: list[Experiment], repeats: int, target_spread: float, debug: bool,
-            log: Any) -> tuple[int, Path]:
-    """Run ``experiments`` (the baseline first) in paired rounds; returns (rounds run, the session's folder)."""
+            log: Any, run: Any = None) -> tuple[int, Path]:
+    """Run ``experiments`` (the baseline first) in paired rounds; returns (rounds run, the session's folder).
+    ``run(experiment, folder)``: one short run's samples/s (default: the trial's config patched; a script's run
+    passes its own, :mod:`dtrain.explain.scriptverify`)."""
     folder = session.run_dir / f"verify-{time.strftime('%Y%m%d-%H%M%S')}"
     config = session.run_dir / "config.yaml"
     base = experiments[0]
@@ -187,8 +189,9 @@ def measure(session: Session, experiments: list[Experiment], repeats: int, targe
                              target_spread):
         for i, exp in paired.order(list(enumerate(experiments)), rounds, keep_first=True):
             log(f"dtrain doctor --verify: [{rounds + 1}/{planned}] {exp.action} ...")
-            exp.samples_per_second.append(_short_run(config, exp, session.steps, folder / f"r{rounds}-{i:02d}",
-                                                     debug, session.threads))
+            out = folder / f"r{rounds}-{i:02d}"
+            exp.samples_per_second.append(run(exp, out) if run is not None else
+                                          _short_run(config, exp, session.steps, out, debug, session.threads))
         rounds += 1
     return rounds, folder
 
