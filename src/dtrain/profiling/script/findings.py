@@ -96,11 +96,12 @@ def _restarts(p: ProfileRecord) -> Finding | None:
     loader = s.loader if s is not None else None
     if s is None or loader is None or loader.iterators < 2 or not loader.num_workers or loader.persistent_workers:
         return None
-    usual = p.seconds_per_step.data.mean + p.seconds_per_step.other.mean
+    # A batch's usual time from the one before (a step draws one per micro-batch).
+    usual = (p.seconds_per_step.data.mean + p.seconds_per_step.other.mean) / max(1.0, s.micro_batches_per_step)
     restarts = loader.first_batch_seconds
     cost = max(0.0, sum(restarts) / len(restarts) - usual) if restarts else None
     measured = (f"{_ms(cost)} per epoch: its first batch took {_ms(sum(restarts) / len(restarts))} after the "
-                f"step before, against {_ms(usual)} for a step's batch ({len(restarts)} epoch(s) after the first)"
+                f"step before, against {_ms(usual)} for any other batch ({len(restarts)} epoch(s) after the first)"
                 if cost is not None else "the first batch of each epoch was not timed")
     return Finding(
         "loader_restarts", f"{loader.iterators} epochs, each starting the loader's {loader.num_workers} worker "
