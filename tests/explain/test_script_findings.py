@@ -198,3 +198,34 @@ def test_compare_with_bad_paths_is_one_line(tmp_path: Path, paths: list[str], sa
 
     with pytest.raises(UserError, match=says):
         compare.cmd_compare(argparse.Namespace(config=[tmp_path / p for p in paths]))
+
+
+def test_a_verify_run_is_the_recorded_command_with_the_change(base: ProfileRecord, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The short run's plumbing, its launcher stood in for: the recorded command and working directory, the slots
+    a change asks for, the steps and the overrides in the environment, all undone afterwards."""
+    import os
+
+    from dtrain.explain.verify import Experiment
+    from dtrain.launcher import agent
+    from dtrain.profiling.script.overrides import ENV, from_env
+
+    assert base.script is not None
+    seen: dict[str, Any] = {}
+
+    def launch(command: list[str], options: agent.LaunchOptions) -> None:
+        seen.update(command=command, slots=options.slots, cwd=os.getcwd(), steps=os.environ["DTRAIN_PROFILE_STEPS"],
+                    overrides=from_env(os.environ), out=os.environ["DTRAIN_PROFILE"])
+        Path(os.environ["DTRAIN_PROFILE"]).mkdir(parents=True)  # as the script's profiling session does
+        write_profile(Path(os.environ["DTRAIN_PROFILE"]) / "profile.json", base)
+
+    monkeypatch.setattr(agent, "launch", launch)
+    monkeypatch.delenv(ENV, raising=False)
+    run = scriptverify._runner(base, 25, 1, False)
+    out = tmp_path / "r0-01"
+    sps = run(Experiment("slots=4", "try", ["slots=4", "loader.num_workers=2"]), out)
+    assert sps == base.samples_per_second
+    assert seen["command"][-len(base.script.command):] == base.script.command and seen["slots"] == 4
+    assert seen["cwd"] == base.script.cwd and seen["steps"] == "25" and seen["out"] == str(out.resolve())
+    assert seen["overrides"].num_workers == 2 and seen["overrides"].slots is None  # the launcher's, not the hooks'
+    assert ENV not in os.environ and os.getcwd() != base.script.cwd
