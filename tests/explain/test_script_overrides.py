@@ -8,6 +8,7 @@ import logging
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -156,6 +157,9 @@ def test_host_syncs_are_counted_per_step_through_warnings(installed: list[hooks.
     monkeypatch.setattr(warnings, "showwarning", lambda message, *args, **kwargs: shown.append(str(message)))
     warnings.simplefilter("always", UserWarning)
     prof = _install(installed, None)
+    own: dict[str, Any] = {"warnings": warnings}
+    exec(compile(f"def sync():\n    warnings.warn({outside.SYNC_WARNING!r}, stacklevel=1)\n", outside._OWN[0],
+                 "exec"), own)  # a function whose code is dtrain's clock's
     outside.count_host_syncs(prof, cuda=False)
     prof.counting_syncs = True
     model = nn.Linear(4, 1)
@@ -165,6 +169,7 @@ def test_host_syncs_are_counted_per_step_through_warnings(installed: list[hooks.
         loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         warnings.warn(outside.SYNC_WARNING, stacklevel=1)  # as loss.item() on CUDA would, every step
+        own["sync"]()  # dtrain's own timing reading its CUDA events back: not the script's
         opt.step()
         opt.zero_grad()
         if i == 5:

@@ -65,10 +65,27 @@ _SEER: list[SyncSeer] = []
 _SHOW: list[Any] = []
 
 
+# dtrain's own timing synchronizes once per window of steps (CUDA events read back): not the script's.
+_OWN = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "profiling", name)
+             for name in ("clock.py", "timer.py", "comm.py"))
+
+
+def _dtrains_own(depth: int = 12) -> bool:
+    """Whether the synchronizing call came from dtrain's own timing (a few frames up: torch's wrapper, then it)."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename in _OWN:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _show_warning(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
                   line: str | None = None) -> None:
     if SYNC_WARNING in str(message):
-        if _SEER:
+        if _SEER and not _dtrains_own():
             _SEER[0].saw_sync()
         return
     _SHOW[0](message, category, filename, lineno, file, line)

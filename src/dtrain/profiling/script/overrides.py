@@ -103,8 +103,8 @@ KEYS: dict[str, tuple[str, Callable[[str], Any], str]] = {
 }
 # Changes only an edit of the script makes: key -> which construction site to name, and what to change there.
 EDIT_ONLY: dict[str, tuple[str, str]] = {
-    "precision": ("backward", "run the forward and loss under torch.autocast(device_type, dtype=...) (and, for "
-                              "float16, a torch.amp.GradScaler) around the line that computes the loss"),
+    "precision": ("backward", "run the forward and the loss under torch.autocast(device_type, dtype=...) (and, "
+                              "for float16, a torch.amp.GradScaler), before the loss's backward"),
     "batch_size": ("loader", "change the DataLoader's batch_size (the global batch is it times the slots)"),
     "global_batch_size": ("loader", "change the DataLoader's batch_size (the global batch is it times the slots)"),
 }
