@@ -61,6 +61,7 @@ def _line(site: str) -> str:
 
 def test_the_slow_loader_and_the_exchange_on_every_micro_batch_are_named(runs: dict[str, Path]) -> None:
     record = _record(runs["slow"])
+    assert record.comm.latency_seconds > 0  # probed where every rank stopped, as at destroy_process_group()
     diagnosis = diagnose(record)
     assert diagnosis.top_factor == "data_loading"
     assert diagnosis.script_tries and diagnosis.script_tries[0][0].startswith("loader.num_workers=")

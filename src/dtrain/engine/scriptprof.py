@@ -90,6 +90,7 @@ def start(run_dir: Path, command: list[str] | None = None, launcher: str = "DTRA
         session = Session(run_dir, list(command if command is not None else sys.argv), launcher)
         steps = os.environ.get(STEPS_ENV, "")
         session.profiler.stop_after = int(steps) if steps.isdigit() and int(steps) > 0 else None
+        session.profiler.on_stop = lambda: finish("destroy")
         from dtrain.profiling.script import overrides
 
         session.profiler.overrides = overrides.from_env()  # --verify's changes from outside, applied by the hooks

@@ -106,6 +106,9 @@ class ScriptProfiler:
         self.warmup_steps = warmup_steps
         # Stop the script after this many optimizer steps (every rank after the same one: steps are synchronous).
         self.stop_after = stop_after
+        # Called once on every rank at that step, before the script unwinds (the session takes its figures there,
+        # the all-reduce latency probed as at the script's destroy_process_group()).
+        self.on_stop: Callable[[], None] | None = None
         self.timer: StepTimer | None = None
         self.device: torch.device | None = None
         self.ddp_timing: DDPTiming | None = None
@@ -260,6 +263,8 @@ class ScriptProfiler:
                 self.phase_windows.append((timer.steps, window))
         timer.start_step()
         if self.stop_after is not None and timer.steps >= self.stop_after:
+            if self.on_stop is not None:  # every rank is here, its group alive: the figures are taken now
+                self.on_stop()
             raise StepsDone(0)
 
     def _add_comm_hooks(self) -> None:
