@@ -397,7 +397,8 @@ def _patched_ddp_init(self: Any, *args: Any, **kwargs: Any) -> None:
     over = prof.overrides if prof is not None and prof.on else None
     changes = outside.ddp_changes(over) if over is not None else {}
     if changes:  # a change from outside: what DDP is built with (the record says what ran)
-        args, kwargs = outside.with_overrides(_ORIGINALS["ddp_init"], args, kwargs, changes)
+        with contextlib.suppress(TypeError):  # arguments DDP itself refuses: its own error, unchanged
+            args, kwargs = outside.with_overrides(_ORIGINALS["ddp_init"], args, kwargs, changes)
     _ORIGINALS["ddp_init"](self, *args, **kwargs)
     if prof is not None and prof.on:
         prof.sites.setdefault("ddp", outside.script_site())
@@ -408,9 +409,10 @@ def _patched_loader_init(self: Any, *args: Any, **kwargs: Any) -> None:
     prof = _ACTIVE
     over = prof.overrides if prof is not None and prof.on else None
     if over is not None:
-        changes = outside.loader_changes(_ORIGINALS["loader_init"], over, args, kwargs)
-        if changes:
-            args, kwargs = outside.with_overrides(_ORIGINALS["loader_init"], args, kwargs, changes)
+        with contextlib.suppress(TypeError):  # arguments DataLoader itself refuses: its own error, unchanged
+            changes = outside.loader_changes(_ORIGINALS["loader_init"], over, args, kwargs)
+            if changes:
+                args, kwargs = outside.with_overrides(_ORIGINALS["loader_init"], args, kwargs, changes)
     _ORIGINALS["loader_init"](self, *args, **kwargs)
     if prof is not None and prof.on and len(_LOADER_SITES) < MAX_LOADER_SITES:
         _LOADER_SITES.setdefault(id(self.dataset), outside.script_site())
