@@ -163,17 +163,33 @@ def job(tmp_path):
         made.close()
 
 
-def _reference(tmp: Path, cfg: Path, worlds: list[tuple[int, int]], total: int = TOTAL) -> dict:
-    """The run that went through the same world sizes at the same batches: ``worlds`` is (from batch, world
-    size) in order, from batch 0; each part resumes the one before on another slot count."""
-    run = tmp / "reference"
-    for i, (start, world) in enumerate(worlds):
-        until = worlds[i + 1][0] if i + 1 < len(worlds) else total
-        where = ("--run-dir", str(run)) if start == 0 else ("--resume", str(run))
-        result = cli_in_process("run", str(cfg), *where, "--quiet", "--slots", str(world), "--set",
+class Reference:
+    """The run that goes through the same world sizes at the same batches as a job, one part at a time, each
+    resuming the one before on another slot count. A part is trained as soon as its end is known, while the
+    job goes on by itself (a node starting, a lost node being detected): the test's waits overlap it."""
+
+    def __init__(self, tmp: Path, cfg: Path) -> None:
+        self.run, self.cfg, self.trained = tmp / "reference", cfg, 0
+
+    def train(self, world: int, until: int) -> None:
+        """The next part: from where the last one ended, on ``world`` slots, to batch ``until``."""
+        where = ("--run-dir", str(self.run)) if self.trained == 0 else ("--resume", str(self.run))
+        result = cli_in_process("run", str(self.cfg), *where, "--quiet", "--slots", str(world), "--set",
                                 f"max_length.batches={until}", *NO_HOLD)
         assert result.code == 0, result.stderr
-    return final_weights(run)
+        self.trained = until
+
+    def weights(self) -> dict:
+        return final_weights(self.run)
+
+
+def _reference(tmp: Path, cfg: Path, worlds: list[tuple[int, int]], total: int = TOTAL) -> dict:
+    """The run that went through the same world sizes at the same batches: ``worlds`` is (from batch, world
+    size) in order, from batch 0."""
+    reference = Reference(tmp, cfg)
+    for i, (_, world) in enumerate(worlds):
+        reference.train(world, worlds[i + 1][0] if i + 1 < len(worlds) else total)
+    return reference.weights()
 
 
 def _assert_same_weights(expected: dict, got: dict) -> None:
@@ -204,6 +220,8 @@ def test_a_node_joins_then_one_leaves_and_the_run_matches_the_same_world_sizes(j
 
     started = time.time()
     job.start("b")  # the same command: it joins
+    reference = Reference(tmp_path, job.cfg)
+    reference.train(1, 9)  # node a's part, alone, while b starts
     [join] = job.wait("the join is recorded", job.records)
     assert (join["cause"], join["batches"], join["old_world_size"], join["new_world_size"]) == ("join", 9, 1, 2)
     assert join["lost_batches"] == 0 and 0 < join["seconds"] <= 30, join
@@ -234,8 +252,9 @@ def test_a_node_joins_then_one_leaves_and_the_run_matches_the_same_world_sizes(j
     assert [(c.cause, c.batches, c.new_world_size) for c in changes or []] == [
         ("join", 9, 2), ("leave", leave["batches"], 1)]
 
-    expected = _reference(tmp_path, job.cfg, [(0, 1), (9, 2), (leave["batches"], 1)])
-    _assert_same_weights(expected, final_weights(job.run_dir))
+    reference.train(2, leave["batches"])
+    reference.train(1, TOTAL)
+    _assert_same_weights(reference.weights(), final_weights(job.run_dir))
 
 
 @pytest.mark.slow
@@ -321,6 +340,8 @@ def _killed_and_rejoined(job: Job, tmp_path: Path, joiner_first: bool) -> None:
     job.wait("two ranks train past batch 44", lambda: job.training(2, 44))
     before = min(s["batch"] for s in job.statuses().values())
     os.killpg(job.nodes["b"].pid, signal.SIGKILL)  # the node's launcher; its workers die with it
+    reference = Reference(tmp_path, job.cfg)
+    reference.train(1, 9)  # node a's part, alone, while the loss is detected
     records = job.wait("the loss is recorded", lambda: job.records()[1:], timeout=120)
     lost = records[0]
     assert (lost["cause"], lost["old_world_size"], lost["new_world_size"]) == ("lost", 2, 1), lost
@@ -330,14 +351,16 @@ def _killed_and_rejoined(job: Job, tmp_path: Path, joiner_first: bool) -> None:
     assert lost["seconds"] <= 30, lost  # dead-node detection (6 s) and the restart, with slack for this load
     assert "continued from the state the survivors held" in job.out("a")
     job.start("b-again")  # the crashed node, started again with the same command
+    reference.train(2, lost["batches"])  # the two nodes' part, while the node starts again
     records = job.wait("the rejoin is recorded", lambda: job.records()[2:], timeout=120)
     rejoin = records[0]
     assert (rejoin["cause"], rejoin["old_world_size"], rejoin["new_world_size"]) == ("join", 1, 2), rejoin
     (tmp_path / "slow").unlink()  # the last change: the rest of the run need not be slow
     assert job.finish("a") == 0, job.err("a")
     assert job.finish("b-again") == 0, job.err("b-again")
-    expected = _reference(tmp_path, job.cfg, [(0, 1), (9, 2), (lost["batches"], 1), (rejoin["batches"], 2)], LONG)
-    _assert_same_weights(expected, final_weights(job.run_dir))
+    reference.train(1, rejoin["batches"])
+    reference.train(2, LONG)
+    _assert_same_weights(reference.weights(), final_weights(job.run_dir))
 
 
 # ------------------------------------------------------------------------------------------- no workers
