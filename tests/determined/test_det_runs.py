@@ -101,7 +101,9 @@ def test_trainer_api_under_dtrain_launch_trains_as_dtrain_run(det_runs, tmp_path
     exp_conf["environment"] = {"image": "determinedai/pytorch-ngc"}  # Determined's: ignored here, one line
     settings = {"hparams": {**HPARAMS, "out": str(tmp_path)}, "exp_conf": exp_conf, "batches": 24}
     monkeypatch.setenv("DTRAIN_RUN_DIR", str(tmp_path / "run"))
-    result = cli_in_process("launch", "--slots", "2", str(tmp_path / "determined_mlp.py"), json.dumps(settings))
+    # The launch's own profile goes to the test's folder, not to the checkout's runs/.
+    result = cli_in_process("launch", "--slots", "2", "--run-dir", str(tmp_path / "profile"),
+                            str(tmp_path / "determined_mlp.py"), json.dumps(settings))
     assert result.code == 0, result.stderr
     run = tmp_path / "run"
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["16", "24", "latest"]  # the 2 newest kept
