@@ -46,13 +46,20 @@ class Run:
         """Until every rank published a status at ``batch`` or later; returns the statuses."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.communicate()
-            found = self.statuses(run_dir)
-            if len(found) == ranks and all((s["batch"] or 0) >= batch for s in found.values()):
-                self.workers = [s["pid"] for s in found.values()]
+            found = self.reached(run_dir, ranks, batch)
+            if found is not None:
                 return found
             time.sleep(0.2)
         raise AssertionError(f"ranks never reached batch {batch}: {self.statuses(run_dir)}")
+
+    def reached(self, run_dir: Path, ranks: int, batch: int) -> dict[int, dict] | None:
+        """The statuses, once every rank published one at ``batch`` or later (the run must still be going)."""
+        assert self.proc.poll() is None, self.proc.communicate()
+        found = self.statuses(run_dir)
+        if len(found) == ranks and all((s["batch"] or 0) >= batch for s in found.values()):
+            self.workers = [s["pid"] for s in found.values()]
+            return found
+        return None
 
     def wait(self, timeout: float) -> tuple[int, str, str]:
         out, err = self.proc.communicate(timeout=timeout)
@@ -161,20 +168,45 @@ EXPECTED = {
 }
 
 
+@pytest.fixture(scope="module")
+def silent_ranks(tmp_path_factory) -> dict[str, tuple[int, str, float, dict[int, dict]]]:
+    """Each fault's job, all started together: each mostly waits (for its collective timeout, or for a status
+    to age), so their waits overlap instead of adding up. Per fault: the exit code, stderr, the seconds from
+    the moment every rank was seen at batch 8 to the job's end, and the statuses seen then."""
+    jobs = {}
+    with contextlib.ExitStack() as stack:
+        for fault in sorted(FAULTS):
+            tmp = tmp_path_factory.mktemp(fault)
+            cfg = tiny_config(tmp, **FAULTS[fault], **{
+                "hyperparameters.sleep_rank": 1, "hyperparameters.sleep_at_batch": 8,
+                "resources.collective_timeout_seconds": 5, "max_length": {"batches": 40}})
+            jobs[fault] = (stack.enter_context(background(str(cfg), "--run-dir", str(tmp / "r"), "--quiet")), tmp / "r")
+        stuck: dict[str, tuple[float, dict[int, dict]]] = {}
+        ended: dict[str, float] = {}
+        deadline = time.monotonic() + 180
+        while len(ended) < len(jobs):  # one loop watches every job: none is seen late for waiting on another
+            assert time.monotonic() < deadline, f"stuck at {sorted(stuck)}, ended {sorted(ended)}"
+            for fault, (run, run_dir) in jobs.items():
+                if fault not in stuck:
+                    statuses = run.reached(run_dir, ranks=2, batch=8)
+                    if statuses is not None:
+                        stuck[fault] = (time.monotonic(), statuses)
+                elif fault not in ended and run.proc.poll() is not None:
+                    ended[fault] = time.monotonic()
+            time.sleep(0.1)
+        results = {}
+        for fault, (run, _) in jobs.items():
+            code, _, err = run.wait(timeout=10)
+            results[fault] = (code, err, ended[fault] - stuck[fault][0], stuck[fault][1])
+    return results
+
+
 # The deadline below is set by timers (collective timeout, status age), with slack far above what the
 # suite's own load adds; the jobs mostly wait, so they cost the other tests little.
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", sorted(FAULTS))
-def test_a_silent_rank_is_named_and_fails_the_job_within_the_timeout(tmp_path, fault):
-    cfg = tiny_config(tmp_path, **FAULTS[fault], **{
-        "hyperparameters.sleep_rank": 1, "hyperparameters.sleep_at_batch": 8,
-        "resources.collective_timeout_seconds": 5, "max_length": {"batches": 40}})
-    run_dir = tmp_path / "r"
-    with background(str(cfg), "--run-dir", str(run_dir), "--quiet") as run:
-        statuses = run.wait_training(run_dir, ranks=2, batch=8)
-        stuck = time.monotonic()
-        code, _, err = run.wait(timeout=90)
-        took = time.monotonic() - stuck
+def test_a_silent_rank_is_named_and_fails_the_job_within_the_timeout(silent_ranks, fault):
+    code, err, took, statuses = silent_ranks[fault]
     assert code == 1, err
     culprit = statuses[1]
     assert EXPECTED[fault].format(host=culprit["host"], pid=culprit["pid"]) in err, err
