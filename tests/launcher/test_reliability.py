@@ -101,24 +101,36 @@ def _one_line(err: str, fragment: str) -> None:
 # --------------------------------------------------------------------------- 1. no orphans, one run per dir
 
 
+@pytest.fixture(scope="module")
+def long_runs(tmp_path_factory):
+    """Two long runs (400 slow batches), started together so that their starts overlap: one for each way of
+    killing the launcher below; each is killed by its test, or at the end of the module."""
+    with contextlib.ExitStack() as stack:
+        runs = {}
+        for target in ("launcher", "group"):
+            tmp = tmp_path_factory.mktemp(f"long-{target}")
+            cfg = tiny_config(tmp, **SLOW, **{"max_length": {"batches": 400}})
+            runs[target] = (stack.enter_context(background(str(cfg), "--run-dir", str(tmp / "r"), "--quiet")),
+                            cfg, tmp / "r")
+        yield runs
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["launcher", "group"])
-def test_workers_die_with_their_launcher_and_the_run_dir_is_locked(tmp_path, target):
-    cfg = tiny_config(tmp_path, **SLOW, **{"max_length": {"batches": 400}})
-    run_dir = tmp_path / "r"
-    with background(str(cfg), "--run-dir", str(run_dir), "--quiet") as run:
-        run.wait_training(run_dir, ranks=2)
-        if target == "launcher":  # the second run fails at once: the directory is in use
-            second = cli_in_process("run", str(cfg), "--resume", str(run_dir))
-            assert second.code == 2 and "is in use by another dtrain run" in second.stderr, second.stderr
-        killed = time.monotonic()
-        if target == "group":  # what `timeout -s KILL` or a CI runner does
-            os.killpg(run.proc.pid, signal.SIGKILL)
-        else:  # what the OOM killer does
-            os.kill(run.proc.pid, signal.SIGKILL)
-        while any(_alive(pid) for pid in run.workers) and time.monotonic() - killed < 10:
-            time.sleep(0.1)
-        assert not any(_alive(pid) for pid in run.workers), "a worker outlived its launcher by 10 s"
+def test_workers_die_with_their_launcher_and_the_run_dir_is_locked(long_runs, target):
+    run, cfg, run_dir = long_runs[target]
+    run.wait_training(run_dir, ranks=2)
+    if target == "launcher":  # the second run fails at once: the directory is in use
+        second = cli_in_process("run", str(cfg), "--resume", str(run_dir))
+        assert second.code == 2 and "is in use by another dtrain run" in second.stderr, second.stderr
+    killed = time.monotonic()
+    if target == "group":  # what `timeout -s KILL` or a CI runner does
+        os.killpg(run.proc.pid, signal.SIGKILL)
+    else:  # what the OOM killer does
+        os.kill(run.proc.pid, signal.SIGKILL)
+    while any(_alive(pid) for pid in run.workers) and time.monotonic() - killed < 10:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in run.workers), "a worker outlived its launcher by 10 s"
 
 
 # ------------------------------------------------------------------------------------------ 2. clean stops
