@@ -109,7 +109,8 @@ def _wait_all(hosts: testhosts.TestHosts, procs: list[subprocess.Popen], deadlin
             results.append((proc.returncode, out, err))
     except subprocess.TimeoutExpired:
         hosts.destroy()  # kills every process group and everything left inside the namespaces
-        raise AssertionError("the nodes did not finish in time") from None
+        said = [(proc.returncode, *proc.communicate()) for proc in procs[len(results):]]
+        raise AssertionError(f"the nodes did not finish in time: {results + said}") from None
     return results
 
 

@@ -65,10 +65,11 @@ def main(argv: list[str], launcher: str = "dtrain launch") -> None:
     watchdog.start(reports, rank, handle_signals=False, master=master)
     sys.argv = list(argv)
     sys.path.insert(0, str(script.parent))
+    code: object = None
     try:
         runpy.run_path(str(script), run_name="__main__")
-    except SystemExit:
-        raise
+    except SystemExit as exc:  # (the exception and its frames are gone after this block: see below)
+        code = exc.code
     except BaseException as exc:
         _print(exc, script)
         scriptprof.finish("crash")  # this rank's figures so far, for the launcher to merge
@@ -77,6 +78,9 @@ def main(argv: list[str], launcher: str = "dtrain launch") -> None:
             write_report(reports, rank, exc, user_error=False, exit_code=1, where=_in_script(exc, script))
         sys.stderr.flush()
         os._exit(1)
+    scriptprof.release_before_teardown()
+    if code is not None:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

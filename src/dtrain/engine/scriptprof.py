@@ -18,6 +18,8 @@ rank files again after the job (:func:`merge_rank_files`) where rank 0 could not
 from __future__ import annotations
 
 import atexit
+import contextlib
+import gc
 import json
 import logging
 import os
@@ -71,6 +73,7 @@ class Session:
 
 _SESSION: Session | None = None
 _DESTROY: Any = None
+_GROUP_DESTROYED = False  # the script destroyed its default group (release_before_teardown still has work)
 
 
 def start(run_dir: Path, command: list[str] | None = None, launcher: str = "DTRAIN_PROFILE") -> Session | None:
@@ -121,8 +124,10 @@ def _wrap_destroy() -> None:
     _DESTROY = distributed_c10d.destroy_process_group
 
     def destroy_process_group(group: Any = None) -> None:
+        global _GROUP_DESTROYED
         if group is None:  # the default group: the job's end, while its store is still there
             finish("destroy")
+            _GROUP_DESTROYED = True
         return _DESTROY(group)
 
     destroy_process_group.__doc__ = _DESTROY.__doc__
@@ -132,6 +137,19 @@ def _wrap_destroy() -> None:
 
 def _at_exit() -> None:
     finish("exit")
+    release_before_teardown()
+
+
+def release_before_teardown() -> None:
+    """Free what the script left unreachable (its DDP models, their process groups) while the interpreter is
+    still whole. A Gloo worker thread that drops a finished collective during Python's teardown cannot take the
+    GIL and aborts the process ("terminate called without an active exception", SIGABRT, pytorch#179291), so a
+    run that trained ends as a failure; a process group freed now joins those threads first. Only in a process
+    that used torch.distributed; never raises."""
+    if not (dist.is_available() and (dist.is_initialized() or _GROUP_DESTROYED)):
+        return
+    with contextlib.suppress(Exception):  # a __del__ of the script's: its own business, not the run's
+        gc.collect()
 
 
 def _rank_world() -> tuple[int, int]:
