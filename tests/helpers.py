@@ -146,6 +146,14 @@ def python_command(*args: str, timeout: float = 120.0, cwd: Path | None = None) 
     return CliResult(proc.returncode, out, err)
 
 
+def torch_teardown_abort(stderr: str) -> bool:
+    """Whether a plain script under torchrun (no dtrain in its processes) failed only by torch's own abort in
+    Python's teardown, after its code had finished: a Gloo thread dropping a finished collective cannot take
+    the GIL then (pytorch#179291). dtrain's workers free the group first (dtrain.engine.scriptprof); a
+    reference run of torch alone cannot, so its tests accept this one failure and check its outputs."""
+    return "terminate called without an active exception" in stderr and "(SIGABRT)" in stderr
+
+
 # Signals a launcher run in this process takes over (its supervisor, torch's agent, the workers' stop).
 _LAUNCHER_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 

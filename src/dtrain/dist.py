@@ -196,14 +196,20 @@ def hold_port(port: int = 0) -> socket.socket | None:
     return sock
 
 
+def yield_to_pending_destructors() -> None:
+    """Release the GIL briefly, so that Gloo's worker threads finish destroying the collectives they ran.
+
+    They destroy finished collectives themselves, and one that holds Python state (tensors made in Python,
+    all_gather_object, a barrier's saved thread state) needs the GIL for that. If the group's last reference
+    goes away while this thread holds the GIL (a DDP Reducer freed after destroy_process_group, by the garbage
+    collector), the group's destructor joins those threads and both wait forever; seen at the end of runs
+    across machines. Call it before anything that may free a process group."""
+    time.sleep(0.05)
+
+
 def destroy_process_group() -> None:
     if dist.is_initialized():
-        # Gloo's worker threads destroy finished collectives themselves, and a collective on tensors made
-        # in Python (all_gather_object, ...) needs the GIL for that. If the group's last reference then
-        # goes away while this thread holds the GIL (a DDP Reducer freed after this call), the group's
-        # destructor joins those threads and both wait forever; seen at the end of runs across machines.
-        # Releasing the GIL briefly lets pending destructors finish first.
-        time.sleep(0.05)
+        yield_to_pending_destructors()
         dist.destroy_process_group()
 
 

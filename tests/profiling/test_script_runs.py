@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import ROOT, cli_in_process, python_command
+from helpers import ROOT, cli_in_process, python_command, torch_teardown_abort
 
 from dtrain.explain.doctor import diagnose
 from dtrain.explain.predictor import Predictor
@@ -56,7 +56,7 @@ def test_plain_ddp_trains_as_under_torchrun_and_is_profiled(tmp_path: Path) -> N
     # A planted straggler: rank 1 sleeps before each forward (the weights do not change).
     args = [str(PLAIN), "--steps", str(steps), "--validate-every", "3", "--late-rank", "1", "--late-seconds", "0.08"]
     plain = python_command(*_torchrun(*args, "--save", str(tmp_path / "torchrun.pt")), timeout=120)
-    assert plain.code == 0, plain.stderr
+    assert plain.code == 0 or torch_teardown_abort(plain.stderr), plain.stderr
     run_dir = tmp_path / "run"
     launched = cli_in_process("launch", "--slots", "2", "--run-dir", str(run_dir), *args,
                               "--save", str(tmp_path / "launch.pt"))

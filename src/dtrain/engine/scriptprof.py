@@ -148,6 +148,9 @@ def release_before_teardown() -> None:
     that used torch.distributed; never raises."""
     if not (dist.is_available() and (dist.is_initialized() or _GROUP_DESTROYED)):
         return
+    from dtrain.dist import yield_to_pending_destructors
+
+    yield_to_pending_destructors()  # (the collection may free the group: its threads must not need the GIL then)
     with contextlib.suppress(Exception):  # a __del__ of the script's: its own business, not the run's
         gc.collect()
 
