@@ -99,7 +99,9 @@ def test_verify_measures_the_slow_loaders_advice(runs: dict[str, Path]) -> None:
     session = Path(doc["session_dir"])
     assert session.parent == run_dir and doc["rounds"] == 1
     tried = [load_run_profile(p) for p in sorted(session.iterdir()) if (p / "profile.json").is_file()]
-    assert [t.script.overrides if t.script else None for t in tried] == [[], [row["try"]]]
+    # The recorded command, then once with each change the doctor tried (which ones depends on the measured run).
+    overrides = [t.script.overrides if t.script else None for t in tried]
+    assert overrides[0] == [] and sorted(overrides[1:]) == sorted([r["try"]] for r in doc["tried"])
     assert all(t.steps == doc["steps"] for t in tried)  # every rank stopped after --steps
 
 

@@ -123,7 +123,8 @@ def _run_on_hosts(hosts: testhosts.TestHosts, jobs: list[tuple[int, list[str], d
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
     except subprocess.TimeoutExpired:
         hosts.destroy()  # kills every process group and everything left inside the namespaces
-        raise AssertionError(f"nodes did not finish within {timeout}s") from None
+        said = [(proc.returncode, *proc.communicate()) for proc in procs[len(results):]]
+        raise AssertionError(f"nodes did not finish within {timeout}s: {results + said}") from None
     return results
 
 
