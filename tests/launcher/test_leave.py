@@ -226,3 +226,24 @@ def test_a_change_is_timed_to_its_first_step_even_when_its_status_is_read_steps_
     recorder.current = Change({"cause": "join", "node": "b", "time": ended - 2.0}, 40, 1, 2, os.getpid(), {})
     record = recorder.poll()
     assert record is not None and record["seconds"] == 2.0 and record["first_step_time"] == ended
+
+
+def test_a_join_whose_node_dropped_out_of_the_round_is_recorded_when_it_gets_in(tmp_path):
+    """A node that joins, then misses the round (the others meet again without it, at the same size), is still
+    joining: the world it gets into is the change recorded, not lost because the first round changed nothing."""
+    from dtrain.launcher import membership
+
+    logs, ckpts = tmp_path / "logs", tmp_path / "checkpoints"
+    (ckpts / "182").mkdir(parents=True)
+    (ckpts / "182" / "metadata.json").write_text(json.dumps({"world_size": 1, "batches": 182}))
+    (ckpts / "latest").write_text("182")
+    assert membership.note_event(logs, "join", "b")
+    recorder = membership.ChangeRecorder(tmp_path, logs, ckpts)
+    recorder.started(0, 1, os.getpid(), [], ["a"])  # the round without b: nothing to record yet
+    assert recorder.current is None and membership.pending_event(logs)["node"] == "b"
+    recorder.started(0, 2, os.getpid(), [], ["a", "b"])  # b gets in
+    change = recorder.current
+    assert change is not None and (change.cause["cause"], change.old_world, change.new_world) == ("join", 1, 2)
+    # A joining node that was in the world from the start changes nothing, and its event is spent.
+    recorder.started(0, 1, os.getpid(), [], ["b"])
+    assert recorder.current is None and membership.pending_event(logs) is None

@@ -155,7 +155,7 @@ class ElasticAgent(LocalElasticAgent):
             self._say(f"the job now runs on {len(self.nodes)} node(s), world size {workers[0].world_size} "
                       f"({'; '.join(parts)})")
         rank0 = workers[0].id if worker_group.group_rank == 0 else None
-        self.recorder.started(worker_group.group_rank, workers[0].world_size, rank0, gone)
+        self.recorder.started(worker_group.group_rank, workers[0].world_size, rank0, gone, self.nodes)
 
     def _restart_workers(self, worker_group: WorkerGroup) -> None:
         """torch restarts the workers: nodes wait to join (the group is healthy), or they failed with restarts

@@ -127,9 +127,11 @@ class ChangeRecorder:
         self.run_dir, self.logs, self.ckpt_root = run_dir, logs, ckpt_root
         self.current: Change | None = None
 
-    def started(self, group_rank: int, new_world: int, rank0_pid: int | None, gone: list[str]) -> None:
+    def started(self, group_rank: int, new_world: int, rank0_pid: int | None, gone: list[str],
+                nodes: list[str] | None = None) -> None:
         """A new world started here; if this node runs its global rank 0 and a change is pending, watch it.
-        ``gone``: the nodes of the previous world missing from this one (as this node saw them)."""
+        ``gone``: the nodes of the previous world missing from this one (as this node saw them); ``nodes``: the
+        new world's nodes."""
         self.current = None
         cause = pending_event(self.logs)
         if group_rank != 0 or cause is None or rank0_pid is None:
@@ -142,8 +144,12 @@ class ChangeRecorder:
             clear_pending(self.logs)
             return
         old = meta.get("world_size")
-        if cause["cause"] == "join" and old == new_world:  # the joining node was there from the start
-            clear_pending(self.logs)
+        if cause["cause"] == "join" and old == new_world:
+            if nodes is not None and cause["node"] not in nodes:
+                # The joining node dropped out of the round before it trained (the others met again without
+                # it): its join is still to come, in the world it gets into, and is recorded there.
+                return
+            clear_pending(self.logs)  # the joining node was there from the start
             return
         self.current = Change(cause, int(meta.get("batches", found.name)), old if isinstance(old, int) else None,
                               new_world, rank0_pid, recovery(self.logs, found) if cause["cause"] == "lost" else {})
