@@ -20,6 +20,9 @@ from dtrain.profiling.record import ProfileRecord, load_run_profile
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 PLAIN = ROOT / "examples" / "scripts" / "ddp_plain.py"
 STEPS = 12
+# ddp_plain.py --many-tensors: 40 x Linear(32, 32), then Linear(32, 10); fp32 gradients.
+MANY_TENSORS = 40 * 2 + 2
+MANY_TENSORS_BYTES = 4 * (40 * (32 * 32 + 32) + 32 * 10 + 10)
 
 
 def _launch(run_dir: Path, *args: str) -> Path:
@@ -43,6 +46,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Path]]:
         # A loader whose one worker starts again every epoch (4 steps each), and DDP searching for unused
         # parameters on a model that uses every one.
         "epochs": _launch(folder / "epochs", "--workers", "1", "--samples", "256", "--find-unused"),
+        # Many small gradient tensors (41 small layers): DDP fuses them, so the exchange is a few messages.
+        "tensors": _launch(folder / "tensors", "--many-tensors"),
     }
 
 
@@ -72,6 +77,18 @@ def test_the_slow_loader_and_the_exchange_on_every_micro_batch_are_named(runs: d
     assert "backward()" in _line(record.script.sites["backward"])
     assert "DistributedDataParallel(" in _line(record.script.sites["ddp"])
     assert "DataLoader(" in _line(record.script.sites["loader"])
+
+
+def test_many_small_gradient_tensors_are_priced_as_the_exchange_and_tried_from_outside(runs: dict[str, Path]) -> None:
+    record = _record(runs["tensors"])
+    assert record.gradient_bytes is not None and len(record.gradient_bytes[0]) == MANY_TENSORS
+    assert sum(record.gradient_bytes[0]) == MANY_TENSORS_BYTES == record.comm.bytes_per_step
+    assert record.comm.exposed_seconds_per_step > 0 and record.comm.latency_seconds > 0
+    diagnosis = diagnose(record)
+    (exchange,) = [f for f in diagnosis.factors if f.factor == "communication"]
+    assert exchange.seconds_per_step > 0
+    # DDP already fused the tensors into few messages; what is left to try without an edit is compressing them.
+    assert any(item.startswith("ddp.comm_hook=") for item, _ in diagnosis.script_tries), diagnosis.script_tries
 
 
 def test_workers_started_every_epoch_and_an_idle_unused_parameter_search(runs: dict[str, Path]) -> None:
