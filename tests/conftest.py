@@ -121,3 +121,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     over = sorted(((s, n) for n, s in per_test.items() if s > SLOW_TEST_SECONDS), reverse=True)
     for seconds, name in over:
         terminalreporter.write_line(f"over {SLOW_TEST_SECONDS:.0f}s: {seconds:.1f}s  {name}")
+
+
+@pytest.fixture
+def world_of_one(tmp_path: Path):
+    """A Gloo process group of this process alone (a file rendezvous in the test's folder), for the tests of
+    what needs a group but not several processes."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

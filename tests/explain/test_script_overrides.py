@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -95,15 +94,6 @@ def test_persistent_workers_are_kept_with_workers(installed: list[hooks.ScriptPr
     _install(installed, Overrides(num_workers=1, persistent_workers=True))
     loader = DataLoader(TensorDataset(torch.randn(8, 2)), batch_size=4)
     assert loader.num_workers == 1 and loader.persistent_workers
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _train(ddp: nn.Module, steps: int = 3) -> None:

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -132,15 +131,6 @@ def test_a_step_the_grad_scaler_skips_still_counts(prof: hooks.ScriptProfiler) -
             break
     assert len(ran) < 6  # the scaler skipped some optimizer steps
     assert prof.timer is not None and prof.timer.steps == 6 and prof.grad_scaler
-
-
-@pytest.fixture
-def world_of_one(tmp_path: Path) -> Iterator[None]:
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_ddp_found_with_its_settings_and_no_sync_accumulation(prof: hooks.ScriptProfiler, world_of_one: None) -> None:
