@@ -74,6 +74,7 @@ class Session:
 _SESSION: Session | None = None
 _DESTROY: Any = None
 _GROUP_DESTROYED = False  # the script destroyed its default group (release_before_teardown still has work)
+_RELEASED = False  # release_before_teardown ran (script_main's end, then the session's atexit: once is enough)
 
 
 def start(run_dir: Path, command: list[str] | None = None, launcher: str = "DTRAIN_PROFILE") -> Session | None:
@@ -145,9 +146,11 @@ def release_before_teardown() -> None:
     still whole. A Gloo worker thread that drops a finished collective during Python's teardown cannot take the
     GIL and aborts the process ("terminate called without an active exception", SIGABRT, pytorch#179291), so a
     run that trained ends as a failure; a process group freed now joins those threads first. Only in a process
-    that used torch.distributed; never raises."""
-    if not (dist.is_available() and (dist.is_initialized() or _GROUP_DESTROYED)):
+    that used torch.distributed; once per process; never raises."""
+    global _RELEASED
+    if _RELEASED or not (dist.is_available() and (dist.is_initialized() or _GROUP_DESTROYED)):
         return
+    _RELEASED = True
     from dtrain.dist import yield_to_pending_destructors
 
     yield_to_pending_destructors()  # (the collection may free the group: its threads must not need the GIL then)

@@ -128,7 +128,7 @@ class ChangeRecorder:
         self.current: Change | None = None
 
     def started(self, group_rank: int, new_world: int, rank0_pid: int | None, gone: list[str],
-                nodes: list[str] | None = None) -> None:
+                nodes: list[str]) -> None:
         """A new world started here; if this node runs its global rank 0 and a change is pending, watch it.
         ``gone``: the nodes of the previous world missing from this one (as this node saw them); ``nodes``: the
         new world's nodes."""
@@ -145,7 +145,7 @@ class ChangeRecorder:
             return
         old = meta.get("world_size")
         if cause["cause"] == "join" and old == new_world:
-            if nodes is not None and cause["node"] not in nodes:
+            if cause["node"] not in nodes:
                 # The joining node dropped out of the round before it trained (the others met again without
                 # it): its join is still to come, in the world it gets into, and is recorded there.
                 return
