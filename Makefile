@@ -10,10 +10,19 @@ SLOTS ?= 2
 
 venv: $(STAMP)
 
+# The install runs through uv (pinned in constraints.txt, itself installed by the venv's pip): it fetches and
+# unpacks the ~90 wheels in parallel, where pip takes them one at a time, in about a third of pip's time here.
+# uv reads neither pip's config nor its PIP_* variables, so pip's find-links (where a machine keeps its own
+# torch build, as this one does) are handed on. Should uv be unavailable, pip installs the same pins.
+# --compile-bytecode: as pip does, so that no test process compiles torch's modules at import.
+UV_FIND_LINKS_ARGS := $(foreach place,$(PIP_FIND_LINKS),--find-links $(place))
+
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip -c constraints.txt
-	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	($(BIN)/python -m pip install -q -c constraints.txt uv \
+	  && $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode $(UV_FIND_LINKS_ARGS) \
+	     -c constraints.txt -e ".[dev]") \
+	|| $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
