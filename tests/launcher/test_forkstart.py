@@ -26,7 +26,7 @@ def test_fork_on_a_cpu_build_with_any_thread_count_unless_told_not_to(monkeypatc
 def test_the_launcher_starts_the_fork_server_early_only_on_a_cpu_build(monkeypatch):
     """Early, its torch imports overlap the launcher's; judged from torch's metadata, not by importing it."""
     started: list[str] = []
-    monkeypatch.setattr(forkstart, "start_server", started.append)
+    monkeypatch.setattr(forkstart, "start_server", lambda module, here: started.append(module) if here else None)
     monkeypatch.delenv(forkstart.START_ENV, raising=False)
     for version, expected in (("2.13.0+cpu", [forkstart.DTRAIN_WORKER]), ("2.13.0", []), ("2.13.0+cu128", [])):
         started.clear()
@@ -63,7 +63,7 @@ def test_workers_fork_from_a_one_thread_server_and_the_supervisor_finds_them_the
     try:
         server = int(_proc(worker.pid, "stat").rsplit(")", 1)[1].split()[1])  # its parent
         assert server != os.getpid()
-        assert forkstart.HELPER_MARKS[0] in _proc(server, "cmdline")
+        assert forkstart.is_server(server) and forkstart.HELPER_MARKS[0] in _proc(server, "cmdline")  # spawned
         assert "Threads:\t1\n" in _proc(server, "status")
         found = children()
         assert worker.pid in found and server not in found  # the server itself is not signalled as a worker
@@ -184,3 +184,41 @@ def test_a_forked_child_does_not_keep_the_run_directory_locked(tmp_path):
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
         os.close(read)
+
+
+# A launcher's first lines: it forks its fork server from itself, then a worker from that server.
+FORKED_SERVER = """
+import multiprocessing, os, sys, time
+from dtrain.launcher import forkstart
+from dtrain.launcher.supervise import children
+
+held = open(sys.argv[1], "w")  # the launcher's own descriptor (its run directory's lock, say)
+forkstart.start_early(forkstart.DTRAIN_WORKER)
+server = multiprocessing.forkserver._forkserver._forkserver_pid
+with forkstart.forking():
+    worker = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(60,), daemon=True)
+    worker.start()
+def proc(pid, name):
+    return open(f"/proc/{pid}/{name}").read()
+parent = int(proc(worker.pid, "stat").rsplit(")", 1)[1].split()[1])
+fds = [os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")]
+print(server, parent, proc(server, "comm").strip(), sys.argv[1] in fds,
+      proc(server, "status").split("Threads:")[1].split()[0], worker.pid in children(), server in children(),
+      proc(server, "cmdline") == proc(os.getpid(), "cmdline"))
+worker.kill()
+"""
+
+
+def test_a_launcher_with_one_thread_forks_its_server_from_itself_and_names_it(tmp_path):
+    """The server shares the launcher's torch import (one import per launcher, not two). It is what a spawned
+    server is: one thread, only its own descriptors, a helper of the launcher's, never one of its workers."""
+    from helpers import python_command
+
+    result = python_command("-c", FORKED_SERVER, str(tmp_path / "held"), timeout=120)
+    assert result.code == 0, result.stderr
+    server, parent, name, holds, threads, worker_found, server_found, same_cmdline = result.stdout.split()
+    assert parent == server  # the worker is the forked server's child
+    assert name == forkstart.SERVER_NAME[:15] and threads == "1"
+    assert holds == "False"  # only the descriptors a spawned server has
+    assert (worker_found, server_found) == ("True", "False")
+    assert same_cmdline == "True"  # a fork: the launcher's command line, hence the name

@@ -11,11 +11,13 @@ store serves the workers from one of them, and it looks up the name of every pee
 and waits forever on its own first lookup, before its first line: seen in the suite as a 4-slot run whose
 last rank never started. The fork server is a process of its own, with one thread, that never opens a
 connection, so nothing it forks can inherit a held lock (nor a thread pool: it imports with one thread per
-library). It imports torch, ``torch._dynamo`` and the worker's module once, started by ``dtrain run`` before
-the launcher imports torch itself (:func:`start_early`) so that both import at once, and lives as long as
-the launcher: every later run and every elastic restart of this process forks from it. It costs a second
-import of torch (about 2.5 s of CPU per launcher, beside the launcher's own) where a fork of the launcher
-cost none.
+library). It holds torch, ``torch._dynamo`` and the worker's module, imported once, and lives as long as the
+launcher: every later run and every elastic restart of this process forks from it. ``dtrain run`` makes it
+first thing (:func:`start_early`): it imports torch, and while it still has one thread, forks the server from
+itself, which then imports the rest while the launcher goes on. A new interpreter as the server would import
+torch a second time (about 2.5 s of CPU per launcher); it is still the server where the launcher has other
+threads (an in-process run: the API, ``--verify``) or where Python's fork server differs from the one this
+module was written for.
 
 dtrain makes each forked child look like a freshly started worker (:class:`ForkedMain`):
 
@@ -46,14 +48,18 @@ import faulthandler
 import gc
 import importlib
 import importlib.metadata
+import inspect
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.spawn
 import os
 import signal
+import socket
 import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 START_ENV = "DTRAIN_WORKER_START"
@@ -119,7 +125,7 @@ def start_early(module: str) -> None:
     except importlib.metadata.PackageNotFoundError:
         return
     if version.endswith("+cpu"):
-        start_server(module)
+        start_server(module, here=True)
 
 
 def preload_torch() -> None:
@@ -128,10 +134,12 @@ def preload_torch() -> None:
     importlib.import_module("torch._dynamo")
 
 
-def start_server(module: str) -> None:
+def start_server(module: str, here: bool = False) -> None:
     """Start this process's fork server, which imports torch and ``module`` once, unless it runs already.
 
-    It returns at once: the server imports while the launcher goes on, and the first fork waits for it.
+    It returns once the server runs: the server imports while the launcher goes on, and the first fork
+    waits for it. ``here``: a launcher that has not imported torch yet and has one thread imports it now and
+    forks the server from itself (:func:`_fork_server_here`), else the server is a new interpreter.
     """
     global _server_env
     server = multiprocessing.forkserver._forkserver
@@ -140,10 +148,94 @@ def start_server(module: str) -> None:
         atexit.register(_stop_server)
     before = server._forkserver_pid
     with _one_thread_libraries():
-        # Also restarts a server that died (the user killed it).
-        server.ensure_running()
+        if not (here and before is None and _fork_server_here(server)):
+            # Also restarts a server that died (the user killed it).
+            server.ensure_running()
         if server._forkserver_pid != before or _server_env is None:
             _server_env = dict(os.environ)
+
+
+# The name (/proc/PID/comm) of a fork server forked from its launcher: its command line is the launcher's.
+SERVER_NAME = "dtrain-forksrv"
+
+
+def _fork_server_here(server: Any) -> bool:
+    """Import torch here, then fork the fork server from this process: the server inherits that import (a
+    second one cost about 2.5 s of CPU per launcher) and imports only the rest of its preload. Done only
+    where it is as safe as a new interpreter: this process has one thread once torch is imported (a thread's
+    held lock would be inherited held), and Python's fork server speaks the protocol written for here (a
+    later Python's may differ: the new interpreter then). Whether the server was forked."""
+    import torch  # noqa: F401  (the import the server shares; within _one_thread_libraries: no thread pool)
+
+    if not (_only_thread() and _known_protocol(server)):
+        return False
+    from multiprocessing import connection, resource_tracker, util
+
+    resource_tracker.ensure_running()
+    address = connection.arbitrary_address("AF_UNIX")
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # the server exits when the launcher's end closes (Python's protocol)
+        for stream in (sys.stdout, sys.stderr):  # nothing written so far may be written again by a child
+            with contextlib.suppress(Exception):
+                stream.flush()
+        gc.collect()  # no garbage left whose finalizer could close a descriptor the server reuses
+        pid = os.fork()
+        if pid == 0:
+            _serve(listener.fileno(), alive_r, server._preload_modules)
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+    return True
+
+
+def _serve(listener_fd: int, alive_r: int, preload: list[str]) -> None:
+    """The forked server: with only the descriptors a new server would have, named as a helper of its
+    launcher, Python's own fork server; it never returns into the launcher's code."""
+    code = 1
+    try:
+        keep = {0, 1, 2, listener_fd, alive_r}
+        for fd in map(int, os.listdir("/proc/self/fd")):
+            if fd not in keep:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        gc.freeze()  # the launcher's objects, inherited: never collected here (the docs' advice after fork)
+        _set_name(SERVER_NAME)
+        multiprocessing.forkserver.main(listener_fd, alive_r, preload)
+        code = 0
+    except SystemExit as stop:  # the launcher closed its end of the "alive" pipe
+        code = stop.code if isinstance(stop.code, int) else 0
+    finally:
+        os._exit(code)
+
+
+def _only_thread() -> bool:
+    return threading.active_count() == 1 and len(os.listdir("/proc/self/task")) == 1
+
+
+def _known_protocol(server: Any) -> bool:
+    """Python's fork server as written for :func:`_fork_server_here` (3.10 to 3.12): started with these
+    arguments, its state in these attributes, no key to hand over."""
+    params = list(inspect.signature(multiprocessing.forkserver.main).parameters)
+    state = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_preload_modules")
+    return (params == ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+            and all(hasattr(server, name) for name in state) and not hasattr(server, "_forkserver_authkey"))
+
+
+def _set_name(name: str) -> None:
+    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
+        comm.write(name[:15])
+
+
+def is_server(pid: int) -> bool:
+    """Whether ``pid`` is a launcher's fork server, spawned (by its command line) or forked (by its name)."""
+    try:
+        return (Path(f"/proc/{pid}/comm").read_text().strip() == SERVER_NAME[:15]
+                or HELPER_MARKS[0] in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"))
+    except OSError:
+        return False
 
 
 @contextlib.contextmanager
@@ -208,6 +300,7 @@ def become_worker(launcher_env: dict[str, str], server_env: dict[str, str]) -> N
     # failed rank) first writes every thread's Python stack to the rank's log (fd 2, where the agent points
     # it), so a child stuck before it started says where.
     faulthandler.register(signal.SIGTERM, file=2, all_threads=True, chain=True)
+    _set_name(Path(sys.executable).name)  # a worker's name, not its server's, as an exec'd worker's
     _fresh_standard_streams()
     _leave_the_fork_server()
     import torch

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dtrain.launcher.forkstart import HELPER_MARKS
+from dtrain.launcher.forkstart import HELPER_MARKS, is_server
 
 # Without a clean-stop protocol, how long the workers get to exit after SIGTERM.
 SCRIPT_GRACE_SECONDS = 3.0
@@ -81,10 +81,9 @@ def children(pid: int | None = None) -> list[int]:
     the server's resource tracker."""
     found: list[int] = []
     for child in _direct_children(pid or os.getpid()):
-        cmdline = _cmdline(child)
-        if HELPER_MARKS[0] in cmdline:
+        if is_server(child):
             found.extend(_direct_children(child))
-        elif not any(mark in cmdline for mark in HELPER_MARKS):
+        elif HELPER_MARKS[1] not in _cmdline(child):
             found.append(child)
     return found
 
