@@ -164,7 +164,12 @@ def _fork_server_here(server: Any) -> bool:
     second one cost about 2.5 s of CPU per launcher) and imports only the rest of its preload. Done only
     where it is as safe as a new interpreter: this process has one thread once torch is imported (a thread's
     held lock would be inherited held), and Python's fork server speaks the protocol written for here (a
-    later Python's may differ: the new interpreter then). Whether the server was forked."""
+    later Python's may differ: the new interpreter then). Only a process that has not imported torch yet: one
+    that has (a test suite, a notebook, a tool running dtrain in its own process) may hold objects on
+    descriptors that the server closes and reuses, or state a worker must not inherit. Whether the server
+    was forked."""
+    if "torch" in sys.modules:
+        return False
     import torch  # noqa: F401  (the import the server shares; within _one_thread_libraries: no thread pool)
 
     if not (_only_thread() and _known_protocol(server)):
