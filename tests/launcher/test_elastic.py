@@ -356,10 +356,10 @@ def _killed_and_rejoined(job: Job, tmp_path: Path, joiner_first: bool) -> None:
     rejoin = records[0]
     assert (rejoin["cause"], rejoin["old_world_size"], rejoin["new_world_size"]) == ("join", 1, 2), rejoin
     (tmp_path / "slow").unlink()  # the last change: the rest of the run need not be slow
+    reference.train(1, rejoin["batches"])  # the reference's last parts, while the job trains its own
+    reference.train(2, LONG)
     assert job.finish("a") == 0, job.err("a")
     assert job.finish("b-again") == 0, job.err("b-again")
-    reference.train(1, rejoin["batches"])
-    reference.train(2, LONG)
     _assert_same_weights(reference.weights(), final_weights(job.run_dir))
 
 
