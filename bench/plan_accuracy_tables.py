@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -49,11 +51,37 @@ def _worst(outcomes: list[Outcome]) -> float:
     return max((o.error for o in outcomes), key=abs, default=0.0)
 
 
-def _summary_cells(outcomes: list[Outcome]) -> str:
+def _summary_cells(outcomes: list[Outcome], swing: dict[str, float] | None = None) -> str:
     s = Summary.of(outcomes)
     beyond = sum(abs(o.error) > GOAL for o in outcomes)
-    return (f"{s.rows} | {100 * s.mean_error:.1f}% | {_pct(_worst(outcomes))} | {beyond} | "
+    floor = "n/a" if swing is None else f"{100 * statistics.mean(swing[o.row.label] for o in outcomes):.1f}%"
+    return (f"{s.rows} | {100 * s.mean_error:.1f}% | {floor} | {_pct(_worst(outcomes))} | {beyond} | "
             f"{sum(o.inside for o in outcomes)}/{s.rows} ({100 * s.covered:.0f}%)")
+
+
+def _configuration(label: str) -> str:
+    return label.rsplit(", repeat ", 1)[0]
+
+
+def host_swing(outcomes: list[Outcome]) -> dict[str, float]:
+    """Per row of one host: how far its error moves from the same configuration's error in the host's other
+    sessions (repeats), |(1 + error) / their geometric mean - 1|, scaled by sqrt(k / (k + 1)) for the k other
+    sessions (whose mean has its own noise). What stays put across sessions is the model's own miss; what moves
+    is the host's run-to-run swing (the session's load, the source runs' probes), measured: the mean |error| of
+    a model whose only miss were that swing, and so the floor under any model's mean error on that host."""
+    by_configuration: dict[str, list[Outcome]] = {}
+    for o in outcomes:
+        by_configuration.setdefault(_configuration(o.row.label), []).append(o)
+    swing: dict[str, float] = {}
+    for same in by_configuration.values():
+        for o in same:
+            others = [math.log1p(x.error) for x in same if x is not o]
+            if not others:
+                swing[o.row.label] = 0.0
+                continue
+            moved = abs(math.expm1(math.log1p(o.error) - statistics.mean(others)))
+            swing[o.row.label] = moved * math.sqrt(len(others) / (len(others) + 1))
+    return swing
 
 
 class Evaluated:
@@ -72,17 +100,19 @@ class Evaluated:
 
 
 def summary(e: Evaluated) -> str:
-    """Per host and per repeat: rows, mean |error|, the worst row, rows beyond 20%, and how many 80% intervals held."""
-    lines = ["| held-out rows | repeat (session ended, UTC) | rows | mean abs. error | worst | beyond 20% "
-             "| 80% interval held |",
-             "|---|---|---|---|---|---|---|"]
+    """Per host and per repeat: rows, mean |error|, the host's own swing (:func:`host_swing`, the mean), the worst
+    row, rows beyond 20%, and how many 80% intervals held."""
+    lines = ["| held-out rows | repeat (session ended, UTC) | rows | mean abs. error | the host's own swing "
+             "| worst | beyond 20% | 80% interval held |",
+             "|---|---|---|---|---|---|---|---|"]
     lines.append(f"| published results | all {len({system(o.row) for o in e.published})} systems | "
                  f"{_summary_cells(e.published)} |")
     for host, outcomes in ((FITTED_HOST, e.fitted_host), (OTHER_HOST, e.other_host)):
+        swing = host_swing(outcomes)
         for repeat in sorted({o.row.repeat for o in outcomes}):
             part = [o for o in outcomes if o.row.repeat == repeat]
-            lines.append(f"| {host} | {repeat} ({e.when[repeat]}) | {_summary_cells(part)} |")
-        lines.append(f"| {host} | **all** | {_summary_cells(outcomes)} |")
+            lines.append(f"| {host} | {repeat} ({e.when[repeat]}) | {_summary_cells(part, swing)} |")
+        lines.append(f"| {host} | **all** | {_summary_cells(outcomes, swing)} |")
     return "\n".join(lines)
 
 

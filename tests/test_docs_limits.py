@@ -132,3 +132,20 @@ def test_every_relative_link_names_a_file_that_exists(page):
         if "://" in target or target.startswith("mailto:"):
             continue
         assert (page.parent / target).exists(), f"{page.relative_to(ROOT)}: link to {target} names no file"
+
+
+def test_the_hosts_own_swing_is_what_moves_between_sessions_not_the_models_steady_miss(tables):
+    """A configuration missed by the same +30% in every session has no swing (the model's miss); one whose error
+    moves between sessions has, scaled for the noise of the other sessions' mean."""
+    from dtrain.explain.calibration import Outcome, Row
+
+    def outcome(config: str, repeat: int, error: float) -> Outcome:
+        row = Row(config, f"{config}, repeat {repeat}", 1.0, "measured", repeat=repeat)
+        return Outcome(row, 1.0 + error, 0.5, 2.0, {}, 0.0, "", True)
+
+    steady = [outcome("steady", r, 0.3) for r in (1, 2, 3)]
+    moving = [outcome("moving", 1, 0.1), outcome("moving", 2, -0.1)]
+    swing = tables.host_swing(steady + moving)
+    assert all(swing[o.row.label] == pytest.approx(0.0, abs=1e-12) for o in steady)
+    assert swing["moving, repeat 1"] == pytest.approx((1.1 / 0.9 - 1) * (1 / 2) ** 0.5)
+    assert swing["moving, repeat 2"] == pytest.approx((1 - 0.9 / 1.1) * (1 / 2) ** 0.5)
