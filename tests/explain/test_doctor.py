@@ -440,7 +440,8 @@ def test_a_chronic_loading_straggler_is_priced_as_the_loader_plans_whole_step():
 
     typed = diagnose(profile)
     for one, first in ((1.07, "straggler is the top factor"), (9.0, "2 slots are SLOWER than 1 would be")):
-        scaling = replace(typed.scaling, slower_than_one_slot=True, estimated_one_slot_speedup=one)
+        scaling = replace(typed.scaling, slower_than_one_slot=True, estimated_one_slot_speedup=one,
+                          estimated_speedup_vs_one_slot_interval=None)  # the figure alone, as set here
         verdict = _verdict(typed.factors[0], scaling, profile, typed.factors)
         assert verdict.startswith(first) and f"about {one:.2f}x samples/s" in verdict, verdict
         # One slot is named once, by the scaling sentence (the straggler's fallback says the same), which names
@@ -660,3 +661,19 @@ def test_one_slot_fewer_without_a_late_rank_is_priced_without_its_wait():
     target = target_at(model, 3, 1, late_gone=True)
     found = model.predict(target)
     assert spread.LATE_GONE in spread.uncertainties(model, target, found.parts, found.step)
+
+
+def test_the_one_slot_advice_carries_its_interval_or_hands_over_to_verify():
+    """The verdict's "use resources.slots_per_trial: 1" is priced as every other change: a point figure only with
+    its 80% interval, and none where that is wider than +/-25% (then --verify measures it)."""
+    from dtrain.explain.diagnosis import Scaling
+    from dtrain.explain.doctor import _one_slot_gain
+
+    def scaled(low_gain: float, high_gain: float) -> Scaling:  # the interval as Scaling holds it: N slots vs one
+        return Scaling(3.0, True, 0.17, 1 / 3.0, (1 / high_gain, 1 / low_gain))
+
+    assert _one_slot_gain(3.0, scaled(2.6, 3.4)) == "about 3.00x samples/s, 2.60-3.40x at 80%"
+    wide = _one_slot_gain(3.0, scaled(2.0, 4.5))
+    assert wide.startswith("predicted 2.00-4.50x samples/s, wider than +/-25%") and "--verify" in wide
+    assert "about 3.00x" not in wide
+    assert _one_slot_gain(3.0, Scaling(3.0, True)) == "about 3.00x samples/s"  # no interval: the figure alone

@@ -210,7 +210,9 @@ def _verdict(row: FactorRow, scaling: Scaling, profile: ProfileRecord, rows: lis
         lead += (f": try {row.key}: {row.value}, predicted {low:.2f}-{high:.2f}x samples/s, wider than +/-25%: "
                  f"dtrain doctor --verify measures it")
     elif change:
-        lead += f": try {row.key}: {row.value}, predicted about {row.predicted_speedup:.1f}x samples/s"
+        between = (f" ({row.predicted_interval[0]:.2f}-{row.predicted_interval[1]:.2f}x at 80%)"
+                   if row.predicted_interval is not None else "")
+        lead += f": try {row.key}: {row.value}, predicted about {row.predicted_speedup:.1f}x samples/s{between}"
     # A change known only by its bound (a lower precision, where only matmul peaks were measured; a bigger batch
     # of a model not timed at twice its batch) is named for a compute-bound step, with the bound, never advised.
     bounded = next((r for r in rows if r.key is not None and r.advice.bound is not None), None)
@@ -227,14 +229,26 @@ def _verdict(row: FactorRow, scaling: Scaling, profile: ProfileRecord, rows: lis
         left_out = f", leaving rank {chronic.rank} out" if chronic and chronic.fixed_interval is not None else ""
         slower = (f"{profile.slots} slots are SLOWER than 1 would be here (estimated "
                   f"{scaling.estimated_speedup_vs_one_slot or 0.0:.2f}x of one slot): {waiting}communication and "
-                  f"{_cpus(profile)} cost more than they buy; use resources.slots_per_trial: 1 (about {one:.2f}x "
-                  f"samples/s{left_out}) or make each step bigger")
+                  f"{_cpus(profile)} cost more than they buy; use resources.slots_per_trial: 1 "
+                  f"({_one_slot_gain(one, scaling)}{left_out}) or make each step bigger")
         # The best change first, as the recommendations rank them: a loading straggler's fix can gain more than
         # dropping to one slot.
         if change and row.predicted_speedup is not None and row.predicted_speedup > one:
             return f"{lead}. As the run is, {slower}"
         lead = f"{slower}. Then: {lead}"
     return lead
+
+
+def _one_slot_gain(one: float, scaling: Scaling) -> str:
+    """One slot's gain as the verdict states it: with its 80% interval, or, where that is wider than +/-25%, the
+    interval alone and the command that measures it (no point figure the model cannot price; issue 73)."""
+    speedup = scaling.estimated_speedup_vs_one_slot_interval
+    if speedup is None or min(speedup) <= 0:
+        return f"about {one:.2f}x samples/s"
+    low, high = 1 / speedup[1], 1 / speedup[0]
+    if too_wide(one, low, high):
+        return f"predicted {low:.2f}-{high:.2f}x samples/s, wider than +/-25%: dtrain doctor --verify measures it"
+    return f"about {one:.2f}x samples/s, {low:.2f}-{high:.2f}x at 80%"
 
 
 # Why a factor's change is known only by its bound (the verdict's words).
