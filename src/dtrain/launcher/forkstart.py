@@ -170,7 +170,9 @@ def _fork_server_here(server: Any) -> bool:
     was forked."""
     if "torch" in sys.modules:
         return False
-    import torch  # noqa: F401  (the import the server shares; within _one_thread_libraries: no thread pool)
+    # The import the server shares. Within _one_thread_libraries: no thread pool, for the launcher too, whose
+    # torch and numpy then run on one thread (it trains nothing).
+    import torch  # noqa: F401
 
     if not (_only_thread() and _known_protocol(server)):
         return False
@@ -188,26 +190,45 @@ def _fork_server_here(server: Any) -> bool:
             with contextlib.suppress(Exception):
                 stream.flush()
         gc.collect()  # no garbage left whose finalizer could close a descriptor the server reuses
-        pid = os.fork()
+        # No stop signal is handled between the fork and the server's own handlers: the launcher's (a SIGTERM
+        # that raises Stopped, Ctrl-C's KeyboardInterrupt) would run the launcher's code in the server.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *_STOP_SIGNALS})
+        try:
+            pid = os.fork()
+        except OSError:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+            os.close(alive_r)
+            os.close(alive_w)
+            return False
         if pid == 0:
-            _serve(listener.fileno(), alive_r, server._preload_modules)
+            _serve(listener.fileno(), alive_r, server._preload_modules, blocked)
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         os.close(alive_r)
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
     return True
 
 
-def _serve(listener_fd: int, alive_r: int, preload: list[str]) -> None:
-    """The forked server: with only the descriptors a new server would have, named as a helper of its
-    launcher, Python's own fork server; it never returns into the launcher's code."""
+def _serve(listener_fd: int, alive_r: int, preload: list[str], mask: set[signal.Signals]) -> None:
+    """The forked server: named as a helper of its launcher, with a new server's signal handlers, only the
+    descriptors a new server would have and no resource tracker of its own, Python's own fork server; it
+    never returns into the launcher's code. Stop signals are blocked on entry, until its handlers are set."""
     code = 1
     try:
+        _set_name(SERVER_NAME)  # first: until then the supervisor would count it as one of the workers
+        for sig in _STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as forkserver_init makes a new server do
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         keep = {0, 1, 2, listener_fd, alive_r}
         for fd in map(int, os.listdir("/proc/self/fd")):
             if fd not in keep:
                 with contextlib.suppress(OSError):
                     os.close(fd)
+        from multiprocessing import resource_tracker
+
+        tracker = resource_tracker._resource_tracker  # the launcher's (its descriptor is closed above)
+        tracker._fd = tracker._pid = None
         gc.freeze()  # the launcher's objects, inherited: never collected here (the docs' advice after fork)
-        _set_name(SERVER_NAME)
         multiprocessing.forkserver.main(listener_fd, alive_r, preload)
         code = 0
     except SystemExit as stop:  # the launcher closed its end of the "alive" pipe
@@ -221,8 +242,8 @@ def _only_thread() -> bool:
 
 
 def _known_protocol(server: Any) -> bool:
-    """Python's fork server as written for :func:`_fork_server_here` (3.10 to 3.12): started with these
-    arguments, its state in these attributes, no key to hand over."""
+    """Python's fork server as written for :func:`_fork_server_here` (3.10 to 3.13; 3.14's hands its clients
+    a key): started with these arguments, its state in these attributes, no key to hand over."""
     params = list(inspect.signature(multiprocessing.forkserver.main).parameters)
     state = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_preload_modules")
     return (params == ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
