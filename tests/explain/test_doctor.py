@@ -677,3 +677,20 @@ def test_the_one_slot_advice_carries_its_interval_or_hands_over_to_verify():
     assert wide.startswith("predicted 2.00-4.50x samples/s, wider than +/-25%") and "--verify" in wide
     assert "about 3.00x" not in wide
     assert _one_slot_gain(3.0, Scaling(3.0, True)) == "about 3.00x samples/s"  # no interval: the figure alone
+
+
+def test_the_run_end_list_of_changes_gives_each_its_interval():
+    """What a run prints at its end (the first advice a user reads): every change with its 80% interval, the
+    one-slot entry included, as the doctor's table gives them."""
+    from dtrain.explain.doctor import diagnose
+    from dtrain.explain.summary import short_verdict
+
+    profile = _loading_straggler()
+    diagnosis = diagnose(profile)
+    tries = short_verdict(profile).splitlines()[1:]
+    assert tries and len(tries) == min(3, len(diagnosis.recommendations))
+    for line, rec in zip(tries, diagnosis.recommendations, strict=False):
+        assert rec.predicted_interval is not None, rec
+        low, high = rec.predicted_interval
+        assert low <= rec.predicted_speedup <= high
+        assert f"predicted {rec.predicted_speedup:.2f}x samples/s ({low:.2f}-{high:.2f}x at 80%)" in line, line

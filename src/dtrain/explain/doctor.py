@@ -139,9 +139,11 @@ def _recommendations(rows: list[FactorRow], ctx: Context) -> list[Recommendation
     """Every change that gains more than 2%, from a factor holding at least 5% of the step, best first, one
     entry per change; fewer slots first where one slot is predicted faster (tied, the scaling entry is kept)."""
     scaling = ctx.scaling
-    candidates = [Recommendation("scaling", ONE_SLOT[0], ONE_SLOT[1], scaling.estimated_one_slot_speedup or 0.0)
+    candidates = [Recommendation("scaling", ONE_SLOT[0], ONE_SLOT[1], scaling.estimated_one_slot_speedup or 0.0,
+                                 predicted_interval=_one_slot_interval(scaling))
                   ] if scaling.slower_than_one_slot else []
-    candidates += [Recommendation(r.factor, r.key, r.value, r.predicted_speedup) for r in rows
+    candidates += [Recommendation(r.factor, r.key, r.value, r.predicted_speedup,
+                                  predicted_interval=r.predicted_interval) for r in rows
                    if r.key is not None and r.predicted_speedup is not None and r.share >= MIN_SHARE]
     ranked = sorted((r for r in candidates if gains(r.predicted_speedup)), key=lambda r: r.predicted_speedup,
                     reverse=True)
@@ -239,13 +241,21 @@ def _verdict(row: FactorRow, scaling: Scaling, profile: ProfileRecord, rows: lis
     return lead
 
 
+def _one_slot_interval(scaling: Scaling) -> tuple[float, float] | None:
+    """One slot's gain's 80% interval (Scaling holds N slots' speed-up over one slot's)."""
+    speedup = scaling.estimated_speedup_vs_one_slot_interval
+    if speedup is None or min(speedup) <= 0:
+        return None
+    return 1 / speedup[1], 1 / speedup[0]
+
+
 def _one_slot_gain(one: float, scaling: Scaling) -> str:
     """One slot's gain as the verdict states it: with its 80% interval, or, where that is wider than +/-25%, the
     interval alone and the command that measures it (no point figure the model cannot price; issue 73)."""
-    speedup = scaling.estimated_speedup_vs_one_slot_interval
-    if speedup is None or min(speedup) <= 0:
+    interval = _one_slot_interval(scaling)
+    if interval is None:
         return f"about {one:.2f}x samples/s"
-    low, high = 1 / speedup[1], 1 / speedup[0]
+    low, high = interval
     if too_wide(one, low, high):
         return f"predicted {low:.2f}-{high:.2f}x samples/s, wider than +/-25%: dtrain doctor --verify measures it"
     return f"about {one:.2f}x samples/s, {low:.2f}-{high:.2f}x at 80%"

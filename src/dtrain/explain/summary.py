@@ -62,7 +62,10 @@ def short_verdict(profile: ProfileRecord, limit: int = 3) -> str:
     diagnosis = diagnose(profile)
     lines = [f"doctor: {diagnosis.verdict}"]
     for rec in diagnosis.recommendations[:limit]:
-        lines.append(f"  try {rec.action:<48} predicted {rec.predicted_speedup:.2f}x samples/s ({rec.factor})")
+        between = f" ({rec.predicted_interval[0]:.2f}-{rec.predicted_interval[1]:.2f}x at 80%)" if (
+            rec.predicted_interval is not None) else ""
+        lines.append(f"  try {rec.action:<48} predicted {rec.predicted_speedup:.2f}x samples/s{between} "
+                     f"({rec.factor})")
     return "\n".join(lines)
 
 
