@@ -122,7 +122,7 @@ def _by_configuration(outcomes: list[Outcome]) -> str:
     repeats = sorted({o.row.repeat for o in outcomes})
     cells: dict[str, dict[int, str]] = {}
     for o in outcomes:
-        name = o.row.label.rsplit(", repeat ", 1)[0]
+        name = _configuration(o.row.label)
         cells.setdefault(name, {})[o.row.repeat] = _pct(o.error) + ("" if o.inside else "\\*")
     lines = ["| row (source run) | " + " | ".join(f"repeat {r}" for r in repeats) + " |",
              "|---|" + "---|" * len(repeats)]

@@ -54,7 +54,7 @@ def test_workers_fork_from_a_one_thread_server_and_the_supervisor_finds_them_the
     lookup. The fork server has no other thread whose locks a child could inherit."""
     import multiprocessing
 
-    from dtrain.launcher.supervise import children
+    from dtrain.launcher.supervise import children, is_server
 
     forkstart.start_server("dtrain.engine.worker")
     with forkstart.forking():
@@ -63,7 +63,7 @@ def test_workers_fork_from_a_one_thread_server_and_the_supervisor_finds_them_the
     try:
         server = int(_proc(worker.pid, "stat").rsplit(")", 1)[1].split()[1])  # its parent
         assert server != os.getpid()
-        assert forkstart.is_server(server) and forkstart.HELPER_MARKS[0] in _proc(server, "cmdline")  # spawned
+        assert is_server(server) and forkstart.HELPER_MARKS[0] in _proc(server, "cmdline")  # spawned
         assert "Threads:\t1\n" in _proc(server, "status")
         found = children()
         assert worker.pid in found and server not in found  # the server itself is not signalled as a worker

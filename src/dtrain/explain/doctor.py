@@ -51,7 +51,7 @@ from dtrain.explain.factors.base import ONE_SLOT, Context, build_context, gains
 from dtrain.explain.facts import exchange_kind
 from dtrain.explain.goodput import duration
 from dtrain.explain.predictor import Predictor, too_wide
-from dtrain.explain.render import ratio
+from dtrain.explain.render import interval, ratio
 from dtrain.profiling.record import SERVER, ProfileRecord
 
 # A factor's change is recommended only where the factor holds at least this share of the step.
@@ -208,12 +208,10 @@ def _verdict(row: FactorRow, scaling: Scaling, profile: ProfileRecord, rows: lis
         if fallback and not (fewer and f"{ONE_SLOT[0]}: {ONE_SLOT[1]}" in fallback):  # said once, below
             lead += f". {fallback}"
     elif change and row.predicted_interval is not None and too_wide(row.predicted_speedup, *row.predicted_interval):
-        low, high = row.predicted_interval  # no point figure where the model cannot price it (issue 73)
-        lead += (f": try {row.key}: {row.value}, predicted {low:.2f}-{high:.2f}x samples/s, wider than +/-25%: "
-                 f"dtrain doctor --verify measures it")
+        # no point figure where the model cannot price it (issue 73)
+        lead += f": try {row.key}: {row.value}, {_unpriced(row.predicted_interval)}"
     elif change:
-        between = (f" ({row.predicted_interval[0]:.2f}-{row.predicted_interval[1]:.2f}x at 80%)"
-                   if row.predicted_interval is not None else "")
+        between = f" ({interval(row.predicted_interval)})" if row.predicted_interval is not None else ""
         lead += f": try {row.key}: {row.value}, predicted about {row.predicted_speedup:.1f}x samples/s{between}"
     # A change known only by its bound (a lower precision, where only matmul peaks were measured; a bigger batch
     # of a model not timed at twice its batch) is named for a compute-bound step, with the bound, never advised.
@@ -252,13 +250,18 @@ def _one_slot_interval(scaling: Scaling) -> tuple[float, float] | None:
 def _one_slot_gain(one: float, scaling: Scaling) -> str:
     """One slot's gain as the verdict states it: with its 80% interval, or, where that is wider than +/-25%, the
     interval alone and the command that measures it (no point figure the model cannot price; issue 73)."""
-    interval = _one_slot_interval(scaling)
-    if interval is None:
+    bounds = _one_slot_interval(scaling)
+    if bounds is None:
         return f"about {one:.2f}x samples/s"
-    low, high = interval
-    if too_wide(one, low, high):
-        return f"predicted {low:.2f}-{high:.2f}x samples/s, wider than +/-25%: dtrain doctor --verify measures it"
-    return f"about {one:.2f}x samples/s, {low:.2f}-{high:.2f}x at 80%"
+    if too_wide(one, *bounds):
+        return _unpriced(bounds)
+    return f"about {one:.2f}x samples/s, {interval(bounds)}"
+
+
+def _unpriced(bounds: tuple[float, float]) -> str:
+    """A change whose 80% interval is wider than +/-25%: the interval alone, and the command that measures it."""
+    low, high = bounds
+    return f"predicted {low:.2f}-{high:.2f}x samples/s, wider than +/-25%: dtrain doctor --verify measures it"
 
 
 # Why a factor's change is known only by its bound (the verdict's words).

@@ -21,6 +21,11 @@ def ratio(value: float) -> str:
     return f"{value:.2g}" if 0 < abs(value) < 0.1 else f"{value:.2f}"
 
 
+def interval(bounds: tuple[float, float]) -> str:
+    """An 80% interval of a gain as the verdict and the run's closing lines print it."""
+    return f"{bounds[0]:.2f}-{bounds[1]:.2f}x at 80%"
+
+
 def pyplot() -> Any:
     """matplotlib's pyplot on the Agg backend: figures render without a display."""
     import matplotlib

@@ -10,7 +10,7 @@ from rich.table import Table
 from dtrain.explain import sharded
 from dtrain.explain.doctor import diagnose
 from dtrain.explain.efficiency import efficiency_lines
-from dtrain.explain.render import as_text
+from dtrain.explain.render import as_text, interval
 from dtrain.profiling.record import ProfileRecord, load_profile
 from dtrain.profiling.runsummary import load_summary
 
@@ -62,8 +62,7 @@ def short_verdict(profile: ProfileRecord, limit: int = 3) -> str:
     diagnosis = diagnose(profile)
     lines = [f"doctor: {diagnosis.verdict}"]
     for rec in diagnosis.recommendations[:limit]:
-        between = f" ({rec.predicted_interval[0]:.2f}-{rec.predicted_interval[1]:.2f}x at 80%)" if (
-            rec.predicted_interval is not None) else ""
+        between = f" ({interval(rec.predicted_interval)})" if rec.predicted_interval is not None else ""
         lines.append(f"  try {rec.action:<48} predicted {rec.predicted_speedup:.2f}x samples/s{between} "
                      f"({rec.factor})")
     return "\n".join(lines)

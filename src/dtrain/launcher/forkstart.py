@@ -255,15 +255,6 @@ def _set_name(name: str) -> None:
         comm.write(name[:15])
 
 
-def is_server(pid: int) -> bool:
-    """Whether ``pid`` is a launcher's fork server, spawned (by its command line) or forked (by its name)."""
-    try:
-        return (Path(f"/proc/{pid}/comm").read_text().strip() == SERVER_NAME[:15]
-                or HELPER_MARKS[0] in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"))
-    except OSError:
-        return False
-
-
 @contextlib.contextmanager
 def _one_thread_libraries() -> Iterator[None]:
     """Within: the environment of a fork server whose imports start no thread pool (numpy's BLAS starts one

@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dtrain.launcher.forkstart import HELPER_MARKS, is_server
+from dtrain.launcher.forkstart import HELPER_MARKS, SERVER_NAME
 
 # Without a clean-stop protocol, how long the workers get to exit after SIGTERM.
 SCRIPT_GRACE_SECONDS = 3.0
@@ -94,6 +94,17 @@ def _direct_children(pid: int) -> list[int]:
         with contextlib.suppress(OSError, ValueError):
             found.extend(int(c) for c in (task / "children").read_text().split())
     return found
+
+
+def is_server(pid: int) -> bool:
+    """Whether ``pid`` is a launcher's fork server, spawned (by its command line) or forked from the launcher
+    (by its name: its command line is the launcher's)."""
+    try:
+        if Path(f"/proc/{pid}/comm").read_text().strip() == SERVER_NAME[:15]:
+            return True
+    except OSError:
+        return False
+    return HELPER_MARKS[0] in _cmdline(pid)
 
 
 def _cmdline(pid: int) -> str:
