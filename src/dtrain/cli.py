@@ -477,22 +477,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_launch(args: argparse.Namespace) -> int:
+    from dtrain.launcher import forkstart
+
+    forkstart.start_early(forkstart.SCRIPT_WORKER)  # as cmd_run's: the workers fork from it
+    from dtrain.explain.report import write_report
+    from dtrain.explain.summary import print_run_summary
     from dtrain.launcher.runplan import NodeArgs
     from dtrain.launcher.scriptrun import Reporting, launch_script
 
-    def summary(run_dir: Path, seconds: float) -> None:
-        from dtrain.explain.summary import print_run_summary
-
-        print_run_summary(run_dir, seconds)
-
-    def report(run_dir: Path) -> Path:
-        from dtrain.explain.report import write_report
-
-        return write_report(run_dir)
-
     return launch_script(Path(args.script), args.args, args.slots, args.max_restarts, args.run_dir,
                          NodeArgs.from_args(args), getattr(args, "node_rank", None), args.debug,
-                         Reporting(summary, report))
+                         Reporting(print_run_summary, write_report))
 
 
 if __name__ == "__main__":

@@ -207,13 +207,13 @@ def test_a_verify_run_is_the_recorded_command_with_the_change(base: ProfileRecor
     import os
 
     from dtrain.explain.verify import Experiment
-    from dtrain.launcher import agent
+    from dtrain.launcher import agent, forkstart
     from dtrain.profiling.script.overrides import ENV, from_env
 
     assert base.script is not None
     seen: dict[str, Any] = {}
 
-    def launch(command: list[str], options: agent.LaunchOptions) -> None:
+    def launch(command: forkstart.WorkerModule, options: agent.LaunchOptions) -> None:
         seen.update(command=command, slots=options.slots, cwd=os.getcwd(), steps=os.environ["DTRAIN_PROFILE_STEPS"],
                     overrides=from_env(os.environ), out=os.environ["DTRAIN_PROFILE"])
         Path(os.environ["DTRAIN_PROFILE"]).mkdir(parents=True)  # as the script's profiling session does
@@ -225,7 +225,9 @@ def test_a_verify_run_is_the_recorded_command_with_the_change(base: ProfileRecor
     out = tmp_path / "r0-01"
     sps = run(Experiment("slots=4", "try", ["slots=4", "loader.num_workers=2"]), out)
     assert sps == base.samples_per_second
-    assert seen["command"][-len(base.script.command):] == base.script.command and seen["slots"] == 4
+    command = seen["command"]
+    assert command.module == forkstart.SCRIPT_WORKER and list(command.argv) == base.script.command
+    assert command.path[0] == base.script.cwd and seen["slots"] == 4  # the search path of `python -m` there
     assert seen["cwd"] == base.script.cwd and seen["steps"] == "25" and seen["out"] == str(out.resolve())
     assert seen["overrides"].num_workers == 2 and seen["overrides"].slots is None  # the launcher's, not the hooks'
     assert ENV not in os.environ and os.getcwd() != base.script.cwd

@@ -2,6 +2,7 @@
 exactly as a worker started as a new interpreter does."""
 
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -73,7 +74,7 @@ def test_workers_fork_from_a_one_thread_server_and_the_supervisor_finds_them_the
         worker.join()
 
 
-def test_a_forked_worker_has_the_launchers_environment_its_own_session_default_signals_and_line_streams(
+def test_a_forked_worker_has_the_launchers_environment_its_own_session_default_signals_and_unbuffered_streams(
         monkeypatch):
     """And it leaves the fork server: Python's default start method (its DataLoader workers fork), and no hold
     on the server's "alive" pipe (held, it kept the server and the worker up after the launcher was killed)."""
@@ -97,7 +98,7 @@ def test_a_forked_worker_has_the_launchers_environment_its_own_session_default_s
                          signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                          signal.getsignal(signal.SIGINT) is signal.default_int_handler,
                          sys.stdout.fileno() == 1 and sys.stderr.fileno() == 2,
-                         sys.stdout.line_buffering and sys.stderr.line_buffering,
+                         sys.stdout.write_through and sys.stderr.write_through,  # as `python -u` opens them
                          multiprocessing.get_start_method(allow_none=True) is None,
                          multiprocessing.forkserver._forkserver._forkserver_alive_fd is None]
                 os.close(alive_read)
@@ -229,3 +230,60 @@ def test_a_launcher_with_one_thread_forks_its_server_from_itself_and_names_it(tm
     assert same_cmdline == "True"  # a fork: the launcher's command line, hence the name
     # A new server's signal handlers, not the launcher's: SIGTERM ends it, a terminal's Ctrl-C does not.
     assert (catches_term, ignores_int) == ("0", "1")
+
+
+# A script under dtrain launch reports what it sees: exactly what `python -m dtrain.engine.script_main` shows it.
+SCRIPT_FACTS = """
+import json, os, sys
+import from_the_working_directory
+
+facts = {"name": __name__, "argv": sys.argv[1:], "path": sys.path[:2], "cwd": os.getcwd(),
+         "parent": open(f"/proc/{os.getppid()}/comm").read().strip(), "write_through": sys.stdout.write_through,
+         "rank": os.environ["RANK"], "found": from_the_working_directory.FOUND}
+with open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"] + ".json"), "w") as out:
+    json.dump(facts, out)
+"""
+
+
+def test_a_scripts_workers_fork_and_see_what_an_exec_started_worker_sees(tmp_path):
+    """`dtrain launch` forks a script's workers from its fork server (torch imported once, in the launcher):
+    __main__, sys.argv, the working directory, `python -m`'s module search path (the script's folder, then the
+    working directory, where a module of the user's is found) and unbuffered streams, as an exec'd worker has."""
+    from helpers import dtrain_cli
+
+    scripts, work, out = tmp_path / "scripts", tmp_path / "work", tmp_path / "out"
+    for folder in (scripts, work, out):
+        folder.mkdir()
+    (scripts / "facts.py").write_text(SCRIPT_FACTS)
+    (work / "from_the_working_directory.py").write_text("FOUND = True\n")
+    result = dtrain_cli("launch", "--slots", "2", "--run-dir", str(tmp_path / "run"), str(scripts / "facts.py"),
+                        str(out), "two", cwd=work)
+    assert result.code == 0, result.stderr
+    for rank in ("0", "1"):
+        facts = json.loads((out / f"rank{rank}.json").read_text())
+        assert facts["parent"] == forkstart.SERVER_NAME[:15], facts  # forked, from the launcher's own server
+        assert facts["name"] == "__main__" and facts["argv"] == [str(out), "two"] and facts["rank"] == rank
+        assert facts["path"] == [str(scripts), str(work)] and facts["cwd"] == str(work) and facts["found"]
+        assert facts["write_through"]
+
+
+def test_a_script_forks_only_where_its_slot_has_one_thread(monkeypatch):
+    """numpy's BLAS pool is sized when numpy is imported: the server imported it with one thread."""
+    monkeypatch.delenv(forkstart.START_ENV, raising=False)
+    monkeypatch.setattr(forkstart, "start_server", lambda module: None)
+    worker = forkstart.WorkerModule(forkstart.SCRIPT_WORKER, ("train.py",), path=("/here",))
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert forkstart.how_to_start(worker)[0] is False
+    assert forkstart.how_to_start(worker)[2] == ["-u", "-m", forkstart.SCRIPT_WORKER, "train.py"]
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert forkstart.how_to_start(worker)[0] is forkstart.can_fork()
+
+
+def test_a_scripts_module_search_path_is_a_new_interpreters(monkeypatch, tmp_path):
+    """`python -m` puts the working directory first, then PYTHONPATH and the site's paths, whatever started
+    the launcher (the `dtrain` command's own folder, a test runner's folders)."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "extra"))
+    path = forkstart.script_worker(["train.py"]).path
+    assert path is not None and path[:2] == (str(tmp_path), str(tmp_path / "extra"))
+    assert str(Path(__file__).parent) not in path

@@ -54,7 +54,7 @@ def _environment(values: dict[str, str], cwd: str) -> Iterator[None]:
 
 def _runner(profile: ProfileRecord, steps: int, threads: int | None, debug: bool) -> Any:
     """One short run of the script with an experiment's changes; its steady samples/s."""
-    from dtrain.launcher import cpu
+    from dtrain.launcher import cpu, forkstart
     from dtrain.launcher.agent import LaunchOptions, launch
 
     script = profile.script
@@ -71,7 +71,7 @@ def _runner(profile: ProfileRecord, steps: int, threads: int | None, debug: bool
                 done = subprocess.run([sys.executable, *script.command], check=False)
                 failed = f"exit code {done.returncode}" if done.returncode else None
             else:
-                failure = launch(["-u", "-m", "dtrain.engine.script_main", *script.command],
+                failure = launch(forkstart.script_worker(script.command),
                                  LaunchOptions(slots=slots, debug=debug,
                                                threads=cpu.for_bench(slots)[0] if over.slots else threads))
                 failed = failure.headline() if failure is not None else None

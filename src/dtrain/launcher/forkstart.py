@@ -1,4 +1,5 @@
-"""Starting dtrain's own workers from a fork server that has already imported torch.
+"""Starting dtrain's own workers, and scripts' under ``dtrain launch``, from a fork server that has already
+imported torch.
 
 A worker started as a new interpreter spends about 4 s of CPU before its first step importing torch and
 ``torch._dynamo`` (DDP's constructor reaches into it), on every slot and on every elastic restart; on a
@@ -19,6 +20,12 @@ torch a second time (about 2.5 s of CPU per launcher); it is still the server wh
 threads (an in-process run: the API, ``--verify``) or where Python's fork server differs from the one this
 module was written for.
 
+A user's script under ``dtrain launch`` (and ``--verify``) is forked the same way (:func:`script_worker`): an
+exec'd one imports torch before the script's first line anyway (:mod:`dtrain.engine.script_main` hooks in
+first), so the fork spares each slot those imports and changes nothing the script sees, but one thing:
+``torch._dynamo`` is imported already, so its ``TORCHDYNAMO_*`` variables are the launcher's, not what the script
+might set in ``os.environ`` before its first ``torch.compile``.
+
 dtrain makes each forked child look like a freshly started worker (:class:`ForkedMain`):
 
 * the launcher's current environment, not the one the fork server was started with, plus what the agent
@@ -31,17 +38,21 @@ dtrain makes each forked child look like a freshly started worker (:class:`Forke
 * Python's default start method, not the fork server's (a trial's DataLoader workers fork from it), and
   no hold on the fork server's "alive" pipe, which would keep the server up after the launcher died;
 * the launcher's ``__main__`` is not imported again in the worker (an exec'd ``python -m`` worker does not
-  run it either): a script without a ``__main__`` guard would otherwise start training inside each worker.
+  run it either): a script without a ``__main__`` guard would otherwise start training inside each worker;
+* standard streams as ``python -u`` opens them, and for a script the module search path of ``python -m``.
 
 Workers are started as new interpreters instead when:
 
 * torch is built for CUDA or ROCm: kept on the tested path (a CUDA runtime must not be initialised before
   a fork, which the fork server never does, but no GPU run has checked it yet);
+* a script on a slot with more than one thread: numpy's BLAS pool, sized at import, would keep the server's
+  one thread;
 * not on Linux, or ``DTRAIN_WORKER_START=exec`` (the escape hatch, should a user's setup disagree).
 """
 
 from __future__ import annotations
 
+import ast
 import atexit
 import contextlib
 import faulthandler
@@ -49,12 +60,16 @@ import gc
 import importlib
 import importlib.metadata
 import inspect
+import io
 import multiprocessing
+import multiprocessing.context
 import multiprocessing.forkserver
+import multiprocessing.reduction
 import multiprocessing.spawn
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -64,6 +79,7 @@ from typing import Any
 
 START_ENV = "DTRAIN_WORKER_START"
 DTRAIN_WORKER = "dtrain.engine.worker"  # the module of dtrain's own worker
+SCRIPT_WORKER = "dtrain.engine.script_main"  # what runs a user's script on each slot (dtrain launch, --verify)
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 # Part of the fork server's command line (and of its resource tracker's): how the launcher tells these
 # helpers from its workers among its child processes.
@@ -80,11 +96,31 @@ class WorkerModule:
 
     module: str
     argv: tuple[str, ...]
+    # The module search path of ``python -m <module>`` started here (a user's script imports from it); None:
+    # the launcher's, which dtrain's own worker needs nothing beyond.
+    path: tuple[str, ...] | None = None
 
     @property
     def command(self) -> list[str]:
         """The command of an exec'd worker (unbuffered output: its lines reach the log as they happen)."""
         return ["-u", "-m", self.module, *self.argv]
+
+
+def script_worker(argv: list[str]) -> WorkerModule:
+    """A user's script on a slot, through :data:`SCRIPT_WORKER`. Forked, it gets what an exec'd one has before
+    the script's first line: torch imported (:mod:`dtrain.engine.script_main` imports it to hook in), the
+    environment, ``sys.argv``, the working directory and the module search path of a new interpreter."""
+    return WorkerModule(SCRIPT_WORKER, tuple(argv), path=_new_interpreter_path())
+
+
+def _new_interpreter_path() -> tuple[str, ...]:
+    """``sys.path`` of ``python -m`` started now, with this environment (``PYTHONPATH``, the site's ``.pth``
+    files): asked of a new interpreter, which imports nothing (a few milliseconds), since a launcher's own path
+    begins with whatever started it (the ``dtrain`` command's folder, a test runner's folders)."""
+    env = {k: v for k, v in os.environ.items() if k != "DTRAIN_PROFILE"}  # no profiling hook in the probe
+    found = subprocess.run([sys.executable, "-c", "import sys; print(repr(sys.path[1:]))"], env=env,
+                           capture_output=True, text=True, check=True)
+    return (os.getcwd(), *ast.literal_eval(found.stdout))
 
 
 def can_fork() -> bool:
@@ -107,7 +143,10 @@ def how_to_start(command: list[str] | WorkerModule) -> tuple[bool, Any, list[str
     ``command``. A forked start uses the agent's ``forkserver`` start method, within :func:`forking`."""
     if not isinstance(command, WorkerModule):
         return False, sys.executable, command
-    if not can_fork():
+    # A script's numpy sizes its BLAS pool at import: the server imported it with one thread, as an exec'd
+    # worker does only where its slot has one thread (see above).
+    one_thread = command.module != SCRIPT_WORKER or os.environ.get("OMP_NUM_THREADS") == "1"
+    if not (one_thread and can_fork()):
         return False, sys.executable, command.command
     start_server(command.module)
     return True, ForkedMain(command), list(command.argv)
@@ -303,9 +342,11 @@ def forking() -> Iterator[None]:
         multiprocessing.spawn.get_preparation_data = _preparation_data
 
 
-def become_worker(launcher_env: dict[str, str], server_env: dict[str, str]) -> None:
+def become_worker(launcher_env: dict[str, str], server_env: dict[str, str],
+                  launcher_streams: dict[int, Any] | None = None) -> None:
     """Run first in every forked worker: make it look as a freshly started one (see above)."""
     _take_environment(launcher_env, server_env)
+    _take_streams(launcher_streams or {})
     # What the fork server imported lives as long as the worker: frozen, the worker's collections skip it
     # (the Python docs' advice for fork without exec).
     gc.freeze()
@@ -339,6 +380,18 @@ def _take_environment(launcher_env: dict[str, str], server_env: dict[str, str]) 
         os.environ[watchdog.LAUNCHER_PID_ENV] = str(os.getppid())
 
 
+def _take_streams(launcher_streams: dict[int, Any]) -> None:
+    """Standard output and error that the agent did not point at a rank's log: the launcher's at the fork
+    (passed with the child, as ``multiprocessing`` passes descriptors), not the fork server's at its start."""
+    from dtrain.launcher import forkserver_init
+
+    for fd, passed in launcher_streams.items():
+        received = passed.detach()
+        if forkserver_init.identity(fd) == forkserver_init.STREAMS.get(fd):
+            os.dup2(received, fd)
+        os.close(received)
+
+
 def _leave_the_fork_server() -> None:
     """Close this child's end of the launcher's "alive" pipe, which the fork server gives each child for
     forking from it in turn: held by a worker, it kept the server (and so the worker) alive after the
@@ -354,17 +407,27 @@ def _leave_the_fork_server() -> None:
 
 
 def _fresh_standard_streams() -> None:
-    """New ``sys.stdout``/``sys.stderr`` on descriptors 1 and 2, line-buffered as ``python -u`` would be:
-    the fork server's own are block-buffered where its output is not a terminal, so a rank's lines would
-    reach its log (where the agent points descriptors 1 and 2) late, or not at all if it is killed."""
+    """New ``sys.stdout``/``sys.stderr`` on descriptors 1 and 2, unbuffered as ``python -u`` makes them (every
+    write goes through, a partial line too): the fork server's own are block-buffered where its output is not
+    a terminal, so a rank's lines would reach its log (where the agent points descriptors 1 and 2) late, or
+    not at all if it is killed."""
     for name, fd in (("stdout", 1), ("stderr", 2)):
         inherited = getattr(sys, f"__{name}__")
         if inherited is None:  # a process without this stream: nothing to replace
             continue
         # Lives as long as the process; closefd=False: descriptor 1 or 2 is not this object's to close.
-        fresh = open(fd, "w", buffering=1, encoding=inherited.encoding,  # noqa: SIM115
-                     errors=inherited.errors, closefd=False)
+        raw = io.FileIO(fd, "w", closefd=False)
+        fresh = io.TextIOWrapper(raw, encoding=inherited.encoding, errors=inherited.errors,  # type: ignore[arg-type]
+                                 write_through=True)
         setattr(sys, name, fresh)
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
 
 
 class ForkedMain:
@@ -381,10 +444,17 @@ class ForkedMain:
         self.server_env: dict[str, str] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "launcher_env": dict(os.environ), "server_env": dict(_server_env or {})}
+        # Descriptors go with the child only while a fork server's child is being started (elsewhere
+        # multiprocessing would serve them from a thread of this process).
+        passing = multiprocessing.context.get_spawning_popen() is not None
+        streams = {fd: multiprocessing.reduction.DupFd(fd) for fd in (1, 2) if passing and _is_open(fd)}
+        return {**self.__dict__, "launcher_env": dict(os.environ), "server_env": dict(_server_env or {}),
+                "launcher_streams": streams}
 
     def __call__(self, *argv: str) -> None:
-        become_worker(self.launcher_env, self.server_env)
+        become_worker(self.launcher_env, self.server_env, getattr(self, "launcher_streams", None))
+        if self.worker.path is not None:
+            sys.path[:] = self.worker.path
         main = importlib.import_module(self.worker.module).main
         try:
             main(list(argv))

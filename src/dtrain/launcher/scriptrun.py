@@ -94,12 +94,13 @@ def launch_script(script: Path, script_args: list[str], slots: int, max_restarts
         raise UserError(f"--max-restarts must be from 0 to 100, got {max_restarts}")
     # Several machines: checked, then met, before any worker starts (--slots is the job's total).
     nodes, per_node = script_nodes(nodes_args, script, script_args, slots, max_restarts)
+    from dtrain.launcher import forkstart
     from dtrain.launcher.agent import LaunchOptions, launch
 
     run_dir = run_dir_for(given_run_dir, script)
     started = time.perf_counter()
     # Through dtrain.engine.script_main: the script's exceptions are reported, its workers die with this process.
-    failure = launch(["-u", "-m", "dtrain.engine.script_main", str(script), *script_args],
+    failure = launch(forkstart.script_worker([str(script), *script_args]),
                      LaunchOptions(slots=per_node, max_restarts=max_restarts, debug=debug, nodes=nodes))
     if node_rank in (None, 0):  # the node that ran rank 0 (the others sent their figures)
         after_job(run_dir, script, script_args, time.perf_counter() - started, failed=failure is not None,
