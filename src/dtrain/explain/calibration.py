@@ -111,8 +111,20 @@ def predict_row(row: Row) -> Outcome | None:
 
 def predicted_value(row: Row) -> float | None:
     """``row``'s predicted figure alone (no interval), as the model in force predicts it."""
-    found = _predicted(row, interval=False)
-    return found[2] if found is not None else None
+    if _VALUES is None:
+        found = _predicted(row, interval=False)
+        return found[2] if found is not None else None
+    values = fitted.load()
+    key = (id(row), tuple(sorted(values.terms.items())), tuple(sorted(values.uncertainty.items())))
+    if key not in _VALUES:
+        found = _predicted(row, interval=False)
+        _VALUES[key] = found[2] if found is not None else None
+    return _VALUES[key]
+
+
+# Within held_out: each row's figure by the constants it was priced with. The folds refit the same terms from
+# mostly the same values, and price the same rows with them again.
+_VALUES: dict[tuple[Any, ...], float | None] | None = None
 
 
 def _predicted(row: Row, interval: bool) -> tuple[CostModel, Prediction, float] | None:
@@ -300,11 +312,16 @@ def system(row: Row) -> str:
 
 def held_out(rows: list[Row], start: Fitted) -> list[Outcome]:
     """Each configuration predicted by constants fitted without it (leave one configuration out)."""
-    out = []
-    for config in sorted({system(r) for r in rows}):
-        values, _ = fit([r for r in rows if system(r) != config], start)
-        with fitted.trying(values):
-            out += evaluate([r for r in rows if system(r) == config])
+    global _VALUES
+    out: list[Outcome] = []
+    _VALUES = {}
+    try:
+        for config in sorted({system(r) for r in rows}):
+            values, _ = fit([r for r in rows if system(r) != config], start)
+            with fitted.trying(values):
+                out += evaluate([r for r in rows if system(r) == config])
+    finally:
+        _VALUES = None
     return out
 
 
