@@ -69,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--slots", type=_slot_count, help="override resources.slots_per_trial")
     compare.add_argument("--out", type=Path, help="output folder (default runs/compare-<name>-<timestamp>)")
     compare.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    compare.add_argument("--json", action="store_true", help="RUN_A RUN_B: the figures as JSON, B / A as speedup")
     _add_node_args(compare)
 
     search = sub.add_parser("search", help="hyperparameter search: each trial a dtrain run (searcher: section)")

@@ -5,6 +5,7 @@ RUN_A RUN_B``."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import cli_in_process
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -188,6 +190,10 @@ def test_compare_two_runs_side_by_side(base: ProfileRecord, tmp_path: Path) -> N
     for label in ("samples/s", "step ms", "data ms", "comm_exposed ms", "all-reduced MB/step", "top factor"):
         assert label in text
     assert "2.00x" in text and "the same script" in text
+    as_json = cli_in_process("compare", str(a), str(b), "--json")
+    assert as_json.code == 0, as_json.stderr
+    doc = json.loads(as_json.stdout)
+    assert doc["speedup"] == pytest.approx(2.0) and doc["a"]["run_dir"] == str(a) and doc["b"]["top_factor"]
 
 
 @pytest.mark.parametrize(("paths", "says"), [(["x", "y", "z"], "got 3 paths"), (["a", "missing"], "not a run")])
