@@ -345,7 +345,6 @@ def loader_priced(plan: LoaderPlan, rest: float) -> tuple[float, float]:
 # gradient noise by sqrt(k), and the square-root rule keeps the update's noise scale (Hoffer et al. 2017,
 # Malladi et al. 2022); plain SGD (with momentum) takes the linear rule (Goyal et al. 2017).
 ADAPTIVE = ("Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "SparseAdam", "Adafactor")
-LR_NAMES = ("lr", "learning_rate")
 
 
 def batch_change(profile: ProfileRecord, new_gbs: int) -> BatchChange:

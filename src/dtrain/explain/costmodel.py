@@ -100,8 +100,7 @@ class CostModel:
 
     @classmethod
     def from_facts(cls, f: Facts, probe: list[tuple[float, float]] | None = None, probe_world: int = 2,
-                   probe_overhead: float | None = None, between_hosts: Link | None = None,
-                   link_source: str = "measured") -> CostModel:
+                   probe_overhead: float | None = None, between_hosts: Link | None = None) -> CostModel:
         how = ("measured" if f.threads_probed
                else "measured at the run's threads only (other thread counts assumed the same)")
         if not f.batch_growth_probed:
@@ -124,7 +123,7 @@ class CostModel:
         link, found_source, residual = None, "none", 0.0
         if f.link_points:
             fitted = fit(list(f.link_points))
-            link, found_source, residual = RingLink.from_fit(fitted, f.link_world), link_source, fitted.residual
+            link, found_source, residual = RingLink.from_fit(fitted, f.link_world), "measured", fitted.residual
         elif probe:
             fitted = fit(probe)
             link, found_source, residual = RingLink.from_fit(fitted, probe_world), "probed", fitted.residual
@@ -132,7 +131,7 @@ class CostModel:
             # No all-reduce probe (a run of an older dtrain): the rate its exchanges achieved and the one-float
             # latency, which mix the link with training's own waiting: looser.
             fitted = LinkFit(f.train_latency, f.train_algbw, 0.5)
-            link, found_source, residual = RingLink.from_fit(fitted, f.slots), link_source, fitted.residual
+            link, found_source, residual = RingLink.from_fit(fitted, f.slots), "measured", fitted.residual
         model = cls(f, link, found_source, residual, between_hosts, 0.0, "none", factor, contention, sources)
         if f.holds_exchange:
             return model._held()

@@ -42,10 +42,6 @@ class Change:
     value: ConfigValue
     predicted_speedup: float | None
 
-    @property
-    def action(self) -> str:
-        return f"{self.key}: {config_text(self.value)}"
-
     def to_json(self) -> Json:
         return {"key": self.key, "value": self.value, "predicted_speedup": self.predicted_speedup}
 

@@ -27,9 +27,9 @@ def membership_section(run_dir: Path) -> str:
     worlds = _worlds(records)
     note = (f"This run trained at {', '.join(str(w) for w in worlds)} slot(s) in turn: its nodes changed "
             f"{len(records)} time(s). The figures above (samples/s, the step breakdown) are the last world's.")
-    rows = "".join("<tr>" + "".join(f"<td>{_esc(c)}</td>" for c in _row(r)) + "</tr>" for r in records)
-    head = "".join(f"<th>{_esc(h)}</th>" for h in HEADERS)
-    return (f'<section id="membership">\n<h2>Membership changes</h2>\n<p class="note">{_esc(note)}</p>\n'
+    rows = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in _row(r)) + "</tr>" for r in records)
+    head = "".join(f"<th>{esc(h)}</th>" for h in HEADERS)
+    return (f'<section id="membership">\n<h2>Membership changes</h2>\n<p class="note">{esc(note)}</p>\n'
             f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>\n</section>")
 
 
@@ -83,5 +83,6 @@ def _row(record: dict[str, Any]) -> list[str]:
             str(record.get("lost_batches", 0)), source]
 
 
-def _esc(value: Any) -> str:
+def esc(value: Any) -> str:
+    """``value`` as HTML text (the report's cells and notes too)."""
     return html.escape(str(value), quote=True)

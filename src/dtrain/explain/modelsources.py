@@ -1,21 +1,11 @@
-"""The cost model's inputs in words: each with where it came from (:class:`Source`), as ``dtrain plan`` and the
-doctor list them."""
+"""The cost model's inputs in words: each with where it came from (:class:`Source`: a term's own
+:class:`~dtrain.explain.terms.base.Input`), as ``dtrain plan`` and the doctor list them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from dtrain.explain.facts import Facts, Work
 from dtrain.explain.network import Link, RingLink
-
-
-@dataclass(frozen=True, slots=True)
-class Source:
-    """One input of the model and where it came from."""
-
-    name: str
-    value: str
-    source: str  # "measured" (the run), "probed" (dtrain plan --probe), "given" (--link), "assumed"
+from dtrain.explain.terms.base import Input as Source
 
 
 def link_words(link: RingLink, residual: float) -> str:

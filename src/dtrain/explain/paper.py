@@ -185,7 +185,6 @@ def plan_on_paper(text: str, slot_counts: list[int]) -> dict[str, Any]:
     return {"run_dir": None, "what_if": text, "scaling": kind,
             "measured": {"slots": 1, "nodes": 1, "samples_per_second": one.samples_per_second,
                          "model_samples_per_second": one.samples_per_second},
-            "link": None, "total_batches": None, "inputs": [{"name": s.name, "value": s.value, "source": s.source}
-                                                             for s in built.sources],
+            "link": None, "total_batches": None, "inputs": [s.to_json() for s in built.sources],
             "interval": "80%", "predictions": rows}
 

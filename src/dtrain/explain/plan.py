@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dtrain.errors import UserError
-from dtrain.explain import precision
+from dtrain.explain import precision, predictor
 from dtrain.explain.costmodel import CostModel, Link, Prediction, Target
 from dtrain.explain.doctor import unobserved_note
 from dtrain.explain.exchange import SLOTS, unpriced
@@ -41,12 +41,11 @@ def parse_link(text: str | None) -> Link | None:
     if text.strip() == "measured":
         return Link(None, 0.0, "measured")
     rate, *extras = (part.strip().lower() for part in text.split(","))
-    units = {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "mb": 1e6, "gb": 1e9}
-    suffix = next((u for u in units if rate.endswith(u) and _is_number(rate.removesuffix(u))), None)
-    if suffix is None:
+    bytes_per_second = _with_unit(rate, {"kbit": 1e3 / 8, "mbit": 1e6 / 8, "gbit": 1e9 / 8, "mb": 1e6, "gb": 1e9})
+    if bytes_per_second is None:
         raise UserError(f"--link {text!r}: expected a rate like 200mbit or 1gbit (optionally ',0.2ms' and a "
                         "shaper's burst ',4000b'), or 'measured'")
-    if float(rate.removesuffix(suffix)) <= 0:
+    if bytes_per_second <= 0:
         raise UserError(f"--link {text!r}: the rate must be positive")
     latencies = [found for e in extras if (found := _with_unit(e, {"ms": 1e-3, "us": 1e-6})) is not None]
     bursts = [found for e in extras if (found := _with_unit(e, {"kb": 1024.0, "b": 1.0})) is not None]
@@ -55,7 +54,7 @@ def parse_link(text: str | None) -> Link | None:
         raise UserError(f"--link {text!r}: after the rate, at most a latency like 0.2ms or 50us and a shaper's "
                         "burst like 4000b or 4kb, comma-separated")
     burst = bursts[0] if bursts else None
-    return Link(float(rate.removesuffix(suffix)) * units[suffix], sum(latencies, 0.0), text, burst)
+    return Link(bytes_per_second, sum(latencies, 0.0), text, burst)
 
 
 def _with_unit(text: str, units: dict[str, float]) -> float | None:
@@ -218,19 +217,17 @@ def plan(run_dir: Path, slot_counts: list[int], nodes: int = 1, link: Link | Non
         row = PlanRow.of(case.target, case.option, case.label, pred, one)
         row.seconds_to_finish = pred.step * total if total else None
         # Over the model's own figure for the run as it was: the doctor's gain for the same change.
-        row.gain = pred.samples_per_second / mine.samples_per_second
+        row.gain, low, high = predictor.ratio(pred, mine)
         row.terms = explained(model, case.target)
-        base_sps = mine.samples_per_second
-        if too_wide(row.gain, pred.samples_per_second_low / base_sps, pred.samples_per_second_high / base_sps):
+        if too_wide(row.gain, low, high):
             row.reason = wide_reason(f"{case.target.slots} slot(s) on {case.target.nodes} node(s), {case.label}",
-                                     pred.samples_per_second_low / base_sps, pred.samples_per_second_high / base_sps,
-                                     pred.widest)
+                                     low, high, pred.widest)
             row.gain = None
         row.finish = finish(costs, pred.step, case.target.slots, case.target.nodes, mttf_hours, price)
         if row.finish is not None:
             row.seconds_to_finish = row.finish["configured"]["seconds"]
         predictions.append(row)
-    inputs = [Input(s.name, s.value, s.source) for s in model.sources]
+    inputs = list(model.sources)
     if unpriced_here is not None and model.facts.sharded is not None:
         # What the table leaves out for a sharded run, in the doctor's words.
         inputs.append(Input("not priced", unpriced_here.reason + (f"; one slot: {unpriced_here.alone}" if 1 in

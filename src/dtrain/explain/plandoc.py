@@ -8,8 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dtrain.explain.costmodel import CostModel, Prediction, Target
-from dtrain.explain.terms.base import MEASURED, PROBED, TermValue
-from dtrain.explain.terms.base import Input as TermInput
+from dtrain.explain.terms.base import MEASURED, PROBED, Input, TermValue
 
 # JSON as the standard library writes it (the goodput model's document for a row).
 Json = dict[str, object]
@@ -77,15 +76,6 @@ class Measured:
 
 
 @dataclass(frozen=True, slots=True)
-class Input:
-    """One input of the cost model and where it came from (measured, probed, given, assumed)."""
-
-    name: str
-    value: str
-    source: str
-
-
-@dataclass(frozen=True, slots=True)
 class RunCostsFacts:
     """What finishing a run costs (``--mttf``/``--price``): None on paper."""
 
@@ -127,7 +117,7 @@ class PlanDocument:
             out.update({"mttf_hours_per_node": c.mttf_hours_per_node, "price_per_slot_hour": c.price_per_slot_hour,
                         "checkpoint_seconds": c.checkpoint_seconds, "restart_seconds": c.restart_seconds,
                         "checkpoint_period_batches": c.checkpoint_period_batches})
-        out.update({"inputs": [{"name": i.name, "value": i.value, "source": i.source} for i in self.inputs],
+        out.update({"inputs": [i.to_json() for i in self.inputs],
                     "interval": self.interval, "predictions": [r.to_json() for r in self.predictions], **self.extra})
         if self.png_set:
             out["png"] = self.png
@@ -174,7 +164,7 @@ def explained(model: CostModel, target: Target, less_step: float = 0.0) -> list[
     with ``less_step``, one more row that takes those seconds off the step."""
     rows = model.explain(target)
     if less_step > 0:
-        rows.append(TermValue(OUTSIDE, 0.0, -less_step, 0.0, (TermInput(
+        rows.append(TermValue(OUTSIDE, 0.0, -less_step, 0.0, (Input(
             "the loader plan's step below the terms' rest (its steps timed after the run, or its formula)",
             f"{1e3 * less_step:.3f} ms", PROBED),)))
     return [row.to_json() for row in rows]

@@ -9,7 +9,6 @@ The markup is also well-formed XML (void elements self-closed, only XML entities
 
 from __future__ import annotations
 
-import html
 import json
 import math
 import time
@@ -23,7 +22,7 @@ from dtrain.errors import UserError
 from dtrain.explain import sharded
 from dtrain.explain.diagnosis import Diagnosis, FactorRow
 from dtrain.explain.doctor import diagnose
-from dtrain.explain.membership_view import change_batches, membership_section, slot_counts
+from dtrain.explain.membership_view import change_batches, esc, membership_section, slot_counts
 from dtrain.explain.report_charts import plot_breakdown, plot_curves, plot_throughput
 from dtrain.profiling.record import ProfileRecord, load_run_profile
 from dtrain.profiling.runsummary import RunSummary, load_summary
@@ -163,16 +162,11 @@ def _read_profile(run_dir: Path, missing: list[str]) -> ProfileRecord | None:
 
 def _run_date(run_dir: Path) -> str | None:
     # The run directory records no start time; the newest of its files is when these results were written.
-    names = ("summary.json", "profile.json", "metrics.jsonl", "config.yaml")
-    times = [(run_dir / n).stat().st_mtime for n in names if (run_dir / n).is_file()]
+    times = [(run_dir / n).stat().st_mtime for n in RUN_FILES if (run_dir / n).is_file()]
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(max(times))) if times else None
 
 
 # --------------------------------------------------------------------------------------------- formatting
-
-
-def _esc(value: Any) -> str:
-    return html.escape(str(value), quote=True)
 
 
 def _finite(value: Any) -> bool:
@@ -205,7 +199,7 @@ def _speedup(value: Any) -> str:
 
 
 def _note(text: str) -> str:
-    return f'<p class="note">{_esc(text)}</p>'
+    return f'<p class="note">{esc(text)}</p>'
 
 
 def _table(headers: list[str], rows: list[list[str]], numeric: set[int], row_classes: list[str] | None = None) -> str:
@@ -220,12 +214,12 @@ def _table(headers: list[str], rows: list[list[str]], numeric: set[int], row_cla
 
 
 def _img(data_uri: str, alt: str) -> str:
-    return f'<img src="{data_uri}" alt="{_esc(alt)}" />'
+    return f'<img src="{data_uri}" alt="{esc(alt)}" />'
 
 
 def _page(name: str, body: str) -> str:
     return (f'<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8" />\n'
-            f"<title>dtrain report: {_esc(name)}</title>\n<style>{CSS}</style>\n</head>\n"
+            f"<title>dtrain report: {esc(name)}</title>\n<style>{CSS}</style>\n</head>\n"
             f"<body>\n{body}\n</body>\n</html>\n")
 
 
@@ -236,12 +230,12 @@ def _header_section(run: _Run) -> str:
     facts = [("run", run.name), ("date", run.date or "unknown"), ("run directory", str(run.run_dir)),
              ("slots", _slots(run)), ("samples/s", _samples_per_second(run)),
              ("final validation", _final_validation(run))]
-    items = "".join(f"<dt>{_esc(k)}</dt><dd>{_esc(v)}</dd>" for k, v in facts)
+    items = "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in facts)
     notes = ""
     if run.missing:
         notes = ('<div class="note"><p>This report is incomplete:</p><ul>'
-                 + "".join(f"<li>{_esc(m)}</li>" for m in run.missing) + "</ul></div>")
-    return f'<header>\n<h1>dtrain run: {_esc(run.name)}</h1>\n<dl class="facts">{items}</dl>\n{notes}\n</header>'
+                 + "".join(f"<li>{esc(m)}</li>" for m in run.missing) + "</ul></div>")
+    return f'<header>\n<h1>dtrain run: {esc(run.name)}</h1>\n<dl class="facts">{items}</dl>\n{notes}\n</header>'
 
 
 def _slots(run: _Run) -> str:
@@ -280,14 +274,14 @@ def _config_section(run: _Run) -> str:
     if run.config_text is None and script is not None:  # a script's run (dtrain launch SCRIPT): what ran, and where
         facts = [f"{script.launcher}: {' '.join(script.command)}", f"in {script.cwd}",
                  f"sha256 {script.script_sha256}", *(f"not seen: {line}" for line in script.unseen)]
-        content = f"<pre>{_esc(chr(10).join(facts))}</pre>"
+        content = f"<pre>{esc(chr(10).join(facts))}</pre>"
         return f'<section id="config">\n<h2>Script</h2>\n{content}\n</section>'
     if run.config_text is None:
         content = _note("config.yaml is missing.")
     else:
         lines = len(run.config_text.splitlines())
         content = (f"<details>\n<summary>The resolved config ({lines} lines of config.yaml)</summary>\n"
-                   f"<pre>{_esc(run.config_text)}</pre>\n</details>")
+                   f"<pre>{esc(run.config_text)}</pre>\n</details>")
     return f'<section id="config">\n<h2>Config</h2>\n{content}\n</section>'
 
 
@@ -310,17 +304,17 @@ def _straggler_table(profile: ProfileRecord) -> str:
     lags = profile.stragglers
     if lags is None or not lags.per_rank:
         return ""
-    rows = [[_esc(r.rank), _esc(r.host), _ms(r.lag_median_seconds), _ms(r.lag_p90_seconds),
-             _fmt(100 * r.last_fraction, ".0f") + "%", _esc(r.slow_phase),
+    rows = [[esc(r.rank), esc(r.host), _ms(r.lag_median_seconds), _ms(r.lag_p90_seconds),
+             _fmt(100 * r.last_fraction, ".0f") + "%", esc(r.slow_phase),
              _ms(r.slow_phase_excess_seconds), "chronic" if r.chronic else ""]
             for r in lags.per_rank]
     headers = ["rank", "host", "lag median", "lag p90", "arrived last", "slowest phase", "behind fastest", ""]
-    return (f"<h3>Arrival at the gradient all-reduce ({_esc(lags.samples)} sampled steps; ms)</h3>\n"
+    return (f"<h3>Arrival at the gradient all-reduce ({esc(lags.samples)} sampled steps; ms)</h3>\n"
             f"{_table(headers, rows, numeric={2, 3, 4, 6})}\n")
 
 
 def _phase_table(profile: ProfileRecord) -> str:
-    rows = [[_esc(phase), _ms(s.min), _ms(s.mean), _ms(s.max)] for phase, s in profile.seconds_per_step.items()]
+    rows = [[esc(phase), _ms(s.min), _ms(s.mean), _ms(s.max)] for phase, s in profile.seconds_per_step.items()]
     return _table(["phase", "min", "mean", "max"], rows, numeric={1, 2, 3})
 
 
@@ -337,7 +331,7 @@ def _comm_table(profile: ProfileRecord) -> str:
                ("algbw", _bytes(comm.algbw_bytes_per_second) + "/s"),
                ("busbw", _bytes(comm.busbw_bytes_per_second) + "/s"),
                ("latency ms (one float)", _ms(comm.latency_seconds))]
-    return _table(["figure", "value"], [[_esc(label), _esc(value)] for label, value in figures], numeric={1})
+    return _table(["figure", "value"], [[esc(label), esc(value)] for label, value in figures], numeric={1})
 
 
 def _throughput_section(run: _Run) -> str:
@@ -383,7 +377,7 @@ def _doctor_section(run: _Run) -> str:
         diagnosis = diagnose(run.profile)
     except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a profile the doctor cannot model
         return title + _note(f"The doctor could not diagnose this profile: {exc!r}") + "\n</section>"
-    return (f'{title}<p class="verdict" id="verdict">{_esc(diagnosis.verdict)}</p>\n'
+    return (f'{title}<p class="verdict" id="verdict">{esc(diagnosis.verdict)}</p>\n'
             f"{''.join(map(_note, diagnosis.efficiency.lines))}{_recommendation_list(diagnosis)}\n"
             f"{_scaling_line(diagnosis)}\n<h3>Every factor</h3>\n{_factor_table(diagnosis)}\n</section>")
 
@@ -391,9 +385,9 @@ def _doctor_section(run: _Run) -> str:
 def _factor_table(diagnosis: Diagnosis) -> str:
     rows, classes = [], []
     for f in diagnosis.factors:
-        rows.append([_esc(f.factor), _fmt(100 * f.share, ".0f") + "%", _ms(f.seconds_per_step),
-                     _action(f), _esc(_speedup(f.predicted_speedup) if f.advice.bound is None
-                                      else f"at most {f.advice.bound:.2f}x (a bound)"), _esc(f.why)])
+        rows.append([esc(f.factor), _fmt(100 * f.share, ".0f") + "%", _ms(f.seconds_per_step),
+                     _action(f), esc(_speedup(f.predicted_speedup) if f.advice.bound is None
+                                      else f"at most {f.advice.bound:.2f}x (a bound)"), esc(f.why)])
         classes.append("top" if f.factor == diagnosis.top_factor else "")
     headers = ["factor", "share", "ms / step", "what to try", "predicted speed-up", "why"]
     return _table(headers, rows, numeric={1, 2, 4}, row_classes=classes)
@@ -402,10 +396,10 @@ def _factor_table(diagnosis: Diagnosis) -> str:
 def _action(factor: FactorRow) -> str:
     if factor.key is None:
         return "—"
-    text = f"<code>{_esc(factor.key)}: {_esc(factor.value)}</code>"
+    text = f"<code>{esc(factor.key)}: {esc(factor.value)}</code>"
     if alt := factor.advice.alternative:
-        text += (f"<br />or <code>{_esc(alt.key)}: {_esc(alt.value)}</code> "
-                 f"({_esc(_speedup(alt.predicted_speedup))})")
+        text += (f"<br />or <code>{esc(alt.key)}: {esc(alt.value)}</code> "
+                 f"({esc(_speedup(alt.predicted_speedup))})")
     return text
 
 
@@ -415,8 +409,8 @@ def _recommendation_list(diagnosis: Diagnosis) -> str:
         if not diagnosis.phases_observed:  # the verdict says why there is nothing to predict
             return ""
         return "<p>No config change is predicted to help by more than 2%.</p>"
-    items = "".join(f"<li><code>{_esc(r.action)}</code> ({_esc(_speedup(r.predicted_speedup))}, "
-                    f"{_esc(r.factor)})</li>" for r in recs[:TOP_RECOMMENDATIONS])
+    items = "".join(f"<li><code>{esc(r.action)}</code> ({esc(_speedup(r.predicted_speedup))}, "
+                    f"{esc(r.factor)})</li>" for r in recs[:TOP_RECOMMENDATIONS])
     more = len(recs) - TOP_RECOMMENDATIONS
     tail = f"<p>{more} more in the table below.</p>" if more > 0 else ""
     # The doctor's order, not re-sorted: it puts "fewer slots" first when more slots are slower than one.
@@ -426,5 +420,5 @@ def _recommendation_list(diagnosis: Diagnosis) -> str:
 def _scaling_line(diagnosis: Diagnosis) -> str:
     if (scaling := diagnosis.scaling).estimated_speedup_vs_one_slot is None:
         return ""
-    return (f"<p>Estimated scaling: {_esc(_fmt(scaling.estimated_speedup_vs_one_slot, '.2f'))}x one slot's "
-            f"samples/s (efficiency {_esc(_fmt(100 * (scaling.estimated_scaling_efficiency or 0.0), '.0f'))}%).</p>")
+    return (f"<p>Estimated scaling: {esc(_fmt(scaling.estimated_speedup_vs_one_slot, '.2f'))}x one slot's "
+            f"samples/s (efficiency {esc(_fmt(100 * (scaling.estimated_scaling_efficiency or 0.0), '.0f'))}%).</p>")

@@ -186,7 +186,7 @@ class Tries:
 
     def _nodes(self, nodes: int, inputs: dict[str, str]) -> Priced:
         p = self.profile
-        local = max(1, p.slots // p.hosts)
+        local = advice.local_slots(p)
         if nodes > 1 and p.hosts == 1 and self.link is None:
             return Priced(None, inputs, f"cannot predict nodes: {nodes} because the run had one host and no link "
                           "between hosts was measured; give it with --link RATE[,LATENCY] (e.g. 200mbit)")
