@@ -234,7 +234,7 @@ def test_a_launcher_with_one_thread_forks_its_server_from_itself_and_names_it(tm
 
 # A script under dtrain launch reports what it sees: exactly what `python -m dtrain.engine.script_main` shows it.
 SCRIPT_FACTS = """
-import json, os, sys
+import json, os, sys, time
 import from_the_working_directory
 
 facts = {"name": __name__, "argv": sys.argv[1:], "path": sys.path[:2], "cwd": os.getcwd(),
@@ -242,13 +242,19 @@ facts = {"name": __name__, "argv": sys.argv[1:], "path": sys.path[:2], "cwd": os
          "rank": os.environ["RANK"], "found": from_the_working_directory.FOUND}
 with open(os.path.join(sys.argv[1], "rank" + os.environ["RANK"] + ".json"), "w") as out:
     json.dump(facts, out)
+while len(os.listdir(sys.argv[1])) < 2:  # both ranks' facts written
+    time.sleep(0.01)
+if os.environ["RANK"] == "1":
+    raise RuntimeError("planted after the facts")
+time.sleep(120)  # rank 0: stopped by the agent once rank 1 failed
 """
 
 
 def test_a_scripts_workers_fork_and_see_what_an_exec_started_worker_sees(tmp_path):
     """`dtrain launch` forks a script's workers from its fork server (torch imported once, in the launcher):
     __main__, sys.argv, the working directory, `python -m`'s module search path (the script's folder, then the
-    working directory, where a module of the user's is found) and unbuffered streams, as an exec'd worker has."""
+    working directory, where a module of the user's is found) and unbuffered streams, as an exec'd worker has;
+    and a rank's failure reads as an exec'd worker's would."""
     from helpers import dtrain_cli
 
     scripts, work, out = tmp_path / "scripts", tmp_path / "work", tmp_path / "out"
@@ -258,7 +264,9 @@ def test_a_scripts_workers_fork_and_see_what_an_exec_started_worker_sees(tmp_pat
     (work / "from_the_working_directory.py").write_text("FOUND = True\n")
     result = dtrain_cli("launch", "--slots", "2", "--run-dir", str(tmp_path / "run"), str(scripts / "facts.py"),
                         str(out), "two", cwd=work)
-    assert result.code == 0, result.stderr
+    # The failed rank named in one line; the survivor the agent stopped prints no stack (an exec'd one does not).
+    assert result.code == 1 and "worker rank 1 failed: RuntimeError: planted after the facts" in result.stderr
+    assert "most recent call first" not in result.stderr, result.stderr
     for rank in ("0", "1"):
         facts = json.loads((out / f"rank{rank}.json").read_text())
         assert facts["parent"] == forkstart.SERVER_NAME[:15], facts  # forked, from the launcher's own server

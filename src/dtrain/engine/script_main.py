@@ -13,8 +13,10 @@ leaves this rank's figures.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import runpy
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -52,6 +54,10 @@ def _print(exc: BaseException, script: Path) -> None:
 
 
 def main(argv: list[str], launcher: str = "dtrain launch") -> None:
+    # A forked worker dumps its stack on SIGTERM until its main runs (forkstart.become_worker: a child stuck
+    # at its start says where). The script owns its signals from here, as in an exec'd worker: the agent's
+    # SIGTERM to the survivors of a failed rank prints nothing.
+    faulthandler.unregister(signal.SIGTERM)
     watchdog.die_with_launcher()
     if not argv:
         raise SystemExit("usage: python -m dtrain.engine.script_main SCRIPT [ARGS...]")
