@@ -141,6 +141,41 @@ def test_a_forked_child_stopped_before_its_main_leaves_its_stack(capfd):
     assert "in stuck_before_the_worker_main" in capfd.readouterr().err
 
 
+def test_the_fork_server_starts_unprofiled_and_with_one_thread_libraries(monkeypatch):
+    """An in-process `dtrain launch` sets DTRAIN_PROFILE before its first worker starts the server: the server
+    itself must not start the script's profiling (dtrain-profile.pth) when it imports torch."""
+    monkeypatch.setenv(forkstart.PROFILE_ENV, "/some/run")
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    with forkstart._one_thread_libraries():
+        assert forkstart.PROFILE_ENV not in os.environ and os.environ["OMP_NUM_THREADS"] == "1"
+    assert os.environ[forkstart.PROFILE_ENV] == "/some/run" and os.environ["OMP_NUM_THREADS"] == "4"
+
+
+def test_a_forked_workers_exit_handlers_run_as_at_a_new_interpreters_exit(tmp_path, monkeypatch):
+    """A script's own atexit handlers (and the profiling session's) run when its main returns or exits: the
+    fork server's child leaves by os._exit, which skips them."""
+    (tmp_path / "registers_at_exit.py").write_text(
+        "import atexit, sys\n"
+        "def main(argv):\n"
+        "    atexit.register(lambda: open(argv[0], 'w').write('ran'))\n"
+        "    if argv[1] == 'exit':\n"
+        "        sys.exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for how, code in (("return", 0), ("exit", 3)):
+        marker = tmp_path / f"{how}.txt"
+        if (pid := os.fork()) == 0:
+            status = 1
+            try:
+                forkstart.ForkedMain(forkstart.WorkerModule("registers_at_exit", ()))(str(marker), how)
+                status = 0
+            except SystemExit as stop:
+                status = stop.code if isinstance(stop.code, int) else 1
+            finally:
+                os._exit(status)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == code and marker.read_text() == "ran", how
+
+
 @pytest.mark.slow
 def test_forked_and_exec_started_workers_train_the_same_weights(tmp_path, reference_runs, monkeypatch):
     monkeypatch.setenv(forkstart.START_ENV, "exec")  # cli_in_process restores the environment after the run

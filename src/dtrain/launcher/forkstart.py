@@ -39,7 +39,8 @@ dtrain makes each forked child look like a freshly started worker (:class:`Forke
   no hold on the fork server's "alive" pipe, which would keep the server up after the launcher died;
 * the launcher's ``__main__`` is not imported again in the worker (an exec'd ``python -m`` worker does not
   run it either): a script without a ``__main__`` guard would otherwise start training inside each worker;
-* standard streams as ``python -u`` opens them, and for a script the module search path of ``python -m``.
+* standard streams as ``python -u`` opens them, and for a script the module search path of ``python -m``;
+* its exit handlers (``atexit``) run when its main ends, as at a new interpreter's exit.
 
 Workers are started as new interpreters instead when:
 
@@ -80,6 +81,7 @@ from typing import Any
 START_ENV = "DTRAIN_WORKER_START"
 DTRAIN_WORKER = "dtrain.engine.worker"  # the module of dtrain's own worker
 SCRIPT_WORKER = "dtrain.engine.script_main"  # what runs a user's script on each slot (dtrain launch, --verify)
+PROFILE_ENV = "DTRAIN_PROFILE"  # dtrain.engine.scriptprof.ENV, read here without importing torch
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 # Part of the fork server's command line (and of its resource tracker's): how the launcher tells these
 # helpers from its workers among its child processes.
@@ -117,7 +119,7 @@ def _new_interpreter_path() -> tuple[str, ...]:
     """``sys.path`` of ``python -m`` started now, with this environment (``PYTHONPATH``, the site's ``.pth``
     files): asked of a new interpreter, which imports nothing (a few milliseconds), since a launcher's own path
     begins with whatever started it (the ``dtrain`` command's folder, a test runner's folders)."""
-    env = {k: v for k, v in os.environ.items() if k != "DTRAIN_PROFILE"}  # no profiling hook in the probe
+    env = {k: v for k, v in os.environ.items() if k != PROFILE_ENV}  # no profiling hook in the probe
     found = subprocess.run([sys.executable, "-c", "import sys; print(repr(sys.path[1:]))"], env=env,
                            capture_output=True, text=True, check=True)
     return (os.getcwd(), *ast.literal_eval(found.stdout))
@@ -297,10 +299,14 @@ def _set_name(name: str) -> None:
 @contextlib.contextmanager
 def _one_thread_libraries() -> Iterator[None]:
     """Within: the environment of a fork server whose imports start no thread pool (numpy's BLAS starts one
-    per core at import). A worker gets its thread counts from the launcher's environment (see above)."""
+    per core at import), and that is never profiled: a script's run directory in ``DTRAIN_PROFILE`` (set by
+    an in-process ``dtrain launch`` before its first worker starts the server) would make the server start
+    the script's profiling when it imports torch (``dtrain-profile.pth``). A worker gets its thread counts and
+    its ``DTRAIN_PROFILE`` from the launcher's environment (see above)."""
     names = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-    saved = {name: os.environ.get(name) for name in names}
+    saved = {name: os.environ.get(name) for name in (*names, PROFILE_ENV)}
     os.environ.update(dict.fromkeys(names, "1"))
+    os.environ.pop(PROFILE_ENV, None)
     try:
         yield
     finally:
@@ -461,3 +467,7 @@ class ForkedMain:
         except KeyboardInterrupt:
             # torch's process wrapper would turn it into exit code 0, which the agent awaits a result for.
             raise SystemExit(128 + signal.SIGINT) from None
+        finally:
+            # What the worker registered (a script's own handlers, a logger's flush, the profiling session's)
+            # runs as at a new interpreter's exit: multiprocessing's child leaves by os._exit, which skips them.
+            atexit._run_exitfuncs()
