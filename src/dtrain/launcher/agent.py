@@ -31,7 +31,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from dtrain.engine import watchdog
 from dtrain.engine.failures import Failure, read_reports
-from dtrain.launcher import cpu, forkstart, membership
+from dtrain.launcher import cpu, exitbarrier, forkstart, membership
 from dtrain.launcher.culprit import read_statuses, root_cause
 from dtrain.launcher.elastic import ElasticSetup, JobStopped, Left, launch_elastic
 from dtrain.launcher.join import JoinError, NodeLaunch, leave_last
@@ -154,7 +154,7 @@ def launch(command: list[str] | forkstart.WorkerModule, options: LaunchOptions) 
                         if elastic:
                             launch_elastic(config, entrypoint, argv, _setup(options, status_dir, supervisor, in_world))
                         else:
-                            with _worker_store_per_world(nodes):
+                            with _worker_store_per_world(nodes), exitbarrier.in_torchs_launcher():
                                 try:
                                     elastic_launch(config, entrypoint)(*argv)
                                 finally:

@@ -58,6 +58,7 @@ from dtrain.engine import survivor
 from dtrain.engine.failures import ERROR_FILE, is_secondary
 from dtrain.engine.watchdog import STATUS_FILE
 from dtrain.launcher import membership
+from dtrain.launcher.exitbarrier import ExitBarrier
 
 log = logging.getLogger("dtrain")
 
@@ -103,8 +104,9 @@ class HostLost(JobStopped):
     """The node that served the rendezvous went away: nobody is left to meet at (its store is gone)."""
 
 
-class ElasticAgent(LocalElasticAgent):
-    """torch's local agent, with a clean stop at an agreed batch before every membership change."""
+class ElasticAgent(ExitBarrier, LocalElasticAgent):
+    """torch's local agent, with a clean stop at an agreed batch before every membership change, and an exit
+    barrier left as soon as the job ends elsewhere (:mod:`dtrain.launcher.exitbarrier`)."""
 
     def __init__(self, spec: WorkerSpec, logs_specs: Any, start_method: str, setup: ElasticSetup) -> None:
         super().__init__(spec, logs_specs, start_method=start_method)
