@@ -69,6 +69,27 @@ def test_cuda_timing_adds_up_to_the_wall_time(tmp_path):
     _assert_steps_add_up_to_the_training_time(tmp_path, train_size=65536)
 
 
+def test_an_unmodified_scripts_phases_on_one_gpu_add_up_to_its_wall_clock_steps(tmp_path):
+    """Issue 72: a plain DDP script (`--device cuda`, no dtrain import) under `dtrain launch --slots 1`. Its
+    phases are CUDA events (the data wait is the GPU's idle gap): they make up the step, and the steps the
+    wall-clock training time, within 5%."""
+    from helpers import ROOT
+
+    from dtrain.profiling.phases import PHASES
+    from dtrain.profiling.record import load_run_profile
+
+    run = tmp_path / "script"
+    result = dtrain_cli("launch", "--slots", "1", "--run-dir", str(run), str(ROOT / "examples" / "scripts" /
+                        "ddp_plain.py"), "--device", "cuda", "--steps", "300", "--batch", "256", "--samples", "65536",
+                        timeout=300)
+    assert result.code == 0, result.stderr
+    profile = load_run_profile(run)
+    assert profile.device_facts is not None and profile.device_facts.type == "cuda" and profile.steps == 300
+    per = profile.seconds_per_step
+    assert sum(per.of(phase).mean for phase in PHASES) == pytest.approx(per.step.mean, rel=0.05)
+    assert profile.steps * per.step.mean == pytest.approx(profile.train_seconds, rel=0.05)
+
+
 def test_steps_that_start_an_epoch_are_timed_too(tmp_path):
     # Two batches an epoch: every other step starts an epoch, whose first batch the feeder loads and copies
     # as the epoch's iterator starts. That work must fall inside a timed step, or the steps' sum falls short.

@@ -4,7 +4,8 @@
     dtrain launch --slots 2 --run-dir runs/plain examples/scripts/ddp_plain.py --steps 20
     dtrain doctor runs/plain
 
-Synthetic data on the CPU over Gloo (one process without a launcher). The options plant what the doctor should
+Synthetic data on the CPU over Gloo (one process without a launcher), or with `--device cuda` one GPU per process
+over NCCL. The options plant what the doctor should
 find (a slow loader, a late rank, many small gradient tensors) and the shapes a profiler must handle
 (accumulation with ``no_sync``, validation between steps, a crash, no ``destroy_process_group``), and what only
 a script shows (accumulation that exchanges on every micro-batch, ``find_unused_parameters=True`` on a model that
@@ -64,11 +65,16 @@ def main() -> None:
     parser.add_argument("--find-unused", action="store_true", help="DDP searches for unused parameters")
     parser.add_argument("--item", action="store_true", help="read the loss on the host every step")
     parser.add_argument("--samples", type=int, default=2048, help="samples in the data set (an epoch)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU per process")
     args = parser.parse_args()
 
     launched = "RANK" in os.environ
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
     if launched:
-        dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank() if launched else 0
     torch.manual_seed(0)
     data = TensorDataset(torch.randn(args.samples, 32, generator=torch.Generator().manual_seed(1)),
@@ -77,8 +83,9 @@ def main() -> None:
     sampler = DistributedSampler(dataset, shuffle=True, seed=3) if launched else None
     loader = DataLoader(dataset, batch_size=args.batch, sampler=sampler, shuffle=False, num_workers=args.workers,
                         persistent_workers=args.persistent and args.workers > 0)
-    model = model_for(args)
-    ddp = DistributedDataParallel(model, find_unused_parameters=args.find_unused) if launched else model
+    model = model_for(args).to(device)
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None,
+                                  find_unused_parameters=args.find_unused) if launched else model
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     loss_fn = nn.CrossEntropyLoss()
 
@@ -97,6 +104,7 @@ def main() -> None:
             if len(micro) < args.accumulate:
                 break
             for i, (x, y) in enumerate(micro):
+                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 if rank == args.late_rank:
                     time.sleep(args.late_seconds)
                 last = i == len(micro) - 1
@@ -114,7 +122,7 @@ def main() -> None:
             if args.validate_every and step % args.validate_every == 0:
                 with torch.no_grad():
                     for j, (x, y) in enumerate(loader):
-                        loss_fn(ddp(x), y)
+                        loss_fn(ddp(x.to(device)), y.to(device))
                         if j == 3:
                             break
         epoch += 1
