@@ -28,8 +28,6 @@ log = logging.getLogger(__name__)
 STEP_SECONDS = 0.25
 # Set in the agents' store by a node whose workers failed for good (its agent never comes to the barrier).
 FAILED_KEY = _TERMINAL_STATE_SYNC_ID + "/failed"
-
-
 # Counted by each agent once it has seen every agent arrive.
 SEEN_KEY = _TERMINAL_STATE_SYNC_ID + "/seen"
 # The longest an agent waits, once all arrived, for the others to have seen it too.

@@ -429,6 +429,7 @@ def _fresh_standard_streams() -> None:
 
 
 def _is_open(fd: int) -> bool:
+    # (forkserver_init.identity's test, which the launcher cannot import: it ignores SIGINT on import)
     try:
         os.fstat(fd)
     except OSError:
@@ -448,6 +449,7 @@ class ForkedMain:
         self.__name__ = self.__qualname__ = f"{worker.module}.main"
         self.launcher_env: dict[str, str] = {}
         self.server_env: dict[str, str] = {}
+        self.launcher_streams: dict[int, Any] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # Descriptors go with the child only while a fork server's child is being started (elsewhere
@@ -458,7 +460,7 @@ class ForkedMain:
                 "launcher_streams": streams}
 
     def __call__(self, *argv: str) -> None:
-        become_worker(self.launcher_env, self.server_env, getattr(self, "launcher_streams", None))
+        become_worker(self.launcher_env, self.server_env, self.launcher_streams)
         if self.worker.path is not None:
             sys.path[:] = self.worker.path
         main = importlib.import_module(self.worker.module).main
