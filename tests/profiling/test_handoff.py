@@ -303,3 +303,33 @@ def test_a_slow_loaders_budget_goes_to_the_most_processes_first():
     assert 2 * shares[0] + sum(shares[w] for w in kept) <= handoff.CROWDED_BUDGET_SECONDS + 1e-9
     for w in (0, *kept):  # each count's share holds its fewest steps after its queued batches
         assert int(shares[w] / pace.step(w)) - Feeding(True, 2, 22).warmup(w) >= handoff.MIN_CROWDED_STEPS
+
+
+class _NeverInALoaderProcess(Dataset):
+    """Records that load in place but never arrive from a loader process (a hung process)."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        if torch.utils.data.get_worker_info() is not None:
+            time.sleep(3600)
+        return torch.zeros(2), torch.zeros(1)
+
+
+def test_a_loader_process_that_never_delivers_ends_the_probe_within_its_timeout(monkeypatch):
+    """Both loader probes give up on their own loader processes, well inside the collective timeout the run's
+    peers wait in, and leave the run's own loader processes alone."""
+    monkeypatch.setattr(handoff, "TIMEOUT_SECONDS", 0.5)
+    runs_own = DataLoader(Sleepy(), batch_size=1, num_workers=1, persistent_workers=True)
+    next(iter(runs_own))
+    children = set(multiprocessing.active_children())
+    started = time.monotonic()
+    assert handoff_figures(DataLoader(_NeverInALoaderProcess(), batch_size=8), 8) == {}
+    timed = crowded_steps(DataLoader(_NeverInALoaderProcess(), batch_size=8), 8,
+                          Pace(rest=0.002, load=0.001, through=0.002), 0, group=None, step=_working(0.002, []))
+    assert timed is not None and timed.steps == {}  # the run's own (loaded in place) timed; no count of processes
+    # Killed, not asked to stop: torch's iterator waits 5 s for each loader process that does not answer.
+    assert time.monotonic() - started < 6, time.monotonic() - started
+    assert set(multiprocessing.active_children()) == children
+    assert next(iter(runs_own)) is not None  # the run's own loader process still serves

@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
+import signal
 import statistics
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -39,8 +42,12 @@ log = logging.getLogger(__name__)
 
 # Batches timed after the first (which pays for the worker's start), fewer where the budget runs out first.
 BATCHES, BUDGET_SECONDS = 12, 0.5
-# A batch the worker takes longer than this to hand over ends the probe (torch raises), rather than the run.
-TIMEOUT_SECONDS = 30.0
+# A batch the loader processes take longer than this to hand over ends the probe (torch raises), rather than the
+# run. The probed data loads a batch in place in MAX_LOAD_SECONDS or less, so a wait this long is a loader process
+# that cannot deliver (seen once in the suite: neither rank's first batch came). It stays far below the collective
+# timeout (30 s in the tests): a peer whose batch came waits in the step's exchange meanwhile, and a 30 s wait
+# here once timed that exchange out and failed a run that had trained.
+TIMEOUT_SECONDS = 5.0
 # Data slower than this to load in place is not probed: the probe would cost two such batches and more, and
 # the handoff is small beside such a load (the loader plan then takes the in-place load for both).
 MAX_LOAD_SECONDS = 0.25
@@ -74,21 +81,67 @@ def handoff_figures(loader: DataLoader[object], per_slot: int) -> dict[str, floa
 
 
 def _probe(loader: DataLoader[object], per_slot: int) -> dict[str, float]:
-    probe = _through_processes(loader, per_slot, BATCHES + 1, workers=1)
+    batches = _Batches(_through_processes(loader, per_slot, BATCHES + 1, workers=1))
     walls: list[float] = []
     cpu = 0.0
-    batches = iter(probe)
-    next(batches)  # the worker's start, and its first batches queued ahead
-    deadline = time.perf_counter() + BUDGET_SECONDS
-    for _ in range(BATCHES):
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        next(batches)
-        walls.append(time.perf_counter() - start)
-        cpu += time.thread_time() - start_cpu
-        if time.perf_counter() > deadline:
-            break
-    del batches  # the worker process ends with its iterator
+    try:
+        next(batches)  # the worker's start, and its first batches queued ahead
+        deadline = time.perf_counter() + BUDGET_SECONDS
+        for _ in range(BATCHES):
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            next(batches)
+            walls.append(time.perf_counter() - start)
+            cpu += time.thread_time() - start_cpu
+            if time.perf_counter() > deadline:
+                break
+    except Exception:
+        batches.close(failed=True)
+        raise
+    batches.close()
     return {"probe_handoff": statistics.median(walls), "probe_handoff_cpu": cpu / len(walls)}
+
+
+class _Batches:
+    """A probe loader's batches, epoch after epoch, through its loader processes, which :meth:`close` ends."""
+
+    __slots__ = ("_before", "_iterator", "_loader")
+
+    def __init__(self, loader: DataLoader[object]) -> None:
+        self._before = {child.pid for child in multiprocessing.active_children()}  # the run's own loader processes
+        self._loader: DataLoader[object] | None = loader
+        self._iterator: Iterator[object] | None = iter(loader)
+
+    def __iter__(self) -> _Batches:
+        return self
+
+    def __next__(self) -> object:
+        if self._loader is None or self._iterator is None:
+            raise StopIteration
+        try:
+            return next(self._iterator)
+        except StopIteration:  # the next epoch
+            self._iterator = iter(self._loader)
+            return next(self._iterator)
+
+    def close(self, failed: bool = False) -> None:
+        """End the loader processes. ``failed`` (one did not deliver in time): killed first, not only asked to
+        stop, since torch's iterator then waits up to 5 s for each that does not answer, in turn, with the run's
+        peers waiting meanwhile. torch's SIGCHLD handler raises here for a loader process killed by a signal until
+        its iterator forgets it (as the iterator ends), so the handler is set aside until then (possible in the
+        main thread only, where the probes run; elsewhere the processes are asked to stop)."""
+        previous = signal.getsignal(signal.SIGCHLD)
+        if not (failed and previous is not None and threading.current_thread() is threading.main_thread()):
+            self._iterator = self._loader = None
+            return
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        try:
+            for child in multiprocessing.active_children():
+                if child.pid not in self._before:
+                    child.kill()
+                    child.join()
+            self._iterator = self._loader = None  # the processes' pipes closed and their pids forgotten
+        finally:
+            signal.signal(signal.SIGCHLD, previous)
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,31 +293,37 @@ def _crowded(loader: DataLoader[object], per_slot: int, workers: int, timed: int
             try:
                 batch = next(batches)
             except Exception as exc:
+                batches.close(failed=True)
                 log.info("crowded loader probe stopped: %s", exc)
                 batches = None
         # Whatever happened above, the other ranks' steps meet this one's; a taken batch that failed in the step
         # ends this count's figure on this rank as a failed loader does (the step ran on the caller's own batch).
         if step(batch) is False and batches is not None:
+            batches.close()
             batches = None
         now = time.perf_counter()
         walls.append(now - last)
         last = now
-    measured = batches is not None
-    del batches  # the workers end with their iterator
-    return statistics.fmean(walls[warmup:]) if measured else None
+    if batches is None:
+        return None
+    batches.close()
+    return statistics.fmean(walls[warmup:])
 
 
-def _started(loader: DataLoader[object], per_slot: int, workers: int, feeding: Feeding) -> Iterator[object] | None:
+def _started(loader: DataLoader[object], per_slot: int, workers: int, feeding: Feeding) -> _Batches | None:
     """Batches through ``workers`` loader processes fed as the run's are, epoch after epoch of the run's length,
     its first batch taken (the workers' start); None where they cannot start."""
+    batches = None
     try:
         with warnings.catch_warnings():  # torch's advice on loader processes per core: crowding them is the point
             warnings.filterwarnings("ignore", message="This DataLoader will create", category=UserWarning)
-            batches = _epochs(_through_processes(loader, per_slot, feeding.epoch, workers, feeding.prefetch,
-                                                 persistent_workers=feeding.persistent))
+            batches = _Batches(_through_processes(loader, per_slot, feeding.epoch, workers, feeding.prefetch,
+                                                  persistent_workers=feeding.persistent))
             next(batches)
         return batches
     except Exception as exc:
+        if batches is not None:
+            batches.close(failed=True)
         log.info("crowded loader probe skipped: %s", exc)
         return None
 
@@ -279,8 +338,3 @@ def _through_processes(loader: DataLoader[object], per_slot: int, batches: int, 
     processes = {"prefetch_factor": prefetch, "timeout": TIMEOUT_SECONDS, **options} if workers else {}
     return DataLoader(loader.dataset, batch_size=per_slot, sampler=indices, num_workers=workers,
                       collate_fn=loader.collate_fn, generator=torch.Generator().manual_seed(0), **processes)
-
-
-def _epochs(probe: DataLoader[object]) -> Iterator[object]:
-    while True:
-        yield from probe
