@@ -224,17 +224,24 @@ def test_a_forked_child_does_not_keep_the_run_directory_locked(tmp_path):
 
 # A launcher's first lines: it forks its fork server from itself, then a worker from that server.
 FORKED_SERVER = """
-import multiprocessing, os, signal, sys, time
+import contextlib, io, multiprocessing, os, signal, sys, time
 from dtrain.launcher import forkstart
 from dtrain.launcher.supervise import children
 
 held = open(sys.argv[1], "w")  # the launcher's own descriptor (its run directory's lock, say)
 signal.signal(signal.SIGTERM, lambda *_: None)  # the launcher's own handler (dtrain run's: raise Stopped)
-forkstart.start_early(forkstart.DTRAIN_WORKER)
+# The launcher's Python streams replaced (contextlib's redirect, a script capturing dtrain's output): the
+# server's, and so its children's, are still the process's own (torch's agent redirects a rank's by descriptor).
+with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+    forkstart.start_early(forkstart.DTRAIN_WORKER)
 server = multiprocessing.forkserver._forkserver._forkserver_pid
 with forkstart.forking():
     worker = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(60,), daemon=True)
     worker.start()
+    streams = multiprocessing.get_context("forkserver").Process(target=exec, args=(
+        "import sys; sys.exit(10 * sys.stdout.fileno() + sys.stderr.fileno())",))
+    streams.start()
+    streams.join()
 def proc(pid, name):
     return open(f"/proc/{pid}/{name}").read()
 def signals(pid, kind):  # a mask of /proc/PID/status: caught, ignored
@@ -244,7 +251,7 @@ fds = [os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{serv
 print(server, parent, proc(server, "comm").strip(), sys.argv[1] in fds,
       proc(server, "status").split("Threads:")[1].split()[0], worker.pid in children(), server in children(),
       proc(server, "cmdline") == proc(os.getpid(), "cmdline"), signals(server, "SigCgt") >> (signal.SIGTERM - 1) & 1,
-      signals(server, "SigIgn") >> (signal.SIGINT - 1) & 1)
+      signals(server, "SigIgn") >> (signal.SIGINT - 1) & 1, streams.exitcode)
 worker.kill()
 """
 
@@ -256,8 +263,8 @@ def test_a_launcher_with_one_thread_forks_its_server_from_itself_and_names_it(tm
 
     result = python_command("-c", FORKED_SERVER, str(tmp_path / "held"), timeout=120)
     assert result.code == 0, result.stderr
-    server, parent, name, holds, threads, worker_found, server_found, same_cmdline, catches_term, ignores_int = (
-        result.stdout.split())
+    (server, parent, name, holds, threads, worker_found, server_found, same_cmdline, catches_term, ignores_int,
+     streams) = result.stdout.split()
     assert parent == server  # the worker is the forked server's child
     assert name == forkstart.SERVER_NAME[:15] and threads == "1"
     assert holds == "False"  # only the descriptors a spawned server has
@@ -265,6 +272,7 @@ def test_a_launcher_with_one_thread_forks_its_server_from_itself_and_names_it(tm
     assert same_cmdline == "True"  # a fork: the launcher's command line, hence the name
     # A new server's signal handlers, not the launcher's: SIGTERM ends it, a terminal's Ctrl-C does not.
     assert (catches_term, ignores_int) == ("0", "1")
+    assert streams == "12"  # a child's sys.stdout and sys.stderr: descriptors 1 and 2
 
 
 # A script under dtrain launch reports what it sees: exactly what `python -m dtrain.engine.script_main` shows it.

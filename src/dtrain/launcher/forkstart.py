@@ -260,6 +260,10 @@ def _serve(listener_fd: int, alive_r: int, preload: list[str], mask: set[signal.
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as forkserver_init makes a new server do
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        # A new server's streams, not what the launcher had put in their place at the fork (contextlib's
+        # redirect, a caller capturing dtrain's output): torch's agent points a rank's output at its log by
+        # descriptor, and a child holding an object without one failed before its first line.
+        sys.stdin, sys.stdout, sys.stderr = sys.__stdin__, sys.__stdout__, sys.__stderr__
         keep = {0, 1, 2, listener_fd, alive_r}
         for fd in map(int, os.listdir("/proc/self/fd")):
             if fd not in keep:
