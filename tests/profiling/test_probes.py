@@ -112,11 +112,14 @@ def test_a_failure_is_caught_and_named_and_its_result_dropped():
 
 
 def _agreeing_ranks(rank, world, fail_on):
-    """Two ranks, each a stage that fails on ``fail_on`` alone: both skip it, and both go on to the next."""
+    """Two ranks, each a stage that fails on ``fail_on`` alone: both skip it, and both go on to the next. Then
+    ``fail_on`` alone is asked to stop (Ctrl-C): the stage running then ends, and both skip every later one."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    guard = ProbeGuard(dist.group.WORLD, 5.0 + rank)  # each rank its own budget: the least counts
+    asked = []
+    # each rank its own budget: the least counts
+    guard = ProbeGuard(dist.group.WORLD, 5.0 + rank, stop_requested=lambda: bool(asked))
     guard.start()
 
     def stage():
@@ -127,12 +130,18 @@ def _agreeing_ranks(rank, world, fail_on):
     first = guard.run("stage", stage, None)
     prepared = guard.run_collective("collective", lambda: rank,
                                     lambda r: dist.all_reduce(t := torch.tensor([r])) or int(t), None)
+    if rank == fail_on:
+        asked.append("SIGINT")
+    running = guard.run("running", lambda: rank, None)
+    later = guard.run_collective("later", lambda: rank, lambda r: dist.all_reduce(torch.tensor([r])), None)
     dist.destroy_process_group()
-    return first, prepared, [(s.probe, s.reason) for s in guard.skipped], guard.left <= 5.0
+    return first, prepared, (running, later), [(s.probe, s.reason) for s in guard.skipped], guard.left <= 5.0
 
 
-def test_every_rank_agrees_on_a_probe_one_rank_failed():
+def test_every_rank_agrees_on_a_probe_one_rank_failed_and_on_a_stop_one_rank_was_asked_for():
     results = run_ranks(_agreeing_ranks, 2, timeout=60, args=(1,))
-    for first, prepared, skipped, least_budget in results:
+    for rank, (first, prepared, (running, later), skipped, least_budget) in enumerate(results):
         assert first is None and prepared == 1 and least_budget
-        assert skipped == [("stage", "rank 1: RuntimeError: only here")]
+        assert running == rank and later is None  # never entered: no rank waits in its collective
+        assert skipped == [("stage", "rank 1: RuntimeError: only here"),
+                           ("later", "the run was asked to stop (Ctrl-C or SIGTERM) after it had trained")]

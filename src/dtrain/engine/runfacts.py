@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from dtrain.config.schema import ExperimentConfig
 from dtrain.engine.context import TrialContext
 from dtrain.engine.trial import PyTorchTrial
+from dtrain.engine.watchdog import STOP
 from dtrain.profiling.record import MembershipChange
 from dtrain.profiling.runfacts import ProbeHooks, RunFacts, StrategyFacts
 
@@ -66,5 +67,6 @@ def run_facts(trainer: FinishedTrainer, wall_seconds: float,
         checkpoint_seconds=trainer.checkpoint_seconds, wall_seconds=wall_seconds,
         resumed_at_batch=trainer.resumed_at, unobserved_phases=tuple(trainer.unobserved_phases),
         membership_changes=tuple(membership_changes or ()), probes=config.profiling.probes,
+        stop_requested=lambda: STOP.requested,
         probe=ProbeHooks(train_batch=trainer.trial.train_batch, to_device=ctx.to_device,
                          gradient_sync=ctx.gradient_sync, loader=trainer.loader, precision=ctx.precision))

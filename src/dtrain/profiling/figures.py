@@ -258,7 +258,7 @@ def collect_rank_figures(facts: RunFacts) -> EndFigures:
     skipped: list[ProbeSkip] | None = None
     if facts.probe is not None and timer.enabled and facts.probes:
         # Every probe a stage every rank agrees on (dtrain.profiling.probeguard), within the probes' time budget.
-        guard = ProbeGuard(facts.strategy.dp_group, time_budget(facts.train_seconds))
+        guard = ProbeGuard(facts.strategy.dp_group, time_budget(facts.train_seconds), facts.stop_requested)
         guard.start()
         probed = batch_probe(facts, guard)
         memory.update(probed.figures)

@@ -147,12 +147,14 @@ class ProbeGuard:
     """The probes' agreements among the ranks of ``group`` and their time budget (see the module's docstring).
     Every rank makes the same calls in the same order; every decision it returns is the same on every rank."""
 
-    def __init__(self, group: Any, budget_seconds: float, clock: Callable[[], float] = time.perf_counter) -> None:
-        self.group, self.clock = group, clock
+    def __init__(self, group: Any, budget_seconds: float, stop_requested: Callable[[], bool] = lambda: False,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.group, self.clock, self.stop_requested = group, clock, stop_requested
         self.skipped: list[ProbeSkip] = []
         self._budget = budget_seconds
         self._deadline = clock() + budget_seconds
         self._left = budget_seconds  # as agreed at the last agreement (the least over the ranks)
+        self._stopped = False  # a rank was asked to stop, as agreed at the last agreement
 
     def start(self) -> None:
         """The first agreement, before any probe: every rank takes the least budget over the ranks (each timed
@@ -174,20 +176,24 @@ class ProbeGuard:
         over the ranks: one small all-reduce (a collective: every rank calls it). Where some rank failed, every
         rank records the probe as skipped with each failing rank's reason (a second, rare collective)."""
         left_ms = int(max(0.0, self._deadline - self.clock()) * 1000)
-        ok, left_ms = self._least(int(failure is None), left_ms)
-        self._left = left_ms / 1000
+        ok, going_on, left_ms = self._least(int(failure is None), int(not self.stop_requested()), left_ms)
+        # A stop asked of any rank (Ctrl-C, SIGTERM) ends the probes on every rank: the training is done and
+        # checkpointed, and the probes may take minutes of a long run (their budget is a share of its time).
+        self._stopped = self._stopped or not going_on
+        self._left = 0.0 if self._stopped else left_ms / 1000
         if ok:
             return True
         reasons = self._gather(failure)
         self.skip(probe, "; ".join(f"rank {r}: {why}" for r, why in enumerate(reasons) if why is not None))
         return False
 
-    def run(self, probe: str, work: Callable[[], T], default: T, needs: float = 0.0) -> T:
+    def run(self, probe: str, work: Callable[[], T], default: T, needs: float = 0.0, always: bool = False) -> T:
         """``work()`` on this rank, then :meth:`agree`: its result where every rank's succeeded, else ``default``.
         Not started on any rank (``default``, recorded) where the budget agreed last is under ``needs`` seconds or
-        spent. ``work`` must not leave a collective its peers would not enter (a rank-local exception before or
-        after the stage's own collectives is what this catches)."""
-        if not self.has_time(probe, needs):
+        spent, or a stop was asked for, unless ``always`` (what puts back the run's state after the probes).
+        ``work`` must not leave a collective its peers would not enter (a rank-local exception before or after
+        the stage's own collectives is what this catches)."""
+        if not always and not self.has_time(probe, needs):
             return default
         failure: str | None = None
         result = default
@@ -222,18 +228,20 @@ class ProbeGuard:
         skipped where not. The same on every rank (no collective)."""
         if self._left > 0 and self._left >= needs:
             return True
-        self.skip(probe, f"the probes' time budget ({self._budget:.1f} s) was spent" if self._left <= 0 else
-                  f"{self._left:.1f} s of the probes' time budget left, it takes about {needs:.1f} s")
+        if self._stopped:
+            self.skip(probe, "the run was asked to stop (Ctrl-C or SIGTERM) after it had trained")
+        else:
+            self.skip(probe, f"the probes' time budget ({self._budget:.1f} s) was spent" if self._left <= 0 else
+                      f"{self._left:.1f} s of the probes' time budget left, it takes about {needs:.1f} s")
         return False
 
-    def _least(self, ok: int, left_ms: int) -> tuple[int, int]:
+    def _least(self, *values: int) -> tuple[int, ...]:
         if not ddist.is_distributed(self.group):
-            return ok, left_ms
+            return values
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" else None
-        found = torch.tensor([ok, left_ms], dtype=torch.int64, device=device)
+        found = torch.tensor(values, dtype=torch.int64, device=device)
         dist.all_reduce(found, op=dist.ReduceOp.MIN, group=self.group)
-        least = found.tolist()
-        return int(least[0]), int(least[1])
+        return tuple(int(v) for v in found.tolist())
 
     def _gather(self, failure: str | None) -> list[str | None]:
         if not ddist.is_distributed(self.group):

@@ -271,7 +271,9 @@ def batch_probe(facts: RunFacts, guard: ProbeGuard, repeats: int | None = None) 
         raise
     finally:
         timer.exchanging = True
-    guard.run("restore", saved.close, None)  # the state put back on every rank, or said where not
+    # The state put back on every rank (or said where not), whatever the budget left or a stop asked for: the
+    # probes changed the weights, and the run must end as it would have without them.
+    guard.run("restore", saved.close, None, always=True)
     return ProbeResult({**zeros, **out}, steps)
 
 

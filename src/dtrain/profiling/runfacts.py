@@ -99,3 +99,6 @@ class RunFacts:
     probe: ProbeHooks | None = None
     # profiling.probes: the end-of-run probes run (the FLOP count, for MFU, runs either way).
     probes: bool = True
+    # Whether this rank was asked to stop (Ctrl-C, SIGTERM: dtrain.engine.watchdog.STOP): the probes left then
+    # are skipped on every rank.
+    stop_requested: Callable[[], bool] = lambda: False
