@@ -175,6 +175,19 @@ def test_quiet_run_ends_in_one_line_and_warns_once(tmp_path, report_page):
     assert result.stderr.count("is not divisible by 2 slots") == 1, result.stderr
 
 
+def test_a_report_that_cannot_be_written_is_one_warning_and_the_run_still_succeeds(tmp_path, report_page):
+    """What dtrain adds after the training (the summary, report.html) never fails a run that trained."""
+    cfg = tiny_config(tmp_path, **{"max_length": {"batches": 4}})
+    (tmp_path / "r" / "report.html").mkdir(parents=True)  # where the page goes: it cannot be written
+    result = cli_in_process("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
+    assert result.code == 0, result.stderr
+    assert result.stderr.splitlines() == [
+        "dtrain: warning: summarizing the run failed (IsADirectoryError: [Errno 21] Is a directory: "
+        f"'{tmp_path / 'r' / 'report.html.partial'}' -> '{tmp_path / 'r' / 'report.html'}'); it trained and its files "
+        f"are written: 'dtrain report {tmp_path / 'r'}' tries the page again"], result.stderr
+    assert (tmp_path / "r" / "summary.json").is_file() and (tmp_path / "r" / "checkpoints" / "latest").is_file()
+
+
 def test_launch_passes_the_scripts_exit_code_through(tmp_path):
     script = tmp_path / "bad_args.py"
     script.write_text("import sys\nprint('usage: bad_args.py N', file=sys.stderr)\nsys.exit(2)\n")

@@ -305,9 +305,8 @@ def _run_planned(plan: RunPlan, args: argparse.Namespace) -> int:
             return stop.exit_code
         failure = None  # the signal came as the run was finishing: it did finish
     except SignalException as exc:
-        # A signal torch's agent saw before dtrain's supervisor did (scancel signals every process of the
-        # step): a stop asked for, not a crash, so one line rather than torch's traceback. Checkpoints are
-        # written atomically: the latest one is intact.
+        # A signal torch's agent saw before dtrain's supervisor did (scancel signals every process of the step): a
+        # stop asked for, not a crash, so one line, not torch's traceback. Checkpoints are written atomically.
         if args.debug:
             raise
         why = "interrupted" if exc.sigval == signal.SIGINT else \
@@ -328,7 +327,13 @@ def _run_planned(plan: RunPlan, args: argparse.Namespace) -> int:
     from dtrain.explain.summary import print_run_summary
 
     if plan.chief:  # one report per job, not one per node or worker
-        print_run_summary(plan.run_dir, time.perf_counter() - start, quiet=args.quiet)
+        try:  # what dtrain adds after the training must never turn a trained run into a failed one
+            print_run_summary(plan.run_dir, time.perf_counter() - start, quiet=args.quiet)
+        except Exception as exc:
+            if args.debug:
+                raise
+            print(f"{PROG}: warning: summarizing the run failed ({type(exc).__name__}: {exc}); it trained and its "
+                  f"files are written: 'dtrain report {plan.run_dir}' tries the page again", file=sys.stderr)
     return 0
 
 
