@@ -138,7 +138,7 @@ class _Batches:
             for child in multiprocessing.active_children():
                 if child.pid not in self._before:
                     child.kill()
-                    child.join()
+                    child.join(timeout=1.0)  # (a process in uninterruptible sleep may outlive SIGKILL a while)
             self._iterator = self._loader = None  # the processes' pipes closed and their pids forgotten
         finally:
             signal.signal(signal.SIGCHLD, previous)
