@@ -104,10 +104,11 @@ def _probe(loader: DataLoader[object], per_slot: int) -> dict[str, float]:
 class _Batches:
     """A probe loader's batches, epoch after epoch, through its loader processes, which :meth:`close` ends."""
 
-    __slots__ = ("_before", "_iterator", "_loader")
+    __slots__ = ("_before", "_iterator", "_loader", "_threads")
 
     def __init__(self, loader: DataLoader[object]) -> None:
         self._before = {child.pid for child in multiprocessing.active_children()}  # the run's own loader processes
+        self._threads = set(threading.enumerate())
         self._loader: DataLoader[object] | None = loader
         self._iterator: Iterator[object] | None = iter(loader)
 
@@ -132,16 +133,29 @@ class _Batches:
         previous = signal.getsignal(signal.SIGCHLD)
         if not (failed and previous is not None and threading.current_thread() is threading.main_thread()):
             self._iterator = self._loader = None
-            return
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        try:
-            for child in multiprocessing.active_children():
-                if child.pid not in self._before:
-                    child.kill()
-                    child.join(timeout=1.0)  # (a process in uninterruptible sleep may outlive SIGKILL a while)
-            self._iterator = self._loader = None  # the processes' pipes closed and their pids forgotten
-        finally:
-            signal.signal(signal.SIGCHLD, previous)
+        else:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            try:
+                for child in multiprocessing.active_children():
+                    if child.pid not in self._before:
+                        child.kill()
+                        child.join(timeout=1.0)  # (a process in uninterruptible sleep may outlive SIGKILL a while)
+                self._iterator = self._loader = None  # the processes' pipes closed and their pids forgotten
+            finally:
+                signal.signal(signal.SIGCHLD, previous)
+        self._join_threads()
+
+    def _join_threads(self) -> None:
+        """Wait (a second at most) for the threads the loader started to end: its queues' feeder threads end
+        after the loader, on their own. A thread ending while the next loader forks its processes can leave a
+        child stuck for good before its first line: CPython 3.11 reclaims the parent's other threads in the
+        child under a lock that an ending thread may have held at the fork (seen: the crowded probe's loader
+        processes, their first batch never came; a debugger showed each left child in PyOS_AfterFork_Child, in
+        _PyThreadState_DeleteExcept, waiting for the runtime's head lock)."""
+        deadline = time.monotonic() + 1.0
+        for thread in threading.enumerate():
+            if thread not in self._threads and thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
 
 @dataclass(frozen=True, slots=True)
