@@ -14,6 +14,7 @@ import pytest
 from helpers import ROOT, cli_in_process
 
 from dtrain.explain.doctor import diagnose
+from dtrain.explain.predictor import Predictor
 from dtrain.explain.scriptverify import NOT_SANDBOXED
 from dtrain.profiling.record import ProfileRecord, load_run_profile
 
@@ -85,8 +86,12 @@ def test_many_small_gradient_tensors_are_counted_and_priced_as_the_exchange(runs
     assert sum(record.gradient_bytes[0]) == MANY_TENSORS_BYTES == record.comm.bytes_per_step
     assert record.comm.exposed_seconds_per_step > 0 and record.comm.latency_seconds > 0
     diagnosis = diagnose(record)
-    (exchange,) = [f for f in diagnosis.factors if f.factor == "communication"]
-    assert exchange.seconds_per_step > 0  # (what to try for it depends on its share, which the machine's load moves)
+    # Priced as the exchange: the cost model's exchange term at the run (a message per bucket, bytes over the link).
+    # How the table splits the run's step between the exchange's rows and the straggler row follows the ranks'
+    # measured waits, which the machine's load moves (seen once in CI: the communication row at 0), and so does
+    # what to try for it.
+    assert Predictor(record).base.parts["exchange"] > 0
+    assert {"communication", "sync_frequency"} <= {f.factor for f in diagnosis.factors}
 
 
 def test_workers_started_every_epoch_and_an_idle_unused_parameter_search(runs: dict[str, Path]) -> None:
