@@ -112,9 +112,6 @@ class _Batches:
         self._loader: DataLoader[object] | None = loader
         self._iterator: Iterator[object] | None = iter(loader)
 
-    def __iter__(self) -> _Batches:
-        return self
-
     def __next__(self) -> object:
         if self._loader is None or self._iterator is None:
             raise StopIteration
@@ -131,9 +128,7 @@ class _Batches:
         its iterator forgets it (as the iterator ends), so the handler is set aside until then (possible in the
         main thread only, where the probes run; elsewhere the processes are asked to stop)."""
         previous = signal.getsignal(signal.SIGCHLD)
-        if not (failed and previous is not None and threading.current_thread() is threading.main_thread()):
-            self._iterator = self._loader = None
-        else:
+        if failed and previous is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
             try:
                 for child in multiprocessing.active_children():
@@ -143,6 +138,7 @@ class _Batches:
                 self._iterator = self._loader = None  # the processes' pipes closed and their pids forgotten
             finally:
                 signal.signal(signal.SIGCHLD, previous)
+        self._iterator = self._loader = None
         self._join_threads()
 
     def _join_threads(self) -> None:
