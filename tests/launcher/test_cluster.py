@@ -13,8 +13,9 @@ import sys
 import time
 
 import pytest
+import torch
 import yaml
-from helpers import ROOT, cli_in_process, dtrain_cli, tiny_config
+from helpers import ROOT, cli_in_process, dtrain_cli, final_weights, tiny_config
 
 from dtrain.config.schema import load_config
 from dtrain.dist import expand_hostlist, expand_tasks_per_node, read_cluster_env, read_env
@@ -277,9 +278,11 @@ def test_slurm_script_finds_the_first_node_of_a_long_list(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(testhosts.unavailable_reason() is not None, reason=f"test hosts: {testhosts.unavailable_reason()}")
-def test_slurm_script_runs_on_two_hosts(tmp_path):
+def test_slurm_script_runs_on_two_hosts(tmp_path, reference_runs):
     """The generated script, run as sbatch would, with stand-ins for scontrol and srun that start one
-    task per test host with Slurm's variables: the master comes from the allocation's node list."""
+    task per test host with Slurm's variables: the master comes from the allocation's node list. It is also
+    the suite's c10d rendezvous (--rdzv-backend c10d, --rdzv-id) across two hosts, and trains the weights of
+    2 local slots."""
     cfg = tiny_config(tmp_path, **{"resources.join_timeout_seconds": 30})
     script = dtrain_cli("slurm", str(cfg), "--nodes", "2", "--dtrain", f"{sys.executable} -m dtrain.cli",
                         timeout=60).stdout
@@ -316,6 +319,10 @@ def test_slurm_script_runs_on_two_hosts(tmp_path):
     assert "dtrain: done" in "".join(logs), logs
     assert (run_dir / "summary.json").exists() and (run_dir / "logs" / "rank1.log").exists()
     assert time.monotonic() - start < 90
+    expected, got = reference_runs.weights(2), final_weights(run_dir)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------- launcher environments

@@ -165,19 +165,6 @@ def test_two_hosts_train_like_two_local_slots(tmp_path, two_hosts, reference):
 
 @pytest.mark.slow
 @needs_namespaces
-def test_elastic_c10d_form_trains_too(tmp_path, two_hosts, reference):
-    cfg = tiny_config(tmp_path, **{"resources.join_timeout_seconds": 30})
-    run_dir = tmp_path / "r"
-    args = ["--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-id", "job7",
-            "--master", f"{two_hosts.hosts[0].address}:29400"]
-    results = _run_on_hosts(two_hosts, [(i, _node_cmd(cfg, run_dir, *args), {}) for i in range(2)], timeout=90)
-    for r in results:
-        assert r.returncode == 0, r.stderr
-    _assert_same_weights(reference, final_weights(run_dir))
-
-
-@pytest.mark.slow
-@needs_namespaces
 def test_missing_node_fails_after_join_timeout_naming_it(tmp_path, two_hosts):
     cfg = tiny_config(tmp_path, **{"resources.join_timeout_seconds": 2})
     start = time.monotonic()
