@@ -11,8 +11,9 @@ from profiles import make_profile, write
 
 from dtrain.profiling.record import load_profile
 
+# A planted slow data set is named, and its advice checked, by test_verify.py's slow-data case, which also
+# measures that advice.
 PLANTED = {
-    "data_loading": ("data_loading", "planted:SlowDataTrial", {"load_seconds": 0.003, "global_batch_size": 8}),
     "communication": ("communication", "planted:WideTrial", {"wide_params": 3_000_000, "global_batch_size": 8}),
     "straggler-forward": ("straggler", "planted:StragglerTrial",
                           {"slow_rank": 1, "sleep_seconds": 0.02, "global_batch_size": 8}),

@@ -36,9 +36,11 @@ def test_verify_measures_the_recommended_change(tmp_path, monkeypatch, case):
     diagnosis = json.loads(cli_in_process("doctor", str(run), "--json").stdout)
     if factor is not None:
         assert diagnosis["top_factor"] == factor
+    assert all(r["key"] and r["predicted_speedup"] > 1 for r in diagnosis["recommendations"]), diagnosis
     first = diagnosis["recommendations"][0]
-    # Two rounds: both planted gains measure several times the 1.3x asserted (4.8x and 7.4x on this machine).
-    verified = cli_in_process("doctor", str(run), "--verify", "--steps", "40", "--top", "1", "--repeats", "2",
+    # One round: both planted gains measure several times the 1.3x asserted (4.8x and 7.4x on this machine);
+    # rounds, their order and ranges are tested below with the short runs faked.
+    verified = cli_in_process("doctor", str(run), "--verify", "--steps", "40", "--top", "1", "--repeats", "1",
                               "--json")
     assert verified.code == 0, verified.stderr
     doc = json.loads(verified.stdout)

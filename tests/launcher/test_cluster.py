@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 import yaml
-from helpers import ROOT, cli_in_process, dtrain_cli, final_weights, tiny_config
+from helpers import ROOT, cli_in_process, final_weights, tiny_config
 
 from dtrain.config.schema import load_config
 from dtrain.dist import expand_hostlist, expand_tasks_per_node, read_cluster_env, read_env
@@ -284,15 +284,17 @@ def test_slurm_script_runs_on_two_hosts(tmp_path, reference_runs):
     the suite's c10d rendezvous (--rdzv-backend c10d, --rdzv-id) across two hosts, and trains the weights of
     2 local slots."""
     cfg = tiny_config(tmp_path, **{"resources.join_timeout_seconds": 30})
-    script = dtrain_cli("slurm", str(cfg), "--nodes", "2", "--dtrain", f"{sys.executable} -m dtrain.cli",
-                        timeout=60).stdout
+    script = cli_in_process("slurm", str(cfg), "--nodes", "2", "--dtrain", f"{sys.executable} -m dtrain.cli").stdout
     (tmp_path / "job.sh").write_text(script)
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     with testhosts.TestHosts(2, pin_cpus=True) as hosts:
-        (bin_dir / "scontrol").write_text("#!/bin/sh\n# scontrol show hostnames LIST\n"
-                                          f"{sys.executable} -c 'import sys; from dtrain.dist import expand_hostlist; "
-                                          "print(*expand_hostlist(sys.argv[1]), sep=chr(10))' \"$3\"\n")
+        # The allocation h[0-1] (expand_hostlist has its own test); a node's record as Slurm prints it, whose
+        # NodeAddr the script reads.
+        (bin_dir / "scontrol").write_text("#!/bin/sh\n# scontrol show hostnames LIST | scontrol show node NAME\n"
+                                          "case \"$2\" in\n  hostnames) printf 'h0\\nh1\\n' ;;\n"
+                                          "  node) echo \"NodeName=$3 Arch=x86_64 NodeAddr=$3 NodeHostName=$3\" ;;\n"
+                                          "esac\n")
         tasks = "\n".join(
             f"SLURM_NODEID={i} SLURM_PROCID={i} SLURM_LOCALID=0 SLURM_STEP_NUM_TASKS=2 SLURM_STEP_NUM_NODES=2 "
             f"SLURM_STEP_NODELIST='h[0-1]' {' '.join(hosts.argv(i, []))} \"$@\" > {tmp_path}/task{i}.log 2>&1 &"

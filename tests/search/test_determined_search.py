@@ -14,7 +14,7 @@ import yaml
 from helpers import TRIALS, cli_in_process, tiny_config
 
 from dtrain.config import rungs as asha
-from dtrain.config.schema import Length, SearcherConfig
+from dtrain.config.schema import Length, SearcherConfig, load_config
 from dtrain.errors import ConfigError
 from dtrain.profiling.record import load_profile
 from dtrain.search.space import load_plan
@@ -112,7 +112,8 @@ def test_records_with_a_searched_batch_size_are_refused(tmp_path):
 @pytest.mark.slow
 def test_a_determined_search_runs_its_brackets(tmp_path):
     """A Determined 0.38-style adaptive search (launch-module entrypoint, time_metric/max_time, mode standard,
-    cluster keys) runs as it is: every trial finishes its bracket's rungs or is stopped at one of them."""
+    cluster keys) runs as it is: every trial finishes its bracket's rungs, two at a time on 2 slots, each an
+    ordinary run directory. (Trials stopped at a rung: test_search.py's ASHA search.)"""
     # A trial written against Determined's API (two import lines changed), as its users bring it.
     shutil.copy(TRIALS / "determined_mlp.py", tmp_path / "determined_mlp.py")
     config = {
@@ -120,7 +121,7 @@ def test_a_determined_search_runs_its_brackets(tmp_path):
         "hyperparameters": {"global_batch_size": 16,
                             "lr": {"type": "categorical", "vals": [0.0, 0.01, 0.05, 0.1]}},
         "searcher": {"name": "adaptive_asha", "metric": "mse", "time_metric": "batches", "max_time": 8,
-                     "max_trials": 3, "mode": "standard", "divisor": 2, "max_rungs": 3},
+                     "max_trials": 2, "mode": "standard", "divisor": 2, "max_rungs": 3},
         "resources": {"slots_per_trial": 1, "resource_pool": "cpu"}, "backend": "gloo",
         "environment": {"image": "determinedai/pytorch-ngc:0.35.0"}, "seed": 3,
         "entrypoint": "python3 -m determined.launch.torch_distributed --trial determined_mlp:DetMLP"}
@@ -128,15 +129,24 @@ def test_a_determined_search_runs_its_brackets(tmp_path):
     out = tmp_path / "search"
     result = cli_in_process("search", str(tmp_path / "s.yaml"), "--slots", "2", "--out", str(out))
     assert result.code == 0, result.stdout + result.stderr
-    # 3 trials at divisor 2 select at 2 rungs (Determined's rule): a promotion resumes a trial from its checkpoint.
-    assert "mse at 4, 8 (2 trials) | 8 (1 trial) batches" in result.stdout
+    # 2 trials at divisor 2 select at 2 rungs (Determined's rule), one bracket each: trial 0, alone at its
+    # first rung, is promoted, and its promotion resumes it from its checkpoint.
+    assert "mse at 4, 8 (1 trial) | 8 (1 trial) batches" in result.stdout
+    assert "2 at a time on 2 slot(s)" in result.stdout and "best trial" in result.stdout
+    assert "trial 0 continues from its checkpoint to 8 batches" in result.stdout
     assert result.stderr.count("Determined settings without effect in dtrain, ignored: description, environment, "
                                "resources.resource_pool") == 1
     trials = {t["trial"]: t for t in json.loads((out / "trials.json").read_text())["trials"]}
-    assert trials[1]["batches"] == 8  # bracket 1: its one rung is 8 batches
-    for n in (0, 2):
-        assert trials[n]["batches"] in (4, 8)
+    assert all(t["state"] == "completed" and t["batches"] == 8 for t in trials.values()), trials
+    for n in trials:  # each trial an ordinary run directory
+        assert (out / "trials" / str(n) / "checkpoints" / "latest").is_file()
+        assert (out / "trials" / str(n) / "summary.json").is_file()
     assert "environment" not in (out / "trials" / "0" / "trial.yaml").read_text()
+    best = load_config(out / "best.yaml")  # runnable with dtrain run: single values, no searcher
+    assert best.searcher is None and best.max_length.batches == 8
+    assert best.hyperparameters["lr"] == min(trials.values(), key=lambda t: t["value"])["hyperparameters"]["lr"]
+    assert (out / "search.png").stat().st_size > 1000
+    assert "<img src=\"data:image/png;base64," in (out / "search.html").read_text()
     # The trials skipped the end-of-run probes (the config does not name them); best.yaml keeps the default.
     assert not load_profile(out / "trials" / "0" / "profile.json").probes
     assert "probes" not in (out / "best.yaml").read_text()
