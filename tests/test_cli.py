@@ -5,7 +5,15 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, cli_in_process, dtrain_cli, tiny_config, write
+from helpers import ROOT, CliResult, cli_in_process, dtrain_cli, tiny_config, write
+
+
+def _run_here(capfd, *args: str) -> CliResult:
+    """``dtrain ARGS`` with its launcher in this process: what it printed, and what its workers (processes
+    of their own) wrote to this test's descriptors."""
+    result = cli_in_process(*args)
+    workers = capfd.readouterr()
+    return CliResult(result.code, workers.out + result.stdout, workers.err + result.stderr)
 
 
 def _assert_one_line_error(result, fragment):
@@ -66,10 +74,10 @@ def test_existing_run_is_not_overwritten(tmp_path):
 
 
 @pytest.mark.slow
-def test_data_error_inside_workers_is_one_line(tmp_path):
+def test_data_error_inside_workers_is_one_line(tmp_path, capfd):
     # 8 training records cannot fill one global batch of 16: found by the workers, reported once.
     cfg = tiny_config(tmp_path, **{"hyperparameters.train_size": 8})
-    result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
+    result = _run_here(capfd, "run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
     _assert_one_line_error(result, "the training data has 8 records, fewer than 16")
 
 
@@ -165,7 +173,8 @@ def test_report_rebuilds_the_page_and_prints_the_time_table(tmp_path):
 
 @pytest.mark.slow
 def test_quiet_run_ends_in_one_line_and_warns_once(tmp_path, report_page):
-    # 15 records on 2 slots: the remainder warning, from the launcher only (workers stay silent about it).
+    # 15 records on 2 slots: the remainder warning, from the launcher only (workers stay silent about it). A
+    # process of its own: --debug sets up the logging of the process it runs in.
     cfg = tiny_config(tmp_path, **{"hyperparameters.global_batch_size": 15, "max_length": {"batches": 2}})
     result = dtrain_cli("run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet", "--debug")
     assert result.code == 0, result.stderr  # --debug after the command, and a success exits 0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import PROBED, ROOT, dtrain_cli, final_weights, tiny_config
+from helpers import PROBED, ROOT, final_weights, tiny_config
 
 sys.path.insert(0, str(ROOT / "scripts"))
 import testhosts
@@ -93,14 +93,6 @@ def test_interface_that_does_not_exist(tmp_path, capsys, monkeypatch):
     _one_line_error(capsys, ["run", str(cfg), "--nnodes", "2", "--node-rank", "1", "--master", "127.0.0.1:29500"],
                     "'nosuch1' (from resources.network_interface) does not exist")
     assert not (tmp_path / "r").exists()
-
-
-@pytest.mark.slow
-def test_non_dividing_slots_exit_code_through_the_real_cli(tmp_path):
-    result = dtrain_cli("run", str(tiny_config(tmp_path)), "--slots", "3", "--nnodes", "2", "--node-rank", "0",
-                        "--master", "127.0.0.1:29500", timeout=60)
-    assert result.code == 2 and result.stderr.count("\n") == 1, result.stderr
-    assert "slots_per_trial 3 does not divide across 2 nodes" in result.stderr
 
 
 # ------------------------------------------------------------------------------------------ test hosts
@@ -188,8 +180,7 @@ def test_unreachable_master_and_wrong_interface_fail_fast(tmp_path, two_hosts):
         (1, _node_cmd(cfg, tmp_path / "a", *node1, "--master", "10.213.99.1:29500"), {}),
         (1, _node_cmd(cfg, tmp_path / "b", *node1, "--master", f"{two_hosts.hostname(0)}:29500"),
          {"DTRAIN_NETWORK_INTERFACE": "x0"}),
-        (1, _node_cmd(cfg, tmp_path / "c", *node1, "--master", f"{two_hosts.hostname(0)}:29500"),
-         {"DTRAIN_NETWORK_INTERFACE": "eth0"}),  # host 1's interface is called ens5
+        # An interface the host does not have: test_interface_that_does_not_exist, in process.
     ], timeout=60)
     errors = []
     for r in results:
@@ -201,7 +192,6 @@ def test_unreachable_master_and_wrong_interface_fail_fast(tmp_path, two_hosts):
     assert ("node 1 on host ") in errors[1] and ("interface x0 (10.213.1.2/24; set by DTRAIN_NETWORK_INTERFACE) does "
             "not reach the master h0:29500 (10.213.0.1): tried the route lookup to 10.213.0.1: it leaves through "
             "ens5") in errors[1]
-    assert "'eth0' (from DTRAIN_NETWORK_INTERFACE) does not exist on host" in errors[2] and "ens5" in errors[2]
 
 
 # --------------------------------------------------------------------------------------------- torchrun

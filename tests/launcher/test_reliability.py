@@ -357,7 +357,9 @@ def test_resume_on_another_slot_count_matches_an_uninterrupted_run(tmp_path, ref
     resumed = cli_in_process("run", str(cfg), "--resume", str(run_dir), "--quiet", "--slots", str(after),
                          "--set", "max_length.batches=24")
     assert resumed.code == 0, resumed.stderr
-    straight, after_resume = reference_runs.weights(after), final_weights(run_dir)
+    # The straight run on 1 slot: every slot count trains its weights (the invariant), and the suite trains that
+    # one anyway (a 4-slot reference would be trained for this test alone).
+    straight, after_resume = reference_runs.weights(1), final_weights(run_dir)
     for name in straight:
         torch.testing.assert_close(after_resume[name], straight[name], rtol=1e-5, atol=1e-5)
     log = (run_dir / "logs" / "rank0.log").read_text()

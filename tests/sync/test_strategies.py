@@ -84,8 +84,9 @@ def _assert_sharded_collectives_measured_and_ddp_priced(run, probe):
     assert low < row.predicted_speedup < high and row.predicted_speedup > 1, row
 
 
+# The default strategy's (DDP's) crash and exact resume: tests/engine/test_checkpoint.py.
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["allreduce", "local_sgd", "fsdp", "parameter_server"])
+@pytest.mark.parametrize("strategy", ["local_sgd", "fsdp", "parameter_server"])
 def test_crash_fails_fast_and_resume_is_exact(tmp_path, strategy, straight_runs):
     cfg = tiny_config(tmp_path, **CRASH, **{"sync.strategy": strategy, "hyperparameters.die_at_batch": 11})
     start = time.monotonic()
