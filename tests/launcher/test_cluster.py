@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -385,34 +386,30 @@ def test_worker_flags_inside_torchrun_are_refused(tmp_path, monkeypatch):
 
 
 
+def _srun_task(rank: int, world: int, cfg: Path, run_dir: Path, port: int):
+    """One task of ``srun --ntasks 2``: Slurm's variables, none of torchrun's; ``dtrain run`` as its command."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(name, None)
+    os.environ.update({"SLURM_JOB_ID": "99", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
+                       "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": str(world), "SLURM_STEP_NUM_NODES": "1",
+                       "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": str(world),
+                       "MASTER_PORT": str(port)})
+    return cli_in_process("run", str(cfg), "--run-dir", str(run_dir), "--quiet")
+
+
 @pytest.mark.slow
 def test_srun_with_one_task_per_slot_trains_in_place(tmp_path):
     """srun started one task per slot (no torchrun): each task trains in place with Slurm's rank and
-    world; the first task serves the store its peers learn the run directory from."""
-    from helpers import held_port
+    world; the first task serves the store its peers learn the run directory from. The tasks are processes
+    forked from this one (srun's would import torch first thing, as these have)."""
+    from helpers import held_port, run_ranks
 
     cfg = tiny_config(tmp_path)
-    with held_port() as held:  # until the first task serves its store on it
-        port = str(held)
-        procs = []
-        for rank in range(2):
-            env = {**os.environ, "SLURM_JOB_ID": "99", "SLURM_PROCID": str(rank), "SLURM_LOCALID": str(rank),
-                   "SLURM_NODEID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1",
-                   "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2", "MASTER_PORT": port,
-                   "OMP_NUM_THREADS": "1"}
-            procs.append(subprocess.Popen([sys.executable, "-m", "dtrain.cli", "run", str(cfg), "--run-dir",
-                                           str(tmp_path / "r"), "--quiet"], cwd=ROOT, env=env, start_new_session=True,
-                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        try:
-            results = [p.communicate(timeout=90) for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, 9)
-                    p.communicate()
-    for p, (_out, err) in zip(procs, results, strict=True):
-        assert p.returncode == 0, err
-    assert results[0][0].count("dtrain: done") == 1 and "on 2 slot(s)" in results[0][0]
-    assert "dtrain: done" not in results[1][0]  # one summary, from the first task
+    with held_port() as port:  # until the first task serves its store on it
+        results = run_ranks(_srun_task, 2, timeout=90, args=(cfg, tmp_path / "r", port))
+    for result in results:
+        assert result.code == 0, result.stderr
+    assert results[0].stdout.count("dtrain: done") == 1 and "on 2 slot(s)" in results[0].stdout
+    assert "dtrain: done" not in results[1].stdout  # one summary, from the first task
     summary = yaml.safe_load((tmp_path / "r" / "summary.json").read_text())
     assert summary["slots"] == 2 and summary["batches"] == 24
