@@ -13,7 +13,7 @@ PACKAGE = "dtrain"
 # docs/architecture.md's order, lowest first: a module may import its own level or any level below it.
 # A module's level is the longest prefix of its dotted name listed here.
 LEVELS: dict[str, int] = {
-    "dtrain": 0, "dtrain.errors": 0, "dtrain.dist": 0,
+    "dtrain": 0, "dtrain.errors": 0, "dtrain.launchenv": 0, "dtrain.dist": 0,
     "dtrain.config": 1, "dtrain.config.bounds": 1, "dtrain.config.safeyaml": 1,
     "dtrain.profiling": 2,
     "dtrain.sync": 3,

@@ -39,6 +39,19 @@ def test_the_launcher_starts_the_fork_server_early_only_on_a_cpu_build(monkeypat
     monkeypatch.setattr(forkstart.importlib.metadata, "version", lambda _name: "2.13.0+cpu")
     forkstart.start_early(forkstart.DTRAIN_WORKER)
     assert started == []
+    # A worker of torchrun or of srun (one task per slot) trains in place: it starts no workers, so no server.
+    monkeypatch.delenv(forkstart.START_ENV)
+    slurm_task = {"SLURM_PROCID": "1", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1",
+                  "SLURM_STEP_NODELIST": "localhost", "SLURM_STEP_TASKS_PER_NODE": "2", "SLURM_LOCALID": "1",
+                  "SLURM_NODEID": "0", "SLURM_JOB_ID": "7"}
+    for launcher_env in ({"TORCHELASTIC_RUN_ID": "job"}, slurm_task):
+        with monkeypatch.context() as inside:
+            for name, value in launcher_env.items():
+                inside.setenv(name, value)
+            forkstart.start_early(forkstart.DTRAIN_WORKER)
+        assert started == [], launcher_env
+    forkstart.start_early(forkstart.DTRAIN_WORKER)  # and outside them, it does
+    assert started == [forkstart.DTRAIN_WORKER]
 
 
 def _proc(pid: int, name: str) -> str:

@@ -78,6 +78,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dtrain.errors import UserError
+from dtrain.launchenv import read_cluster_env
+
 START_ENV = "DTRAIN_WORKER_START"
 DTRAIN_WORKER = "dtrain.engine.worker"  # the module of dtrain's own worker
 SCRIPT_WORKER = "dtrain.engine.script_main"  # what runs a user's script on each slot (dtrain launch, --verify)
@@ -157,10 +160,14 @@ def how_to_start(command: list[str] | WorkerModule) -> tuple[bool, Any, list[str
 def start_early(module: str) -> None:
     """Start the fork server for ``module`` before this process imports torch, where it will very likely be
     used: its imports then run beside the launcher's instead of after them. Judged without importing torch
-    (a ``+cpu`` build, by its installed metadata); :func:`how_to_start` still decides, and a server that
-    ends up unused exits with this process."""
+    (a ``+cpu`` build, by its installed metadata; not in a worker of torchrun or of ``srun``, which trains in
+    place); :func:`how_to_start` still decides, and a server that ends up unused exits with this process."""
     if not _fork_allowed_here():
         return
+    with contextlib.suppress(UserError):  # a malformed launcher environment: said by the run's preparation
+        cluster = read_cluster_env()
+        if cluster is not None and cluster.role == "worker":
+            return
     try:
         version = importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
