@@ -10,7 +10,7 @@ SLOTS ?= 2
 
 venv: $(STAMP)
 
-# The install runs through uv (pinned in constraints.txt, itself installed by the venv's pip): it fetches and
+# The install runs through uv (pinned in constraints.txt, itself installed by pip): it fetches and
 # unpacks the ~90 wheels in parallel, where pip takes them one at a time, in about a third of pip's time here.
 # uv reads neither pip's config nor its PIP_* variables, so pip's find-links (where a machine keeps its own
 # torch build, as this one does) are handed on. Should uv be unavailable, pip installs the same pins.
@@ -22,12 +22,15 @@ UV_FIND_LINKS_ARGS := $(foreach place,$(PIP_FIND_LINKS),--find-links $(place))
 # 0.15 s of CPU each time. compileall writes them once (and again only for files changed since).
 COMPILE_SOURCE := $(BIN)/python -m compileall -q src tests
 
+# The venv is made without pip (ensurepip alone took longer than any other step but the install), uv is put in
+# it by this Python's pip, and uv then installs pip too, for the venv's users. Without a pip here, or should
+# uv fail, the venv gets its own pip and installs the same pins.
 $(STAMP): pyproject.toml constraints.txt
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	($(BIN)/python -m pip install -q -c constraints.txt uv \
+	test -x $(BIN)/python || $(PY) -m venv --without-pip $(VENV)
+	($(PY) -m pip --python $(BIN)/python install -q -c constraints.txt uv \
 	  && $(BIN)/uv pip install -q --python $(BIN)/python --compile-bytecode $(UV_FIND_LINKS_ARGS) \
-	     -c constraints.txt -e ".[dev]") \
-	|| $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	     -c constraints.txt -e ".[dev]" pip) \
+	|| ($(BIN)/python -m ensurepip >/dev/null && $(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]")
 	touch $(STAMP)
 
 demo: $(STAMP)
