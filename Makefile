@@ -41,13 +41,15 @@ demo: $(STAMP)
 # Two pytest processes (pytest-xdist); whole files go to one process, so a module's shared reference runs
 # are trained once (--dist loadfile), in tests/conftest.py's order: files with the most multi-process tests
 # first, so that neither process ends working alone. Deadlines and the doctor's planted bottlenecks run here
-# too: their margins hold under this load (measured). More processes do not shorten it: the suite keeps both cores
-# busy (99% with four, 2026-12-02). The one speed comparison (marker `timing`) needs a quiet
-# machine and is left out: `DTRAIN_TIMING_TESTS=1 .venv/bin/python -m pytest -m timing` runs it alone.
+# too: their margins hold under this load (measured). Three processes keep the cores busier (96% against 88%,
+# 2026-12-07) and ended sooner, but stretched two tests past 30 s. The one speed comparison (marker `timing`)
+# needs a quiet machine and is left out: `DTRAIN_TIMING_TESTS=1 .venv/bin/python -m pytest -m timing` runs it.
 # At the end: the ten slowest tests, then seconds per file and any test over 30 s (tests/conftest.py).
+# Beside compiling dtrain's source, on the other core: pytest's cache of the test modules it rewrites (the two
+# pytest processes would each rewrite them all again: scripts/pytest_rewrite_cache.py says why).
 test: $(STAMP)
 	$(BIN)/python -m ruff check src tests bench examples
-	@$(COMPILE_SOURCE) >/dev/null
+	@$(COMPILE_SOURCE) >/dev/null & $(BIN)/python scripts/pytest_rewrite_cache.py tests; wait
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder -m "not timing" --durations=10
 
 test-quick: $(STAMP)
