@@ -169,8 +169,8 @@ def test_nodes_running_other_script_arguments_are_refused_on_both(tmp_path):
 def test_elastic_range_restarts_the_script_when_a_node_joins(tmp_path, two_hosts):
     """--nnodes 1:2: node 0 starts alone (a world of 1, where the script waits); node 1 joins; torch's agent
     restarts every worker and the script runs again in a world of 2 (no dtrain checkpoint in between), one
-    rank on each host, each host on its own interface. (Two hosts meeting at once, with --node-rank: the
-    test above, which they refuse.)"""
+    rank on each host, each host on its own interface. (Two hosts meeting with --node-rank: dtrain run's, in
+    test_multinode.py; dtrain launch's nodes meet the same way, and the test above refuses them on one host.)"""
     out = tmp_path / "out"
     out.mkdir()
     node_args = ("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-id", "job9", "--master",
