@@ -5,6 +5,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,6 +53,37 @@ def test_the_launcher_starts_the_fork_server_early_only_on_a_cpu_build(monkeypat
         assert started == [], launcher_env
     forkstart.start_early(forkstart.DTRAIN_WORKER)  # and outside them, it does
     assert started == [forkstart.DTRAIN_WORKER]
+
+
+def test_a_forked_copy_of_a_launcher_starts_its_own_server_and_leaves_its_parents_alone(monkeypatch):
+    """A process forked from one whose fork server runs inherits its record of that server, which is not its
+    child: multiprocessing's waitpid on it raised ChildProcessError (seen in the suite), and its exit handler
+    would have stopped its parent's server."""
+    import multiprocessing.forkserver
+
+    server = multiprocessing.forkserver._forkserver
+    parents = os.getppid()  # alive, and not a child of this process
+    monkeypatch.setattr(server, "_forkserver_pid", parents)
+    monkeypatch.setattr(server, "_forkserver_address", "\0someone-elses")
+    monkeypatch.setattr(server, "_forkserver_alive_fd", 10_000)
+    monkeypatch.setattr(server, "_preload_modules", server._preload_modules)  # start_server sets these three
+    monkeypatch.setattr(forkstart, "_server_env", forkstart._server_env)
+    monkeypatch.setattr(forkstart.atexit, "register", lambda _f: None)
+    killed: list[int] = []
+    monkeypatch.setattr(forkstart.os, "kill", lambda pid, sig: killed.append(pid))
+    forkstart._stop_server()
+    assert killed == []
+    started: list[object] = []
+    monkeypatch.setattr(server, "ensure_running", lambda: started.append(server._forkserver_pid))
+    forkstart.start_server(forkstart.DTRAIN_WORKER)
+    assert started == [None] and server._forkserver_address is None  # forgotten, then its own started
+    assert forkstart._is_child(os.getpid()) is False and forkstart._is_child(parents) is False
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert forkstart._is_child(child.pid)
+    finally:
+        child.kill()
+        child.wait()
 
 
 def _proc(pid: int, name: str) -> str:

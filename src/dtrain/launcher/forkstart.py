@@ -194,6 +194,10 @@ def start_server(module: str, here: bool = False) -> None:
     if _server_env is None:
         server.set_forkserver_preload(["dtrain.launcher.forkserver_init", "torch", "torch._dynamo", module])
         atexit.register(_stop_server)
+    if server._forkserver_pid is not None and not _is_child(server._forkserver_pid):
+        # The server of the process this one was forked from (a notebook's fork, a forked test rank): not this
+        # process's to wait for (multiprocessing's waitpid on it raised) or to stop; this one starts its own.
+        server._forkserver_pid = server._forkserver_address = server._forkserver_alive_fd = None
     before = server._forkserver_pid
     with _one_thread_libraries():
         if not (here and before is None and _fork_server_here(server)):
@@ -333,9 +337,18 @@ def _stop_server() -> None:
     imports are done, seconds after a launcher that failed early, and meanwhile holds the launcher's standard
     streams (a caller reading them to the end waits). Its children, if any are left, die with it."""
     pid = multiprocessing.forkserver._forkserver._forkserver_pid
-    if pid is not None:
+    if pid is not None and _is_child(pid):  # a forked copy of this process leaves its parent's server alone
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)
+
+
+def _is_child(pid: int) -> bool:
+    """Whether ``pid`` is a child of this process (running or not yet waited for), by /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid()  # field 4, after the parenthesised name
 
 
 def _without_main(name: str) -> dict[str, Any]:
