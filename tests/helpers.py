@@ -195,6 +195,14 @@ def cli_in_process(*args: str, cwd: Path | None = None) -> CliResult:
     return CliResult(code, out.getvalue(), err.getvalue())
 
 
+def cli_with_workers(capfd: Any, *args: str) -> CliResult:
+    """:func:`cli_in_process`, with what its workers (processes of their own, which write to this test's
+    descriptors) printed before what the launcher printed."""
+    result = cli_in_process(*args)
+    workers = capfd.readouterr()
+    return CliResult(result.code, workers.out + result.stdout, workers.err + result.stderr)
+
+
 # The end-of-run probes time what the doctor and `dtrain plan` price changes by, at about a second per run of
 # the tiny trial: tiny_config leaves them off, and tests of what they measure or price turn them on with this.
 PROBED = {"profiling.probes": True}

@@ -5,15 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, CliResult, cli_in_process, dtrain_cli, tiny_config, write
-
-
-def _run_here(capfd, *args: str) -> CliResult:
-    """``dtrain ARGS`` with its launcher in this process: what it printed, and what its workers (processes
-    of their own) wrote to this test's descriptors."""
-    result = cli_in_process(*args)
-    workers = capfd.readouterr()
-    return CliResult(result.code, workers.out + result.stdout, workers.err + result.stderr)
+from helpers import ROOT, cli_in_process, cli_with_workers, dtrain_cli, tiny_config, write
 
 
 def _assert_one_line_error(result, fragment):
@@ -77,7 +69,7 @@ def test_existing_run_is_not_overwritten(tmp_path):
 def test_data_error_inside_workers_is_one_line(tmp_path, capfd):
     # 8 training records cannot fill one global batch of 16: found by the workers, reported once.
     cfg = tiny_config(tmp_path, **{"hyperparameters.train_size": 8})
-    result = _run_here(capfd, "run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
+    result = cli_with_workers(capfd, "run", str(cfg), "--run-dir", str(tmp_path / "r"), "--quiet")
     _assert_one_line_error(result, "the training data has 8 records, fewer than 16")
 
 
@@ -88,14 +80,14 @@ def test_launch_runs_your_own_loop_and_resumes(tmp_path, capfd):
     # checkpoint of one slot count is resumed on another, and only the second launch pays for two workers.
     script = ROOT / "examples" / "own_loop" / "train.py"
     ckpt = tmp_path / "ckpt"
-    result = cli_in_process("launch", "--slots", "1", "--run-dir", str(tmp_path / "run1"), str(script),
-                            "--epochs", "1", "--checkpoint-dir", str(ckpt))
-    out = capfd.readouterr().out + result.stdout
+    result = cli_with_workers(capfd, "launch", "--slots", "1", "--run-dir", str(tmp_path / "run1"), str(script),
+                              "--epochs", "1", "--checkpoint-dir", str(ckpt))
+    out = result.stdout
     assert result.code == 0, result.stderr
     assert "epoch 0: loss" in out and "on 1 slot(s)" in out, out
-    result = cli_in_process("launch", "--slots", "2", "--run-dir", str(tmp_path / "run2"), str(script),
-                            "--epochs", "2", "--checkpoint-dir", str(ckpt))
-    out = capfd.readouterr().out + result.stdout
+    result = cli_with_workers(capfd, "launch", "--slots", "2", "--run-dir", str(tmp_path / "run2"), str(script),
+                              "--epochs", "2", "--checkpoint-dir", str(ckpt))
+    out = result.stdout
     assert result.code == 0, result.stderr
     assert "epoch 0:" not in out and "epoch 1: loss" in out and "on 2 slot(s)" in out, out
     _assert_one_line_error(cli_in_process("launch", "--slots", "2", str(tmp_path / "nope.py")), "does not exist")

@@ -6,7 +6,7 @@ import difflib
 import re
 
 import pytest
-from helpers import ROOT, cli_in_process, python_command
+from helpers import ROOT, cli_with_workers, python_command
 
 TORCHRUN = ROOT / "examples" / "porting" / "torchrun_ddp.py"
 PORTED = ROOT / "examples" / "porting" / "dtrain_version.py"
@@ -32,9 +32,9 @@ def test_ported_script_runs_under_dtrain_launch_torchrun_and_python(tmp_path, ca
     snapshots = str(tmp_path / "snapshots")
     script = [str(PORTED), "--max-steps", "3", "--snapshot", snapshots]
     # dtrain's launcher in this process (the workers are new processes: what they print is read with capfd).
-    launched = cli_in_process("launch", "--slots", "2", "--run-dir", str(tmp_path / "run"), *script, "--epochs", "1")
-    workers = capfd.readouterr()
-    out, err = workers.out + launched.stdout, workers.err + launched.stderr
+    launched = cli_with_workers(capfd, "launch", "--slots", "2", "--run-dir", str(tmp_path / "run"), *script,
+                                "--epochs", "1")
+    out, err = launched.stdout, launched.stderr
     assert launched.code == 0, err
     assert "epoch 0: loss" in out and "on 2 slot(s)" in out, out
     assert "seeded alike on all 2 rank(s)" in err, err  # init says what it seeds

@@ -67,7 +67,6 @@ def read_env(environ: Mapping[str, str] | None = None) -> DistEnv:
         ) from None
 
 
-
 # ------------------------------------------------------------------------------- cluster launchers
 
 
