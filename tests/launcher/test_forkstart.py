@@ -69,6 +69,12 @@ def test_a_forked_copy_of_a_launcher_starts_its_own_server_and_leaves_its_parent
     monkeypatch.setattr(server, "_preload_modules", server._preload_modules)  # start_server sets these three
     monkeypatch.setattr(forkstart, "_server_env", forkstart._server_env)
     monkeypatch.setattr(forkstart.atexit, "register", lambda _f: None)
+    child = subprocess.Popen(["sleep", "30"])  # checked before os.kill is replaced below
+    try:
+        assert forkstart._is_child(child.pid)
+    finally:
+        child.kill()
+        child.wait()
     killed: list[int] = []
     monkeypatch.setattr(forkstart.os, "kill", lambda pid, sig: killed.append(pid))
     forkstart._stop_server()
@@ -78,12 +84,6 @@ def test_a_forked_copy_of_a_launcher_starts_its_own_server_and_leaves_its_parent
     forkstart.start_server(forkstart.DTRAIN_WORKER)
     assert started == [None] and server._forkserver_address is None  # forgotten, then its own started
     assert forkstart._is_child(os.getpid()) is False and forkstart._is_child(parents) is False
-    child = subprocess.Popen(["sleep", "30"])
-    try:
-        assert forkstart._is_child(child.pid)
-    finally:
-        child.kill()
-        child.wait()
 
 
 def _proc(pid: int, name: str) -> str:
