@@ -54,7 +54,7 @@ def _print(exc: BaseException, script: Path) -> None:
 
 
 def main(argv: list[str], launcher: str = "dtrain launch") -> None:
-    # A forked worker dumps its stack on SIGTERM until its main runs (forkstart.become_worker: a child stuck
+    # A forked worker dumps its stack on SIGTERM until its main runs (forkchild.become_worker: a child stuck
     # at its start says where). The script owns its signals from here, as in an exec'd worker: the agent's
     # SIGTERM to the survivors of a failed rank prints nothing.
     faulthandler.unregister(signal.SIGTERM)

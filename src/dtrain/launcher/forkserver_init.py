@@ -4,7 +4,7 @@ The fork server shares the launcher's process group, so a terminal's Ctrl-C reac
 imports (seconds) that printed a ``KeyboardInterrupt`` traceback on the node's console, though the
 launcher itself stops its workers (:mod:`dtrain.launcher.supervise`). Python's fork server ignores SIGINT
 only once its imports are done; this makes it ignore SIGINT from the start. Workers forked from it set
-their own handlers (:func:`dtrain.launcher.forkstart.become_worker`).
+their own handlers (:func:`dtrain.launcher.forkchild.become_worker`).
 
 It also notes which files its standard output and error are: a worker forked from it whose agent left them
 as they are (rank 0 keeps the launcher's terminal) takes the launcher's current ones instead, which a host

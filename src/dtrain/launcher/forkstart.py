@@ -12,13 +12,13 @@ store serves the workers from one of them, and it looks up the name of every pee
 and waits forever on its own first lookup, before its first line: seen in the suite as a 4-slot run whose
 last rank never started. The fork server is a process of its own, with one thread, that never opens a
 connection, so nothing it forks can inherit a held lock (nor a thread pool: it imports with one thread per
-library). It holds torch, ``torch._dynamo`` and the worker's module, imported once, and lives as long as the
-launcher: every later run and every elastic restart of this process forks from it. ``dtrain run`` makes it
-first thing (:func:`start_early`): it imports torch, and while it still has one thread, forks the server from
-itself, which then imports the rest while the launcher goes on. A new interpreter as the server would import
-torch a second time (about 2.5 s of CPU per launcher); it is still the server where the launcher has other
-threads (an in-process run: the API, ``--verify``) or where Python's fork server differs from the one this
-module was written for.
+library). It holds torch, ``torch._dynamo`` and the worker's imports (:data:`SERVER_PRELOAD`), imported once,
+and lives as long as the launcher: every later run and every elastic restart of this process forks from it.
+``dtrain run`` makes it first thing (:func:`start_early`): it imports torch, and while it still has one thread,
+forks the server from itself, which then imports the rest while the launcher goes on. A new interpreter as the
+server would import torch a second time (about 2.5 s of CPU per launcher); it is still the server where the
+launcher has other threads (an in-process run: the API, ``--verify``) or where Python's fork server differs from
+the one this module was written for.
 
 A user's script under ``dtrain launch`` (and ``--verify``) is forked the same way (:func:`script_worker`): an
 exec'd one imports torch before the script's first line anyway (:mod:`dtrain.engine.script_main` hooks in
@@ -40,7 +40,8 @@ dtrain makes each forked child look like a freshly started worker (:class:`Forke
 * the launcher's ``__main__`` is not imported again in the worker (an exec'd ``python -m`` worker does not
   run it either): a script without a ``__main__`` guard would otherwise start training inside each worker;
 * standard streams as ``python -u`` opens them, and for a script the module search path of ``python -m``;
-* its exit handlers (``atexit``) run when its main ends, as at a new interpreter's exit.
+* its exit handlers (``atexit``) run when its main ends, as at a new interpreter's exit, but not the
+  exit-time finalizers of what the server imported (:mod:`dtrain.launcher.forkchild` says why).
 
 Workers are started as new interpreters instead when:
 
@@ -56,12 +57,10 @@ from __future__ import annotations
 import ast
 import atexit
 import contextlib
-import faulthandler
 import gc
 import importlib
 import importlib.metadata
 import inspect
-import io
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.forkserver
@@ -80,15 +79,21 @@ from typing import Any
 
 from dtrain.errors import UserError
 from dtrain.launchenv import read_cluster_env
+from dtrain.launcher.forkchild import STOP_SIGNALS, become_worker, set_name
 
 START_ENV = "DTRAIN_WORKER_START"
 DTRAIN_WORKER = "dtrain.engine.worker"  # the module of dtrain's own worker
 SCRIPT_WORKER = "dtrain.engine.script_main"  # what runs a user's script on each slot (dtrain launch, --verify)
 PROFILE_ENV = "DTRAIN_PROFILE"  # dtrain.engine.scriptprof.ENV, read here without importing torch
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 # Part of the fork server's command line (and of its resource tracker's): how the launcher tells these
 # helpers from its workers among its child processes.
 HELPER_MARKS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
+
+# What the fork server imports before the worker's module, for every worker it forks: torch, what DDP's
+# constructor reaches into, and what a run's chief writes its TensorBoard event file with (about 90 ms of
+# imports, which a process running run after run, as the API and --verify do, would otherwise pay each time).
+SERVER_PRELOAD = ("dtrain.launcher.forkserver_init", "torch", "torch._dynamo", "tensorboard.compat.proto.event_pb2",
+                  "tensorboard.compat.proto.summary_pb2", "tensorboard.summary.writer.record_writer")
 
 # The environment the fork server was started with (in the launcher): a child's variables that differ
 # from it are the ones the agent set for its rank.
@@ -192,7 +197,7 @@ def start_server(module: str, here: bool = False) -> None:
     global _server_env
     server = multiprocessing.forkserver._forkserver
     if _server_env is None:
-        server.set_forkserver_preload(["dtrain.launcher.forkserver_init", "torch", "torch._dynamo", module])
+        server.set_forkserver_preload([*SERVER_PRELOAD, module])
         atexit.register(_stop_server)
     if server._forkserver_pid is not None and not _is_child(server._forkserver_pid):
         # The server of the process this one was forked from (a notebook's fork, a forked test rank): not this
@@ -244,7 +249,7 @@ def _fork_server_here(server: Any) -> bool:
         gc.collect()  # no garbage left whose finalizer could close a descriptor the server reuses
         # No stop signal is handled between the fork and the server's own handlers: the launcher's (a SIGTERM
         # that raises Stopped, Ctrl-C's KeyboardInterrupt) would run the launcher's code in the server.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *_STOP_SIGNALS})
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, *STOP_SIGNALS})
         try:
             pid = os.fork()
         except OSError:
@@ -266,8 +271,8 @@ def _serve(listener_fd: int, alive_r: int, preload: list[str], mask: set[signal.
     never returns into the launcher's code. Stop signals are blocked on entry, until its handlers are set."""
     code = 1
     try:
-        _set_name(SERVER_NAME)  # first: until then the supervisor would count it as one of the workers
-        for sig in _STOP_SIGNALS:
+        set_name(SERVER_NAME)  # first: until then the supervisor would count it as one of the workers
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as forkserver_init makes a new server do
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -304,11 +309,6 @@ def _known_protocol(server: Any) -> bool:
     state = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_preload_modules")
     return (params == ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
             and all(hasattr(server, name) for name in state) and not hasattr(server, "_forkserver_authkey"))
-
-
-def _set_name(name: str) -> None:
-    with contextlib.suppress(OSError), open("/proc/self/comm", "w") as comm:
-        comm.write(name[:15])
 
 
 @contextlib.contextmanager
@@ -370,86 +370,6 @@ def forking() -> Iterator[None]:
         yield
     finally:
         multiprocessing.spawn.get_preparation_data = _preparation_data
-
-
-def become_worker(launcher_env: dict[str, str], server_env: dict[str, str],
-                  launcher_streams: dict[int, Any] | None = None) -> None:
-    """Run first in every forked worker: make it look as a freshly started one (see above)."""
-    _take_environment(launcher_env, server_env)
-    _take_streams(launcher_streams or {})
-    # What the fork server imported lives as long as the worker: frozen, the worker's collections skip it
-    # (the Python docs' advice for fork without exec).
-    gc.freeze()
-    os.setsid()
-    for sig in _STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    # Until the worker installs its own stop handlers, the agent's SIGTERM (it stops the survivors of a
-    # failed rank) first writes every thread's Python stack to the rank's log (fd 2, where the agent points
-    # it), so a child stuck before it started says where.
-    faulthandler.register(signal.SIGTERM, file=2, all_threads=True, chain=True)
-    _set_name(Path(sys.executable).name)  # a worker's name, not its server's, as an exec'd worker's
-    _fresh_standard_streams()
-    _leave_the_fork_server()
-    import torch
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-
-
-def _take_environment(launcher_env: dict[str, str], server_env: dict[str, str]) -> None:
-    """The launcher's environment at the fork, plus what the agent set for this rank: the variables in
-    which this process differs from the fork server's start. The watchdog's parent is the fork server: the
-    worker dies with it (it exits as soon as the launcher is gone)."""
-    from dtrain.engine import watchdog
-
-    for_rank = {k: v for k, v in os.environ.items() if server_env.get(k) != v}
-    os.environ.clear()
-    os.environ.update(launcher_env)
-    os.environ.update(for_rank)
-    if watchdog.LAUNCHER_PID_ENV in os.environ:
-        os.environ[watchdog.LAUNCHER_PID_ENV] = str(os.getppid())
-
-
-def _take_streams(launcher_streams: dict[int, Any]) -> None:
-    """Standard output and error that the agent did not point at a rank's log: the launcher's at the fork
-    (passed with the child, as ``multiprocessing`` passes descriptors), not the fork server's at its start."""
-    from dtrain.launcher import forkserver_init
-
-    for fd, passed in launcher_streams.items():
-        received = passed.detach()
-        if forkserver_init.identity(fd) == forkserver_init.STREAMS.get(fd):
-            os.dup2(received, fd)
-        os.close(received)
-
-
-def _leave_the_fork_server() -> None:
-    """Close this child's end of the launcher's "alive" pipe, which the fork server gives each child for
-    forking from it in turn: held by a worker, it kept the server (and so the worker) alive after the
-    launcher was killed. Were the worker to use a fork server, it starts its own."""
-    # Python's default start method again, as in a new interpreter: the child of a "forkserver" process
-    # inherits that method, which would also start the trial's DataLoader workers through a fork server.
-    multiprocessing.set_start_method(None, force=True)
-    server = multiprocessing.forkserver._forkserver
-    if server._forkserver_alive_fd is not None:
-        with contextlib.suppress(OSError):
-            os.close(server._forkserver_alive_fd)
-    server._forkserver_alive_fd = server._forkserver_address = server._forkserver_pid = None
-
-
-def _fresh_standard_streams() -> None:
-    """New ``sys.stdout``/``sys.stderr`` on descriptors 1 and 2, unbuffered as ``python -u`` makes them (every
-    write goes through, a partial line too): the fork server's own are block-buffered where its output is not
-    a terminal, so a rank's lines would reach its log (where the agent points descriptors 1 and 2) late, or
-    not at all if it is killed."""
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        inherited = getattr(sys, f"__{name}__")
-        if inherited is None:  # a process without this stream: nothing to replace
-            continue
-        # Lives as long as the process; closefd=False: descriptor 1 or 2 is not this object's to close.
-        raw = io.FileIO(fd, "w", closefd=False)
-        fresh = io.TextIOWrapper(raw, encoding=inherited.encoding, errors=inherited.errors,  # type: ignore[arg-type]
-                                 write_through=True)
-        setattr(sys, name, fresh)
 
 
 def _is_open(fd: int) -> bool:
