@@ -6,9 +6,11 @@ A hang must fail fast: every helper kills all the processes it started when one 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -208,6 +210,17 @@ def cli_with_workers(capfd: Any, *args: str) -> CliResult:
 PROBED = {"profiling.probes": True}
 
 
+def _copy_module(source: Path, folder: Path) -> None:
+    """``source`` into ``folder`` with its bytecode (`make test` compiles the tests): every process of a run
+    imports the trial, and where bytecode may not be written (PYTHONDONTWRITEBYTECODE) each would compile it
+    again. The copy keeps the source's time, which the bytecode is checked against."""
+    shutil.copy2(source, folder)
+    compiled = Path(importlib.util.cache_from_source(str(source)))
+    if compiled.is_file():
+        (folder / "__pycache__").mkdir(exist_ok=True)
+        shutil.copy2(compiled, folder / "__pycache__" / compiled.name)
+
+
 def tiny_config(tmp: Path, **overrides: Any) -> Path:
     """Write an experiment config for tests/trials/tiny.py into ``tmp``; nested keys with dotted names. The
     end-of-run probes are off unless ``**PROBED``."""
@@ -229,7 +242,7 @@ def tiny_config(tmp: Path, **overrides: Any) -> Path:
         for part in parts[:-1]:
             node = node.setdefault(part, {})
         node[parts[-1]] = value
-    (tmp / "tiny.py").write_text((TRIALS / "tiny.py").read_text())
+    _copy_module(TRIALS / "tiny.py", tmp)
     path = tmp / "experiment.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
