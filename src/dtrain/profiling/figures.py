@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -53,8 +54,6 @@ def peak_memory_bytes(device: torch.device) -> float:
     """Peak memory of this rank: the CUDA allocator's peak on GPU, the process's peak RSS on CPU."""
     if device.type == "cuda":
         return float(torch.cuda.max_memory_allocated(device))
-    import resource
-
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
