@@ -204,7 +204,7 @@ class _Held:
 def test_a_forked_workers_exit_handlers_run_as_at_a_new_interpreters_exit(tmp_path, monkeypatch):
     """A script's own atexit handlers and exit-time finalizers (and the profiling session's) run when its main
     returns or exits: the fork server's child leaves by os._exit, which skips them. The finalizers it inherited
-    from the server (torch's operator libraries) do not: undoing them took about 40 ms a worker."""
+    from the server (torch's operator libraries) do not (forkchild says why)."""
     (tmp_path / "registers_at_exit.py").write_text(
         "import atexit, sys, weakref\n"
         "class Held: pass\n"

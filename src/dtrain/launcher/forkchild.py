@@ -108,10 +108,10 @@ def _fresh_standard_streams() -> None:
 
 def _keep_inherited_finalizers_from_exit() -> None:
     """The exit-time finalizers of what the fork server imported do not run at this worker's exit: they are
-    torch's operator libraries (``torch.library``), each undoing its dispatcher registrations. In a forked
-    child that undoing takes about 40 ms (its pages are the server's, copied on the first write), for a
-    process that is about to end; a forked child of ``multiprocessing`` skips them too (it leaves by
-    ``os._exit``). The worker's own finalizers (a script's temporary folder) still run at its exit."""
+    torch's operator libraries (``torch.library``), each undoing its dispatcher registrations, work of no use
+    to a process about to end, which a forked child of ``multiprocessing`` skips too (it leaves by
+    ``os._exit``) and which was a visible part of a short run's CPU here. The worker's own finalizers (a
+    script's temporary folder) still run at its exit."""
     registry = getattr(weakref.finalize, "_registry", None)  # CPython's: every live finalizer
     for finalizer in list(registry or ()):
         finalizer.atexit = False

@@ -90,8 +90,8 @@ PROFILE_ENV = "DTRAIN_PROFILE"  # dtrain.engine.scriptprof.ENV, read here withou
 HELPER_MARKS = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 
 # What the fork server imports before the worker's module, for every worker it forks: torch, what DDP's
-# constructor reaches into, and what a run's chief writes its TensorBoard event file with (about 90 ms of
-# imports, which a process running run after run, as the API and --verify do, would otherwise pay each time).
+# constructor reaches into, and what a run's chief writes its TensorBoard event file with (imports which a
+# process running run after run, as the API and --verify do, would otherwise pay in each run).
 SERVER_PRELOAD = ("dtrain.launcher.forkserver_init", "torch", "torch._dynamo", "tensorboard.compat.proto.event_pb2",
                   "tensorboard.compat.proto.summary_pb2", "tensorboard.summary.writer.record_writer")
 
