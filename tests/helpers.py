@@ -210,10 +210,11 @@ def cli_with_workers(capfd: Any, *args: str) -> CliResult:
 PROBED = {"profiling.probes": True}
 
 
-def _copy_module(source: Path, folder: Path) -> None:
-    """``source`` into ``folder`` with its bytecode (`make test` compiles the tests): every process of a run
-    imports the trial, and where bytecode may not be written (PYTHONDONTWRITEBYTECODE) each would compile it
-    again. The copy keeps the source's time, which the bytecode is checked against."""
+def copy_trial(folder: Path) -> None:
+    """tests/trials/tiny.py into ``folder`` with its bytecode (`make test` compiles the tests): every process of
+    a run imports the trial, and where bytecode may not be written (PYTHONDONTWRITEBYTECODE) each would compile
+    it again. The copy keeps the source's time, which the bytecode is checked against."""
+    source = TRIALS / "tiny.py"
     shutil.copy2(source, folder)
     compiled = Path(importlib.util.cache_from_source(str(source)))
     if compiled.is_file():
@@ -242,7 +243,7 @@ def tiny_config(tmp: Path, **overrides: Any) -> Path:
         for part in parts[:-1]:
             node = node.setdefault(part, {})
         node[parts[-1]] = value
-    _copy_module(TRIALS / "tiny.py", tmp)
+    copy_trial(tmp)
     path = tmp / "experiment.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import ROOT, TRIALS, tiny_config
+from helpers import ROOT, copy_trial, tiny_config
 
 from dtrain import cli
 from dtrain.config import safeyaml
@@ -33,7 +33,7 @@ IGNORED_LINE = (
 def _fixture(tmp_path: Path, name: str = "const.yaml") -> Path:
     """The fixture beside a model_def.py whose MNistTrial is tests/trials/tiny.py's trial."""
     shutil.copy(FIXTURES / name, tmp_path / name)
-    shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
+    copy_trial(tmp_path)
     (tmp_path / "model_def.py").write_text("from tiny import TinyTrial as MNistTrial  # noqa: F401\n")
     return tmp_path / name
 

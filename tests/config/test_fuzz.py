@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import ROOT, TRIALS, cli_in_process
+from helpers import ROOT, cli_in_process, copy_trial
 
 from dtrain import cli
 from dtrain.config import safeyaml
@@ -273,7 +273,7 @@ def assert_valid(resolved_text: str) -> None:
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Outcome]]:
     tmp = tmp_path_factory.mktemp("fuzz")
     shutil.copy(ROOT / "examples" / "digits" / "model_def.py", tmp / "model_def.py")
-    shutil.copy(TRIALS / "tiny.py", tmp / "tiny.py")
+    copy_trial(tmp)
     (tmp / "file-not-dir").write_text("a file")
     bases = {"digits": yaml.safe_load((ROOT / "examples" / "digits" / "experiment.yaml").read_text()), "tiny": TINY}
     for name, cfg in bases.items():  # warm-up: first imports of the trial modules are not the validator's time
@@ -382,7 +382,7 @@ def imported() -> None:
 @pytest.mark.usefixtures("imported")
 @pytest.mark.parametrize(("extra", "argv", "fragment"), ISSUE_CASES)
 def test_issue_findings_fail_fast_in_one_line(tmp_path: Path, extra: str, argv: list[str], fragment: str) -> None:
-    shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
+    copy_trial(tmp_path)
     base = {k: v for k, v in TINY.items() if f"\n{k}:" not in "\n" + extra}
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(base) + extra)
@@ -402,7 +402,7 @@ def test_huge_file_fails_before_it_is_read(tmp_path: Path) -> None:
 
 
 def test_check_prints_resolved_config_batch_and_warnings(tmp_path: Path) -> None:
-    shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
+    copy_trial(tmp_path)
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(TINY) + "optimizations:\n  tensor_fusion_threshold: 1e1\n")
     code, _, out, err = check_in_process(path, ["--slots", "3", "--set", "hyperparameters.lr=1e-3"])
@@ -432,7 +432,7 @@ DET_VALUES: list[Any] = [*RETYPES, *EXTREMES, "O1", "O2", "batches", "records", 
 
 def test_determined_keys_never_give_a_traceback(tmp_path: Path) -> None:
     """Seeded mutations of a Determined config's own keys through dtrain check: one line, or valid."""
-    shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
+    copy_trial(tmp_path)
     (tmp_path / "model_def.py").write_text("from tiny import TinyTrial as MNistTrial  # noqa: F401\n")
     base = safeyaml.load_text(DETERMINED.read_text(), "const.yaml")
     shutil.copy(DETERMINED, tmp_path / "const.yaml")  # warm-up: the trial's first import is not the validator's

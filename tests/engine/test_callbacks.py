@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import TRIALS, cli_in_process, run_ranks, tiny_config
+from helpers import cli_in_process, copy_trial, run_ranks, tiny_config
 
 import dtrain
 from dtrain.engine.callbacks import Callbacks
@@ -106,7 +106,7 @@ class RecordingTrial(TinyTrial):
 
 
 def _folder(tmp_path, **overrides):
-    shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
+    copy_trial(tmp_path)
     (tmp_path / "recorder.py").write_text(RECORDER)
     (tmp_path / "events").mkdir(exist_ok=True)
     (tmp_path / "run" / "logs").mkdir(parents=True, exist_ok=True)  # the launcher's, where a stop is recorded

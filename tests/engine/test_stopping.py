@@ -6,10 +6,9 @@ The two-rank agreement through a signal is tests/launcher/test_reliability.py's 
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
-from helpers import TRIALS, run_ranks, tiny_config
+from helpers import copy_trial, run_ranks, tiny_config
 
 from dtrain.engine import stopping
 from dtrain.engine.stopping import StopVote
@@ -202,7 +201,7 @@ def _train_until_stopped(rank, world, folder):
 
 @pytest.mark.slow
 def test_ranks_stop_together_on_a_request_carried_by_held_back_reports(tmp_path):
-    shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
+    copy_trial(tmp_path)
     (tmp_path / "stopper.py").write_text(STOPPER)
     tiny_config(tmp_path, entrypoint="stopper:Stopper", scheduling_unit=8, **{"hyperparameters.val_size": 0})
     (tmp_path / "run" / "logs").mkdir(parents=True)  # the launcher's, where the chief records the stop

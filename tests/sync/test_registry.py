@@ -1,12 +1,11 @@
 """A strategy plugs in by registering itself: this file adds one without touching dtrain's modules."""
 
 import re
-import shutil
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import TRIALS, run_ranks, tiny_config
+from helpers import run_ranks, tiny_config
 
 from dtrain.config.schema import load_config
 from dtrain.errors import ConfigError
@@ -48,7 +47,6 @@ def _train_with_toy(rank, world, folder):
 
 @pytest.mark.slow
 def test_a_registered_strategy_trains_like_ddp(tmp_path, reference_runs):
-    shutil.copy(TRIALS / "tiny.py", tmp_path / "tiny.py")
     cfg = tiny_config(tmp_path, **{"sync.strategy": "toy"})
     (tmp_path / "run").mkdir()
     results = run_ranks(_train_with_toy, world_size=2, timeout=90, args=(tmp_path,))
